@@ -1,0 +1,47 @@
+"""Shared fixtures: a data mirror (../shared/data beside the repo), a private cache, a temp runs dir per test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_mirror() -> Path | None:
+    """The dataset mirror tests use: $WORKBENCH_TEST_MIRROR, else ../shared/data beside the repository."""
+    env = os.environ.get("WORKBENCH_TEST_MIRROR")
+    path = Path(env) if env else REPO.parent / "shared" / "data"
+    return path if path.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(autouse=True)
+def offline_data(monkeypatch: pytest.MonkeyPatch, data_cache: Path) -> None:
+    """Every test resolves data offline: a private cache, the shared mirror, never a URL."""
+    monkeypatch.setenv("WORKBENCH_DATA_DIR", str(data_cache))
+    monkeypatch.setenv("WORKBENCH_OFFLINE", "1")
+    mirror = shared_mirror()
+    if mirror is not None:
+        monkeypatch.setenv("WORKBENCH_DATA_MIRROR", str(mirror))
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "runs"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def needs_mirror() -> Path:
+    mirror = shared_mirror()
+    if mirror is None:
+        pytest.skip("no dataset mirror: set WORKBENCH_TEST_MIRROR or provide ../shared/data beside the repo")
+    return mirror

@@ -1,0 +1,68 @@
+"""Tasks used by the tests: tiny, deterministic, and able to fail or count all-reduces on request.
+
+Behaviour is driven by task_options so it also works in `workbench train` subprocesses
+(task: "tasks_for_tests:TinyRegression" with this directory on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+import workbench as wb
+
+
+class TinyRegression(wb.Task):
+    name = "tiny-regression"
+    default_options: dict[str, Any] = {
+        "n": 512, "dropout": 0.0,
+        "fail_rank": None, "fail_at_call": 0,   # raise in loss() on that rank at that call (1-based)
+        "comm_log": None,                       # directory: count DDP all-reduce hook calls per rank
+        "slow_s": 0.0,                          # sleep per loss call, to make a run long enough to stop
+    }
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.comm_calls = 0
+
+    def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
+        o = self.options(cfg)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(o["dropout"]),
+                                   torch.nn.Linear(32, 1))
+
+    def build_datasets(self, cfg: wb.RunConfig) -> tuple[TensorDataset, TensorDataset]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(self.options(cfg)["n"], 8, generator=g)
+        y = (x * torch.linspace(-1, 1, 8)).sum(1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
+        return TensorDataset(x, y), TensorDataset(x[:64], y[:64])
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        self.calls += 1
+        o = self.options_cache
+        rank = int(os.environ.get("RANK", "0"))
+        if o["fail_rank"] == rank and self.calls == o["fail_at_call"]:
+            raise ValueError(f"injected failure on call {self.calls}")
+        if o["comm_log"] and self.calls == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.register_comm_hook(Path(o["comm_log"]) / f"rank_{rank}.json", self._counting_allreduce)
+        if o["slow_s"]:
+            import time
+
+            time.sleep(o["slow_s"])
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+
+    def _counting_allreduce(self, path, bucket):  # noqa: ANN001  (DDP rejects hooks with string annotations)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.comm_calls += 1
+        path.write_text(json.dumps({"allreduce_calls": self.comm_calls, "loss_calls": self.calls}))
+        return allreduce_hook(None, bucket)
+
+    def options(self, cfg: wb.RunConfig) -> dict[str, Any]:
+        self.options_cache = super().options(cfg)
+        return self.options_cache

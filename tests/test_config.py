@@ -1,0 +1,158 @@
+"""RunConfig: validation messages, YAML round trip, overrides, hardware checks, derived values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+from workbench.hardware import GPU, Hardware
+from workbench.metrics import lr_at
+
+CPU2 = Hardware(cpu_count=2)
+V100x2 = Hardware(cpu_count=16, gpus=(GPU(name="Tesla V100", compute_capability=(7, 0), memory_bytes=16 << 30),) * 2)
+H100x1 = Hardware(cpu_count=16, gpus=(GPU(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
+                                          memory_bytes=80 << 30),))
+
+# (fields, message pattern): each bad config must be refused on construction with its own message.
+BAD_FIELDS = [
+    ({"num_processes": 0}, r"num_processes=0: must be at least 1"),
+    ({"num_processes": -2}, r"num_processes=-2: must be at least 1"),
+    ({"num_processes": 2.5}, r"num_processes=2.5: expected int, got float"),
+    ({"num_processes": True}, r"num_processes=True: expected int, got bool"),
+    ({"micro_batch_size": 0}, r"micro_batch_size=0: must be at least 1"),
+    ({"grad_accum_steps": 0}, r"grad_accum_steps=0: must be at least 1"),
+    ({"max_steps": -1}, r"max_steps=-1: must be at least 1"),
+    ({"log_every": 0}, r"log_every=0: must be at least 1"),
+    ({"lr": 0.0}, r"lr=0.0: must be a positive learning rate"),
+    ({"lr": -1e-3}, r"lr=-0.001: must be a positive learning rate"),
+    ({"lr": "fast"}, r"lr='fast': expected float, got str"),
+    ({"weight_decay": -0.1}, r"weight_decay=-0.1: must be 0 or more"),
+    ({"grad_clip": -1.0}, r"grad_clip=-1.0: must be positive, or 0 to disable"),
+    ({"min_lr_ratio": 1.5}, r"min_lr_ratio=1.5: must be between 0 and 1"),
+    ({"warmup_steps": 200, "max_steps": 100}, r"warmup_steps=200: longer than max_steps=100; use at most 100"),
+    ({"warmup_steps": -5}, r"warmup_steps=-5: must be 0 or more"),
+    ({"eval_every": -1}, r"eval_every=-1: must be 0 or more"),
+    ({"checkpoint_every": -10}, r"checkpoint_every=-10: must be 0 or more"),
+    ({"seed": -1}, r"seed=-1: must be 0 or more"),
+    ({"precision": "fp64"}, r"precision='fp64': choose one of 'fp32' \| 'bf16' \| 'fp16' \| 'fp8'"),
+    ({"parallelism": "fsdp"}, r"parallelism='fsdp': choose one of 'none' \| 'ddp'"),
+    ({"device": "tpu"}, r"device='tpu': choose one of 'auto' \| 'cpu' \| 'cuda'"),
+    ({"parallelism": "none", "num_processes": 2}, r"parallelism='none' with num_processes=2: .*set parallelism='ddp'"),
+    ({"run_name": "../escape"}, r"run_name='../escape': use letters, digits"),
+    ({"resume": True}, r"resume=True needs run_name"),
+    ({"task": ""}, r"task='': name a task"),
+    ({"task_options": [1, 2]}, r"task_options=\[1, 2\]: expected dict, got list"),
+    ({"keep_checkpoints": 0}, r"keep_checkpoints=0: must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD_FIELDS, ids=[str(f) for f, _ in BAD_FIELDS])
+def test_bad_field_is_rejected_with_field_value_and_fix(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wb.RunConfig(**fields)
+
+
+BAD_FOR_MACHINE = [
+    (CPU2, {"num_processes": 3}, r"num_processes=3: this machine has 2 CPU core\(s\); use num_processes=2 or fewer"),
+    (CPU2, {"device": "cuda"}, r"device='cuda': no CUDA GPU is visible"),
+    (CPU2, {"precision": "fp16"}, r"precision='fp16' on CPU \(2 cores\): fp16 needs a CUDA GPU.*use bf16"),
+    (CPU2, {"precision": "fp8"}, r"precision='fp8' on CPU \(2 cores\): fp8 needs a CUDA GPU of compute capability 8.9"),
+    (V100x2, {"num_processes": 4}, r"num_processes=4: this machine has 2 GPU\(s\); use num_processes=2 or fewer"),
+    (V100x2, {"precision": "bf16"}, r"precision='bf16' on 2 x Tesla V100: bf16 needs compute capability 8.0\+"),
+    (H100x1, {"precision": "fp8"}, r"precision='fp8' on 1 x NVIDIA H100.*not implemented in workbench yet; use bf16"),
+    (CPU2, {"task": "digitz"}, r"task='digitz': unknown task \(did you mean 'digits'\?\)"),
+    (CPU2, {"task": "nosuchmodule:Task"}, r"task='nosuchmodule:Task': cannot import it"),
+    (CPU2, {"task_options": {"hiddn": 3}}, r"task_options: unknown key\(s\) \['hiddn'\] for task 'digits'; known:"),
+    (CPU2, {"task": "char-gpt", "task_options": {"n_embd": 100, "n_head": 3}},
+     r"task_options.n_embd=100 is not divisible by n_head=3"),
+    (CPU2, {"task": "char-gpt", "task_options": {"preset": "huge"}}, r"task_options.preset='huge': choose one of"),
+]
+
+
+@pytest.mark.parametrize("hw,fields,message", BAD_FOR_MACHINE, ids=[str(f) for _, f, _ in BAD_FOR_MACHINE])
+def test_config_impossible_on_this_machine_is_rejected(hw: Hardware, fields: dict, message: str) -> None:
+    cfg = wb.RunConfig(**fields)
+    with pytest.raises(ValueError, match=message):
+        cfg.check(hardware=hw)
+
+
+def test_good_configs_pass_the_machine_check() -> None:
+    wb.RunConfig(num_processes=2, precision="bf16").check(hardware=CPU2)
+    wb.RunConfig(num_processes=2, precision="fp16", device="cuda").check(hardware=V100x2)
+    wb.RunConfig(precision="bf16").check(hardware=H100x1)
+
+
+def test_global_batch_is_micro_times_accum_times_world() -> None:
+    cfg = wb.RunConfig(num_processes=4, micro_batch_size=8, grad_accum_steps=3)
+    assert cfg.global_batch_size == 96
+    assert cfg.replace(num_processes=1).global_batch_size == 24
+
+
+def test_yaml_round_trip_keeps_every_field(tmp_path: Path) -> None:
+    cfg = wb.RunConfig(task="char-gpt", num_processes=2, precision="bf16", micro_batch_size=4, grad_accum_steps=2,
+                       max_steps=7, lr=3e-4, grad_clip=0.0, run_name="x1", task_options={"n_layer": 3})
+    path = tmp_path / "run.yaml"
+    cfg.to_yaml(path)
+    assert wb.RunConfig.from_yaml(path) == cfg
+    assert not list(tmp_path.glob(".*tmp")), "atomic write left a temp file"
+
+
+def test_yaml_unknown_keys_are_listed_with_suggestions(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("task: digits\nmax_step: 10\nlearning_rate: 0.1\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown RunConfig key\(s\): 'max_step' \(did you mean "
+                                         r"'max_steps'\?\), 'learning_rate'"):
+        wb.RunConfig.from_yaml(path)
+
+
+def test_yaml_with_a_bad_value_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("micro_batch_size: 0\n")
+    with pytest.raises(ValueError, match="micro_batch_size=0: must be at least 1"):
+        wb.RunConfig.from_yaml(path)
+
+
+def test_replace_validates_and_rejects_unknown_fields() -> None:
+    cfg = wb.RunConfig()
+    assert cfg.replace(max_steps=10).max_steps == 10
+    with pytest.raises(ValueError, match="max_steps=0: must be at least 1"):
+        cfg.replace(max_steps=0)
+    with pytest.raises(ValueError, match=r"unknown RunConfig key\(s\): 'steps'"):
+        cfg.replace(steps=10)
+
+
+def test_set_overrides_parse_types_and_nest_task_options() -> None:
+    cfg = wb.RunConfig().with_overrides(["max_steps=20", "lr=3e-4", "precision=bf16", "run_name=abc",
+                                         "task_options.hidden=16", "resume=false"])
+    assert (cfg.max_steps, cfg.lr, cfg.precision, cfg.run_name) == (20, 3e-4, "bf16", "abc")
+    assert cfg.task_options == {"hidden": 16}
+    with pytest.raises(ValueError, match=r"--set 'max_steps': expected key=value"):
+        wb.RunConfig().with_overrides(["max_steps"])
+    with pytest.raises(ValueError, match=r"--set: unknown RunConfig key\(s\): 'epochs'"):
+        wb.RunConfig().with_overrides(["epochs=3"])
+    with pytest.raises(ValueError, match=r"max_steps='ten': expected int, got str"):
+        wb.RunConfig().with_overrides(["max_steps=ten"])
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_to_min_on_last_step() -> None:
+    cfg = wb.RunConfig(lr=1.0, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg) == pytest.approx(1.0)
+    assert lr_at(13, cfg) == pytest.approx(0.1)
+    decay = [lr_at(s, cfg) for s in range(4, 14)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+
+
+def test_user_task_must_be_a_task_instance() -> None:
+    with pytest.raises(TypeError, match="pass an instance of a workbench.Task subclass"):
+        wb.launch(wb.RunConfig(), task=object())  # type: ignore[arg-type]
+
+
+def test_register_task_needs_a_name() -> None:
+    class Nameless(wb.Task):
+        pass
+
+    with pytest.raises(ValueError, match="needs a class attribute `name`"):
+        wb.register_task(Nameless)

@@ -1,0 +1,578 @@
+"""Tests for workbench.data: manifests, verified resolution, offline behaviour.
+
+All offline: the tinyshakespeare mirror is ../shared/data beside the repository
+(or WORKBENCH_TEST_MIRROR), and every cache is a fresh tmp_path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import filelock
+import pytest
+import yaml
+
+from workbench import data
+from workbench.data import DataUnavailableError, IntegrityError, ManifestError, UnsafeArchiveError
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE_SHA = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DIGITS_SHA = "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22"
+SYNTHETIC_SHA = "35a62a18ff004a3e77b9617ff10f9811e9d3fed1bb1a30b1d4d419679b9a10c9"
+DEAD_URL = "http://127.0.0.1:9/x"  # discard port: refused at once, never leaves the machine
+
+
+def sha256(path_or_bytes: Path | bytes) -> str:
+    raw = path_or_bytes if isinstance(path_or_bytes, bytes) else Path(path_or_bytes).read_bytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def rejected(expected: str, where_regex: str, actual_regex: str) -> str:
+    """Pattern for an IntegrityError showing both digests and where the bad copy came from."""
+    return rf"(?s)expected sha256 {expected}.*{where_regex}: corrupt: got sha256 {actual_regex}"
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No test sees the user's cache, mirrors, manifests, offline setting, or a proxy."""
+    for var in ("WORKBENCH_DATA_MIRROR", "WORKBENCH_OFFLINE", "WORKBENCH_MANIFESTS",
+                "http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("no_proxy", "*")
+    monkeypatch.setenv("WORKBENCH_DATA_DIR", str(tmp_path / "default-cache"))
+    data.reset_used_datasets()
+    yield
+    data.reset_used_datasets()
+
+
+@pytest.fixture(scope="session")
+def mirror() -> Path:
+    env = os.environ.get("WORKBENCH_TEST_MIRROR")
+    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not (root / "tinyshakespeare" / "input.txt").is_file():
+        pytest.skip(f"no tinyshakespeare mirror at {root}/tinyshakespeare/input.txt "
+                    "(set WORKBENCH_TEST_MIRROR to a directory holding tinyshakespeare/input.txt)")
+    return root
+
+
+@pytest.fixture
+def cache(tmp_path) -> Path:
+    return tmp_path / "cache"
+
+
+def write_manifest(directory: Path, stem: str, files: list[dict], **top) -> Path:
+    """Write <directory>/<stem>.yaml; `top` overrides or adds top-level keys."""
+    directory.mkdir(parents=True, exist_ok=True)
+    doc = {"schema_version": 1, "name": stem, "version": "1", "description": f"test dataset {stem}",
+           "license": "CC0-1.0", "homepage": "", "files": files, **top}
+    path = directory / f"{stem}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def mirrored_file(tmp_path: Path, name: str, filename: str, content: bytes) -> dict:
+    """Put content in a tmp mirror as <name>/<filename>; return its manifest `files` entry."""
+    target = tmp_path / "mirror" / name / filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(content)
+    return {"path": filename, "urls": [DEAD_URL], "sha256": sha256(content), "size": len(content)}
+
+
+# --------------------------------------------------------------------------
+# Manifests
+# --------------------------------------------------------------------------
+
+
+def test_builtin_manifests_declare_the_shipped_datasets():
+    manifests = {m.name: m for m in data.list_manifests()}
+    assert {"tinyshakespeare", "digits", "synthetic-regression"} <= set(manifests)
+    assert [m.name for m in data.list_manifests()] == sorted(manifests)
+
+    shakespeare = manifests["tinyshakespeare"]
+    assert (shakespeare.source, len(shakespeare.files)) == ("url", 1)
+    spec = shakespeare.files[0]
+    assert (spec.path, spec.size, spec.sha256, spec.urls) == ("input.txt", 1115394, SHAKESPEARE_SHA, (SHAKESPEARE_URL,))
+    assert shakespeare.license and shakespeare.homepage.startswith("https://")
+    assert shakespeare.path == data.MANIFEST_DIR / "tinyshakespeare.yaml"
+
+    digits = manifests["digits"].files[0]
+    assert (manifests["digits"].source, digits.package, digits.resource) == ("package", "sklearn", "datasets/data/digits.csv.gz")
+    assert manifests["synthetic-regression"].source == "synthetic"
+
+
+def test_describe_is_readable():
+    text = data.load_manifest("tinyshakespeare").describe()
+    assert text.splitlines()[0] == "tinyshakespeare (version 1)"
+    for expected in ("license:", "homepage: https://github.com/karpathy/char-rnn", "input.txt  1,115,394 bytes",
+                     SHAKESPEARE_SHA, SHAKESPEARE_URL, str(data.MANIFEST_DIR / "tinyshakespeare.yaml")):
+        assert expected in text
+    assert "generated by linear-regression(seed=0, n_samples=1024" in data.load_manifest("synthetic-regression").describe()
+
+
+def test_unknown_dataset_lists_known_names():
+    with pytest.raises(ManifestError, match=r"unknown dataset 'nope'; known datasets: .*digits.*tinyshakespeare"):
+        data.load_manifest("nope")
+
+
+GOOD_FILE = {"path": "a.txt", "urls": ["https://example.org/a.txt"], "sha256": "0" * 64, "size": 1}
+
+
+@pytest.mark.parametrize("top, files, pattern", [
+    ({"colour": "red"}, [GOOD_FILE], r"unknown key 'colour'"),
+    ({"licence": "MIT"}, [GOOD_FILE], r"unknown key 'licence'"),
+    ({}, [{**GOOD_FILE, "sha265": "0" * 64}], r"unknown key 'sha265' in files\[0\] \(a\.txt\)"),
+    ({}, [{k: v for k, v in GOOD_FILE.items() if k != "sha256"}], r"missing required key 'sha256' in files\[0\]"),
+    ({}, [{**GOOD_FILE, "sha256": "abc"}], r"sha256 in files\[0\] \(a\.txt\) must be 64 hexadecimal characters"),
+    ({}, [{**GOOD_FILE, "size": -1}], r"size in files\[0\] \(a\.txt\) must be a non-negative integer"),
+    ({}, [{**GOOD_FILE, "size": "1"}], r"size in files\[0\] \(a\.txt\) must be a non-negative integer"),
+    ({}, [{**GOOD_FILE, "urls": []}], r"urls in files\[0\] \(a\.txt\) must be a non-empty list"),
+    ({}, [{**GOOD_FILE, "path": "../a.txt"}], r"path in files\[0\] .* must be a relative path"),
+    ({}, [{**GOOD_FILE, "path": "/etc/a.txt"}], r"path in files\[0\] .* must be a relative path"),
+    ({}, [GOOD_FILE, GOOD_FILE], r"file path 'a\.txt' is declared more than once"),
+    ({"schema_version": 2}, [GOOD_FILE], r"schema_version must be 1"),
+    ({"source": "ftp-site"}, [GOOD_FILE], r"source must be one of url, package, synthetic"),
+    ({"source": "synthetic"}, [{"path": "a.csv", "generator": "nope"}], r"generator in files\[0\] .* must be one of: .*gaussian-blobs"),
+    ({"source": "synthetic"}, [{"path": "a.csv", "generator": "gaussian-blobs", "params": {"n_points": 3}}],
+     r"unknown generator parameter 'n_points'"),
+    ({"source": "package"}, [GOOD_FILE], r"unknown key 'urls' in files\[0\].*\n.*missing required keys 'package', 'resource'"),
+])
+def test_invalid_manifest_names_problem_and_file(tmp_path, top, files, pattern):
+    path = write_manifest(tmp_path / "manifests", "bad", files, **top)
+    with pytest.raises(ManifestError, match=pattern) as info:
+        data.load_manifest("bad", extra_dirs=[path.parent])
+    assert str(path) in str(info.value)
+    assert info.value.path == path
+
+
+def test_missing_required_keys_are_all_named(tmp_path):
+    path = tmp_path / "manifests" / "bad.yaml"
+    path.parent.mkdir()
+    path.write_text("schema_version: 1\nname: bad\nfiles: []\n")
+    with pytest.raises(ManifestError, match=r"missing required keys 'description', 'license', 'homepage', 'version'") as info:
+        data.load_manifest("bad", extra_dirs=[path.parent])
+    assert re.search(rf"invalid data manifest {re.escape(str(path))}", str(info.value))
+
+
+def test_name_must_match_file_name(tmp_path):
+    path = write_manifest(tmp_path / "m", "right", [GOOD_FILE], name="wrong")
+    with pytest.raises(ManifestError, match=rf"{re.escape(str(path))}:\n  - name 'wrong' must match the file name 'right\.yaml'"):
+        data.load_manifest("right", extra_dirs=[path.parent])
+
+
+def test_user_manifest_overrides_builtin_with_warning(tmp_path, monkeypatch, caplog):
+    user = write_manifest(tmp_path / "mine", "tinyshakespeare", [GOOD_FILE], version="2")
+    monkeypatch.setenv("WORKBENCH_MANIFESTS", os.pathsep.join([str(tmp_path / "absent"), str(user.parent)]))
+    with caplog.at_level(logging.WARNING, logger="workbench"):
+        manifest = data.load_manifest("tinyshakespeare")
+    assert (manifest.version, manifest.path) == ("2", user)
+    assert re.search(rf"using {re.escape(str(user))}, which overrides .*data-manifests", caplog.text)
+    assert data.manifest_dirs()[:2] == [tmp_path / "absent", user.parent]
+    # An extra_dirs argument outranks the environment.
+    arg = write_manifest(tmp_path / "arg", "tinyshakespeare", [GOOD_FILE], version="3")
+    assert data.load_manifest("tinyshakespeare", extra_dirs=[arg.parent]).version == "3"
+    assert data.load_manifest("tinyshakespeare", extra_dirs=str(arg.parent)).version == "3"  # a lone path is fine
+
+
+# --------------------------------------------------------------------------
+# Resolving url datasets through cache and mirrors
+# --------------------------------------------------------------------------
+
+
+def test_resolve_from_mirror_then_from_cache(mirror, cache, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_DATA_MIRROR", os.pathsep.join(["/nonexistent-mirror", str(mirror)]))
+    first = data.resolve("tinyshakespeare", cache=cache, offline=True, progress=False)
+    assert first.root == cache / "tinyshakespeare" / "1"
+    assert first["input.txt"] == cache / "tinyshakespeare" / "1" / "input.txt"
+    assert first.origins == {"input.txt": str(mirror / "tinyshakespeare" / "input.txt")}
+    assert sha256(first["input.txt"]) == SHAKESPEARE_SHA
+    assert first.record() == {"name": "tinyshakespeare", "version": "1", "source": "url",
+                              "files": {"input.txt": SHAKESPEARE_SHA}}
+    json.dumps(first.record())
+
+    monkeypatch.delenv("WORKBENCH_DATA_MIRROR")
+    monkeypatch.setenv("WORKBENCH_OFFLINE", "1")
+    second = data.resolve("tinyshakespeare", cache=cache, progress=False)
+    assert second.origins == {"input.txt": "cache"}
+    assert second.record() == first.record()
+    assert data.used_datasets() == [first.record()]  # deduplicated by name
+
+
+def test_default_cache_comes_from_environment(mirror, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_DATA_DIR", str(tmp_path / "env-cache"))
+    assert data.cache_dir() == tmp_path / "env-cache"
+    resolved = data.fetch("tinyshakespeare", mirrors=[mirror], offline=True, progress=False)
+    assert resolved.root == tmp_path / "env-cache" / "tinyshakespeare" / "1"
+    monkeypatch.delenv("WORKBENCH_DATA_DIR")
+    assert data.cache_dir().parts[-2:] == ("workbench", "data")
+
+
+def test_copied_cache_works_as_a_mirror(mirror, tmp_path):
+    elsewhere = data.resolve("tinyshakespeare", cache=tmp_path / "other-machine", mirrors=[mirror], offline=True, progress=False)
+    here = data.resolve("tinyshakespeare", cache=tmp_path / "cache", mirrors=[tmp_path / "other-machine"],
+                        offline=True, progress=False)
+    assert here.origins["input.txt"] == str(elsewhere["input.txt"])
+
+
+def test_corrupt_mirror_file_is_rejected_with_both_digests(mirror, tmp_path, cache):
+    content = bytearray((mirror / "tinyshakespeare" / "input.txt").read_bytes())
+    content[1000] ^= 0x01
+    bad = tmp_path / "bad-mirror" / "tinyshakespeare" / "input.txt"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(bytes(content))
+    actual = sha256(bytes(content))
+
+    with pytest.raises(IntegrityError, match=rejected(SHAKESPEARE_SHA, f"mirror {re.escape(str(bad))}", actual)) as info:
+        data.resolve("tinyshakespeare", cache=cache, mirrors=[bad.parents[1]], offline=True, progress=False)
+    assert (info.value.expected, info.value.actual) == (SHAKESPEARE_SHA, actual)
+    assert [f for f in files_under(cache) if not f.endswith(".lock")] == []
+    assert data.used_datasets() == []
+
+
+def test_corrupt_cache_file_is_replaced_from_mirror(mirror, cache, caplog):
+    cached = data.resolve("tinyshakespeare", cache=cache, mirrors=[mirror], offline=True, progress=False)["input.txt"]
+    with open(cached, "r+b") as f:
+        f.seek(10)
+        f.write(b"#")
+    corrupt_sha = sha256(cached)
+
+    with caplog.at_level(logging.WARNING, logger="workbench"):
+        again = data.resolve("tinyshakespeare", cache=cache, mirrors=[mirror], offline=True, progress=False)
+    assert again.origins["input.txt"] == str(mirror / "tinyshakespeare" / "input.txt")
+    assert sha256(cached) == SHAKESPEARE_SHA
+    assert f"expected sha256 {SHAKESPEARE_SHA}, got {corrupt_sha}" in caplog.text
+
+
+def test_corrupt_cache_without_other_source_fails_with_both_digests(mirror, cache):
+    cached = data.resolve("tinyshakespeare", cache=cache, mirrors=[mirror], offline=True, progress=False)["input.txt"]
+    cached.write_bytes(b"not shakespeare")
+    pattern = rejected(SHAKESPEARE_SHA, f"cache {re.escape(str(cached))}", sha256(b"not shakespeare"))
+    with pytest.raises(IntegrityError, match=pattern):
+        data.resolve("tinyshakespeare", cache=cache, mirrors=[], offline=True, progress=False)
+
+
+# --------------------------------------------------------------------------
+# Offline and failing downloads
+# --------------------------------------------------------------------------
+
+
+def test_offline_without_mirror_explains_how_to_provide_data(cache, monkeypatch):
+    expected = (r"(?s)dataset 'tinyshakespeare' is not available.*"
+                rf"{re.escape(SHAKESPEARE_URL)}: skipped: offline.*"
+                r"WORKBENCH_DATA_MIRROR=/path/to/mirror, holding /path/to/mirror/tinyshakespeare/input\.txt.*"
+                r"workbench data fetch tinyshakespeare")
+    with pytest.raises(DataUnavailableError, match=expected):
+        data.resolve("tinyshakespeare", cache=cache, mirrors=[], offline=True, progress=False)
+    monkeypatch.setenv("WORKBENCH_OFFLINE", "1")
+    with pytest.raises(DataUnavailableError, match=expected):
+        data.resolve("tinyshakespeare", cache=cache, progress=False)
+
+
+def test_failed_download_names_url_and_reason(tmp_path, cache):
+    write_manifest(tmp_path / "m", "remote", [{"path": "x.txt", "urls": [DEAD_URL], "sha256": "0" * 64, "size": 3}])
+    with pytest.raises(DataUnavailableError, match=(
+            r"(?s)dataset 'remote' is not available: no copy of x\.txt.*"
+            r"mirrors: none configured.*"
+            rf"{re.escape(DEAD_URL)}: [^\n]*(refused|Errno)[^\n]*\n.*"
+            r"WORKBENCH_DATA_MIRROR")) as info:
+        data.resolve("remote", extra_dirs=[tmp_path / "m"], cache=cache, mirrors=[], offline=False, progress=False)
+    assert "Traceback" not in str(info.value)
+
+
+def test_download_is_verified_and_shows_progress_on_stderr(tmp_path, cache, capsys):
+    source = tmp_path / "server" / "blob.bin"
+    source.parent.mkdir()
+    source.write_bytes(b"payload" * 1000)
+    url = source.as_uri()
+    entry = {"path": "blob.bin", "urls": [DEAD_URL, url], "sha256": sha256(source), "size": 7000}
+    write_manifest(tmp_path / "m", "remote", [entry])
+
+    resolved = data.resolve("remote", extra_dirs=[tmp_path / "m"], cache=cache, mirrors=[], offline=False, progress=True)
+    assert resolved.origins == {"blob.bin": url}
+    assert resolved["blob.bin"].read_bytes() == source.read_bytes()
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "remote/blob.bin" in err
+
+
+def test_download_with_wrong_digest_is_never_used(tmp_path, cache):
+    source = tmp_path / "server" / "blob.bin"
+    source.parent.mkdir()
+    source.write_bytes(b"tampered")
+    expected = sha256(b"original")
+    write_manifest(tmp_path / "m", "remote", [{"path": "blob.bin", "urls": [source.as_uri()], "sha256": expected, "size": 8}])
+    with pytest.raises(IntegrityError, match=rejected(expected, re.escape(source.as_uri()), sha256(b"tampered"))):
+        data.resolve("remote", extra_dirs=[tmp_path / "m"], cache=cache, mirrors=[], offline=False, progress=False)
+    assert [f for f in files_under(cache) if not f.endswith(".lock")] == []
+
+
+def test_oversized_download_is_cut_off(tmp_path, cache):
+    source = tmp_path / "server" / "blob.bin"
+    source.parent.mkdir()
+    source.write_bytes(b"x" * 100)
+    write_manifest(tmp_path / "m", "remote", [{"path": "blob.bin", "urls": [source.as_uri()], "sha256": "0" * 64, "size": 10}])
+    with pytest.raises(IntegrityError, match=r"corrupt: more than the expected 10 bytes \(stopped reading\)"):
+        data.resolve("remote", extra_dirs=[tmp_path / "m"], cache=cache, mirrors=[], offline=False, progress=False)
+
+
+# --------------------------------------------------------------------------
+# Archives
+# --------------------------------------------------------------------------
+
+
+def tar_bytes(*members: tarfile.TarInfo | tuple[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for member in members:
+            if isinstance(member, tarfile.TarInfo):
+                tar.addfile(member)
+            else:
+                info = tarfile.TarInfo(member[0])
+                info.size = len(member[1])
+                tar.addfile(info, io.BytesIO(member[1]))
+    return buf.getvalue()
+
+
+def tar_link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+def zip_bytes(*members: tuple[str, bytes] | tuple[str, bytes, str]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, content, *kind in members:
+            info = zipfile.ZipInfo(name)
+            if kind == ["symlink"]:
+                info.external_attr = (0o120777 << 16)
+            zf.writestr(info, content)
+    return buf.getvalue()
+
+
+def archive_dataset(tmp_path: Path, filename: str, content: bytes) -> dict:
+    entry = {**mirrored_file(tmp_path, "packed", filename, content), "extract": True}
+    write_manifest(tmp_path / "m", "packed", [entry])
+    return entry
+
+
+def resolve_packed(tmp_path: Path, cache: Path) -> data.ResolvedData:
+    return data.resolve("packed", extra_dirs=[tmp_path / "m"], cache=cache, mirrors=[tmp_path / "mirror"],
+                        offline=True, progress=False)
+
+
+@pytest.mark.parametrize("filename, archive, pattern", [
+    ("a.tar.gz", tar_bytes(("ok.txt", b"ok"), ("../evil.txt", b"x")), r"member '\.\./evil\.txt' has a '\.\.' component"),
+    ("a.tar.gz", tar_bytes(("sub/../../evil.txt", b"x")), r"member 'sub/\.\./\.\./evil\.txt' has a '\.\.' component"),
+    ("a.tar.gz", tar_bytes(("/tmp/evil.txt", b"x")), r"member '/tmp/evil\.txt' has an absolute path"),
+    ("a.tar.gz", tar_bytes(tar_link("link", "../../outside")), r"member 'link' is a link to '\.\./\.\./outside', outside"),
+    ("a.tar.gz", tar_bytes(tar_link("link", "/etc/passwd")), r"member 'link' is a link to the absolute path '/etc/passwd'"),
+    ("a.tar.gz", tar_bytes(tar_link("hard", "../outside", tarfile.LNKTYPE)), r"member 'hard' is a link to '\.\./outside'"),
+    ("a.tar.gz", tar_bytes(tar_link("dir", "."), ("dir/x", b"x")), r"member 'dir/x' lies inside the symlink 'dir'"),
+    ("a.tar.gz", tar_bytes(("a.tar.gz", b"x")), r"member 'a\.tar\.gz' would overwrite 'a\.tar\.gz'"),
+    ("a.zip", zip_bytes(("ok.txt", b"ok"), ("../evil.txt", b"x")), r"member '\.\./evil\.txt' has a '\.\.' component"),
+    ("a.zip", zip_bytes(("/tmp/evil.txt", b"x")), r"member '/tmp/evil\.txt' has an absolute path"),
+    ("a.zip", zip_bytes(("link", b"../../outside", "symlink")), r"member 'link' is a link to '\.\./\.\./outside', outside"),
+    ("a.zip", zip_bytes(("link", b"/etc/passwd", "symlink")), r"member 'link' is a link to the absolute path '/etc/passwd'"),
+])
+def test_unsafe_archive_member_is_refused(tmp_path, cache, filename, archive, pattern):
+    archive_dataset(tmp_path, filename, archive)
+    with pytest.raises(UnsafeArchiveError, match=pattern):
+        resolve_packed(tmp_path, cache)
+    root = cache / "packed" / "1"
+    assert files_under(root) == [filename]  # the verified archive stays cached; nothing was extracted
+    assert not (cache / "packed" / "evil.txt").exists() and not (cache / "evil.txt").exists()
+
+
+@pytest.mark.parametrize("filename, archive", [
+    ("a.tar.gz", tar_bytes(("data/x.txt", b"x"), ("data/y.txt", b"y"), tar_link("data/latest", "x.txt"))),
+    ("a.zip", zip_bytes(("data/x.txt", b"x"), ("data/y.txt", b"y"), ("data/latest", b"x.txt", "symlink"))),
+])
+def test_safe_archive_is_extracted_once(tmp_path, cache, filename, archive):
+    archive_dataset(tmp_path, filename, archive)
+    resolved = resolve_packed(tmp_path, cache)
+    assert files_under(resolved.root) == sorted([filename, "data/latest", "data/x.txt", "data/y.txt"])
+    assert resolved["data/x.txt"].read_bytes() == b"x"
+    assert os.readlink(resolved.root / "data" / "latest") == "x.txt"
+
+    # Extraction is keyed on the archive's sha256: a second resolve leaves the tree alone.
+    (resolved.root / "data" / "y.txt").write_bytes(b"edited")
+    resolve_packed(tmp_path, cache)
+    assert (resolved.root / "data" / "y.txt").read_bytes() == b"edited"
+
+
+def test_non_archive_marked_extract_is_a_manifest_error(tmp_path, cache):
+    archive_dataset(tmp_path, "plain.txt", b"just text")
+    with pytest.raises(ManifestError, match=r"plain\.txt has extract: true but is neither a tar nor a zip archive"):
+        resolve_packed(tmp_path, cache)
+
+
+# --------------------------------------------------------------------------
+# verify()
+# --------------------------------------------------------------------------
+
+
+def test_verify_reports_missing_ok_and_corrupt(mirror, cache):
+    [missing] = data.verify("tinyshakespeare", cache=cache)
+    location = cache / "tinyshakespeare" / "1" / "input.txt"
+    assert (missing.status, missing.ok, missing.location, missing.actual_sha256) == ("missing", False, location, None)
+    assert str(missing) == f"tinyshakespeare/input.txt  missing ({location})"
+
+    data.resolve("tinyshakespeare", cache=cache, mirrors=[mirror], offline=True, progress=False)
+    [ok] = data.verify("tinyshakespeare", cache=cache)
+    assert (ok.status, ok.ok, ok.expected_sha256, ok.actual_sha256) == ("ok", True, SHAKESPEARE_SHA, SHAKESPEARE_SHA)
+    assert str(ok) == "tinyshakespeare/input.txt  ok"
+
+    location.write_bytes(b"garbage")
+    [corrupt] = data.verify("tinyshakespeare", cache=cache)
+    assert (corrupt.status, corrupt.ok, corrupt.actual_sha256) == ("corrupt", False, sha256(b"garbage"))
+    assert str(corrupt) == (f"tinyshakespeare/input.txt  corrupt (expected {SHAKESPEARE_SHA[:12]}…, "
+                            f"got {sha256(b'garbage')[:12]}…) {location}")
+    assert location.read_bytes() == b"garbage"  # verify never repairs
+
+
+def test_verify_all_covers_every_manifest(cache):
+    checks = data.verify(cache=cache)
+    assert {(c.dataset, c.path) for c in checks} >= {("tinyshakespeare", "input.txt"), ("digits", "digits.csv.gz"),
+                                                     ("synthetic-regression", "train.csv")}
+    assert {c.status for c in checks} == {"missing"}
+
+
+# --------------------------------------------------------------------------
+# Package and synthetic sources
+# --------------------------------------------------------------------------
+
+
+def test_package_source_resolves_from_installed_sklearn(cache):
+    import importlib.util
+    bundled = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    resolved = data.resolve("digits", cache=cache, mirrors=[], offline=True, progress=False)
+    assert resolved.record() == {"name": "digits", "version": "1", "source": "package", "files": {"digits.csv.gz": DIGITS_SHA}}
+    assert resolved.origins["digits.csv.gz"] == f"package sklearn ({bundled})"
+    assert resolved["digits.csv.gz"].read_bytes() == bundled.read_bytes()
+    assert [str(c) for c in data.verify("digits", cache=cache)] == ["digits/digits.csv.gz  ok"]
+
+
+def test_package_source_checks_digest_and_presence(tmp_path, cache):
+    entry = {"path": "d.csv.gz", "package": "sklearn", "resource": "datasets/data/digits.csv.gz", "sha256": "1" * 64, "size": 57523}
+    write_manifest(tmp_path / "m", "pkg", [entry], source="package")
+    with pytest.raises(IntegrityError, match=rejected("1" * 64, r"package sklearn \(.*digits\.csv\.gz\)", DIGITS_SHA)):
+        data.resolve("pkg", extra_dirs=[tmp_path / "m"], cache=cache, mirrors=[], progress=False)
+
+    write_manifest(tmp_path / "m", "pkg", [{**entry, "package": "no_such_package_xyz"}], source="package")
+    with pytest.raises(DataUnavailableError, match=r"package no_such_package_xyz: package 'no_such_package_xyz' is not installed"):
+        data.resolve("pkg", extra_dirs=[tmp_path / "m"], cache=cache, mirrors=[], progress=False)
+
+
+def test_synthetic_source_is_deterministic(tmp_path):
+    first = data.resolve("synthetic-regression", cache=tmp_path / "a", progress=False)
+    second = data.resolve("synthetic-regression", cache=tmp_path / "b", progress=False)
+    assert first.sha256 == second.sha256 == {"train.csv": SYNTHETIC_SHA}  # pinned in the manifest, too
+    assert first["train.csv"].read_bytes() == second["train.csv"].read_bytes()
+    assert first["train.csv"].read_text().splitlines()[0] == "x0,x1,x2,x3,x4,x5,x6,x7,y"
+    assert data.resolve("synthetic-regression", cache=tmp_path / "a", progress=False).origins == {"train.csv": "cache"}
+
+
+def test_synthetic_without_digest_records_what_it_generated(tmp_path):
+    blobs = {"path": "blobs.csv", "generator": "gaussian-blobs", "params": {"n_samples": 50, "centers": 2}, "seed": 7}
+    tokens = {"path": "tokens.bin", "generator": "random-tokens", "params": {"vocab_size": 50, "length": 1000}}
+    write_manifest(tmp_path / "m", "synth", [blobs, tokens], source="synthetic")
+    kwargs = {"extra_dirs": [tmp_path / "m"], "progress": False}
+    assert [c.status for c in data.verify("synth", extra_dirs=[tmp_path / "m"], cache=tmp_path / "a")] == ["missing", "missing"]
+
+    a = data.resolve("synth", cache=tmp_path / "a", **kwargs)
+    b = data.resolve("synth", cache=tmp_path / "b", **kwargs)
+    assert a.sha256 == b.sha256 and set(a.sha256) == {"blobs.csv", "tokens.bin"}
+    assert a["tokens.bin"].stat().st_size == 2000
+    assert a["blobs.csv"].read_text().count("\n") == 51
+    assert data.resolve("synth", cache=tmp_path / "a", **kwargs).origins == {"blobs.csv": "cache", "tokens.bin": "cache"}
+    assert [c.status for c in data.verify("synth", extra_dirs=[tmp_path / "m"], cache=tmp_path / "a")] == ["ok", "ok"]
+
+    # Editing params without bumping the version must not reuse the old file.
+    write_manifest(tmp_path / "m", "synth", [{**blobs, "seed": 8}, tokens], source="synthetic")
+    c = data.resolve("synth", cache=tmp_path / "a", **kwargs)
+    assert c.sha256["blobs.csv"] != a.sha256["blobs.csv"] and c.sha256["tokens.bin"] == a.sha256["tokens.bin"]
+    assert c.origins["blobs.csv"].startswith("generator gaussian-blobs")
+
+
+def test_synthetic_with_wrong_digest_is_rejected(tmp_path, cache):
+    entry = {"path": "t.bin", "generator": "random-tokens", "params": {"length": 10}, "sha256": "2" * 64}
+    write_manifest(tmp_path / "m", "synth", [entry], source="synthetic")
+    with pytest.raises(IntegrityError, match=rejected("2" * 64, r"generator random-tokens\(seed=0\)", "[0-9a-f]{64}")):
+        data.resolve("synth", extra_dirs=[tmp_path / "m"], cache=cache, progress=False)
+
+
+def test_bad_generator_params_are_a_manifest_error(tmp_path, cache):
+    path = write_manifest(tmp_path / "m", "synth", [{"path": "t.bin", "generator": "random-tokens", "params": {"length": 0}}],
+                          source="synthetic")
+    pattern = rf"{re.escape(str(path))}: cannot generate t\.bin: generator parameter 'length' must be an integer of at least 1"
+    with pytest.raises(ManifestError, match=pattern):
+        data.resolve("synth", extra_dirs=[tmp_path / "m"], cache=cache, progress=False)
+
+
+# --------------------------------------------------------------------------
+# used_datasets() and concurrency
+# --------------------------------------------------------------------------
+
+
+def test_used_datasets_deduplicates_by_name(mirror, tmp_path):
+    data.resolve("tinyshakespeare", cache=tmp_path / "a", mirrors=[mirror], offline=True, progress=False)
+    data.resolve("synthetic-regression", cache=tmp_path / "a", progress=False)
+    data.resolve("tinyshakespeare", cache=tmp_path / "b", mirrors=[mirror], offline=True, progress=False)
+    used = data.used_datasets()
+    assert [u["name"] for u in used] == ["synthetic-regression", "tinyshakespeare"]
+    used[0]["files"].clear()  # callers get copies
+    assert data.used_datasets()[0]["files"] == {"train.csv": SYNTHETIC_SHA}
+
+
+RESOLVE_SCRIPT = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s", force=True)
+from workbench.data import resolve
+r = resolve("tinyshakespeare", progress=False)
+print(json.dumps({"origin": r.origins["input.txt"], "sha": r.sha256["input.txt"]}))
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_processes_share_the_cache_safely(mirror, cache):
+    cache.mkdir()
+    env = {**os.environ, "WORKBENCH_DATA_DIR": str(cache), "WORKBENCH_DATA_MIRROR": str(mirror), "WORKBENCH_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # Hold the dataset lock so both processes are certainly waiting on it at the same time.
+    lock = filelock.FileLock(str(cache / "tinyshakespeare.lock"))
+    lock.acquire()
+    procs = [subprocess.Popen([sys.executable, "-c", RESOLVE_SCRIPT], env=env, cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        for proc in procs:
+            line = proc.stderr.readline()
+            assert "waiting for another process" in line, line + proc.stderr.read()
+    finally:
+        lock.release()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out))
+
+    assert [r["sha"] for r in results] == [SHAKESPEARE_SHA, SHAKESPEARE_SHA]
+    # One copied from the mirror; the other waited, then found the verified file.
+    assert sorted(r["origin"] for r in results) == sorted(["cache", str(mirror / "tinyshakespeare" / "input.txt")])
+    assert sha256(cache / "tinyshakespeare" / "1" / "input.txt") == SHAKESPEARE_SHA
+    assert [f for f in files_under(cache) if not f.endswith(".lock")] == ["tinyshakespeare/1/input.txt"]

@@ -1,0 +1,158 @@
+"""`workbench bench overhead`: the trainer against a hand-written Accelerate loop, side by side in one run.
+
+Both train the same model on the same data with the same seed, on the same number of forked ranks, and
+are interleaved (A B A B ...) so machine noise hits both alike. Reported: median step time of each after
+warm-up, the ratio, the overhead per step, and whether the final weights are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig
+from .launch import free_port, launch
+from .metrics import lr_at, weights_digest
+from .tasks import Task, get_task
+
+WARMUP_STEPS = 10
+
+BENCH = RunConfig(task="digits", num_processes=2, device="cpu", precision="fp32", micro_batch_size=64,
+                  max_steps=200, lr=1e-3, warmup_steps=10, weight_decay=0.01, log_every=10, seed=0,
+                  task_options={"hidden": 512})
+
+
+def hand_loop(cfg: RunConfig, task: Task, out_dir: str) -> None:
+    """The loop a careful user would write by hand with Accelerate: no run directory, no metrics, no stop
+    checks. It mirrors the trainer's numerics exactly (init seed, data order, LR, clipping, AdamW) so the
+    weights can be compared bit for bit."""
+    from accelerate import Accelerator
+    from accelerate.utils import send_to_device, set_seed
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from .trainer import param_groups
+
+    acc = Accelerator(cpu=cfg.resolved_device() == "cpu",
+                      mixed_precision="no" if cfg.precision == "fp32" else cfg.precision)
+    set_seed(cfg.seed)
+    model = task.build_model(cfg)
+    train_ds, _ = task.build_datasets(cfg)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    model, optimizer = acc.prepare(model, optimizer)
+    torch.manual_seed(cfg.seed + 1000 * (acc.process_index + 1))
+    sampler = DistributedSampler(train_ds, num_replicas=acc.num_processes, rank=acc.process_index,
+                                 shuffle=True, seed=cfg.seed, drop_last=True)
+    times, step, epoch = [], 0, 0
+    start = time.perf_counter()
+    while step < cfg.max_steps:
+        sampler.set_epoch(epoch)
+        loader = DataLoader(train_ds, batch_size=cfg.micro_batch_size, sampler=sampler, drop_last=True,
+                            generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        for batch in loader:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            loss = task.loss(model, send_to_device(batch, acc.device))
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            acc.backward(loss)
+            acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            now = time.perf_counter()
+            times.append(now - start)
+            start = now
+            if step == cfg.max_steps:
+                break
+        epoch += 1
+    digest = weights_digest(acc.unwrap_model(model))
+    if acc.is_main_process:
+        Path(out_dir, "hand.json").write_text(json.dumps({"step_time_s": times, "weights_sha256": digest}))
+    acc.wait_for_everyone()
+
+
+def _run_hand_loop(cfg: RunConfig, out_dir: str) -> dict:
+    def target() -> None:
+        from accelerate import notebook_launcher
+
+        with contextlib.redirect_stdout(io.StringIO()):  # accelerate says "2 CUDAs" even on a CPU box
+            notebook_launcher(hand_loop, args=(cfg, get_task(cfg.task), out_dir), num_processes=cfg.num_processes,
+                              use_port=str(free_port()))
+
+    proc = multiprocessing.get_context("fork").Process(target=target)
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"hand-written loop failed (exit code {proc.exitcode})")
+    return json.loads(Path(out_dir, "hand.json").read_text())
+
+
+@dataclass
+class OverheadReport:
+    steps: int
+    num_processes: int
+    repeats: int
+    trainer_median_s: float
+    hand_median_s: float
+    ratio: float
+    overhead_ms: float
+    budget_ms: float
+    weights_equal: bool
+    device: str
+
+    @property
+    def passed(self) -> bool:
+        return self.weights_equal and self.overhead_ms <= self.budget_ms
+
+    def table(self) -> str:
+        return "\n".join([
+            f"workbench bench overhead: {self.num_processes} ranks on {self.device}, {self.steps} steps x "
+            f"{self.repeats} repeats, median after {WARMUP_STEPS} warm-up steps",
+            f"  hand-written loop   {self.hand_median_s * 1e3:8.3f} ms/step",
+            f"  workbench trainer   {self.trainer_median_s * 1e3:8.3f} ms/step",
+            f"  ratio               {self.ratio:8.4f}",
+            f"  overhead            {self.overhead_ms:8.3f} ms/step (budget 1% + 1 ms = {self.budget_ms:.3f} ms)",
+            f"  weights bitwise equal: {self.weights_equal}",
+            f"  verdict: {'PASS' if self.passed else 'FAIL'}",
+        ])
+
+
+def overhead(steps: int = 200, repeats: int = 2, num_processes: int = 2, cfg: RunConfig | None = None,
+             json_path: Path | None = None) -> OverheadReport:
+    """Measure the trainer's per-step overhead over a hand-written loop (see module docstring)."""
+    cfg = (cfg or BENCH).replace(max_steps=steps, num_processes=num_processes)
+    cfg.check()
+    if steps <= WARMUP_STEPS:
+        raise ValueError(f"steps={steps}: must exceed the {WARMUP_STEPS} warm-up steps")
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))
+    trainer_times: list[float] = []
+    hand_times: list[float] = []
+    equal = True
+    with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
+        for i in range(repeats):
+            result = launch(cfg.replace(runs_dir=tmp, run_name=f"trainer-{i}"))
+            timings = json.loads((result.run_dir / "timings.json").read_text())["step_time_s"]
+            trainer_times += timings[WARMUP_STEPS:]
+            hand_dir = Path(tmp, f"hand-{i}")
+            hand_dir.mkdir()
+            hand = _run_hand_loop(cfg, str(hand_dir))
+            hand_times += hand["step_time_s"][WARMUP_STEPS:]
+            digests = {r["weights_sha256"] for r in result.summary["ranks"]} | {hand["weights_sha256"]}
+            equal = equal and len(digests) == 1
+    t, h = statistics.median(trainer_times), statistics.median(hand_times)
+    report = OverheadReport(steps=steps, num_processes=num_processes, repeats=repeats, trainer_median_s=t,
+                            hand_median_s=h, ratio=t / h, overhead_ms=(t - h) * 1e3, budget_ms=0.01 * h * 1e3 + 1.0,
+                            weights_equal=equal, device=cfg.resolved_device())
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2))
+    return report

@@ -1,0 +1,147 @@
+"""`workbench` command line: parses arguments and calls library functions, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("workbench")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
+    # accelerate narrates every checkpoint file at INFO; keep the terminal for our progress bar.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train from a RunConfig YAML file (accelerate launch under the hood)")
+    t.add_argument("config", type=Path, help="RunConfig YAML")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set max_steps=200 --set task_options.n_layer=4")
+    t.add_argument("--mode", choices=["subprocess", "fork"], default="subprocess",
+                   help="subprocess: accelerate launch (default); fork: notebook_launcher in this process")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    c = sub.add_parser("check", help="validate a RunConfig YAML for this machine and show what it implies")
+    c.add_argument("config", type=Path)
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    d = sub.add_parser("demo", help="the README's main job: digits on 2 CPU processes of DDP, offline")
+    d.add_argument("--runs-dir", default="runs")
+    d.add_argument("--num-processes", type=int, default=2)
+    d.add_argument("--steps", type=int, default=300)
+
+    data = sub.add_parser("data", help="datasets declared in data-manifests/")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    dsub.add_parser("list", help="the declared datasets")
+    for name, text in (("show", "a manifest in full"), ("fetch", "fill the cache (mirror or URLs)"),
+                       ("path", "the local directory of a dataset, fetched if needed")):
+        dsub.add_parser(name, help=text).add_argument("name")
+    dsub.add_parser("verify", help="re-hash the cache; exit 1 if any file is missing or corrupt").add_argument(
+        "name", nargs="?")
+
+    r = sub.add_parser("regress", help="run notebooks headless with papermill and compare to baselines")
+    r.add_argument("targets", nargs="+", type=Path, help="notebooks (.ipynb) or suite files (.yaml)")
+    r.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                   help="papermill parameter for every case")
+    r.add_argument("--out", type=Path, required=True, help="report directory")
+    r.add_argument("--baselines", type=Path, default=None, help="baseline directory (default: suite's)")
+    r.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
+    r.add_argument("--junit", type=Path, default=None, help="also write a JUnit XML file")
+    r.add_argument("--profile", default=None, help="only cases of this profile (e.g. smoke, full)")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    o = bsub.add_parser("overhead", help="trainer against a hand-written Accelerate loop, side by side")
+    o.add_argument("--steps", type=int, default=200)
+    o.add_argument("--repeats", type=int, default=2)
+    o.add_argument("--num-processes", type=int, default=2)
+    o.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return _dispatch(args)
+    except ValueError as e:  # validation errors: the message says which field and what would work
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from . import data
+    from .config import RunConfig
+
+    if args.command in ("train", "check"):
+        cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
+        if args.command == "check":
+            from .launch import describe_launch
+
+            cfg.check()
+            print(describe_launch(cfg))
+            return 0
+        from .launch import RunFailedError, launch
+
+        try:
+            result = launch(cfg, mode=args.mode, progress=not args.no_progress)
+        except RunFailedError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        _print_summary(result.summary, result.run_dir)
+        return 0
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(runs_dir=args.runs_dir, num_processes=args.num_processes, steps=args.steps)
+    if args.command == "data":
+        if args.data_command == "list":
+            for m in data.list_manifests():
+                print(f"{m.name:20} {m.version:10} {m.license:20} {m.description}")
+        elif args.data_command == "show":
+            print(data.load_manifest(args.name).describe())
+        elif args.data_command == "fetch":
+            print(data.fetch(args.name).root)
+        elif args.data_command == "path":
+            print(data.resolve(args.name).root)
+        elif args.data_command == "verify":
+            checks = data.verify(args.name)
+            for c in checks:
+                print(c)
+            return 0 if all(c.ok for c in checks) else 1
+        return 0
+    if args.command == "regress":
+        from .regress import run
+
+        return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
+                   update_baselines=args.update_baselines, junit=args.junit, profile=args.profile)
+    if args.command == "bench":
+        from .bench import overhead
+
+        report = overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
+                          json_path=args.json)
+        print(report.table())
+        return 0 if report.passed else 1
+    raise AssertionError(args.command)
+
+
+def _print_summary(summary: dict, run_dir: Path) -> None:
+    keys = ("status", "steps", "final_loss", "eval_loss", "eval_accuracy", "samples_per_s", "tokens_per_s",
+            "peak_memory_bytes", "wall_time_s", "world_size", "precision", "device")
+    print(f"run directory: {run_dir}")
+    for k in keys:
+        if summary.get(k) is not None:
+            v = summary[k]
+            print(f"  {k:18} {v:.4g}" if isinstance(v, float) else f"  {k:18} {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Measurements shared by the trainer and benchmarks: memory, learning-rate schedule, model FLOPs utilisation."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import resource
+import sys
+
+import torch
+
+from .config import RunConfig
+
+# Dense peak FLOP/s per GPU by (name fragment, precision): vendor datasheets, no sparsity.
+_PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+]
+
+
+def peak_flops(gpu_name: str, precision: str) -> float | None:
+    """The datasheet peak for this GPU and precision, or None when the GPU isn't in the table."""
+    for fragment, table in _PEAK_FLOPS:
+        if fragment in gpu_name:
+            return table.get(precision)
+    return None
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine down to lr*min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = cfg.max_steps - cfg.warmup_steps - 1
+    if decay_steps <= 0:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated by PyTorch on this device; CPU: this process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer, bit for bit: equal digests mean identical weights."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

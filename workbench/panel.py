@@ -1,0 +1,435 @@
+"""wb.Panel: pick a run's settings in widgets, see what they imply, launch, stop, and watch it train.
+
+State lives in a traitlets model (`PanelState`); one observer re-derives every widget from it, so the
+view can't drift from the state whichever way it changed: a control, a button, a method call, or the
+thread that waits for the run. The logic needs no browser: tests drive the widgets' values and methods.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable, get_args
+
+import ipywidgets as widgets
+import traitlets
+
+from .config import Parallelism, Precision, RunConfig
+from .dashboard import ENDED, Dashboard, in_kernel
+from .hardware import detect
+from .launch import Run, RunFailedError, RunResult, describe_launch
+from .launch import launch as launch_run
+from .tasks import Task, available
+
+log = logging.getLogger("workbench")
+
+ACTIVE = ("launching", "running", "stopping")
+"""Statuses during which the settings are frozen and Launch is off."""
+
+
+class PanelState(traitlets.HasTraits):
+    """What the panel shows is a function of these traits alone."""
+
+    config = traitlets.Instance(RunConfig, allow_none=True)
+    """The RunConfig the controls form, or None when they don't form one (see `problem`)."""
+    problem = traitlets.Unicode("")
+    """Why the controls can't launch: RunConfig's own ValueError message; '' when they can."""
+    status = traitlets.Unicode("ready")
+    """ready | launching | running | stopping | completed | stopped | failed"""
+    error = traitlets.Unicode("")
+    """The last failure: a rank's RunFailedError text, or an exception raised by a button's action."""
+    message = traitlets.Unicode("")
+    """A note for the user, e.g. where the YAML went."""
+    busy = traitlets.Bool(False)
+    """A button's action is running: every button is off until it returns."""
+
+
+def short_reason(precision: str, problem: str) -> str:
+    """'fp16 needs a CUDA GPU: on CPU, ...' -> 'needs a CUDA GPU': short enough for a dropdown label."""
+    reason = problem.removeprefix(f"{precision} ")
+    return re.split(r"[:;]", reason, maxsplit=1)[0].strip()
+
+
+def precision_options(device: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(label, value) pairs for the precision dropdown, and the full reason for each unavailable one."""
+    hw = detect()
+    options, reasons = [], {}
+    for precision in get_args(Precision):
+        problem = hw.precision_problem(precision, device)
+        if problem:
+            reasons[precision] = problem
+            options.append((f"{precision} (unavailable: {short_reason(precision, problem)})", precision))
+        else:
+            options.append((precision, precision))
+    return options, reasons
+
+
+def _error_text(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, RunFailedError) else f"{type(exc).__name__}: {exc}"
+
+
+class Panel:
+    """Controls for a RunConfig, what they imply, Launch/Stop, and the live dashboard of the run.
+
+    `Panel(cfg)` fills the controls from `cfg`; fields without a control keep cfg's values. Pass your own
+    Task object as `task=` to offer it beside the built-in tasks. In a notebook the panel displays itself.
+    """
+
+    poll_interval = 1.0
+    """Seconds between dashboard reads of the run directory."""
+
+    def __init__(self, cfg: RunConfig | None = None, *, task: Task | None = None, display: bool = True) -> None:
+        if task is not None and not isinstance(task, Task):
+            raise TypeError(f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()")
+        if cfg is not None and not isinstance(cfg, RunConfig):
+            raise TypeError(f"cfg={cfg!r}: pass a workbench.RunConfig, e.g. wb.Panel(wb.RunConfig(task='digits'))")
+        self.user_task = task
+        base = cfg or (RunConfig(task=task.name) if task else RunConfig())
+        if task is not None and base.task != task.name:
+            base = base.replace(task=task.name)
+        self._base = base
+        self.state = PanelState()
+        self.run: Run | None = None
+        self.result: RunResult | None = None
+        self.dashboard: Dashboard | None = None
+        self._failure: BaseException | None = None
+        self._finished = threading.Event()
+        self._final_shown = False
+        self._filling = False
+        self._lock = threading.RLock()  # the waiting thread and the kernel both change status
+        self._build_widgets(base)
+        self.state.observe(self._render)
+        self._fill(base)
+        self._displayed_in: int | None = None
+        if display and in_kernel():
+            from IPython import get_ipython
+            from IPython.display import display as show
+
+            show(self.widget)
+            self._displayed_in = get_ipython().execution_count
+
+    # ---- widgets ------------------------------------------------------------------------------------
+    def _build_widgets(self, base: RunConfig) -> None:
+        hw = detect()
+        self.device = base.resolved_device(hw)
+        self.max_processes = hw.max_processes(self.device)
+        style = {"description_width": "140px"}
+        wide = widgets.Layout(width="380px")
+        precisions, self.precision_reasons = precision_options(self.device)
+        self.controls: dict[str, widgets.ValueWidget] = {
+            "task": widgets.Dropdown(options=self._task_options(base.task), description="task", style=style,
+                                     layout=wide),
+            "num_processes": widgets.IntSlider(min=1, max=max(1, self.max_processes), description="processes",
+                                               style=style, layout=wide),
+            "parallelism": widgets.ToggleButtons(options=list(get_args(Parallelism)), description="parallelism",
+                                                 style={**style, "button_width": "70px"}),
+            "precision": widgets.Dropdown(options=precisions, description="precision", style=style, layout=wide,
+                                          tooltip="; ".join(self.precision_reasons.values()) or None),
+            "micro_batch_size": widgets.BoundedIntText(min=1, max=2**20, description="micro-batch size",
+                                                       style=style, layout=wide),
+            "grad_accum_steps": widgets.BoundedIntText(min=1, max=2**16, description="grad accumulation",
+                                                       style=style, layout=wide),
+            "max_steps": widgets.BoundedIntText(min=1, max=10**9, description="steps", style=style, layout=wide),
+            "lr": widgets.FloatText(description="learning rate", style=style, layout=wide),
+            "run_name": widgets.Text(description="run name", placeholder="automatic: <task>-<time>", style=style,
+                                     layout=wide),
+        }
+        for name, control in self.controls.items():
+            control.add_class(f"wb-{name.replace('_', '-')}")
+            control.observe(self._on_control, names="value")
+        limit = widgets.HTML(f"<small>up to {self.max_processes} on {html.escape(hw.describe(self.device))}</small>")
+
+        self.batch_info = widgets.HTML()
+        self.batch_info.add_class("wb-batch")
+        self.launch_info = widgets.HTML()
+        self.launch_info.add_class("wb-launch-info")
+        self.estimates = widgets.HTML(self.estimates_html(base))
+        self.estimates.add_class("wb-estimates")
+        self.problem_box = widgets.HTML()
+        self.problem_box.add_class("wb-problem")
+
+        self.launch_button = widgets.Button(description="Launch", button_style="success", icon="play")
+        self.launch_button.add_class("wb-launch")
+        self.stop_button = widgets.Button(description="Stop", button_style="warning", icon="stop",
+                                          tooltip="Ranks agree on a step, save a checkpoint and exit")
+        self.stop_button.add_class("wb-stop")
+        self.yaml_path = widgets.Text(value="run.yaml", description="YAML file",
+                                      layout=widgets.Layout(width="260px"))
+        self.save_button = widgets.Button(description="Save as YAML", icon="save",
+                                          tooltip="Write the config for `workbench train FILE`")
+        self.save_button.add_class("wb-save")
+        self.launch_button.on_click(self._on_click(self.launch))
+        self.stop_button.on_click(self._on_click(self.stop))
+        self.save_button.on_click(self._on_click(self.save_yaml))
+
+        self.status_box = widgets.HTML()
+        self.status_box.add_class("wb-status-line")
+        self.error_box = widgets.HTML()
+        self.error_box.add_class("wb-error")
+        self.dashboard_box = widgets.VBox([])
+        c = self.controls
+        left = widgets.VBox([c["task"], widgets.HBox([c["num_processes"], limit]), c["parallelism"],
+                             c["precision"], c["micro_batch_size"], c["grad_accum_steps"], c["max_steps"], c["lr"],
+                             c["run_name"]])
+        right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,
+                              self.estimates], layout=widgets.Layout(margin="0 0 0 2em", max_width="460px"))
+        self.widget = widgets.VBox([
+            widgets.HTML("<h3 style='margin:0.2em 0'>workbench: configure a run</h3>"),
+            widgets.HBox([left, right]), self.problem_box,
+            widgets.HBox([self.launch_button, self.stop_button, self.yaml_path, self.save_button]),
+            self.status_box, self.error_box, self.dashboard_box,
+        ])
+        self.widget.add_class("wb-panel")
+
+    def _task_options(self, selected: str) -> list[tuple[str, str]]:
+        names = available()
+        options = [(name, name) for name in names if not (self.user_task and name == self.user_task.name)]
+        if self.user_task is not None:
+            options.insert(0, (f"{self.user_task.name} (your task)", self.user_task.name))
+        if selected not in [value for _, value in options]:
+            options.append((selected, selected))  # an import path 'module:Class' from a YAML file
+        return options
+
+    def estimates_html(self, cfg: RunConfig | None) -> str:
+        """Placeholder for memory/time/cost estimates of `cfg`; the estimator will fill this area."""
+        return ("<div style='border:1px dashed #999;padding:4px 8px;color:#666'>"
+                "<b>Estimates</b> (memory / time / cost): <i>placeholder, not estimated yet</i></div>")
+
+    # ---- controls <-> RunConfig ---------------------------------------------------------------------
+    def _control_values(self) -> dict[str, Any]:
+        values = {name: control.value for name, control in self.controls.items()}
+        values["run_name"] = values["run_name"].strip() or None
+        return values
+
+    @property
+    def config(self) -> RunConfig:
+        """The RunConfig as the controls stand; ValueError (RunConfig's message) when they don't form one."""
+        return self._base.replace(**self._control_values())
+
+    @config.setter
+    def config(self, cfg: RunConfig) -> None:
+        if self.state.status in ACTIVE:
+            raise RuntimeError("the settings are frozen while a run is going: stop it or wait for it first")
+        self._base = cfg
+        self._fill(cfg)
+
+    def _fill(self, cfg: RunConfig) -> None:
+        self._filling = True
+        try:
+            c = self.controls
+            c["task"].options = self._task_options(cfg.task)
+            c["num_processes"].max = max(c["num_processes"].max, cfg.num_processes)  # over the limit: say so
+            for name, control in c.items():
+                value = getattr(cfg, name)
+                control.value = "" if value is None else value
+        finally:
+            self._filling = False
+        self._derive()
+
+    def _on_control(self, change: dict[str, Any]) -> None:
+        if not self._filling:
+            self._derive()
+
+    def task_for(self, name: str) -> Task | None:
+        """The user's Task object when `name` is its name; None means the registry resolves it."""
+        return self.user_task if self.user_task is not None and name == self.user_task.name else None
+
+    def _derive(self) -> None:
+        try:
+            cfg = self.config
+        except ValueError as e:
+            cfg, problem = None, str(e)
+        else:
+            try:
+                cfg.check(task=self.task_for(cfg.task))
+                problem = ""
+            except ValueError as e:
+                problem = str(e)
+        with self.state.hold_trait_notifications():
+            self.state.config = cfg
+            self.state.problem = problem
+        self._render()
+
+    # ---- the one view of the state ------------------------------------------------------------------
+    def _render(self, change: Any = None) -> None:
+        with self._lock:
+            s = self.state
+            frozen = s.status in ACTIVE or s.busy
+            for control in self.controls.values():
+                control.disabled = frozen
+            self.launch_button.disabled = frozen or s.config is None or bool(s.problem)
+            self.stop_button.disabled = s.status != "running" or s.busy
+            self.save_button.disabled = s.busy or s.config is None
+            self.yaml_path.disabled = s.busy
+            cfg = s.config
+            if cfg is None:
+                self.batch_info.value = "global batch: –"
+                self.launch_info.value = ""
+            else:
+                procs = f"{cfg.num_processes} process" + ("es" if cfg.num_processes > 1 else "")
+                self.batch_info.value = (f"global batch <b>{cfg.global_batch_size}</b> = {cfg.micro_batch_size} "
+                                         f"micro-batch × {cfg.grad_accum_steps} accumulation × {procs}")
+                self.launch_info.value = html.escape(describe_launch(cfg))
+            self.estimates.value = self.estimates_html(cfg)
+            self.problem_box.value = ("" if not s.problem else
+                                      "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
+                                      f"{html.escape(s.problem)}</div>")
+            self.status_box.value = self._status_html()
+            self.error_box.value = self._error_html(s.error)
+
+    def _status_html(self) -> str:
+        s, name = self.state, html.escape(self.run.run_dir.name) if self.run else ""
+        text = {
+            "ready": "ready: pick the settings, then Launch",
+            "launching": "launching…",
+            "running": f"running <b>{name}</b>: Stop makes the ranks save a checkpoint and exit",
+            "stopping": f"stopping <b>{name}</b>: the ranks finish a step, save a checkpoint and exit…",
+            "completed": f"completed <b>{name}</b>; change the settings and Launch again to compare",
+            "stopped": f"stopped <b>{name}</b> (checkpoint saved); Launch starts a new run",
+            "failed": "failed: the error is below; fix it and Launch again",
+        }.get(s.status, html.escape(s.status))
+        note = f"<br><small>{html.escape(s.message)}</small>" if s.message else ""
+        return f"<span class='wb-status' data-status='{html.escape(s.status)}'>{text}</span>{note}"
+
+    @staticmethod
+    def _error_html(error: str) -> str:
+        if not error:
+            return ""
+        first, _, rest = error.partition("\n")
+        detail = (f"<pre style='max-height:16em;overflow:auto;font-size:85%'>{html.escape(rest)}</pre>"
+                  if rest.strip() else "")
+        return f"<div style='color:#b00020'><b>{html.escape(first)}</b>{detail}</div>"
+
+    # ---- actions ------------------------------------------------------------------------------------
+    def _on_click(self, action: Callable[[], Any]) -> Callable[[Any], None]:
+        def handler(_button: Any) -> None:
+            # ipywidgets would send a callback's exception to the browser console, where nobody looks.
+            self.state.busy = True
+            try:
+                self.state.error = ""
+                action()
+            except Exception as e:  # noqa: BLE001  (shown in the panel instead)
+                self.state.error = _error_text(e)
+            finally:
+                self.state.busy = False
+        return handler
+
+    def launch(self) -> Run:
+        """Launch the run the controls describe (the Launch button); returns the Run handle at once."""
+        with self._lock:
+            if self.state.status in ACTIVE:
+                raise RuntimeError(f"a run is going ({self.run.run_dir.name if self.run else '?'}): stop it or "
+                                   "wait for it (panel.wait()) before launching another")
+            cfg = self.config
+            if self.state.problem:
+                raise ValueError(self.state.problem)
+            self.state.error = ""
+            self.state.message = ""
+            self.state.status = "launching"
+        try:
+            run = launch_run(cfg, task=self.task_for(cfg.task), wait=False)
+        except BaseException:
+            self.state.status = "ready"
+            raise
+        assert isinstance(run, Run)
+        self.run, self.result, self._failure, self._final_shown = run, None, None, False
+        self._finished = finished = threading.Event()
+        self.dashboard = Dashboard(run.run_dir, max_steps=run.config.max_steps, interval=self.poll_interval)
+        self.dashboard_box.children = [self.dashboard.widget]
+        self.dashboard.start()
+        self.state.status = "running"
+        threading.Thread(target=self._watch, args=(run, self.dashboard, finished), daemon=True,
+                         name=f"wb-panel-{run.run_dir.name}").start()
+        return run
+
+    def _watch(self, run: Run, dashboard: Dashboard, finished: threading.Event) -> None:
+        """Wait for the run in a thread, so the kernel stays free; then record how it ended."""
+        result, failure = None, None
+        try:
+            while True:
+                try:
+                    result = run.wait()
+                    break
+                except TimeoutError:
+                    # Run.stop() polls the process from the kernel's thread; if that poll reaped the exit first,
+                    # this wait saw no exit code yet. It is recorded now, so asking again answers.
+                    continue
+        except BaseException as e:  # noqa: BLE001  (RunFailedError, or anything else: shown, never lost)
+            failure = e
+        try:
+            dashboard.stop()
+        except Exception:  # noqa: BLE001
+            log.exception("dashboard of %s: final refresh failed", run.run_dir)
+        with self._lock:
+            self.result, self._failure = result, failure
+            status = result.status if result is not None else "failed"
+            with self.state.hold_trait_notifications():
+                self.state.error = "" if failure is None else _error_text(failure)
+                self.state.status = status if status in ENDED else "failed"
+        finished.set()
+
+    def stop(self) -> None:
+        """Ask the ranks to save a checkpoint and exit (the Stop button); returns at once, see wait()."""
+        with self._lock:
+            if self.run is None or self.state.status not in ("running", "stopping"):
+                self.state.message = "nothing is running to stop"
+                return
+            self.run.stop()
+            if self.state.status == "running":
+                self.state.status = "stopping"
+
+    def wait(self, timeout: float | None = None, *, show: bool = True) -> RunResult:
+        """Block until the run ends; returns its RunResult or raises RunFailedError, like Run.wait().
+
+        In a notebook the final figure is displayed as a static image, so the saved notebook keeps it.
+        Interrupting the kernel while waiting asks the run to stop (checkpoint), then re-raises.
+        """
+        if self.run is None:
+            raise RuntimeError("nothing to wait for: launch a run first (panel.launch() or the Launch button)")
+        try:
+            if not self._finished.wait(timeout):
+                raise TimeoutError(f"run {self.run.run_dir.name} still running after {timeout}s; call wait() "
+                                   "again or stop()")
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        if show and not self._final_shown and self.dashboard is not None:
+            self._final_shown = True
+            self.dashboard.show_final()
+        if self._failure is not None:
+            raise self._failure
+        assert self.result is not None
+        return self.result
+
+    def save_yaml(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the config as YAML (the Save button, to the path in the text box) for `workbench train`."""
+        raw = str(path if path is not None else self.yaml_path.value).strip()
+        if not raw:
+            raise ValueError("YAML file: the path is empty; type a file name such as run.yaml")
+        target = Path(raw).expanduser()
+        cfg = self.config
+        cfg.to_yaml(target)
+        note = ""
+        if self.task_for(cfg.task) is not None:
+            note = (f" (task {cfg.task!r} lives in this notebook: for the shell, register it in an importable "
+                    "module or set task to 'module:ClassName')")
+        self.state.message = f"saved {target}; train it from a shell with: workbench train {raw}{note}"
+        return target
+
+    # ---- display ------------------------------------------------------------------------------------
+    def _ipython_display_(self) -> None:
+        from IPython import get_ipython
+        from IPython.display import display
+
+        shell = get_ipython()
+        # The constructor already showed the panel in this cell; `wb.Panel(cfg)` as a cell's last line
+        # would otherwise show it twice.
+        if shell is None or shell.execution_count != self._displayed_in:
+            display(self.widget)
+
+    def __repr__(self) -> str:
+        return f"<workbench.Panel status={self.state.status!r} run={self.run.run_dir.name if self.run else None!r}>"

@@ -1,0 +1,230 @@
+"""Metrics a notebook hands to the regression suite: `wb.record(...)` and `record_run(result)`.
+
+A recorded metric is a display_data output with the MIME type `application/vnd.workbench.metric+json` (and a
+text/plain line for people), so it lives in the executed notebook itself: the suite reads it back with nbformat,
+and nothing is written beside the notebook. Loss curves travel the same way as `application/vnd.workbench.curve+json`.
+Outside a Jupyter kernel nothing is displayed, so scripts and tests can call these freely.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import re
+import sys
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import nbformat
+
+    from .launch import RunResult
+
+log = logging.getLogger("workbench")
+
+METRIC_MIME = "application/vnd.workbench.metric+json"
+CURVE_MIME = "application/vnd.workbench.curve+json"
+DIRECTIONS = ("higher", "lower")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]*$")
+
+# What record_run records from summary.json: (key, direction, unit, default tolerance). Losses are two-sided on
+# purpose: with a fixed seed, a loss that moved a lot either way means the run changed; a real improvement is
+# accepted with --update-baselines. Throughput and memory only fail when they get worse. Wall time includes
+# process start and eval, too noisy to judge: reported only. Suites override any of these per metric.
+_RUN_METRICS: tuple[tuple[str, str | None, str | None, dict[str, Any]], ...] = (
+    ("final_loss", "lower", None, {"mode": "abs", "abs": 0.05}),
+    ("eval_loss", "lower", None, {"mode": "abs", "abs": 0.05}),
+    ("eval_accuracy", "higher", None, {"mode": "abs", "abs": 0.02}),
+    ("samples_per_s", "higher", "samples/s", {"mode": "higher_is_better", "rel": 0.2}),
+    ("tokens_per_s", "higher", "tokens/s", {"mode": "higher_is_better", "rel": 0.2}),
+    ("peak_memory_bytes", "lower", "bytes", {"mode": "lower_is_better", "rel": 0.1}),
+    ("wall_time_s", "lower", "s", {"mode": "info"}),
+)
+
+# Per kernel: how many runs each prefix has recorded, and which name each run got (so a second wait() on the same
+# run doesn't record it twice). Re-executing a notebook starts a new kernel, so names repeat run after run.
+_prefix_counts: dict[str, int] = {}
+_run_names: dict[tuple[str, str], str] = {}
+
+
+def _kernel_shell() -> Any:
+    """The IPython shell when running inside a Jupyter kernel (papermill included), else None."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:  # never imported: certainly not in a kernel, and importing it would cost time
+        return None
+    shell = ipython.get_ipython()
+    return shell if shell is not None and getattr(shell, "kernel", None) is not None else None
+
+
+def encode_value(value: float) -> float | int | str:
+    """JSON has no NaN/inf, and a diverged loss is exactly what must survive the trip: non-finite become strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # 'nan', 'inf', '-inf'
+    return value
+
+
+def decode_value(value: Any) -> float | int:
+    if isinstance(value, str):
+        return float(value)
+    return value
+
+
+def _check_name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{what}={name!r}: use letters, digits, '_', '.', '-' or '/', starting with a letter, "
+                         "digit or '_' (e.g. 'val_loss')")
+    return name
+
+
+def _number(name: str, value: Any) -> float | int:
+    if isinstance(value, (bool, str)) or value is None:
+        raise ValueError(f"record({name!r}, {value!r}): value must be a number, e.g. float(loss)")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    try:
+        return float(value)  # numpy scalars, 0-d tensors
+    except (TypeError, ValueError):
+        raise ValueError(f"record({name!r}, {value!r}): value must be a number (or a 0-d tensor), "
+                         f"not {type(value).__name__}") from None
+
+
+def _display(bundle: dict[str, Any]) -> None:
+    from IPython.display import display
+
+    display(bundle, raw=True)
+
+
+def record(name: str, value: float, *, direction: str | None = None,
+           tolerance: Mapping[str, Any] | str | None = None, unit: str | None = None) -> None:
+    """Record a metric for the regression suite (`workbench regress`) in this notebook's output.
+
+    direction: 'higher' or 'lower' is better; with a tolerance that has no `mode`, the check is one-sided.
+    tolerance: {'abs': 0.1} | {'rel': 0.05} | {'mode': 'lower_is_better', 'rel': 0.1} | 'exact' | 'info'.
+    The suite's tolerances, when it sets one for this metric, take precedence.
+    """
+    from .regress import parse_rule  # validation only; regress imports nothing heavy at module level
+
+    _check_name(name, "name")
+    value = _number(name, value)
+    if direction is not None and direction not in DIRECTIONS:
+        raise ValueError(f"record({name!r}): direction={direction!r}: use 'higher', 'lower' or None")
+    if tolerance is not None:
+        parse_rule(tolerance, direction, where=f"record({name!r}) tolerance")
+    if unit is not None and not isinstance(unit, str):
+        raise ValueError(f"record({name!r}): unit={unit!r}: use a string such as 's' or 'bytes'")
+    payload = {"name": name, "value": encode_value(value), "direction": direction,
+               "tolerance": dict(tolerance) if isinstance(tolerance, Mapping) else tolerance, "unit": unit}
+    text = f"{name} = {value:.6g}" + (f" {unit}" if unit else "")
+    if direction:
+        text += f" ({direction} is better)"
+    if _kernel_shell() is None:
+        log.info("recorded %s (not in a Jupyter kernel: nothing is kept for the regression suite)", text)
+        return
+    _display({METRIC_MIME: payload, "text/plain": f"[workbench metric] {text}"})
+
+
+def record_curve(name: str, points: Sequence[Sequence[float]], *, x: str = "step", y: str = "loss") -> None:
+    """Record a curve, [[x, y], ...], that reports overlay on the baseline's (no pass/fail of its own)."""
+    _check_name(name, "name")
+    clean = [[p[0], encode_value(float(p[1]))] for p in points]
+    if _kernel_shell() is None:
+        log.debug("curve %s: %d points (not in a Jupyter kernel: nothing recorded)", name, len(clean))
+        return
+    _display({CURVE_MIME: {"name": name, "x": x, "y": y, "points": clean},
+              "text/plain": f"[workbench curve] {name}: {len(clean)} points of {y} by {x}"})
+
+
+def _new_run_name(prefix: str) -> str:
+    i = _prefix_counts.get(prefix, 0)
+    _prefix_counts[prefix] = i + 1
+    # run, run1, run2 ... ; a prefix ending in a digit gets '_' so fp32 + 1 doesn't read as fp321.
+    return prefix if i == 0 else f"{prefix}{'_' if prefix[-1].isdigit() else ''}{i}"
+
+
+def record_run(result: RunResult, prefix: str = "") -> str | None:
+    """Record a run's summary (loss, eval, throughput, memory, wall time) and its loss curve as `<prefix>.*`.
+
+    prefix '' means 'run'; the second run recorded under one prefix in a kernel is 'run1', then 'run2', in
+    launch order, so names are the same each time the notebook is executed. Recording the same run again is a
+    no-op. Outside a Jupyter kernel this does nothing and returns None; otherwise it returns the prefix used.
+    """
+    if _kernel_shell() is None:
+        return None
+    base = _check_name(prefix or "run", "prefix")
+    key = (str(Path(result.run_dir).resolve()), base)
+    if key in _run_names:
+        return _run_names[key]
+    name = _run_names[key] = _new_run_name(base)
+    summary = result.summary
+    known = {k for k, *_ in _RUN_METRICS}
+    extra_eval = [(k, "higher" if "acc" in k else "lower" if "loss" in k or "perplexity" in k else None, None,
+                   {"mode": "rel", "rel": 0.05}) for k in sorted(summary) if k.startswith("eval_") and k not in known]
+    for key, direction, unit, tolerance in (*_RUN_METRICS, *extra_eval):
+        value = summary.get(key)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            record(f"{name}.{key}", value, direction=direction, tolerance=tolerance, unit=unit)
+    points = [[row["step"], row["loss"]] for row in result.metrics
+              if row.get("loss") is not None and row.get("step") is not None]
+    if points:
+        record_curve(f"{name}.loss", points)
+    return name
+
+
+# ---- reading back ---------------------------------------------------------------------------------------------
+@dataclass
+class RecordedMetric:
+    """One wb.record() call as found in an executed notebook."""
+
+    name: str
+    value: float | int
+    direction: str | None = None
+    tolerance: Mapping[str, Any] | str | None = None
+    unit: str | None = None
+
+
+@dataclass
+class Records:
+    """Everything a notebook recorded. A name recorded twice keeps its last value and is listed in `repeated`."""
+
+    metrics: dict[str, RecordedMetric] = field(default_factory=dict)
+    curves: dict[str, list[list[float]]] = field(default_factory=dict)
+    repeated: list[str] = field(default_factory=list)
+
+
+def read_records(nb: str | Path | nbformat.NotebookNode) -> Records:
+    """The metrics and curves recorded in an executed notebook (a path or an nbformat node)."""
+    import nbformat
+
+    if not isinstance(nb, nbformat.NotebookNode):
+        nb = nbformat.read(str(nb), as_version=4)
+    found = Records()
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.get("output_type") not in ("display_data", "execute_result"):
+                continue
+            data = output.get("data", {})
+            if METRIC_MIME in data:
+                m = data[METRIC_MIME]
+                if m["name"] in found.metrics:
+                    found.repeated.append(m["name"])
+                found.metrics[m["name"]] = RecordedMetric(m["name"], decode_value(m["value"]), m.get("direction"),
+                                                          m.get("tolerance"), m.get("unit"))
+            if CURVE_MIME in data:
+                c = data[CURVE_MIME]
+                found.curves[c["name"]] = [[p[0], decode_value(p[1])] for p in c["points"]]
+    return found
+
+
+class _CallableModule(types.ModuleType):
+    """`wb.record(...)` must keep working after this submodule is imported: importing `workbench.record` binds the
+    package attribute `record` to this module, shadowing the lazily exported function. Calling the module calls it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return record(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

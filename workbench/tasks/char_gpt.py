@@ -1,0 +1,181 @@
+"""char-gpt: a GPT-style character model (causal self-attention via scaled_dot_product_attention).
+
+Sizes go from a CPU smoke run ('tiny') to GPT-2 small ('gpt2-small', 124M-class with a char vocabulary);
+any of n_layer, n_head, n_embd, block_size given in task_options overrides the preset.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from . import Task, register_task
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
+    "small": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256},
+    "gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int,
+                 dropout: float = 0.0, bias: bool = False) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # weight tying, as in GPT-2
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class CharWindows(Dataset):
+    """Every window of block_size + 1 characters starting at a multiple of `stride`: (input, next-char target)."""
+
+    def __init__(self, ids: torch.Tensor, block_size: int, stride: int) -> None:
+        self.ids, self.block_size, self.stride = ids, block_size, stride
+        self.n = max(0, (len(ids) - block_size - 1) // stride + 1)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.stride
+        chunk = self.ids[start:start + self.block_size + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+@register_task
+class CharGPTTask(Task):
+    name = "char-gpt"
+    default_options: dict[str, Any] = {
+        "preset": "tiny", "n_layer": None, "n_head": None, "n_embd": None, "block_size": None,
+        "dropout": 0.0, "bias": False, "dataset": "tinyshakespeare", "eval_fraction": 0.1, "train_stride": 1,
+    }
+
+    def __init__(self) -> None:
+        self._text_cache: tuple[str, str] | None = None
+
+    def model_options(self, cfg: RunConfig) -> dict[str, Any]:
+        o = self.options(cfg)
+        size = dict(PRESETS[o["preset"]])
+        size.update({k: o[k] for k in size if o[k] is not None})
+        return {**size, "dropout": o["dropout"], "bias": o["bias"]}
+
+    def _text(self, cfg: RunConfig) -> str:
+        dataset = self.options(cfg)["dataset"]
+        if self._text_cache is None or self._text_cache[0] != dataset:
+            from .. import data
+
+            resolved = data.resolve(dataset, progress=False)
+            path = next(iter(resolved.files.values()))
+            self._text_cache = (dataset, path.read_text(encoding="utf-8"))
+        return self._text_cache[1]
+
+    def vocab(self, cfg: RunConfig) -> list[str]:
+        return sorted(set(self._text(cfg)))
+
+    def build_model(self, cfg: RunConfig) -> GPT:
+        return GPT(vocab_size=len(self.vocab(cfg)), **self.model_options(cfg))
+
+    def build_datasets(self, cfg: RunConfig) -> tuple[CharWindows, CharWindows]:
+        text = self._text(cfg)
+        stoi = {ch: i for i, ch in enumerate(self.vocab(cfg))}
+        ids = torch.tensor([stoi[c] for c in text], dtype=torch.int16 if len(stoi) > 255 else torch.uint8)
+        o, block = self.options(cfg), self.model_options(cfg)["block_size"]
+        split = int(len(ids) * (1 - o["eval_fraction"]))
+        return (CharWindows(ids[:split], block, o["train_stride"]),
+                CharWindows(ids[split:], block, block))
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+    def tokens_per_sample(self, cfg: RunConfig) -> int:
+        return self.model_options(cfg)["block_size"]
+
+    def flops_per_sample(self, cfg: RunConfig, model: nn.Module) -> float:
+        # PaLM appendix B / nanoGPT: 6N per token for the weights plus 12*L*H*Q*T for attention.
+        m = self.model_options(cfg)
+        n_params = sum(p.numel() for p in model.parameters()) - m["block_size"] * m["n_embd"]
+        t = m["block_size"]
+        per_token = 6 * n_params + 12 * m["n_layer"] * m["n_head"] * (m["n_embd"] // m["n_head"]) * t
+        return float(per_token * t)
+
+    def check_options(self, cfg: RunConfig) -> None:
+        super().check_options(cfg)
+        o = self.options(cfg)
+        if o["preset"] not in PRESETS:
+            raise ValueError(f"task_options.preset={o['preset']!r}: choose one of {sorted(PRESETS)}")
+        m = self.model_options(cfg)
+        for k in ("n_layer", "n_head", "n_embd", "block_size"):
+            if not isinstance(m[k], int) or m[k] < 1:
+                raise ValueError(f"task_options.{k}={m[k]!r}: must be a positive integer")
+        if m["n_embd"] % m["n_head"]:
+            raise ValueError(f"task_options.n_embd={m['n_embd']} is not divisible by n_head={m['n_head']}; "
+                             f"use a multiple, e.g. n_embd={m['n_head'] * 64}")
+        if not 0 <= o["dropout"] < 1:
+            raise ValueError(f"task_options.dropout={o['dropout']!r}: must be in [0, 1)")
+        if not isinstance(o["train_stride"], int) or o["train_stride"] < 1:
+            raise ValueError(f"task_options.train_stride={o['train_stride']!r}: must be a positive integer")

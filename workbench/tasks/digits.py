@@ -1,0 +1,72 @@
+"""digits: an MLP classifier on scikit-learn's bundled 8x8 handwritten digits (1,797 images, offline)."""
+
+from __future__ import annotations
+
+import gzip
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from . import Task, register_task
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+
+# The split must not move with cfg.seed, or eval numbers of different seeds would not be comparable.
+_SPLIT_SEED = 1234
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """(images scaled to [0, 1] as float32 of shape (n, 64), labels as int64), via the digits manifest."""
+    from .. import data
+
+    resolved = data.resolve("digits", progress=False)
+    path = next(iter(resolved.files.values()))
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    return table[:, :-1] / 16.0, table[:, -1].astype(np.int64)
+
+
+@register_task
+class DigitsTask(Task):
+    name = "digits"
+    default_options = {"hidden": 128, "dropout": 0.1, "eval_fraction": 0.2}
+
+    def build_model(self, cfg: RunConfig) -> nn.Module:
+        o = self.options(cfg)
+        return nn.Sequential(
+            nn.Linear(64, o["hidden"]), nn.GELU(), nn.Dropout(o["dropout"]),
+            nn.Linear(o["hidden"], o["hidden"]), nn.GELU(), nn.Dropout(o["dropout"]),
+            nn.Linear(o["hidden"], 10),
+        )
+
+    def build_datasets(self, cfg: RunConfig) -> tuple[TensorDataset, TensorDataset]:
+        x, y = load_digits_arrays()
+        order = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
+        n_eval = int(len(y) * self.options(cfg)["eval_fraction"])
+        ev, tr = order[:n_eval], order[n_eval:]
+        return (TensorDataset(torch.from_numpy(x[tr]), torch.from_numpy(y[tr])),
+                TensorDataset(torch.from_numpy(x[ev]), torch.from_numpy(y[ev])))
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x, y = batch
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float(), y)
+        accuracy = (logits.argmax(dim=-1) == y).float().mean()
+        return loss, {"accuracy": accuracy}
+
+    def flops_per_sample(self, cfg: RunConfig, model: nn.Module) -> float:
+        return 6.0 * sum(p.numel() for p in model.parameters())
+
+    def check_options(self, cfg: RunConfig) -> None:
+        super().check_options(cfg)
+        o = self.options(cfg)
+        if not isinstance(o["hidden"], int) or o["hidden"] < 1:
+            raise ValueError(f"task_options.hidden={o['hidden']!r}: must be a positive integer")
+        if not 0 <= o["dropout"] < 1:
+            raise ValueError(f"task_options.dropout={o['dropout']!r}: must be in [0, 1)")
+        if not 0 < o["eval_fraction"] < 1:
+            raise ValueError(f"task_options.eval_fraction={o['eval_fraction']!r}: must be in (0, 1)")
