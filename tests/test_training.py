@@ -265,3 +265,17 @@ def test_workbench_train_runs_from_the_shell(runs_dir: Path, tmp_path: Path) -> 
     invalid = subprocess.run([sys.executable, "-m", "workbench.cli", "train", str(path), "--set", "num_processes=0"],
                              env=env, capture_output=True, text=True, timeout=120)
     assert invalid.returncode == 2 and "num_processes=0: must be at least 1" in invalid.stderr
+
+
+def test_user_task_defined_in_a_notebook_cell_runs_on_two_ranks(tmp_path: Path) -> None:
+    import papermill
+
+    source = Path(__file__).parent / "fixtures" / "notebooks" / "launches_task_defined_in_a_cell.ipynb"
+    out = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(source), str(out), parameters={"runs_dir": str(tmp_path / "runs")},
+                               cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
+    summary = rundir.read_json(tmp_path / "runs" / "from-a-cell" / "summary.json")
+    assert summary["status"] == "completed" and summary["task"] == "cell-task"
+    assert {r["distributed_type"] for r in summary["ranks"]} == {"MULTI_CPU"}
+    text = out.read_text()
+    assert "status completed world 2 same weights True" in text

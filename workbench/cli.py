@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--mode", choices=["subprocess", "fork"], default="subprocess",
                    help="subprocess: accelerate launch (default); fork: notebook_launcher in this process")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--prepare-only", action="store_true",
+                   help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "
+                        "yourself (multi-node, Slurm)")
 
     c = sub.add_parser("check", help="validate a RunConfig YAML for this machine and show what it implies")
     c.add_argument("config", type=Path)
@@ -70,11 +73,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose)
+    from .data import DataUnavailableError
+
     try:
         return _dispatch(args)
     except ValueError as e:  # validation errors: the message says which field and what would work
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DataUnavailableError as e:  # offline and no mirror: the message says how to provide one
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -88,6 +96,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             cfg.check()
             print(describe_launch(cfg))
+            return 0
+        if args.prepare_only:
+            from .rundir import prepare
+
+            print(prepare(cfg)[1])
             return 0
         from .launch import RunFailedError, launch
 

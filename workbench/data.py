@@ -57,7 +57,15 @@ log = logging.getLogger("workbench")
 SCHEMA_VERSION = 1
 SOURCES = ("url", "package", "synthetic")
 #: Built-in manifests live beside the package, at the repository root.
-MANIFEST_DIR = Path(__file__).resolve().parent.parent / "data-manifests"
+def _builtin_manifest_dir() -> Path:
+    """data-manifests/ of a source checkout (editable install), else the copy a wheel ships."""
+    checkout = Path(__file__).resolve().parent.parent / "data-manifests"
+    if checkout.is_dir():
+        return checkout
+    return Path(__file__).resolve().parent / "builtin_manifests"
+
+
+MANIFEST_DIR = _builtin_manifest_dir()
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -241,6 +241,10 @@ class Run:
                                    "stop() or kill()")
             finalize(self.run_dir, exitcode=code)
             self._result = RunResult(self.run_dir, self.config)
+            if self._result.status in ("completed", "stopped"):
+                from .record import record_run
+
+                record_run(self._result)  # in a notebook: the regression suite reads these back (no-op elsewhere)
         summary = self._result.summary
         if summary.get("status") == "failed":
             raise RunFailedError(self.run_dir, summary.get("error", {}))

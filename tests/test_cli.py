@@ -1,0 +1,62 @@
+"""The command line: thin wrappers whose exit codes and messages users and CI scripts rely on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+from workbench import rundir
+from workbench.cli import main
+
+
+def test_data_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["data", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "tinyshakespeare" in out and "digits" in out
+    assert main(["data", "show", "tinyshakespeare"]) == 0
+    assert "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed" in capsys.readouterr().out
+
+
+def test_data_path_and_verify_exit_codes(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch, needs_mirror: Path) -> None:
+    monkeypatch.setenv("WORKBENCH_DATA_DIR", str(tmp_path / "cache"))
+    assert main(["data", "verify", "tinyshakespeare"]) == 1  # nothing cached yet: missing
+    assert "missing" in capsys.readouterr().out
+    assert main(["data", "path", "tinyshakespeare"]) == 0
+    root = Path(capsys.readouterr().out.strip())
+    assert (root / "input.txt").stat().st_size == 1_115_394
+    assert main(["data", "verify", "tinyshakespeare"]) == 0
+    (root / "input.txt").write_text("tampered")
+    assert main(["data", "verify", "tinyshakespeare"]) == 1
+    assert "corrupt" in capsys.readouterr().out
+
+
+def test_unknown_dataset_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["data", "show", "imagenet"]) == 2
+    assert "imagenet" in capsys.readouterr().err
+
+
+def test_check_validates_and_describes_the_launch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    wb.RunConfig(num_processes=2, micro_batch_size=8, grad_accum_steps=2, device="cpu").to_yaml(path)
+    assert main(["check", str(path)]) == 0
+    assert "2 CPU processes, DDP over gloo, fp32, global batch 32" in capsys.readouterr().out
+    assert main(["check", str(path), "--set", "precision=fp16"]) == 2
+    assert "fp16 needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_is_a_real_two_rank_run_with_a_plot(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--runs-dir", str(tmp_path), "--steps", "40"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "weights identical on every rank: True" in proc.stdout
+    (run_dir,) = tmp_path.iterdir()
+    summary = rundir.read_json(run_dir / "summary.json")
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert (run_dir / "plot.png").stat().st_size > 10_000
+    assert rundir.read_jsonl(run_dir / "metrics.jsonl")
