@@ -305,7 +305,8 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True,
                               name=f"workbench-{cfg.run_name}")
         process.start()
     elif mode == "subprocess":
-        env = {**os.environ, "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1"}
+        env = {"OMP_NUM_THREADS": str(max(1, detect().cpu_count // cfg.num_processes)), **os.environ,
+               "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(_launch_command(cfg, run_dir, port), env=env, start_new_session=True)
     else:
         raise ValueError(f"mode={mode!r}: choose 'fork' or 'subprocess'")

@@ -177,8 +177,9 @@ class Trainer:
             rundir.event(self.run_dir, "resumed" if resumed_from else "started", step=self.state.step,
                          world_size=self.world, device=str(self.device), checkpoint=resumed_from)
             self._write_summary("running")
-        self.log.info("training %s: %d ranks on %s, %s, global batch %d, %d params", cfg.task, self.world,
-                      self.device.type, cfg.precision, cfg.global_batch_size, self.n_params)
+        if self.main:  # other ranks stay quiet unless something goes wrong
+            self.log.info("training %s: %d ranks on %s, %s, global batch %d, %d params", cfg.task, self.world,
+                          self.device.type, cfg.precision, cfg.global_batch_size, self.n_params)
 
         batches = self.batches.iterate(self.state.micro_batches)
         self.model.train()
