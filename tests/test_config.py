@@ -156,3 +156,11 @@ def test_register_task_needs_a_name() -> None:
 
     with pytest.raises(ValueError, match="needs a class attribute `name`"):
         wb.register_task(Nameless)
+
+
+@pytest.mark.parametrize("name,model", [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA A100-SXM4-80GB", "A100"),
+                                        ("NVIDIA GeForce RTX 4090", "RTX4090"), ("Tesla V100-SXM2-16GB", "V100")])
+def test_baseline_device_class_names_the_gpu_model_not_its_memory_or_brand(name: str, model: str) -> None:
+    hw = Hardware(cpu_count=8, gpus=(GPU(name=name, compute_capability=(8, 0), memory_bytes=1),))
+    assert hw.device_class == f"cuda-{model}"
+    assert CPU2.device_class == "cpu"

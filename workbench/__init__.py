@@ -7,6 +7,7 @@ from typing import Any
 from . import data
 from .config import RunConfig
 from .launch import Run, RunFailedError, RunResult, launch
+from .record import record  # eager: binds the function over the submodule of the same name
 from .tasks import Task, register_task
 
 __all__ = ["RunConfig", "Run", "RunFailedError", "RunResult", "Task", "Panel", "data", "launch", "record",
@@ -15,13 +16,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # ipywidgets and the regression tooling load only when used.
+    # ipywidgets loads only when a panel is wanted.
     if name == "Panel":
         from .panel import Panel
 
         return Panel
-    if name == "record":
-        from .record import record
-
-        return record
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")

@@ -14,6 +14,7 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
     # accelerate narrates every checkpoint file at INFO; keep the terminal for our progress bar.
     logging.getLogger("accelerate").setLevel(logging.WARNING)
+    logging.getLogger("papermill").setLevel(logging.WARNING)  # "Executing notebook..." for every case
 
 
 def _parser() -> argparse.ArgumentParser:

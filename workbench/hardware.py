@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -42,11 +43,16 @@ class Hardware:
 
     @property
     def device_class(self) -> str:
-        """'cpu' or 'cuda-<short name>', the key baselines are stored under."""
+        """'cpu' or 'cuda-<model>' (e.g. 'cuda-H100', 'cuda-RTX4090'), the key baselines are stored under.
+
+        WORKBENCH_DEVICE_CLASS overrides it, e.g. to give a CI fleet's CPU runners their own baselines.
+        """
+        override = os.environ.get("WORKBENCH_DEVICE_CLASS")
+        if override:
+            return override
         if not self.gpus:
             return "cpu"
-        words = [w for w in self.gpus[0].name.replace("NVIDIA", "").split() if w]
-        return "cuda-" + (words[0] if words else "gpu")
+        return "cuda-" + gpu_model(self.gpus[0].name)
 
     def max_processes(self, device: str) -> int:
         """How many ranks fit: one per GPU, or one per CPU core on CPU."""
@@ -74,6 +80,20 @@ class Hardware:
         if device == "cuda" and self.gpus:
             return f"{len(self.gpus)} x {self.gpus[0].name}"
         return f"CPU ({self.cpu_count} cores)"
+
+
+def gpu_model(name: str) -> str:
+    """A GPU's model from its marketing name: 'NVIDIA A100-SXM4-80GB' -> 'A100', 'NVIDIA GeForce RTX 4090'
+    -> 'RTX4090', 'Tesla V100-SXM2-16GB' -> 'V100'. Memory size and form factor don't make a new class."""
+    words = [w for w in re.split(r"[\s_]+", name) if w and w.upper() not in _VENDOR_WORDS]
+    if not words:
+        return "gpu"
+    if words[0].upper() in ("RTX", "GTX", "TITAN") and len(words) > 1:
+        return words[0].upper() + words[1].split("-")[0]
+    return words[0].split("-")[0]
+
+
+_VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO"}
 
 
 def _cpu_count() -> int:

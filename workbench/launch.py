@@ -296,6 +296,13 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True,
                              "no task=, or use mode='fork' for tasks defined in a notebook")
     cfg.check(task=task)  # hardware, precision, task and its options: all before anything starts
     task = task or get_task(cfg.task)
+    if mode == "fork" and cfg.resolved_device() == "cuda":
+        import torch
+
+        if torch.cuda.is_initialized():
+            raise RuntimeError("CUDA is already initialised in this process (a .cuda() or torch.cuda call ran "
+                               "here), and forked ranks cannot use it. Restart the kernel and keep GPU work "
+                               "inside your Task, or launch with mode='subprocess'")
     cfg, run_dir = rundir.prepare(cfg)
     port = free_port()
     log.info("%s -> %s", describe_launch(cfg), run_dir)

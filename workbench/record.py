@@ -118,7 +118,8 @@ def record(name: str, value: float, *, direction: str | None = None,
         raise ValueError(f"record({name!r}): unit={unit!r}: use a string such as 's' or 'bytes'")
     payload = {"name": name, "value": encode_value(value), "direction": direction,
                "tolerance": dict(tolerance) if isinstance(tolerance, Mapping) else tolerance, "unit": unit}
-    text = f"{name} = {value:.6g}" + (f" {unit}" if unit else "")
+    shown = f"{value / 2**20:.1f} MiB" if unit == "bytes" else f"{value:.6g}" + (f" {unit}" if unit else "")
+    text = f"{name} = {shown}"
     if direction:
         text += f" ({direction} is better)"
     if _kernel_shell() is None:

@@ -79,35 +79,40 @@ class Rule:
         amounts = ([f"{self.abs:g}"] if self.abs is not None else []) + \
                   ([f"{self.rel * 100:g}%"] if self.rel is not None else [])
         amount = amounts[0] if len(amounts) == 1 else f"max({', '.join(amounts)})"
-        return {"abs": f"|change| <= {amount}", "rel": f"|change| <= {amount} of baseline",
+        return {"abs": f"within ±{amount}", "rel": f"within ±{amount} of baseline",
                 "higher_is_better": f"drop <= {amount}", "lower_is_better": f"rise <= {amount}",
                 "exact": "equal", "info": "not compared"}[self.mode]
 
-    def check(self, current: float, baseline: float) -> tuple[str, str]:
+    def check(self, current: float, baseline: float, unit: str | None = None) -> tuple[str, str]:
         """('pass' | 'fail' | 'info', reason with the numbers)."""
+        def num(v: float) -> str:
+            return f"{v / 2**20:.4g} MiB" if unit == "bytes" else f"{v:.4g}"
+
         if self.mode == "info":
             return "info", "reported only"
         if not math.isfinite(baseline):
             return "fail", f"baseline is {baseline}; write one from a healthy run with --update-baselines"
         if not math.isfinite(current):
-            return "fail", f"current is {current} (baseline {baseline:.6g}): the run diverged"
+            return "fail", f"current is {current} (baseline {num(baseline)}): the run diverged"
         if self.mode == "exact":
-            return ("pass", "equal") if current == baseline else ("fail", f"{current:.6g} != {baseline:.6g}")
+            return ("pass", "equal") if current == baseline else ("fail", f"{num(current)} != {num(baseline)}")
         delta = current - baseline
         allowed = self.allowance(baseline)
         # Float noise must not fail a change that sits exactly on the tolerance (1.1 - 1.0 > 0.1 in binary).
         slack = 1e-9 * max(abs(baseline), abs(current), allowed) + 1e-12
         pct = f" ({delta / abs(baseline):+.1%})" if baseline else ""
+        if delta == 0:
+            return "pass", "unchanged"
         if self.mode in ("abs", "rel"):
-            moved, what = abs(delta), "|change|"
+            moved, what = abs(delta), "changed"
         else:
-            better = delta >= 0 if self.mode == "higher_is_better" else delta <= 0
+            better = delta > 0 if self.mode == "higher_is_better" else delta < 0
             if better:
-                return "pass", f"{'rose' if delta >= 0 else 'fell'} {abs(delta):.4g}{pct}: not worse"
+                return "pass", f"{'rose' if delta > 0 else 'fell'} {num(abs(delta))}{pct}: better, never fails"
             moved, what = abs(delta), "drop" if self.mode == "higher_is_better" else "rise"
         if moved <= allowed + slack:
-            return "pass", f"{what} {moved:.4g}{pct} <= allowed {allowed:.4g}"
-        return "fail", f"{what} {moved:.4g}{pct} > allowed {allowed:.4g}"
+            return "pass", f"{what} {num(moved)}{pct} <= allowed {num(allowed)}"
+        return "fail", f"{what} {num(moved)}{pct} > allowed {num(allowed)}"
 
 
 def default_rule(direction: str | None) -> Rule:
@@ -116,7 +121,8 @@ def default_rule(direction: str | None) -> Rule:
 
 
 def _suggest(word: str, allowed: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, allowed, n=1)
+    close = [a for a in allowed if word.startswith(a) or a.startswith(word)] or \
+        difflib.get_close_matches(word, allowed, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -302,6 +308,7 @@ def load_targets(targets: Sequence[Path], baselines: Path | None = None) -> list
     if not targets:
         raise ValueError("no targets: name notebooks (.ipynb) or suite files (.yaml), e.g. regress/smoke.yaml")
     cases: list[Case] = []
+    baselines = None if baselines is None else Path(baselines).resolve()
     for target in map(Path, targets):
         if not target.is_file():
             raise ValueError(f"{target}: no such file; name a notebook (.ipynb) or a suite (.yaml)")
@@ -515,7 +522,7 @@ def compare(case: Case, runs: Sequence[Records], baseline: Mapping[str, Any] | N
                            m.direction)
         if name in base:
             res.baseline = base[name]["value"]
-            res.verdict, res.reason = rule.check(current, res.baseline)
+            res.verdict, res.reason = rule.check(current, res.baseline, m.unit)
             if len(values[name]) > 1:
                 res.reason = f"median of {len(values[name])}: {res.reason}"
         results.append(res)

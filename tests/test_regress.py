@@ -1,0 +1,381 @@
+"""workbench regress: recording metrics, comparison rules, suites, papermill execution, reports, JUnit, CLI.
+
+Notebook-executing tests start a real python3 kernel (2-3 s each), so they share few, tiny fixture notebooks
+from tests/fixtures/notebooks/, named after what they do; none of them trains.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+import yaml
+
+import workbench
+import workbench.record as rec
+from workbench import regress
+from workbench.hardware import Hardware
+from workbench.launch import RunResult
+from workbench.regress import Case, Rule, parse_rule
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
+
+
+@pytest.fixture(autouse=True)
+def cpu_machine(monkeypatch: pytest.MonkeyPatch) -> Hardware:
+    """The same device class ('cpu') on every machine, so baselines written by tests are found by them."""
+    hw = Hardware(cpu_count=2)
+    monkeypatch.setattr("workbench.hardware.detect", lambda: hw)
+    return hw
+
+
+def write_suite(directory: Path, cases: list[dict[str, Any]], **top: Any) -> Path:
+    path = directory / "suite.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", **top, "cases": cases}, sort_keys=False))
+    return path
+
+
+def fixture(name: str, relative_to: Path) -> str:
+    """A fixture notebook's path relative to the suite file, as suites are written."""
+    return os.path.relpath(FIXTURES / f"{name}.ipynb", relative_to)
+
+
+def write_baseline(baselines: Path, case_id: str, metrics: dict[str, float]) -> Path:
+    path = baselines / "cpu" / f"{case_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"metrics": {k: {"value": v} for k, v in metrics.items()}}))
+    return path
+
+
+def junit_cases(path: Path) -> dict[str, ET.Element]:
+    return {tc.get("name"): tc for tc in ET.parse(path).getroot().iter("testcase")}
+
+
+# ---- comparison rules -----------------------------------------------------------------------------------------
+def test_throughput_fails_only_on_a_drop_beyond_tolerance() -> None:
+    rule = Rule("higher_is_better", rel=0.5)
+    assert rule.check(40.0, 100.0) == ("fail", "drop 60 (-60.0%) > allowed 50")
+    assert rule.check(55.0, 100.0)[0] == "pass"
+    verdict, reason = rule.check(300.0, 100.0)  # faster never fails, however much
+    assert verdict == "pass" and "better" in reason
+
+
+def test_memory_fails_only_on_a_rise_beyond_tolerance() -> None:
+    rule = Rule("lower_is_better", rel=0.5)
+    assert rule.check(160.0, 100.0) == ("fail", "rise 60 (+60.0%) > allowed 50")
+    assert rule.check(140.0, 100.0)[0] == "pass"
+    assert rule.check(10.0, 100.0)[0] == "pass"
+
+
+def test_two_sided_exact_and_info_rules() -> None:
+    assert Rule("abs", abs=0.1).check(1.1, 1.0)[0] == "pass"  # on the boundary, despite 1.1 - 1.0 > 0.1 in floats
+    assert Rule("abs", abs=0.1).check(0.85, 1.0) == ("fail", "changed 0.15 (-15.0%) > allowed 0.1")
+    assert Rule("rel", rel=0.05).check(1.06, 1.0)[0] == "fail"
+    assert Rule("rel", rel=0.05).check(0.96, 1.0)[0] == "pass"
+    assert Rule("exact").check(10, 10) == ("pass", "equal")
+    assert Rule("exact").check(11, 10) == ("fail", "11 != 10")
+    assert Rule("info").check(1e9, 1.0) == ("info", "reported only")
+    assert Rule("lower_is_better", abs=0.01, rel=0.1).allowance(1.0) == 0.1  # directional: the larger allowance
+
+
+def test_a_diverged_value_fails_every_rule_but_info() -> None:
+    for rule in (Rule("abs", abs=10.0), Rule("lower_is_better", rel=1.0), Rule("higher_is_better", rel=1.0)):
+        verdict, reason = rule.check(math.nan, 1.0)
+        assert verdict == "fail" and "diverged" in reason
+    assert Rule("info").check(math.nan, 1.0)[0] == "info"
+
+
+def test_repeats_are_compared_by_their_median() -> None:
+    assert regress.median([100.0, 10.0, 105.0]) == 100.0
+    assert math.isnan(regress.median([1.0, math.nan, 1.0]))  # one diverged repeat is not an outlier
+    case = Case(id="t.c", suite="t", name="c", notebook=FIXTURES / "records_metric.ipynb", baselines=Path("."),
+                tolerances=({"*samples_per_s": {"mode": "higher_is_better", "rel": 0.5}},))
+    runs = [rec.Records(metrics={"samples_per_s": rec.RecordedMetric("samples_per_s", v, "higher")})
+            for v in (100.0, 10.0, 105.0)]  # one slow outlier: a single run would fail
+    [result] = regress.compare(case, runs, {"metrics": {"samples_per_s": {"value": 100.0}}})
+    assert (result.verdict, result.current, result.values) == ("pass", 100.0, [100.0, 10.0, 105.0])
+    assert result.reason.startswith("median of 3:")
+    assert result.rule_source == "suite '*samples_per_s'"
+
+
+def test_missing_metric_fails_and_new_metric_does_not() -> None:
+    case = Case(id="t.c", suite="t", name="c", notebook=FIXTURES / "records_metric.ipynb", baselines=Path("."))
+    runs = [rec.Records(metrics={"fresh": rec.RecordedMetric("fresh", 1.0)})]
+    results = {m.name: m for m in regress.compare(case, runs, {"metrics": {"gone": {"value": 2.0}}})}
+    assert (results["fresh"].verdict, results["fresh"].failed) == ("new", False)
+    assert (results["gone"].verdict, results["gone"].failed) == ("missing", True)
+
+
+def test_rule_precedence_suite_then_notebook_then_default() -> None:
+    case = Case(id="t.c", suite="t", name="c", notebook=FIXTURES / "records_metric.ipynb", baselines=Path("."),
+                tolerances=({"run.final_loss": {"mode": "abs", "abs": 0.01}}, {"*.final_loss": {"rel": 0.5}}))
+    assert case.rule_for("run.final_loss", "lower", {"abs": 1}) == (Rule("abs", abs=0.01), "suite 'run.final_loss'")
+    # A suite spec without a mode takes the metric's direction: one-sided.
+    assert case.rule_for("run1.final_loss", "lower") == (Rule("lower_is_better", rel=0.5), "suite '*.final_loss'")
+    assert case.rule_for("val", None, {"abs": 0.2}) == (Rule("abs", abs=0.2), "notebook")
+    assert case.rule_for("val", "higher") == (Rule("higher_is_better", rel=regress.DEFAULT_REL), "default")
+
+
+@pytest.mark.parametrize(("spec", "direction", "message"), [
+    ({"tol": 0.1}, None, r"unknown key 'tol'; allowed: mode, abs, rel"),
+    ({"mode": "absolute", "abs": 0.1}, None, r"mode='absolute' \(did you mean 'abs'\?\)"),
+    ({"abs": 0.1, "rel": 0.1}, None, r"both abs and rel but no mode"),
+    ({"mode": "higher_is_better"}, None, r"mode='higher_is_better' needs abs and/or rel"),
+    ({"mode": "abs", "rel": 0.1}, None, r"mode='abs' takes exactly 'abs'"),
+    ({"rel": -0.1}, "lower", r"rel=-0.1: must be a number >= 0"),
+    ({"mode": "info", "abs": 1}, None, r"mode='info' takes no abs/rel"),
+    ([0.1], None, r"use a mapping such as"),
+])
+def test_invalid_tolerances_are_rejected(spec: Any, direction: str | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_rule(spec, direction)
+
+
+# ---- suites and parameters ------------------------------------------------------------------------------------
+def test_suite_cases_merge_defaults_and_resolve_paths(tmp_path: Path) -> None:
+    suite = write_suite(tmp_path, [
+        {"notebook": fixture("records_metric", tmp_path), "parameters": {"value": 2.0}, "repeats": 3},
+        {"notebook": fixture("raises_error", tmp_path), "name": "boom", "profile": ["smoke", "full"]},
+    ], defaults={"profile": "full", "timeout_s": 60, "parameters": {"value": 1.0, "other": 1},
+                 "tolerances": {"*": "info"}})
+    first, second = regress.load_targets([suite])
+    assert (first.id, first.notebook, first.parameters) == (
+        "t.records_metric", FIXTURES / "records_metric.ipynb", {"value": 2.0, "other": 1})
+    assert (first.repeats, first.timeout_s, first.profiles, first.baselines) == (3, 60.0, ("full",),
+                                                                                tmp_path / "baselines")
+    assert (second.id, second.profiles) == ("t.boom", ("smoke", "full"))
+    assert [c.id for c in regress.select_profile([first, second], "smoke")] == ["t.boom"]
+    with pytest.raises(ValueError, match=r"--profile 'nightly': no case has it; profiles in these suites: full, "
+                                         r"smoke"):
+        regress.select_profile([first, second], "nightly")
+
+
+@pytest.mark.parametrize(("case", "top", "message"), [
+    ({"notebook": "NB", "timout_s": 5}, {}, r"cases\[0\]: unknown key 'timout_s' \(did you mean 'timeout_s'\?\)"),
+    ({"notebook": "missing.ipynb"}, {}, r"cases\[0\]: notebook 'missing.ipynb' not found \(looked for .*missing"),
+    ({"name": "x"}, {}, r"cases\[0\]: missing 'notebook'"),
+    ({"notebook": "NB", "repeats": 0}, {}, r"repeats=0: use a whole number >= 1"),
+    ({"notebook": "NB", "needs_gpu": "yes"}, {}, r"needs_gpu='yes': use true or false"),
+    ({"notebook": "NB", "tolerances": {"x": {"mode": "rell"}}}, {}, r"tolerances\['x'\]: mode='rell'"),
+    ({"notebook": "NB"}, {"baseline": "b"}, r"unknown key 'baseline' \(did you mean 'baselines'\?\)"),
+    ({"notebook": "NB"}, {"defaults": {"notebook": "x"}}, r"defaults: unknown key 'notebook'"),
+])
+def test_invalid_suites_fail_before_anything_runs(tmp_path: Path, case: dict[str, Any], top: dict[str, Any],
+                                                  message: str) -> None:
+    if case.get("notebook") == "NB":
+        case["notebook"] = fixture("records_metric", tmp_path)
+    suite = write_suite(tmp_path, [case], **top)
+    out = tmp_path / "report"
+    with pytest.raises(ValueError, match=message):
+        regress.run([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=None,
+                    profile=None)
+    assert not out.exists()
+
+
+def test_targets_must_exist_and_ids_be_unique(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"nope.ipynb: no such file"):
+        regress.load_targets([tmp_path / "nope.ipynb"])
+    nb = FIXTURES / "records_metric.ipynb"
+    with pytest.raises(ValueError, match=r"case id 'records_metric' appears twice"):
+        regress.load_targets([nb, nb])
+
+
+def test_cli_parameters_are_read_like_papermill() -> None:
+    got = regress.parse_parameters({"value": "1.5", "lr": "1e-3", "steps": "20", "name": "abc", "flag": "true",
+                                    "sizes": "[1, 2]"})
+    assert got == {"value": 1.5, "lr": 0.001, "steps": 20, "name": "abc", "flag": True, "sizes": [1, 2]}
+    with pytest.raises(ValueError, match=r"-p max-steps 5: parameter names are Python identifiers"):
+        regress.parse_parameters({"max-steps": "5"})
+
+
+def test_shipped_smoke_suite_is_valid() -> None:
+    suite = REPO / "regress" / "smoke.yaml"
+    data = yaml.safe_load(suite.read_text())
+    missing = [c["notebook"] for c in data["cases"] if not (suite.parent / c["notebook"]).is_file()]
+    if missing:
+        pytest.skip(f"notebooks not written yet: {missing}")
+    cases = regress.load_targets([suite])
+    assert {c.profiles for c in cases} == {("smoke",)}
+    rule, _ = cases[0].rule_for("run.samples_per_s", "higher")
+    assert rule == Rule("higher_is_better", rel=0.5)
+    for case in cases:  # CPU baselines are committed for every case, and readable
+        baseline = regress.load_baseline(regress.baseline_path(case, "cpu"))
+        assert baseline is not None and "run.final_loss" in baseline["metrics"], case.id
+
+
+# ---- recording ------------------------------------------------------------------------------------------------
+class _FakeKernelShell:
+    kernel = object()
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Pretend to be inside a Jupyter kernel; collect what would be displayed."""
+    shown: list[dict[str, Any]] = []
+    monkeypatch.setattr(rec, "_kernel_shell", lambda: _FakeKernelShell())
+    monkeypatch.setattr(rec, "_display", shown.append)
+    monkeypatch.setattr(rec, "_prefix_counts", {})
+    monkeypatch.setattr(rec, "_run_names", {})
+    return shown
+
+
+def fake_result(run_dir: Path, loss: float) -> RunResult:
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({
+        "status": "completed", "final_loss": loss, "samples_per_s": 50.0, "tokens_per_s": None,
+        "peak_memory_bytes": 2**20, "wall_time_s": 1.0, "eval_accuracy": 0.5, "eval_perplexity": 3.0}))
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 1, "eval_loss": 1.9}\n'
+                                           f'{{"step": 2, "loss": {loss}}}\n')
+    return RunResult(run_dir)
+
+
+def test_record_run_names_runs_in_launch_order_and_reads_back(tmp_path: Path,
+                                                              fake_kernel: list[dict[str, Any]]) -> None:
+    first, second = fake_result(tmp_path / "a", 1.0), fake_result(tmp_path / "b", math.nan)
+    assert rec.record_run(first) == "run"
+    assert rec.record_run(second) == "run1"
+    assert rec.record_run(first) == "run"  # a second wait() on the same run records nothing new
+    assert rec.record_run(first, prefix="fp32") == "fp32"
+    metrics = [b[rec.METRIC_MIME]["name"] for b in fake_kernel if rec.METRIC_MIME in b]
+    assert metrics[:6] == ["run.final_loss", "run.eval_accuracy", "run.samples_per_s", "run.peak_memory_bytes",
+                           "run.wall_time_s", "run.eval_perplexity"]  # tokens_per_s is None: left out
+    assert len(metrics) == 18
+    assert all("text/plain" in b for b in fake_kernel)
+    # Read back from a notebook holding these outputs, as an executed notebook would.
+    outputs = [nbformat.v4.new_output("display_data", data=b) for b in fake_kernel]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("wb.launch(cfg)", outputs=outputs)])
+    found = rec.read_records(nbformat.reads(nbformat.writes(nb), as_version=4))
+    assert found.metrics["run.final_loss"] == rec.RecordedMetric("run.final_loss", 1.0, "lower",
+                                                                 {"mode": "abs", "abs": 0.05}, None)
+    assert math.isnan(found.metrics["run1.final_loss"].value)  # NaN survives JSON as a string
+    assert found.metrics["run.peak_memory_bytes"].unit == "bytes"
+    assert found.curves["run.loss"] == [[1, 2.0], [2, 1.0]]  # eval rows are not part of the train curve
+
+
+def test_record_outside_a_kernel_is_a_quiet_no_op(tmp_path: Path) -> None:
+    assert rec.record_run(fake_result(tmp_path / "a", 1.0)) is None
+    workbench.record("val_loss", 1.0, direction="lower")
+    workbench.record("val_loss", 2.0)  # still the function, though workbench.record (the module) is imported
+    rec.record_curve("loss", [[1, 2.0]])
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), [
+    (("val_loss", "1.0"), {}, r"record\('val_loss', '1.0'\): value must be a number"),
+    (("val loss", 1.0), {}, r"name='val loss': use letters, digits"),
+    (("val_loss", 1.0), {"direction": "up"}, r"direction='up': use 'higher', 'lower' or None"),
+    (("val_loss", 1.0), {"tolerance": {"absolute": 0.1}}, r"record\('val_loss'\) tolerance: unknown key 'absolute'"),
+])
+def test_record_rejects_bad_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        workbench.record(*args, **kwargs)
+
+
+# ---- executing notebooks (a real kernel each) -----------------------------------------------------------------
+@pytest.mark.slow
+def test_metric_past_tolerance_fails_the_suite_and_one_inside_passes(tmp_path: Path) -> None:
+    nb = fixture("records_metric", tmp_path)
+    suite = write_suite(tmp_path, [
+        {"notebook": nb, "name": "inside", "parameters": {"value": 1.05}},
+        {"notebook": nb, "name": "outside", "parameters": {"value": 1.5}},
+        {"notebook": nb, "name": "gpu_only", "needs_gpu": True},
+    ])
+    for case in ("t.inside", "t.outside"):
+        write_baseline(tmp_path / "baselines", case, {"val_loss": 1.0, "steps": 10})
+    out, junit = tmp_path / "report", tmp_path / "junit.xml"
+    code = regress.run([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=junit,
+                       profile=None)
+    assert code == 1
+    cases = junit_cases(junit)
+    assert cases["inside"].find("failure") is None and cases["inside"].find("error") is None
+    failure = cases["outside"].find("failure")
+    assert failure is not None and failure.get("message") == "1 metric(s) regressed: val_loss"
+    assert "rise 0.5 (+50.0%) > allowed 0.1" in failure.text
+    assert cases["gpu_only"].find("skipped").get("message").startswith("skipped: needs_gpu")
+    page = (out / "report.html").read_text()
+    assert "<td>val_loss</td>" in page and "<td>steps</td>" in page
+    assert "lower_is_better (notebook)" in page and 'href="cases/t.outside/records_metric.ipynb"' in page
+    results = {c["case"]: c for c in json.loads((out / "results.json").read_text())["cases"]}
+    assert {k: v["status"] for k, v in results.items()} == {"t.inside": "passed", "t.outside": "failed",
+                                                           "t.gpu_only": "skipped"}
+    assert (out / "cases" / "t.inside" / "records_metric.ipynb").is_file()
+
+
+@pytest.mark.slow
+def test_errors_and_timeouts_are_reported_and_the_suite_goes_on(tmp_path: Path) -> None:
+    suite = write_suite(tmp_path, [
+        {"notebook": fixture("raises_error", tmp_path)},
+        {"notebook": fixture("sleeps_past_timeout", tmp_path), "timeout_s": 2},
+        {"notebook": fixture("kills_kernel", tmp_path)},
+        {"notebook": fixture("records_metric", tmp_path)},
+    ])
+    out, junit = tmp_path / "report", tmp_path / "junit.xml"
+    code = regress.run([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=junit,
+                       profile=None)
+    assert code == 2
+    results = {c["case"]: c for c in json.loads((out / "results.json").read_text())["cases"]}
+    error = results["t.raises_error"]["error"]
+    assert (error["kind"], error["ename"], error["evalue"]) == ("exception", "ValueError",
+                                                                "deliberate failure, x=1")
+    assert "raise ValueError" in error["cell_source"] and "check(x)" in error["traceback"]
+    assert "\x1b[" not in error["traceback"]
+    timeout = results["t.sleeps_past_timeout"]["error"]
+    assert timeout["kind"] == "timeout" and "timeout_s=2 s" in timeout["message"]
+    assert timeout["cell_source"] == "import time\n\ntime.sleep(seconds)"
+    assert results["t.kills_kernel"]["error"]["kind"] == "dead kernel"
+    assert results["t.records_metric"]["status"] == "new"  # ran after the failures; no baseline is not a failure
+    assert any("--update-baselines" in n for n in results["t.records_metric"]["notes"])
+    for case in results.values():
+        assert all(Path(p).is_file() for p in case["executed"])  # every executed notebook is kept
+    page = (out / "report.html").read_text()
+    assert "deliberate failure, x=1" in page and "time.sleep(seconds)" in page and "\x1b" not in page
+    cases = junit_cases(junit)
+    assert [n for n, tc in cases.items() if tc.find("error") is not None] == [
+        "raises_error", "sleeps_past_timeout", "kills_kernel"]
+    assert cases["raises_error"].find("error").get("type") == "ValueError"
+
+
+@pytest.mark.slow
+def test_update_baselines_then_rerun_passes_with_curves_in_the_report(tmp_path: Path) -> None:
+    nb, baselines = FIXTURES / "records_run_summary.ipynb", tmp_path / "baselines"
+    first = subprocess.run([sys.executable, "-m", "workbench.cli", "regress", str(nb), "--out",
+                            str(tmp_path / "r1"), "--baselines", str(baselines), "--update-baselines"],
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr
+    [written] = baselines.glob("*/records_run_summary.json")
+    stored = json.loads(written.read_text())
+    assert stored["metrics"]["run1.final_loss"] == {"value": 0.1, "direction": "lower", "unit": None}
+    assert stored["curves"]["run.loss"][:2] == [[1, 2.0], [2, 1.0]]
+    assert "[1, 2.0]" in written.read_text()  # one curve point per line: reviewable diffs
+    from workbench.cli import main
+
+    out = tmp_path / "r2"
+    args = ["regress", str(nb), "--out", str(out), "--baselines", str(baselines), "--junit", str(out / "j.xml")]
+    assert main(args) == 0
+    page = (out / "report.html").read_text()
+    assert "<td>run.final_loss</td>" in page and "<td>run1.samples_per_s</td>" in page
+    assert '<img alt="loss curves of records_run_summary" src="data:image/png;base64,' in page
+    assert (out / "cases" / "records_run_summary" / "curves.png").is_file()
+    assert "![loss curves](cases/records_run_summary/curves.png)" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_command_line_parameter_overrides_and_fails_the_run(tmp_path: Path) -> None:
+    from workbench.cli import main
+
+    write_baseline(tmp_path / "baselines", "records_metric", {"val_loss": 1.0, "steps": 10})
+    out = tmp_path / "report"
+    code = main(["regress", str(FIXTURES / "records_metric.ipynb"), "-p", "value", "1.25", "--out", str(out),
+                 "--baselines", str(tmp_path / "baselines")])
+    assert code == 1
+    [case] = json.loads((out / "results.json").read_text())["cases"]
+    assert case["parameters"] == {"value": 1.25}
+    assert {m["name"]: m["current"] for m in case["metrics"]} == {"steps": 10, "val_loss": 1.25}
