@@ -22,6 +22,7 @@ class TinyRegression(wb.Task):
     default_options: dict[str, Any] = {
         "n": 512, "dropout": 0.0,
         "fail_rank": None, "fail_at_call": 0,   # raise in loss() on that rank at that call (1-based)
+        "kill_rank": None,                      # ... or SIGKILL that rank there, as the OOM killer would
         "comm_log": None,                       # directory: count DDP all-reduce hook calls per rank
         "slow_s": 0.0,                          # sleep per loss call, to make a run long enough to stop
     }
@@ -47,6 +48,8 @@ class TinyRegression(wb.Task):
         rank = int(os.environ.get("RANK", "0"))
         if o["fail_rank"] == rank and self.calls == o["fail_at_call"]:
             raise ValueError(f"injected failure on call {self.calls}")
+        if o["kill_rank"] == rank and self.calls == o["fail_at_call"]:
+            os.kill(os.getpid(), 9)
         if o["comm_log"] and self.calls == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model.register_comm_hook(Path(o["comm_log"]) / f"rank_{rank}.json", self._counting_allreduce)
         if o["slow_s"]:

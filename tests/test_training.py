@@ -111,6 +111,14 @@ def test_failing_rank_is_reported_while_the_other_waits_in_a_collective(runs_dir
     assert no_children_left() == []
 
 
+def test_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_its_peer(runs_dir: Path) -> None:
+    # Rank 1 dies by SIGKILL (as from the OOM killer); rank 0 then fails in gloo and gets the launcher's SIGTERM.
+    cfg = cfg_for(runs_dir, max_steps=50, task_options={"kill_rank": 1, "fail_at_call": 3})
+    with pytest.raises(wb.RunFailedError, match=r"rank 1 failed with Killed: the process (was killed by SIGKILL|ended without raising)"):
+        wb.launch(cfg, task=TinyRegression())
+    assert no_children_left() == []
+
+
 def test_checkpoint_resume_matches_an_uninterrupted_run(runs_dir: Path) -> None:
     common = dict(max_steps=10, checkpoint_every=4, keep_checkpoints=5, task_options={"dropout": 0.2})
     straight = wb.launch(cfg_for(runs_dir, run_name="straight", **common), task=TinyRegression())

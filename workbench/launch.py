@@ -118,12 +118,46 @@ def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
         raise
 
 
+def record_signal_deaths(run_dir: Path, exc: BaseException) -> None:
+    """A rank killed by a signal (the OOM killer's SIGKILL, a segfault) leaves no exception behind; torch
+    elastic's ChildFailedError still knows its exit code, so record it as that rank's error."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in failures.items():
+        code = getattr(failure, "exitcode", 0)
+        if code >= 0 or (run_dir / rundir.ERRORS / f"rank_{rank}.json").exists():
+            continue
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory? see `dmesg`)" if name == "SIGKILL" else ""
+        rundir.write_json(run_dir / rundir.ERRORS / f"rank_{rank}.json", {
+            "rank": rank, "type": "Killed", "message": f"the process was killed by {name}{hint}",
+            "traceback": "", "time": getattr(failure, "timestamp", time.time()), "pid": getattr(failure, "pid", None),
+        })
+
+
+def _silent_ranks(run_dir: Path, errors: list[dict[str, Any]]) -> list[int]:
+    """Ranks of a failed run that left no error record (only meaningful once some rank did)."""
+    if not errors or not (run_dir / rundir.CONFIG).exists():
+        return []
+    world = RunConfig.from_yaml(run_dir / rundir.CONFIG).num_processes
+    return sorted(set(range(world)) - {e.get("rank") for e in errors})
+
+
 def finalize(run_dir: Path, launcher_error: BaseException | None = None, exitcode: int | None = None) -> None:
     """After the ranks are gone: if the run didn't record an ending, record the failure (rank 0 may be dead)."""
     summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
     if summary.get("status") in ("completed", "stopped", "failed") and not rundir.rank_errors(run_dir):
         return
     errors = rundir.rank_errors(run_dir)
+    silent = _silent_ranks(run_dir, errors)
+    if silent and all(rundir.is_fallout(e) for e in errors):
+        # Every recorded error is a rank losing its peer; the peer that recorded nothing died first.
+        error = {"rank": silent[0], "type": "Killed", "traceback": "", "time": errors[0]["time"],
+                 "message": "the process ended without raising an exception (killed by a signal? out of memory? "
+                            "see `dmesg`); the other ranks failed because they lost it"}
+        errors = [error, *errors]
     if errors:
         error = errors[0]
         if len(errors) > 1:
@@ -167,6 +201,7 @@ def _supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: i
     PartialState._reset_state()
     # Elastic logs every rank failure as a wall of text; the run directory and RunFailedError carry it cleanly.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     if cfg.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(max(1, detect().cpu_count // cfg.num_processes))
@@ -180,6 +215,7 @@ def _supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: i
                               use_port=str(port), monitor_interval=0.05)
     except BaseException as exc:  # noqa: BLE001  (recorded in the run directory, then reported by exit code)
         error = exc
+        record_signal_deaths(Path(run_dir), exc)
     finalize(Path(run_dir), error)
     os._exit(0 if error is None else 1)
 

@@ -128,7 +128,16 @@ def write_rank_error(run_dir: Path, rank: int, exc: BaseException, tb: str) -> N
     })
 
 
+_FALLOUT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+            "ProcessGroupNCCL", "Timed out waiting", "got signal: 15")
+
+
+def is_fallout(error: dict[str, Any]) -> bool:
+    """An error caused by another rank's death: a collective that lost its peer, or the launcher's SIGTERM."""
+    return error.get("type") == "SignalException" or any(s in error.get("message", "") for s in _FALLOUT)
+
+
 def rank_errors(run_dir: Path) -> list[dict[str, Any]]:
-    """Errors written by failing ranks, earliest first: the first is the cause, later ones are fallout."""
+    """Errors of failed ranks, the likely cause first: real errors before fallout, then earliest first."""
     errors = [e for p in (run_dir / ERRORS).glob("rank_*.json") if (e := read_json(p))]
-    return sorted(errors, key=lambda e: e.get("time", 0))
+    return sorted(errors, key=lambda e: (is_fallout(e), e.get("time", 0)))
