@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 import workbench
-import workbench.record as rec
+import workbench.recording as rec
 from workbench import regress
 from workbench.hardware import Hardware
 from workbench.launch import RunResult
@@ -245,11 +245,15 @@ def test_record_run_names_runs_in_launch_order_and_reads_back(tmp_path: Path,
     assert rec.record_run(second) == "run1"
     assert rec.record_run(first) == "run"  # a second wait() on the same run records nothing new
     assert rec.record_run(first, prefix="fp32") == "fp32"
-    metrics = [b[rec.METRIC_MIME]["name"] for b in fake_kernel if rec.METRIC_MIME in b]
+    metrics = [m["name"] for b in fake_kernel if rec.METRIC_MIME in b
+               for m in b[rec.METRIC_MIME].get("metrics", [b[rec.METRIC_MIME]])]
     assert metrics[:6] == ["run.final_loss", "run.eval_accuracy", "run.samples_per_s", "run.peak_memory_bytes",
                            "run.wall_time_s", "run.eval_perplexity"]  # tokens_per_s is None: left out
     assert len(metrics) == 18
     assert all("text/plain" in b for b in fake_kernel)
+    summaries = [b for b in fake_kernel if rec.METRIC_MIME in b]
+    assert len(summaries) == 3, "one output per recorded run, not one per metric"
+    assert summaries[0]["text/plain"].startswith("[workbench] recorded run: final_loss = 1")
     # Read back from a notebook holding these outputs, as an executed notebook would.
     outputs = [nbformat.v4.new_output("display_data", data=b) for b in fake_kernel]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("wb.launch(cfg)", outputs=outputs)])
@@ -264,7 +268,7 @@ def test_record_run_names_runs_in_launch_order_and_reads_back(tmp_path: Path,
 def test_record_outside_a_kernel_is_a_quiet_no_op(tmp_path: Path) -> None:
     assert rec.record_run(fake_result(tmp_path / "a", 1.0)) is None
     workbench.record("val_loss", 1.0, direction="lower")
-    workbench.record("val_loss", 2.0)  # still the function, though workbench.record (the module) is imported
+    workbench.record("val_loss", 2.0)  # still the function after workbench.recording was imported
     rec.record_curve("loss", [[1, 2.0]])
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from . import data
 from .config import RunConfig
 from .launch import Run, RunFailedError, RunResult, launch
-from .record import record  # eager: binds the function over the submodule of the same name
+from .recording import record
 from .tasks import Task, register_task
 
 __all__ = ["RunConfig", "Run", "RunFailedError", "RunResult", "Task", "Panel", "data", "launch", "record",

@@ -132,7 +132,7 @@ class Dashboard:
             self.rows = rundir.read_jsonl(self.run_dir / rundir.METRICS)
             self.summary = rundir.read_json(self.run_dir / rundir.SUMMARY) or {}
             self._update_text()
-            due = time.monotonic() - self._drawn_at >= self.figure_interval
+            due = time.monotonic() - self._drawn_at >= self.figure_interval - 0.05
             if draw and len(self.rows) != self._drawn_rows and (due or force_draw or self.ended):
                 self._draw()
             return self.ended
@@ -143,7 +143,7 @@ class Dashboard:
         step = int(self.summary.get("steps") or 0) if self.ended else 0
         step = max(step, int(last.get("step", 0)))
         self.title.value = (f"<b>{html.escape(self.run_dir.name)}</b> &nbsp; "
-                            f"<span class='wb-status'>{html.escape(self.status)}</span>")
+                            f"<span class='wb-run-status'>{html.escape(self.status)}</span>")
         if max_steps:
             self.progress.max = max_steps
             self.progress.value = min(step, max_steps)
@@ -205,6 +205,7 @@ class Dashboard:
 
             from .plots import draw
 
+            started = time.monotonic()
             if self._figure is None:
                 self._figure = Figure(figsize=(9, 5.5), dpi=80)
             s = self.summary
@@ -212,7 +213,7 @@ class Dashboard:
             draw(self._figure, [(label, self.rows)], title=self.run_dir.name)
             buf = io.BytesIO()
             self._figure.savefig(buf, format="png")
-            self._png, self._drawn_rows, self._drawn_at = buf.getvalue(), len(self.rows), time.monotonic()
+            self._png, self._drawn_rows, self._drawn_at = buf.getvalue(), len(self.rows), started
             return self._png
 
     def show_final(self) -> None:
@@ -246,12 +247,14 @@ class Dashboard:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 if self.refresh():
                     break
             except Exception:  # noqa: BLE001  (a display glitch must never kill the watcher)
                 log.exception("dashboard of %s: refresh failed", self.run_dir)
-            self._stop.wait(self.interval)
+            # A steady beat: drawing the figure takes part of the interval, not extra time on top of it.
+            self._stop.wait(max(0.05, self.interval - (time.monotonic() - started)))
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

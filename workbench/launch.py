@@ -16,11 +16,13 @@ import ctypes
 import io
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -229,6 +231,8 @@ class Run:
     _process: Any = field(repr=False)
     _mode: str = "fork"
     _result: RunResult | None = field(default=None, repr=False)
+    # wait() in one thread and stop()/done() in another (the panel does this) must not race on the process.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
@@ -242,7 +246,8 @@ class Run:
         return self._exitcode() is not None
 
     def _exitcode(self) -> int | None:
-        return self._process.poll() if self._mode == "subprocess" else self._process.exitcode
+        with self._lock:
+            return self._process.poll() if self._mode == "subprocess" else self._process.exitcode
 
     def stop(self) -> None:
         """Graceful stop: ranks agree on a step (within a few steps), save a checkpoint and exit."""
@@ -261,7 +266,8 @@ class Run:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(timeout)
         else:
-            self._process.join(timeout)
+            # Wait on the sentinel, not join(): join() from two threads can return early without an exit code.
+            multiprocessing.connection.wait([self._process.sentinel], timeout)
 
     def wait(self, timeout: float | None = None) -> RunResult:
         """Block until the run ends. Raises RunFailedError naming the failing rank, or TimeoutError."""
@@ -278,7 +284,7 @@ class Run:
             finalize(self.run_dir, exitcode=code)
             self._result = RunResult(self.run_dir, self.config)
             if self._result.status in ("completed", "stopped"):
-                from .record import record_run
+                from .recording import record_run
 
                 record_run(self._result)  # in a notebook: the regression suite reads these back (no-op elsewhere)
         summary = self._result.summary

@@ -12,8 +12,9 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, get_args
+from typing import Any, get_args
 
 import ipywidgets as widgets
 import traitlets
@@ -26,6 +27,8 @@ from .launch import launch as launch_run
 from .tasks import Task, available
 
 log = logging.getLogger("workbench")
+
+PARALLELISM_LABELS = {"ddp": "ddp: data-parallel replicas", "none": "none: one plain process"}
 
 ACTIVE = ("launching", "running", "stopping")
 """Statuses during which the settings are frozen and Launch is off."""
@@ -125,8 +128,8 @@ class Panel:
                                      layout=wide),
             "num_processes": widgets.IntSlider(min=1, max=max(1, self.max_processes), description="processes",
                                                style=style, layout=wide),
-            "parallelism": widgets.ToggleButtons(options=list(get_args(Parallelism)), description="parallelism",
-                                                 style={**style, "button_width": "70px"}),
+            "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
+                                            description="parallelism", style=style, layout=wide),
             "precision": widgets.Dropdown(options=precisions, description="precision", style=style, layout=wide,
                                           tooltip="; ".join(self.precision_reasons.values()) or None),
             "micro_batch_size": widgets.BoundedIntText(min=1, max=2**20, description="micro-batch size",
@@ -141,7 +144,8 @@ class Panel:
         for name, control in self.controls.items():
             control.add_class(f"wb-{name.replace('_', '-')}")
             control.observe(self._on_control, names="value")
-        limit = widgets.HTML(f"<small>up to {self.max_processes} on {html.escape(hw.describe(self.device))}</small>")
+        limit = widgets.HTML(f"<small style='white-space:nowrap'>up to {self.max_processes} on "
+                             f"{html.escape(hw.describe(self.device))}</small>")
 
         self.batch_info = widgets.HTML()
         self.batch_info.add_class("wb-batch")
@@ -239,16 +243,13 @@ class Panel:
         return self.user_task if self.user_task is not None and name == self.user_task.name else None
 
     def _derive(self) -> None:
+        cfg: RunConfig | None = None
         try:
             cfg = self.config
-        except ValueError as e:
-            cfg, problem = None, str(e)
-        else:
-            try:
-                cfg.check(task=self.task_for(cfg.task))
-                problem = ""
-            except ValueError as e:
-                problem = str(e)
+            cfg.check(task=self.task_for(cfg.task))
+            problem = ""
+        except ValueError as e:  # cfg stays None when RunConfig itself refused the values
+            problem = str(e)
         with self.state.hold_trait_notifications():
             self.state.config = cfg
             self.state.problem = problem

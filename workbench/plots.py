@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+from matplotlib.figure import Figure  # this module is imported only when something is plotted
 
+if TYPE_CHECKING:
     from .launch import RunResult
 
 PANELS = ("loss", "throughput", "memory", "lr")
@@ -41,6 +42,7 @@ def draw(fig: Figure, runs: Sequence[tuple[str, list[dict[str, Any]]]], title: s
         mx, my = _series(rows, "peak_memory_bytes")
         ax_mem.plot(mx, [v / 2**20 for v in my], color=color, label=label)
         ax_lr.plot(*_series(rows, "lr"), color=color, label=label)
+    ax_lr.ticklabel_format(axis="y", useOffset=False)  # a flat lr would read "1e-9+9.9999e-4"
     ax_loss.set_title("loss")
     ax_tp.set_title("throughput")
     ax_mem.set_title("peak memory (MiB, max over ranks)")
@@ -56,12 +58,19 @@ def draw(fig: Figure, runs: Sequence[tuple[str, list[dict[str, Any]]]], title: s
     return fig
 
 
+class RunFigure(Figure):
+    """A Figure that shows itself in Jupyter without `%matplotlib inline` or pyplot."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=90)
+        return buf.getvalue()
+
+
 def plot_runs(results: Sequence[RunResult], labels: Sequence[str] | None = None,
               path: str | Path | None = None) -> Figure:
     """One figure overlaying `results`; saved to `path` when given."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 7))
+    fig = RunFigure(figsize=(10, 7))
     draw(fig, [(_label(r, labels, i), r.metrics) for i, r in enumerate(results)],
          title=results[0].run_dir.name if len(results) == 1 else None)
     if path is not None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from .record import RecordedMetric, Records, decode_value, encode_value, read_records
+from .recording import RecordedMetric, Records, decode_value, encode_value, read_records
 
 log = logging.getLogger("workbench")
 

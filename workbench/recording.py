@@ -13,7 +13,6 @@ import math
 import numbers
 import re
 import sys
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,14 +97,9 @@ def _display(bundle: dict[str, Any]) -> None:
     display(bundle, raw=True)
 
 
-def record(name: str, value: float, *, direction: str | None = None,
-           tolerance: Mapping[str, Any] | str | None = None, unit: str | None = None) -> None:
-    """Record a metric for the regression suite (`workbench regress`) in this notebook's output.
-
-    direction: 'higher' or 'lower' is better; with a tolerance that has no `mode`, the check is one-sided.
-    tolerance: {'abs': 0.1} | {'rel': 0.05} | {'mode': 'lower_is_better', 'rel': 0.1} | 'exact' | 'info'.
-    The suite's tolerances, when it sets one for this metric, take precedence.
-    """
+def _metric(name: str, value: Any, direction: str | None, tolerance: Mapping[str, Any] | str | None,
+            unit: str | None) -> tuple[dict[str, Any], str]:
+    """The validated payload of one metric and its one-line text for people."""
     from .regress import parse_rule  # validation only; regress imports nothing heavy at module level
 
     _check_name(name, "name")
@@ -119,7 +113,18 @@ def record(name: str, value: float, *, direction: str | None = None,
     payload = {"name": name, "value": encode_value(value), "direction": direction,
                "tolerance": dict(tolerance) if isinstance(tolerance, Mapping) else tolerance, "unit": unit}
     shown = f"{value / 2**20:.1f} MiB" if unit == "bytes" else f"{value:.6g}" + (f" {unit}" if unit else "")
-    text = f"{name} = {shown}"
+    return payload, f"{name} = {shown}"
+
+
+def record(name: str, value: float, *, direction: str | None = None,
+           tolerance: Mapping[str, Any] | str | None = None, unit: str | None = None) -> None:
+    """Record a metric for the regression suite (`workbench regress`) in this notebook's output.
+
+    direction: 'higher' or 'lower' is better; with a tolerance that has no `mode`, the check is one-sided.
+    tolerance: {'abs': 0.1} | {'rel': 0.05} | {'mode': 'lower_is_better', 'rel': 0.1} | 'exact' | 'info'.
+    The suite's tolerances, when it sets one for this metric, take precedence.
+    """
+    payload, text = _metric(name, value, direction, tolerance, unit)
     if direction:
         text += f" ({direction} is better)"
     if _kernel_shell() is None:
@@ -164,10 +169,15 @@ def record_run(result: RunResult, prefix: str = "") -> str | None:
     known = {k for k, *_ in _RUN_METRICS}
     extra_eval = [(k, "higher" if "acc" in k else "lower" if "loss" in k or "perplexity" in k else None, None,
                    {"mode": "rel", "rel": 0.05}) for k in sorted(summary) if k.startswith("eval_") and k not in known]
+    payloads, texts = [], []
     for key, direction, unit, tolerance in (*_RUN_METRICS, *extra_eval):
         value = summary.get(key)
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            record(f"{name}.{key}", value, direction=direction, tolerance=tolerance, unit=unit)
+            payload, text = _metric(f"{name}.{key}", value, direction, tolerance, unit)
+            payloads.append(payload)
+            texts.append(text.removeprefix(f"{name}."))
+    if payloads:  # one output per run: a notebook shows one line, not one per metric
+        _display({METRIC_MIME: {"metrics": payloads}, "text/plain": f"[workbench] recorded {name}: " + ", ".join(texts)})
     points = [[row["step"], row["loss"]] for row in result.metrics
               if row.get("loss") is not None and row.get("step") is not None]
     if points:
@@ -209,23 +219,13 @@ def read_records(nb: str | Path | nbformat.NotebookNode) -> Records:
                 continue
             data = output.get("data", {})
             if METRIC_MIME in data:
-                m = data[METRIC_MIME]
-                if m["name"] in found.metrics:
-                    found.repeated.append(m["name"])
-                found.metrics[m["name"]] = RecordedMetric(m["name"], decode_value(m["value"]), m.get("direction"),
-                                                          m.get("tolerance"), m.get("unit"))
+                bundle = data[METRIC_MIME]
+                for m in bundle.get("metrics", [bundle]):  # record_run puts a run's metrics in one output
+                    if m["name"] in found.metrics:
+                        found.repeated.append(m["name"])
+                    found.metrics[m["name"]] = RecordedMetric(m["name"], decode_value(m["value"]),
+                                                              m.get("direction"), m.get("tolerance"), m.get("unit"))
             if CURVE_MIME in data:
                 c = data[CURVE_MIME]
                 found.curves[c["name"]] = [[p[0], decode_value(p[1])] for p in c["points"]]
     return found
-
-
-class _CallableModule(types.ModuleType):
-    """`wb.record(...)` must keep working after this submodule is imported: importing `workbench.record` binds the
-    package attribute `record` to this module, shadowing the lazily exported function. Calling the module calls it."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return record(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,243 @@
+"""The quickstart in a real browser: JupyterLab, headless Chromium, the panel's Launch button, a live dashboard.
+
+Needs Debian's Chromium (`apt-get install -y chromium`, or WORKBENCH_CHROMIUM=/path) and the Playwright
+Python package (`pip install playwright`). Playwright only drives that Chromium: never `playwright install`.
+Screenshots go to $WORKBENCH_E2E_ARTIFACTS (default: <tmp>/artifacts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LIVE_STEPS = 100_000
+"""Steps of the run launched by clicking: more than any machine finishes before the test clicks Stop."""
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    root: Path
+    runs_dir: Path
+    log: Path
+
+    def api(self, method: str, path: str) -> Any:
+        request = urllib.request.Request(f"{self.url}{path}", method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _set_parameters(path: Path, **values: Any) -> None:
+    """Rewrite the notebook's parameters cell, as papermill would, in the copy the browser opens."""
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    for name, value in values.items():
+        cell.source, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", cell.source, flags=re.M)
+        assert n == 1, f"{path.name}: no `{name} = ...` line in the parameters cell"
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    path = Path(os.environ.get("WORKBENCH_E2E_ARTIFACTS", tmp_path / "artifacts"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: `apt-get install -y chromium` (or set WORKBENCH_CHROMIUM)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("the playwright Python package is missing: `pip install playwright` (it drives the system "
+                    "Chromium; no `playwright install` needed)")
+    pytest.importorskip("jupyterlab")
+
+    root, home = tmp_path / "notebooks", tmp_path / "jupyter"
+    shutil.copytree(NOTEBOOKS, root)
+    runs_dir = tmp_path / "runs"
+    _set_parameters(root / "01_quickstart.ipynb", runs_dir=str(runs_dir))
+    # A private Jupyter home: the user's settings, workspaces and IPython startup files stay out of the test.
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_DATA_DIR": str(home / "data"),
+           "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"), "IPYTHONDIR": str(home / "ipython")}
+    page_config = home / "config" / "labconfig" / "page_config.json"
+    page_config.parent.mkdir(parents=True)
+    # The "receive Jupyter news?" toast would sit over the notebook; this machine is offline anyway.
+    page_config.write_text(json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+
+    port, token = _free_port(), secrets.token_hex(16)
+    log = tmp_path / "jupyterlab.log"
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           "--port-retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+           # Nothing that reaches out to the internet: no PyPI extension manager, no update checks.
+           "--LabApp.extension_manager=readonly", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           "--ServerApp.terminals_enabled=False"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")  # CI containers run as root
+    with open(log, "wb") as out:
+        server = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    lab = Lab(f"http://127.0.0.1:{port}", token, root, runs_dir, log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"JupyterLab exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                lab.api("GET", "/api/status")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not answer within 120 s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield lab
+    finally:
+        # Kernels run in sessions of their own: shut them down through the server before stopping it.
+        try:
+            for kernel in lab.api("GET", "/api/kernels") or []:
+                lab.api("DELETE", f"/api/kernels/{kernel['id']}")
+        except OSError:
+            pass
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
+
+
+def _all_cells_ran(page: Any) -> bool:
+    return page.evaluate("""() => {
+        const prompts = [...document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt')];
+        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+    }""")
+
+
+def _text(page: Any, selector: str) -> str:
+    locator = page.locator(selector)
+    return locator.first.inner_text() if locator.count() else ""
+
+
+def _wait(page: Any, predicate: Any, timeout: float, what: str, artifacts: Path) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        page.wait_for_timeout(250)
+    page.screenshot(path=str(artifacts / "failure.png"), full_page=True)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; screenshot: {artifacts / 'failure.png'}")
+
+
+def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifacts: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": 1400, "height": 1100})
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(f"{lab.url}/lab/tree/01_quickstart.ipynb?token={lab.token}")
+            page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=120_000)
+            _wait(page, lambda: any(k["execution_state"] == "idle" for k in lab.api("GET", "/api/kernels")), 120,
+                  "the notebook's kernel to start", artifacts)
+
+            # Run all cells, as a user would from the menu: panel, launch from code, wait, result.
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            _wait(page, lambda: _all_cells_ran(page), 150, "every cell to run", artifacts)
+            _wait(page, lambda: page.locator(".wb-status-line [data-status='completed']").count(), 60,
+                  "the notebook's run to complete", artifacts)
+            assert page.locator(".jp-OutputArea-output img").count() >= 1  # the final figure, as an output
+            first_run = _text(page, ".wb-dash-title b")
+            assert first_run.startswith("digits-")
+
+            # Now the panel itself: more steps, then the Launch button.
+            steps = page.locator(".wb-max-steps input")
+            steps.fill(str(LIVE_STEPS))
+            steps.press("Enter")
+            _wait(page, lambda: "global batch" in _text(page, ".wb-batch"), 10, "the panel to re-derive", artifacts)
+            page.locator(".wb-launch").click()
+            _wait(page, lambda: _text(page, ".wb-dash-title b") not in ("", first_run), 60,
+                  "a new run on the dashboard", artifacts)
+            assert page.locator(".wb-launch").is_disabled()
+
+            # The dashboard moves while the ranks train, and the kernel stays free meanwhile.
+            seen: set[int] = set()
+            kernel_idle_while_training = False
+            live_shot = artifacts / "quickstart-live.png"
+            deadline = time.monotonic() + 180
+            while len(seen) < 3:
+                assert time.monotonic() < deadline, f"the dashboard barely moved: steps seen {sorted(seen)}"
+                m = re.search(r"step (\d+)/(\d+)", _text(page, ".wb-progress-text"))
+                if m and int(m.group(2)) == LIVE_STEPS and int(m.group(1)) > 0:
+                    seen.add(int(m.group(1)))
+                    if all(k["execution_state"] == "idle" for k in lab.api("GET", "/api/kernels")):
+                        kernel_idle_while_training = True
+                page.wait_for_timeout(250)
+            assert kernel_idle_while_training, "the kernel was busy while the ranks trained"
+            assert re.fullmatch(r"\d+\.\d+", _text(page, ".wb-stat-loss")), _text(page, ".wb-stats")
+            _wait(page, lambda: page.locator(".wb-figure").evaluate("img => img.naturalWidth") > 0, 30,
+                  "the live figure", artifacts)
+            page.locator(".wb-dashboard").scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(live_shot))
+
+            # Stop: the ranks checkpoint and end cleanly, and the panel is ready for another run.
+            page.locator(".wb-stop").click()
+            _wait(page, lambda: page.locator(".wb-status-line [data-status='stopped']").count(), 120,
+                  "the run to stop", artifacts)
+            assert "stopped" in _text(page, ".wb-progress-text")
+            assert not page.locator(".wb-launch").is_disabled() and page.locator(".wb-stop").is_disabled()
+            page.locator(".wb-dashboard").scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(artifacts / "quickstart-stopped.png"))
+            # The whole panel in one picture: a window tall enough that the notebook needn't scroll inside it.
+            page.set_viewport_size({"width": 1400, "height": 2400})
+            page.locator(".wb-panel").evaluate("el => el.scrollIntoView({block: 'start'})")
+            page.wait_for_timeout(500)
+            page.locator(".wb-panel").screenshot(path=str(artifacts / "panel.png"))
+        finally:
+            browser.close()
+
+    new_runs = [d for d in lab.runs_dir.iterdir() if d.is_dir() and d.name != first_run]
+    assert len(new_runs) == 1
+    summary = json.loads((new_runs[0] / "summary.json").read_text())
+    assert summary["status"] == "stopped" and 0 < summary["steps"] < LIVE_STEPS
+    assert list((new_runs[0] / "checkpoints").glob("step_*")), "Stop saves a checkpoint"

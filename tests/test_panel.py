@@ -1,0 +1,303 @@
+"""wb.Panel and the live dashboard, without a browser: widget values in, state and widget values out."""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+
+import workbench as wb
+from workbench import panel as panel_mod
+from workbench import rundir
+from workbench.config import Precision
+from workbench.dashboard import Dashboard
+from workbench.hardware import GPU, Hardware, detect
+from workbench.launch import describe_launch
+from workbench.tasks.digits import DigitsTask
+
+
+def until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def tiny(runs_dir: Path, **changes: Any) -> wb.RunConfig:
+    """Digits on 2 CPU processes: a few seconds end to end."""
+    base = dict(task="digits", num_processes=2, max_steps=20, log_every=5, micro_batch_size=16, device="cpu",
+                runs_dir=str(runs_dir))
+    return wb.RunConfig(**{**base, **changes})
+
+
+def expected_error(make: Callable[[], Any]) -> str:
+    with pytest.raises(ValueError) as info:
+        make()
+    return str(info.value)
+
+
+# ---- controls <-> RunConfig ---------------------------------------------------------------------------
+def test_controls_round_trip_keeps_fields_without_a_control(runs_dir: Path) -> None:
+    cfg = tiny(runs_dir, num_processes=1, parallelism="none", precision="bf16", micro_batch_size=8,
+               grad_accum_steps=3, max_steps=42, lr=3e-4, run_name="rt-1",
+               warmup_steps=4, seed=7, weight_decay=0.1, task_options={"hidden": 32})
+    panel = wb.Panel(cfg)
+    c = panel.controls
+    assert (c["task"].value, c["num_processes"].value, c["parallelism"].value, c["precision"].value) == \
+           ("digits", 1, "none", "bf16")
+    assert (c["micro_batch_size"].value, c["grad_accum_steps"].value, c["max_steps"].value, c["lr"].value,
+            c["run_name"].value) == (8, 3, 42, 3e-4, "rt-1")
+    assert panel.config == cfg
+
+    c["num_processes"].value = 2
+    c["parallelism"].value = "ddp"
+    c["grad_accum_steps"].value = 2
+    c["run_name"].value = ""
+    assert panel.config == cfg.replace(num_processes=2, parallelism="ddp", grad_accum_steps=2, run_name=None)
+    assert panel.config.task_options == {"hidden": 32} and panel.config.seed == 7  # no control: kept
+    assert "global batch <b>32</b>" in panel.batch_info.value  # 8 x 2 x 2
+    assert panel.launch_info.value == html.escape(describe_launch(panel.config))
+    assert "Estimates" in panel.estimates.value and "placeholder" in panel.estimates.value
+
+    other = tiny(runs_dir, max_steps=7, lr=0.01)
+    panel.config = other
+    assert panel.config == other and c["max_steps"].value == 7
+
+
+def test_invalid_combination_shows_runconfig_message_and_disables_launch(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir))
+    assert panel.state.problem == "" and not panel.launch_button.disabled
+
+    panel.controls["parallelism"].value = "none"  # with 2 processes: RunConfig refuses it
+    message = expected_error(lambda: tiny(runs_dir, parallelism="none"))
+    assert panel.state.problem == message
+    assert panel.state.config is None and panel.launch_button.disabled and panel.save_button.disabled
+    assert "parallelism=&#x27;none&#x27; with num_processes=2" in panel.problem_box.value
+    with pytest.raises(ValueError, match="parallelism='none'"):
+        panel.config  # noqa: B018
+    with pytest.raises(ValueError, match="parallelism='none'"):
+        panel.launch()
+
+    panel.controls["parallelism"].value = "ddp"
+    assert panel.state.problem == "" and not panel.launch_button.disabled
+
+    # A config RunConfig accepts but this machine can't run: check()'s message, and Save stays on.
+    panel.controls["precision"].value = "fp8"
+    assert panel.state.problem == expected_error(lambda: tiny(runs_dir, precision="fp8").check())
+    assert panel.launch_button.disabled and not panel.save_button.disabled
+
+
+def test_task_options_problem_is_shown(runs_dir: Path) -> None:
+    cfg = tiny(runs_dir, task_options={"hiden": 64})
+    panel = wb.Panel(cfg)
+    assert panel.state.problem == expected_error(cfg.check)
+    assert "hiden" in panel.state.problem and panel.launch_button.disabled
+
+
+def test_unavailable_precisions_are_labelled_with_the_reason(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir))
+    hw = detect()
+    labels = dict((value, label) for label, value in panel.controls["precision"].options)
+    assert set(labels) == set(get_args(Precision))
+    for precision, label in labels.items():
+        problem = hw.precision_problem(precision, panel.device)
+        assert (label == precision) == (problem is None)
+    if panel.device == "cpu":
+        assert labels["fp16"] == "fp16 (unavailable: needs a CUDA GPU)"
+        assert labels["bf16"] == "bf16"
+
+
+def test_precision_labels_on_an_old_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    v100 = Hardware(cpu_count=8, gpus=(GPU(name="Tesla V100", compute_capability=(7, 0), memory_bytes=2**34),))
+    monkeypatch.setattr(panel_mod, "detect", lambda: v100)
+    options, reasons = panel_mod.precision_options("cuda")
+    labels = dict((value, label) for label, value in options)
+    assert labels["fp16"] == "fp16" and labels["fp32"] == "fp32"
+    assert labels["bf16"] == "bf16 (unavailable: needs compute capability 8.0+ (A100 and newer))"
+    assert labels["fp8"].startswith("fp8 (unavailable: needs a CUDA GPU of compute capability 8.9+")
+    assert reasons["bf16"] == v100.precision_problem("bf16", "cuda")
+
+
+def test_processes_bounded_by_the_machine(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir, num_processes=1))
+    assert panel.controls["num_processes"].max == detect().max_processes(panel.device)
+
+
+def test_user_task_is_offered_and_selected(runs_dir: Path) -> None:
+    class Mine(DigitsTask):
+        name = "mine"
+
+    panel = wb.Panel(tiny(runs_dir), task=Mine())
+    assert ("mine (your task)", "mine") in panel.controls["task"].options
+    assert "digits" in [value for _, value in panel.controls["task"].options]
+    assert panel.config.task == "mine" and panel.state.problem == ""
+    panel.controls["task"].value = "digits"
+    assert panel.config.task == "digits"
+
+
+def test_save_as_yaml(runs_dir: Path, tmp_path: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir, max_steps=9))
+    panel.yaml_path.value = str(tmp_path / "run.yaml")
+    panel.save_button.click()
+    assert panel.state.error == ""
+    assert wb.RunConfig.from_yaml(tmp_path / "run.yaml") == panel.config
+    assert "workbench train" in panel.status_box.value
+
+    panel.yaml_path.value = "  "
+    panel.save_button.click()
+    assert "path is empty" in panel.state.error and "path is empty" in panel.error_box.value
+    assert not panel.state.busy and not panel.save_button.disabled and not panel.launch_button.disabled
+
+
+def test_button_exception_is_shown_and_buttons_come_back(runs_dir: Path) -> None:
+    (runs_dir / "taken").mkdir()
+    (runs_dir / "taken" / "config.yaml").write_text("x: 1\n")
+    panel = wb.Panel(tiny(runs_dir, run_name="taken"))
+    panel.launch_button.click()  # rundir.prepare refuses before any process starts
+    assert "already exists" in panel.state.error and "already exists" in panel.error_box.value
+    assert panel.state.status == "ready" and not panel.launch_button.disabled
+    assert not any(c.disabled for c in panel.controls.values())
+
+
+# ---- dashboard from a run directory -------------------------------------------------------------------
+def _row(step: int, **extra: Any) -> dict[str, Any]:
+    return {"step": step, "loss": 2.0 / step, "lr": 1e-3, "step_time_s": 0.05, "samples_per_s": 640.0,
+            "tokens_per_s": 640.0 * 64, "peak_memory_bytes": 300 * 2**20,
+            "peak_memory_bytes_per_rank": [300 * 2**20, 290 * 2**20], "eta_s": 0.05 * (100 - step), **extra}
+
+
+def _fake_run(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "runs" / "fake-run"
+    run_dir.mkdir(parents=True)
+    wb.RunConfig(max_steps=100).to_yaml(run_dir / rundir.CONFIG)
+    rundir.write_json(run_dir / rundir.SUMMARY, {"status": "running", "world_size": 2, "precision": "fp32"})
+    return run_dir
+
+
+def test_dashboard_reads_rows_from_a_run_directory(tmp_path: Path) -> None:
+    run_dir = _fake_run(tmp_path)
+    dash = Dashboard(run_dir)
+    assert dash.progress.value == 0 and "starting" in dash.progress_text.value and bytes(dash.image.value) == b""
+
+    for step in (10, 20):
+        rundir.append_jsonl(run_dir / rundir.METRICS, _row(step))
+    rundir.append_jsonl(run_dir / rundir.METRICS, {"step": 20, "eval_loss": 0.5, "eval_accuracy": 0.75})
+    assert dash.refresh(force_draw=True) is False
+    assert (dash.progress.value, dash.progress.max) == (20, 100)
+    assert "step 20/100 (20%)" in dash.progress_text.value and "ETA 4 s" in dash.progress_text.value
+    stats = dash.stats.value
+    for text in ("0.1", "eval loss", "0.5 (step 20)", "0.75", "640", "40,960", "50.0 ms",
+                 "rank 0: 300 MiB, rank 1: 290 MiB", "0.001"):
+        assert text in stats, text
+    assert bytes(dash.image.value).startswith(b"\x89PNG")
+
+    rundir.append_jsonl(run_dir / rundir.METRICS, _row(30))
+    rundir.write_json(run_dir / rundir.SUMMARY, {"status": "completed", "steps": 30, "wall_time_s": 3.0})
+    assert dash.refresh() is True
+    assert dash.progress.value == 30 and "completed in 3 s" in dash.progress_text.value
+    assert dash.progress.bar_style == "success"
+
+
+def test_dashboard_polls_in_a_thread_until_the_run_ends(tmp_path: Path) -> None:
+    run_dir = _fake_run(tmp_path)
+    dash = Dashboard(run_dir, interval=0.1, figure_interval=0.1).start()
+    try:
+        assert dash.polling
+        rundir.append_jsonl(run_dir / rundir.METRICS, _row(10))
+        until(lambda: dash.progress.value == 10, 10, "the first row")
+        until(lambda: dash.image.value, 10, "the first figure")
+        rundir.append_jsonl(run_dir / rundir.METRICS, _row(50))
+        until(lambda: dash.progress.value == 50, 10, "the second row")
+        rundir.write_json(run_dir / rundir.SUMMARY, {"status": "failed", "steps": 50, "error": {
+            "rank": 1, "type": "ValueError", "message": "boom"}})
+        until(lambda: not dash.polling, 10, "the poller to end with the run")
+        assert "rank 1: ValueError: boom" in dash.stats.value and dash.progress.bar_style == "danger"
+    finally:
+        dash.stop()
+
+
+# ---- real runs: launch, relaunch, stop, fail ----------------------------------------------------------
+class FailsOnRank1(DigitsTask):
+    """Digits, except rank 1 raises on its third micro-batch."""
+
+    name = "fails-on-rank-1"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls >= 3:
+            raise ValueError("boom from rank 1 (a test task)")
+        return super().loss(model, batch)
+
+
+@pytest.mark.slow
+def test_launch_wait_and_launch_again(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir))
+    panel.launch_button.click()
+    assert panel.state.error == ""
+    assert panel.state.status in ("running", "completed")
+    first = panel.run
+    assert first is not None
+    if panel.state.status == "running":  # a loaded machine takes seconds just to start the ranks
+        assert panel.launch_button.disabled and all(c.disabled for c in panel.controls.values())
+        assert not panel.stop_button.disabled
+        with pytest.raises(RuntimeError, match="a run is going"):
+            panel.launch()
+    result = panel.wait(timeout=120)
+    assert result.status == "completed" and panel.state.status == "completed"
+    assert not panel.launch_button.disabled and panel.stop_button.disabled
+    assert not any(c.disabled for c in panel.controls.values())
+    assert panel.dashboard is not None and panel.dashboard.progress.value == 20
+    assert "completed" in panel.dashboard.progress_text.value and panel.dashboard.image.value
+    assert "wb-stat-loss" in panel.dashboard.stats.value
+
+    panel.controls["max_steps"].value = 10
+    panel.controls["grad_accum_steps"].value = 2
+    run = panel.launch()
+    result = panel.wait(timeout=120)
+    assert run.run_dir != first.run_dir and result.summary["steps"] == 10
+    assert result.config is not None and result.config.grad_accum_steps == 2
+    assert panel.dashboard.run_dir == run.run_dir and panel.state.status == "completed"
+
+
+@pytest.mark.slow
+def test_stop_checkpoints_and_ends_cleanly(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir, max_steps=100_000))
+    panel.launch()
+    assert panel.dashboard is not None
+    until(lambda: panel.dashboard.train_rows, 120, "the first metrics row")
+    panel.stop_button.click()
+    assert panel.state.status in ("stopping", "stopped") and panel.stop_button.disabled
+    result = panel.wait(timeout=120)
+    assert result.status == "stopped" and panel.state.status == "stopped"
+    assert rundir.latest_checkpoint(result.run_dir) is not None
+    assert not panel.launch_button.disabled
+    assert "stopped" in panel.dashboard.progress_text.value
+
+
+@pytest.mark.slow
+def test_failed_run_shows_the_rank_error_then_launches_again(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir), task=FailsOnRank1())
+    panel.launch_button.click()
+    with pytest.raises(wb.RunFailedError) as info:
+        panel.wait(timeout=120)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert panel.state.status == "failed"
+    assert panel.state.error.startswith("rank 1 failed with ValueError: boom from rank 1")
+    assert "boom from rank 1" in panel.error_box.value and "Traceback" in panel.error_box.value
+    assert not panel.launch_button.disabled and not any(c.disabled for c in panel.controls.values())
+
+    panel.controls["task"].value = "digits"
+    panel.launch_button.click()
+    assert panel.state.error == ""
+    assert panel.wait(timeout=120).status == "completed" and panel.state.status == "completed"
