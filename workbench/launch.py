@@ -265,9 +265,11 @@ class Run:
         if self._mode == "subprocess":
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(timeout)
-        else:
-            # Wait on the sentinel, not join(): join() from two threads can return early without an exit code.
-            multiprocessing.connection.wait([self._process.sentinel], timeout)
+        elif multiprocessing.connection.wait([self._process.sentinel], timeout):
+            # The sentinel fires when the process closes its files, a moment before it can be reaped;
+            # join() then returns at once with the exit code. The lock keeps two threads from reaping at once.
+            with self._lock:
+                self._process.join()
 
     def wait(self, timeout: float | None = None) -> RunResult:
         """Block until the run ends. Raises RunFailedError naming the failing rank, or TimeoutError."""

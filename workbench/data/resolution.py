@@ -1,0 +1,350 @@
+"""Resolution: a manifest's files, verified, in the cache (from cache, package, mirrors, URLs or a generator)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from http.client import HTTPException
+from pathlib import Path
+from typing import Any, BinaryIO, Sequence
+
+from .archives import _extract_archive
+from .cache import (_TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file,
+                    cache_dir)
+from .errors import DataUnavailableError, IntegrityError, ManifestError, _one_line
+from .generators import GENERATORS
+from .manifest import FileSpec, Manifest, PathLike, _env_paths, _paths, _relative_path, load_manifest
+
+log = logging.getLogger("workbench")
+
+_DOWNLOAD_TIMEOUT_S = 30
+_OFFLINE_REASON = "skipped: offline (offline=True or WORKBENCH_OFFLINE=1)"
+
+
+@dataclass(frozen=True)
+class ResolvedData:
+    """A dataset whose files are verified and present in the cache."""
+
+    name: str
+    version: str
+    root: Path
+    files: dict[str, Path]
+    manifest: Manifest
+    sha256: dict[str, str] = field(default_factory=dict)
+    #: Where each file came from this time: "cache", a mirror path, a URL, ...
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """JSON-able record for the run directory: what data exactly was used."""
+        return {"name": self.name, "version": self.version, "source": self.manifest.source, "files": dict(self.sha256)}
+
+    def __getitem__(self, path: str) -> Path:
+        """A declared file, or a file extracted from one of its archives."""
+        if path in self.files:
+            return self.files[path]
+        relative = _relative_path(path)
+        if relative is not None and (self.root / relative).exists():
+            return self.root / relative
+        raise KeyError(f"{self.name} has no file {path!r}; declared files: {', '.join(self.files)}")
+
+
+def _download_reason(e: BaseException) -> str:
+    if isinstance(e, urllib.error.HTTPError):
+        return f"HTTP {e.code} {e.reason}"
+    if isinstance(e, urllib.error.URLError):
+        return _one_line(e.reason if isinstance(e.reason, BaseException) else str(e.reason))
+    return _one_line(e)
+
+
+@dataclass
+class _Attempt:
+    """One place a file was looked for, and why it was not used."""
+
+    where: str
+    reason: str
+    actual_sha256: str | None = None
+    corrupt: bool = False
+
+
+def _corrupt(where: str, sha: str, size: int) -> _Attempt:
+    return _Attempt(where, f"corrupt: got sha256 {sha} ({size:,} bytes)", sha, corrupt=True)
+
+
+class _Resolver:
+    """Resolves one manifest's files into the cache; runs under the dataset lock."""
+
+    def __init__(self, manifest: Manifest, cache: Path, mirrors: list[Path], offline: bool, progress: bool) -> None:
+        self.m = manifest
+        self.cache = cache
+        self.root = cache / manifest.name / manifest.version
+        self.mirrors = mirrors
+        self.offline = offline
+        self.progress = progress
+        self.state_path = cache / manifest.name / f".{manifest.version}.state.json"
+        self.state = _load_state(self.state_path)
+
+    def run(self) -> ResolvedData:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temps()
+        shas: dict[str, str] = {}
+        origins: dict[str, str] = {}
+        for spec in self.m.files:
+            target = self.root / spec.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shas[spec.path], origins[spec.path] = self._file(spec, target)
+            if spec.extract and self.state["extracted"].get(spec.path) != shas[spec.path]:
+                log.info("data %s: extracting %s", self.m.name, spec.path)
+                _extract_archive(target, self.root, protected={s.path for s in self.m.files}, manifest=self.m)
+                self.state["extracted"][spec.path] = shas[spec.path]
+                _save_state(self.state_path, self.state)
+        return ResolvedData(self.m.name, self.m.version, self.root, {s.path: self.root / s.path for s in self.m.files},
+                            self.m, shas, origins)
+
+    def _remove_stale_temps(self) -> None:
+        # Only a killed process leaves these; we hold the lock, so none is in use.
+        for d in {self.state_path.parent, self.root, *((self.root / s.path).parent for s in self.m.files)}:
+            if not d.is_dir():
+                continue
+            for p in d.glob(_TMP_PREFIX + "*"):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+
+    def _label(self, spec: FileSpec) -> str:
+        return f"{self.m.name}/{spec.path}"
+
+    def _expected_sha(self, spec: FileSpec) -> str | None:
+        if spec.sha256 or not spec.generator:
+            return spec.sha256
+        record = self.state["generated"].get(spec.path)
+        # A record made from other params (manifest edited in place) says nothing about this spec.
+        return record["sha256"] if record and record["spec"] == _jsonable(spec.generator_spec()) else None
+
+    def _file(self, spec: FileSpec, target: Path) -> tuple[str, str]:
+        attempts: list[_Attempt] = []
+        expected = self._expected_sha(spec)
+        if target.is_file() and expected is not None:
+            sha = _sha256_file(target)
+            size = target.stat().st_size
+            if sha == expected and spec.size in (None, size):
+                log.debug("data %s: cache hit %s", self._label(spec), target)
+                return sha, "cache"
+            log.warning("data %s: cached file %s is corrupt (expected sha256 %s, got %s); fetching it again",
+                        self._label(spec), target, expected, sha)
+            attempts.append(_corrupt(f"cache {target}", sha, size))
+        else:
+            why = "not present" if not target.exists() else "not generated from this spec"
+            attempts.append(_Attempt(f"cache {target}", why))
+
+        if self.m.source == "synthetic":
+            return self._generate(spec, target, attempts)
+        if self.m.source == "package":
+            found = _package_file(spec)
+            if isinstance(found, Path):
+                result = self._from_local(spec, target, found, f"package {spec.package} ({found})")
+                if isinstance(result, str):
+                    return result, f"package {spec.package} ({found})"
+                attempts.append(result)
+            else:
+                attempts.append(_Attempt(f"package {spec.package}", found))
+        found_in_mirror = self._from_mirrors(spec, target, attempts)
+        if found_in_mirror is not None:
+            return found_in_mirror
+        for url in spec.urls:
+            if self.offline:
+                attempts.append(_Attempt(url, _OFFLINE_REASON))
+                continue
+            result = self._from_url(spec, target, url)
+            if isinstance(result, str):
+                return result, url
+            attempts.append(result)
+        raise self._failure(spec, attempts)
+
+    def _copy(self, src: BinaryIO, spec: FileSpec, target: Path) -> _Copied:
+        return _copy_to_temp(src, target.parent, limit=spec.size, desc=self._label(spec), progress=self.progress)
+
+    def _accept(self, spec: FileSpec, target: Path, copied: _Copied, where: str) -> str | _Attempt:
+        """Move a verified temp file into the cache, or reject it."""
+        if copied.tmp is None:
+            return _Attempt(where, f"corrupt: more than the expected {spec.size:,} bytes (stopped reading)", corrupt=True)
+        if (spec.size is not None and copied.size != spec.size) or (spec.sha256 and copied.sha256 != spec.sha256):
+            copied.tmp.unlink()
+            log.warning("data %s: rejected %s (expected sha256 %s, got %s)",
+                        self._label(spec), where, spec.sha256, copied.sha256)
+            return _corrupt(where, copied.sha256, copied.size)
+        os.replace(copied.tmp, target)
+        return copied.sha256
+
+    def _from_local(self, spec: FileSpec, target: Path, src: Path, where: str) -> str | _Attempt:
+        try:
+            size = src.stat().st_size
+            if spec.size is not None and size != spec.size:
+                # Hash in place rather than copy a file we already know is wrong.
+                return _corrupt(where, _sha256_file(src), size)
+            with open(src, "rb") as f:
+                copied = self._copy(f, spec, target)
+        except OSError as e:
+            return _Attempt(where, _one_line(e))
+        result = self._accept(spec, target, copied, where)
+        if isinstance(result, str):
+            log.info("data %s: copied from %s", self._label(spec), src)
+        return result
+
+    def _from_mirrors(self, spec: FileSpec, target: Path, attempts: list[_Attempt]) -> tuple[str, str] | None:
+        """(sha256, mirror file) of the first good mirror copy; failures are appended to attempts."""
+        if not self.mirrors:
+            attempts.append(_Attempt("mirrors", "none configured (WORKBENCH_DATA_MIRROR is not set)"))
+        for mirror in self.mirrors:
+            # <name>/<path> is the documented layout; <name>/<version>/<path> lets a copied cache serve as a mirror.
+            candidates = [mirror / self.m.name / spec.path, mirror / self.m.name / self.m.version / spec.path]
+            hit = next((c for c in candidates if c.is_file()), None)
+            if hit is None:
+                missing = "" if mirror.is_dir() else " (the mirror directory does not exist)"
+                attempts.append(_Attempt(f"mirror {mirror}", f"has no {self.m.name}/{spec.path}{missing}"))
+                continue
+            result = self._from_local(spec, target, hit, f"mirror {hit}")
+            if isinstance(result, str):
+                return result, str(hit)
+            attempts.append(result)
+        return None
+
+    def _from_url(self, spec: FileSpec, target: Path, url: str) -> str | _Attempt:
+        log.info("data %s: downloading %s", self._label(spec), url)
+        request = urllib.request.Request(url, headers={"User-Agent": "workbench-data"})
+        try:
+            with urllib.request.urlopen(request, timeout=_DOWNLOAD_TIMEOUT_S) as response:
+                copied = self._copy(response, spec, target)
+        except (OSError, HTTPException, ValueError) as e:  # URLError and timeouts are OSErrors
+            return _Attempt(url, _download_reason(e))
+        return self._accept(spec, target, copied, url)
+
+    def _generate(self, spec: FileSpec, target: Path, attempts: list[_Attempt]) -> tuple[str, str]:
+        gen_spec = spec.generator_spec()
+        where = f"generator {spec.generator}(seed={spec.seed})"
+        log.info("data %s: generating with %s", self._label(spec), where)
+        fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=target.parent)
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                GENERATORS[spec.generator].write(out, gen_spec["params"], spec.seed)  # type: ignore[index]
+            os.chmod(tmp, 0o644)
+            sha, size = _sha256_file(tmp), tmp.stat().st_size
+        except ValueError as e:
+            tmp.unlink(missing_ok=True)
+            raise ManifestError(f"{self.m.path}: cannot generate {spec.path}: {e}", self.m.path) from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        result = self._accept(spec, target, _Copied(tmp, sha, size), where)
+        if isinstance(result, _Attempt):
+            raise self._failure(spec, [*attempts, result])
+        self.state["generated"][spec.path] = {"sha256": sha, "spec": _jsonable(gen_spec)}
+        _save_state(self.state_path, self.state)
+        return sha, where
+
+    def _failure(self, spec: FileSpec, attempts: list[_Attempt]) -> Exception:
+        tried = "\n".join(f"  - {a.where}: {a.reason}" for a in attempts)
+        corrupt = [a for a in attempts if a.corrupt]
+        if corrupt:
+            size = f" ({spec.size:,} bytes)" if spec.size is not None else ""
+            return IntegrityError(
+                f"{self._label(spec)}: no copy matches the manifest, so none was used.\n"
+                f"  expected sha256 {spec.sha256 or '(not declared)'}{size}, per {self.m.path}\n"
+                f"Tried:\n{tried}",
+                expected=spec.sha256, actual=corrupt[0].actual_sha256, location=corrupt[0].where)
+        return DataUnavailableError(
+            f"dataset {self.m.name!r} is not available: no copy of {spec.path} could be found.\n"
+            f"Tried:\n{tried}\n"
+            f"To use it without internet access, either:\n"
+            f"  - put the file in a mirror directory and set WORKBENCH_DATA_MIRROR to that directory\n"
+            f"    (WORKBENCH_DATA_MIRROR=/path/to/mirror, holding /path/to/mirror/{self.m.name}/{spec.path}), or\n"
+            f"  - run `workbench data fetch {self.m.name}` on a machine with internet access and copy its\n"
+            f"    cache directory {self.m.name}/ into {self.cache} (WORKBENCH_DATA_DIR sets where that is)."
+            + (f"\n  - or install the Python package that provides {spec.package!r}." if spec.package else ""))
+
+
+def _package_file(spec: FileSpec) -> Path | str:
+    """The resource's path inside the installed package, or why there is none."""
+    try:
+        # find_spec locates a top-level package without importing it (sklearn is slow to import).
+        found = importlib.util.find_spec(spec.package)  # type: ignore[arg-type]
+    except (ImportError, ValueError) as e:
+        return f"cannot locate package: {_one_line(e)}"
+    if found is None:
+        return f"package {spec.package!r} is not installed"
+    bases = list(found.submodule_search_locations or []) or ([str(Path(found.origin).parent)] if found.origin else [])
+    for base in bases:
+        candidate = Path(base) / spec.resource  # type: ignore[operator]
+        if candidate.is_file():
+            return candidate
+    return f"no {spec.resource} in package {spec.package!r} (looked in {', '.join(bases)})"
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def _env_flag(var: str) -> bool:
+    return os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_used: dict[str, dict[str, Any]] = {}
+_used_lock = threading.Lock()
+
+
+def resolve(
+    name: str,
+    *,
+    extra_dirs: Sequence[PathLike] | None = None,
+    cache: PathLike | None = None,
+    mirrors: Sequence[PathLike] | None = None,
+    offline: bool | None = None,
+    progress: bool = True,
+) -> ResolvedData:
+    """Verified local files of dataset ``name``, fetched into the cache if needed.
+
+    ``cache`` defaults to :func:`cache_dir`; ``mirrors`` to ``WORKBENCH_DATA_MIRROR``
+    (pass ``[]`` for none); ``offline`` to ``WORKBENCH_OFFLINE``. ``progress=False``
+    silences the progress bar (stderr). Raises DataUnavailableError when no source
+    has the file, IntegrityError when the only copies found are corrupt, and
+    UnsafeArchiveError for archives with members escaping the dataset directory.
+    Archives are extracted once per archive sha256; files extracted from them are
+    not re-verified.
+    """
+    manifest = load_manifest(name, extra_dirs)
+    cache_root = Path(cache).expanduser() if cache is not None else cache_dir()
+    mirror_dirs = _paths(mirrors) if mirrors is not None else _env_paths("WORKBENCH_DATA_MIRROR")
+    offline = _env_flag("WORKBENCH_OFFLINE") if offline is None else offline
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with _dataset_lock(cache_root, manifest.name):
+        resolved = _Resolver(manifest, cache_root, mirror_dirs, offline, progress).run()
+    with _used_lock:
+        _used.pop(manifest.name, None)  # re-insert so the latest version resolved is the one recorded
+        _used[manifest.name] = resolved.record()
+    return resolved
+
+
+def fetch(name: str, **kwargs: Any) -> ResolvedData:
+    """Fill the cache with dataset ``name``; same arguments as :func:`resolve`."""
+    return resolve(name, **kwargs)
+
+
+def used_datasets() -> list[dict[str, Any]]:
+    """Records of the datasets resolved in this process, one per name (latest wins)."""
+    with _used_lock:
+        return [json.loads(json.dumps(r)) for r in _used.values()]
+
+
+def reset_used_datasets() -> None:
+    """Forget what was resolved, e.g. between runs in one notebook kernel."""
+    with _used_lock:
+        _used.clear()
