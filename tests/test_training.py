@@ -48,6 +48,8 @@ def test_ddp_ranks_form_one_job_with_identical_weights(runs_dir: Path) -> None:
     assert ranks[0]["pid"] != ranks[1]["pid"]
     assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
     assert result.summary["status"] == "completed" and result.summary["steps"] == 12
+    # Forked ranks must not keep the parent's thread pool: 2 ranks x all cores would oversubscribe the CPU.
+    assert sum(r["torch_threads"] for r in ranks) <= max(2, psutil.cpu_count())
 
 
 def test_ddp_all_reduces_gradients_two_ranks_match_one_process_on_the_global_batch(runs_dir: Path) -> None:

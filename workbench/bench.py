@@ -42,6 +42,8 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str) -> None:
 
     from .trainer import param_groups
 
+    if cfg.resolved_device() == "cpu":  # the same thread share the trainer gives each rank
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     acc = Accelerator(cpu=cfg.resolved_device() == "cpu",
                       mixed_precision="no" if cfg.precision == "fp32" else cfg.precision)
     set_seed(cfg.seed)

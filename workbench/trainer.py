@@ -99,6 +99,11 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     whose mixed_precision argument never reaches the workers.
     """
     device = cfg.resolved_device()
+    if device == "cpu":
+        # A forked rank inherits the parent's intra-op thread pool; N ranks x all cores of OpenMP threads
+        # oversubscribe the machine several times over. Each rank gets its share of the cores.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, detect().cpu_count // local)))
     accelerator = Accelerator(
         cpu=device == "cpu",
         mixed_precision="no" if cfg.precision == "fp32" else cfg.precision,
@@ -383,7 +388,7 @@ class Trainer:
                 "compute_dtype": self.compute_dtype.get("dtype"),
                 "mixed_precision": self.accelerator.mixed_precision,
                 "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
-                "world_size": self.world,
+                "world_size": self.world, "torch_threads": torch.get_num_threads(),
                 "peak_memory_bytes": peak_memory_bytes(self.device),
                 "weights_sha256": weights_digest(self.accelerator.unwrap_model(self.model))}
         return gather_object([mine]) if self.world > 1 else [mine]
