@@ -164,3 +164,13 @@ def test_baseline_device_class_names_the_gpu_model_not_its_memory_or_brand(name:
     hw = Hardware(cpu_count=8, gpus=(GPU(name=name, compute_capability=(8, 0), memory_bytes=1),))
     assert hw.device_class == f"cuda-{model}"
     assert CPU2.device_class == "cpu"
+
+
+def test_builtin_tasks_are_all_known_whatever_was_imported_first() -> None:
+    import subprocess
+    import sys
+
+    code = ("from workbench.tasks.digits import DigitsTask; from workbench.tasks import available; "
+            "print(available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "char-gpt" in out and "digits" in out

@@ -96,5 +96,5 @@ def get_task(name: str) -> Task:
 
 
 def _load_builtins() -> None:
-    if "digits" not in _REGISTRY:
-        from . import char_gpt, digits  # noqa: F401  (registration happens on import)
+    # Registration happens on import; Python imports each module once, however often this runs.
+    from . import char_gpt, digits  # noqa: F401
