@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile

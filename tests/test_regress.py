@@ -199,14 +199,11 @@ def test_cli_parameters_are_read_like_papermill() -> None:
 
 def test_shipped_smoke_suite_is_valid() -> None:
     suite = REPO / "regress" / "smoke.yaml"
-    data = yaml.safe_load(suite.read_text())
-    missing = [c["notebook"] for c in data["cases"] if not (suite.parent / c["notebook"]).is_file()]
-    if missing:
-        pytest.skip(f"notebooks not written yet: {missing}")
-    cases = regress.load_targets([suite])
+    cases = regress.load_targets([suite])  # raises if a notebook is missing
+    assert {c.notebook.name for c in cases} == {p.name for p in (REPO / "notebooks").glob("*.ipynb")}
     assert {c.profiles for c in cases} == {("smoke",)}
     rule, _ = cases[0].rule_for("run.samples_per_s", "higher")
-    assert rule == Rule("higher_is_better", rel=0.5)
+    assert rule == Rule("higher_is_better", rel=0.6)
     for case in cases:  # CPU baselines are committed for every case, and readable
         baseline = regress.load_baseline(regress.baseline_path(case, "cpu"))
         assert baseline is not None and "run.final_loss" in baseline["metrics"], case.id

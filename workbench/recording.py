@@ -177,7 +177,8 @@ def record_run(result: RunResult, prefix: str = "") -> str | None:
             payloads.append(payload)
             texts.append(text.removeprefix(f"{name}."))
     if payloads:  # one output per run: a notebook shows one line, not one per metric
-        _display({METRIC_MIME: {"metrics": payloads}, "text/plain": f"[workbench] recorded {name}: " + ", ".join(texts)})
+        _display({METRIC_MIME: {"metrics": payloads},
+                  "text/plain": f"[workbench] recorded {name}: " + ", ".join(texts)})
     points = [[row["step"], row["loss"]] for row in result.metrics
               if row.get("loss") is not None and row.get("step") is not None]
     if points:

@@ -275,7 +275,9 @@ class Trainer:
     def _progress_bar(self) -> Any:
         if not (self.progress and self.main):
             return None
-        from tqdm.auto import tqdm
+        # Plain text, not tqdm.auto: a rank is a forked process and can't drive the kernel's widgets; its
+        # stderr still reaches the notebook through the kernel's captured file descriptors.
+        from tqdm import tqdm
 
         return tqdm(total=self.cfg.max_steps, initial=self.state.step, desc=f"{self.cfg.task} x{self.world}",
                     unit="step", dynamic_ncols=True)

@@ -158,7 +158,8 @@ def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileS
     before = len(problems)
     where = f" in files[{index}]" + (f" ({raw['path']})" if isinstance(raw.get("path"), str) else "")
     _check_keys(raw, *_FILE_KEYS[source], where, problems)
-    raw = {k: v for k, v in raw.items() if k in _FILE_KEYS[source][0] + _FILE_KEYS[source][1]}  # reported once is enough
+    # Unknown keys were reported just above; checking them again would only repeat the message.
+    raw = {k: v for k, v in raw.items() if k in _FILE_KEYS[source][0] + _FILE_KEYS[source][1]}
 
     def bad(key: str, expectation: str) -> None:
         problems.append(f"{key}{where} must be {expectation}, got {raw[key]!r}")

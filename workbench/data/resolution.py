@@ -175,7 +175,8 @@ class _Resolver:
     def _accept(self, spec: FileSpec, target: Path, copied: _Copied, where: str) -> str | _Attempt:
         """Move a verified temp file into the cache, or reject it."""
         if copied.tmp is None:
-            return _Attempt(where, f"corrupt: more than the expected {spec.size:,} bytes (stopped reading)", corrupt=True)
+            return _Attempt(where, f"corrupt: more than the expected {spec.size:,} bytes (stopped reading)",
+                            corrupt=True)
         if (spec.size is not None and copied.size != spec.size) or (spec.sha256 and copied.sha256 != spec.sha256):
             copied.tmp.unlink()
             log.warning("data %s: rejected %s (expected sha256 %s, got %s)",
