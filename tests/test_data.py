@@ -575,3 +575,12 @@ def test_concurrent_processes_share_the_cache_safely(mirror, cache):
     assert sorted(r["origin"] for r in results) == sorted(["cache", str(mirror / "tinyshakespeare" / "input.txt")])
     assert sha256(cache / "tinyshakespeare" / "1" / "input.txt") == SHAKESPEARE_SHA
     assert [f for f in files_under(cache) if not f.endswith(".lock")] == ["tinyshakespeare/1/input.txt"]
+
+
+def test_manifest_usage_is_shown_and_must_be_text(tmp_path: Path) -> None:
+    assert "usage:    The default corpus of the char-gpt task" in data.load_manifest("tinyshakespeare").describe()
+    bad = tmp_path / "badusage.yaml"
+    text = (data.MANIFEST_DIR / "tinyshakespeare.yaml").read_text().replace("name: tinyshakespeare", "name: badusage")
+    bad.write_text(re.sub(r"usage: >-\n(  .*\n)+", "usage: [1, 2]\n", text))
+    with pytest.raises(data.ManifestError, match=r"badusage.yaml:\n  - usage must be a string, got \[1, 2\]"):
+        data.load_manifest("badusage", extra_dirs=[tmp_path])

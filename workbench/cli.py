@@ -118,8 +118,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_demo(runs_dir=args.runs_dir, num_processes=args.num_processes, steps=args.steps)
     if args.command == "data":
         if args.data_command == "list":
-            for m in data.list_manifests():
-                print(f"{m.name:20} {m.version:10} {m.license:20} {m.description}")
+            manifests = data.list_manifests()
+            width = max((len(m.name) for m in manifests), default=0)
+            for m in manifests:
+                print(f"{m.name:{width}}  v{m.version}  {m.license}\n{'':{width}}  {m.description}")
         elif args.data_command == "show":
             print(data.load_manifest(args.name).describe())
         elif args.data_command == "fetch":

@@ -39,7 +39,7 @@ _PACKAGE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _URL_SCHEMES = ("http", "https", "ftp", "file")
 
 _TOP_REQUIRED = ("schema_version", "name", "description", "license", "homepage", "version", "files")
-_TOP_OPTIONAL = ("source",)
+_TOP_OPTIONAL = ("source", "usage")
 # (required, optional) keys of one `files` entry, per source type.
 _FILE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "url": (("path", "urls", "sha256", "size"), ("extract",)),
@@ -82,6 +82,8 @@ class Manifest:
     source: str
     files: tuple[FileSpec, ...]
     path: Path
+    usage: str = ""
+    """How to use it: which task reads it, in what form (optional)."""
 
     def describe(self) -> str:
         """Multi-line human-readable description, for ``workbench data show``."""
@@ -92,8 +94,10 @@ class Manifest:
             f"  homepage: {self.homepage or '-'}",
             f"  source:   {self.source}",
             f"  manifest: {self.path}",
-            "  files:",
         ]
+        if self.usage:
+            lines.append(f"  usage:    {self.usage}")
+        lines.append("  files:")
         for spec in self.files:
             facts = [f"{spec.size:,} bytes" if spec.size is not None else None,
                      f"sha256 {spec.sha256}" if spec.sha256 else None,
@@ -248,6 +252,8 @@ def _parse_manifest(path: Path) -> Manifest:
     for key in ("description", "license"):
         if key in raw and not (isinstance(raw[key], str) and raw[key].strip()):
             bad(key, "a non-empty string")
+    if "usage" in raw and not isinstance(raw["usage"], str):
+        bad("usage", "a string")
     if "homepage" in raw and not isinstance(raw["homepage"], str):
         bad("homepage", "a string (may be empty for synthetic data)")
     source = raw.get("source", "url")
@@ -268,7 +274,8 @@ def _parse_manifest(path: Path) -> Manifest:
     if problems:
         raise ManifestError(f"invalid data manifest {path}:\n" + "\n".join(f"  - {p}" for p in problems), path)
     return Manifest(name=name, version=version, description=raw["description"].strip(), license=raw["license"].strip(),
-                    homepage=raw["homepage"], source=source, files=tuple(specs), path=path)  # type: ignore[arg-type]
+                    homepage=raw["homepage"], source=source, files=tuple(specs), path=path,  # type: ignore[arg-type]
+                    usage=str(raw.get("usage", "")).strip())
 
 
 def _paths(value: PathLike | Sequence[PathLike] | None) -> list[Path]:
