@@ -78,10 +78,15 @@ def test_config_impossible_on_this_machine_is_rejected(hw: Hardware, fields: dic
         cfg.check(hardware=hw)
 
 
-def test_good_configs_pass_the_machine_check() -> None:
-    wb.RunConfig(num_processes=2, precision="bf16").check(hardware=CPU2)
-    wb.RunConfig(num_processes=2, precision="fp16", device="cuda").check(hardware=V100x2)
-    wb.RunConfig(precision="bf16").check(hardware=H100x1)
+@pytest.mark.parametrize("hw,fields,device", [
+    (CPU2, {"num_processes": 2, "precision": "bf16"}, "cpu"),
+    (V100x2, {"num_processes": 2, "precision": "fp16", "device": "cuda"}, "cuda"),
+    (H100x1, {"precision": "bf16"}, "cuda"),
+])
+def test_good_configs_pass_the_machine_check(hw: Hardware, fields: dict, device: str) -> None:
+    cfg = wb.RunConfig(**fields)
+    assert cfg.check(hardware=hw) is None  # raises ValueError when the machine can't run it
+    assert cfg.resolved_device(hw) == device
 
 
 def test_global_batch_is_micro_times_accum_times_world() -> None:

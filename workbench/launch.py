@@ -150,9 +150,10 @@ def _silent_ranks(run_dir: Path, errors: list[dict[str, Any]]) -> list[int]:
 def finalize(run_dir: Path, launcher_error: BaseException | None = None, exitcode: int | None = None) -> None:
     """After the ranks are gone: if the run didn't record an ending, record the failure (rank 0 may be dead)."""
     summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
-    if summary.get("status") in ("completed", "stopped", "failed") and not rundir.rank_errors(run_dir):
-        return
     errors = rundir.rank_errors(run_dir)
+    # Both the supervisor and Run.wait() call this; whoever comes second finds the ending recorded.
+    if summary.get("status") == "failed" or (summary.get("status") in ("completed", "stopped") and not errors):
+        return
     silent = _silent_ranks(run_dir, errors)
     if silent and all(rundir.is_fallout(e) for e in errors):
         # Every recorded error is a rank losing its peer; the peer that recorded nothing died first.
