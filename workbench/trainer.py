@@ -182,7 +182,6 @@ class Trainer:
             rundir.event(self.run_dir, "resumed" if resumed_from else "started", step=self.state.step,
                          world_size=self.world, device=str(self.device), checkpoint=resumed_from)
             self._write_summary("running")
-        if self.main:  # other ranks stay quiet unless something goes wrong
             self.log.info("training %s: %d ranks on %s, %s, global batch %d, %d params", cfg.task, self.world,
                           self.device.type, cfg.precision, cfg.global_batch_size, self.n_params)
 
@@ -193,10 +192,9 @@ class Trainer:
         window_steps, window_start = 0, time.perf_counter()
         grad_norm: torch.Tensor | None = None
         session_samples, session_tokens = 0, 0
-        prior_time = self.state.train_time_s
+        self.prior_time = self.state.train_time_s  # training time of earlier sessions of a resumed run
         status, eval_row, last_row = "completed", None, None
         steps_at_start = self.state.step
-        self.prior_time = prior_time
 
         step_start = time.perf_counter()
         while self.state.step < cfg.max_steps:
@@ -244,7 +242,7 @@ class Trainer:
                     rundir.append_jsonl(self.run_dir / rundir.METRICS, {"step": step, **eval_row})
                 window_start = time.perf_counter()  # eval time is not step time
             if final or stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                self.state.train_time_s = prior_time + sum(self.step_times)
+                self.state.train_time_s = self.prior_time + sum(self.step_times)
                 self.save_checkpoint()
                 window_start = time.perf_counter()
             # Step time runs from one step's start to the next: logging, eval and checkpoints count too.
@@ -260,7 +258,7 @@ class Trainer:
             bar.close()
 
         session_time = sum(self.step_times) or 1e-9
-        summary = self._final_summary(status, last_row, eval_row, session_samples / session_time,
+        summary = self._final_summary(last_row, eval_row, session_samples / session_time,
                                       session_tokens / session_time if session_tokens else None,
                                       self.state.step - steps_at_start)
         if self.main:
@@ -395,7 +393,7 @@ class Trainer:
                 "weights_sha256": weights_digest(self.accelerator.unwrap_model(self.model))}
         return gather_object([mine]) if self.world > 1 else [mine]
 
-    def _final_summary(self, status: str, last_row: dict[str, Any] | None, eval_row: dict[str, Any] | None,
+    def _final_summary(self, last_row: dict[str, Any] | None, eval_row: dict[str, Any] | None,
                        samples_per_s: float, tokens_per_s: float | None, steps_run: int) -> dict[str, Any]:
         ranks = self._rank_info()
         summary: dict[str, Any] = {
