@@ -289,3 +289,29 @@ def test_user_task_defined_in_a_notebook_cell_runs_on_two_ranks(tmp_path: Path) 
     assert {r["distributed_type"] for r in summary["ranks"]} == {"MULTI_CPU"}
     text = out.read_text()
     assert "status completed world 2 same weights True" in text
+
+
+def test_multi_node_recipe_two_torchrun_nodes_form_one_job(runs_dir: Path, tmp_path: Path) -> None:
+    """The README's multi-node path, on one machine: prepare the run directory, then one launcher per node."""
+    import subprocess
+    import sys
+
+    from workbench.launch import free_port
+
+    path = tmp_path / "run.yaml"
+    cfg_for(runs_dir, task="tasks_for_tests:TinyRegression", num_processes=1, max_steps=6, run_name="nodes").to_yaml(path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    prepared = subprocess.run([sys.executable, "-m", "workbench.cli", "train", str(path), "--prepare-only"], env=env,
+                              capture_output=True, text=True, timeout=120)
+    run_dir = Path(prepared.stdout.strip())
+    assert prepared.returncode == 0 and run_dir == runs_dir / "nodes", prepared.stderr
+    port = str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(i),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
+                               "-m", "workbench.worker", str(run_dir)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    codes = [n.wait(timeout=240) for n in nodes]
+    assert codes == [0, 0], [n.stderr.read()[-2000:] for n in nodes]
+    s = rundir.read_json(run_dir / "summary.json")
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["global_batch_size"] == 32
+    assert s["ranks"][0]["weights_sha256"] == s["ranks"][1]["weights_sha256"]

@@ -152,6 +152,8 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.main = self.accelerator.is_main_process
+        # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
+        self.global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * self.world
         self.log = _RankLog(_log, {"rank": self.rank})
         self.device = self.accelerator.device
         self.state = TrainerState()
@@ -183,7 +185,7 @@ class Trainer:
                          world_size=self.world, device=str(self.device), checkpoint=resumed_from)
             self._write_summary("running")
             self.log.info("training %s: %d ranks on %s, %s, global batch %d, %d params", cfg.task, self.world,
-                          self.device.type, cfg.precision, cfg.global_batch_size, self.n_params)
+                          self.device.type, cfg.precision, self.global_batch, self.n_params)
 
         batches = self.batches.iterate(self.state.micro_batches)
         self.model.train()
@@ -216,11 +218,11 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.state.step += 1
             self.state.micro_batches += cfg.grad_accum_steps
-            self.state.samples += cfg.global_batch_size
-            session_samples += cfg.global_batch_size
+            self.state.samples += self.global_batch
+            session_samples += self.global_batch
             if self.tokens_per_sample:
-                self.state.tokens += cfg.global_batch_size * self.tokens_per_sample
-                session_tokens += cfg.global_batch_size * self.tokens_per_sample
+                self.state.tokens += self.global_batch * self.tokens_per_sample
+                session_tokens += self.global_batch * self.tokens_per_sample
             window_steps += 1
             if bar is not None:
                 bar.update(1)
@@ -300,7 +302,7 @@ class Trainer:
             "loss": float(everyone[:, 0].mean()),
             "lr": lr_at(self.state.step - 1, cfg),
             "step_time_s": step_time,
-            "samples_per_s": cfg.global_batch_size / step_time,
+            "samples_per_s": self.global_batch / step_time,
             "peak_memory_bytes": int(everyone[:, 1].max()),
             "peak_memory_bytes_per_rank": [int(v) for v in everyone[:, 1]],
             "skipped_steps": int(everyone[:, 2].max()),
@@ -423,7 +425,7 @@ class Trainer:
             "status": status, "run_name": self.cfg.run_name, "task": self.cfg.task,
             "world_size": self.world, "parallelism": self.cfg.parallelism, "precision": self.cfg.precision,
             "device": hw.describe(self.device.type), "device_class": hw.device_class if self.device.type == "cuda"
-            else "cpu", "global_batch_size": self.cfg.global_batch_size, "n_params": self.n_params,
+            else "cpu", "global_batch_size": self.global_batch, "n_params": self.n_params,
             "started_at": started, "wall_time_s": time.time() - started,
             "data": data.used_datasets(), **(extra or {}),
         })
