@@ -60,3 +60,17 @@ def test_demo_is_a_real_two_rank_run_with_a_plot(tmp_path: Path) -> None:
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert (run_dir / "plot.png").stat().st_size > 10_000
     assert rundir.read_jsonl(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_bench_precision_runs_each_supported_precision_side_by_side(tmp_path: Path) -> None:
+    from workbench.bench import precision
+
+    cfg = wb.RunConfig(task="digits", num_processes=1, device="cpu", max_steps=8, log_every=4)
+    report = precision(cfg, json_path=tmp_path / "p.json")
+    rows = {r.precision: r for r in report.rows}
+    assert (rows["fp32"].compute_dtype, rows["bf16"].compute_dtype) == ("float32", "bfloat16")
+    assert rows["fp32"].samples_per_s > 0 and rows["bf16"].peak_memory_bytes > 0
+    assert not rows["fp16"].available and "needs a CUDA GPU" in rows["fp16"].reason
+    assert "unavailable: fp8 needs a CUDA GPU" in report.table()
+    assert (tmp_path / "p.json").stat().st_size > 100

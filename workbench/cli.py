@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--repeats", type=int, default=2)
     o.add_argument("--num-processes", type=int, default=2)
     o.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    pr = bsub.add_parser("precision", help="the same run in every precision this machine supports, side by side")
+    pr.add_argument("config", type=Path, nargs="?", default=None,
+                    help="RunConfig YAML (default: char-gpt 'small' on one device, 50 steps)")
+    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pr.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     return p
 
 
@@ -139,6 +144,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
                    update_baselines=args.update_baselines, junit=args.junit, profile=args.profile)
+    if args.command == "bench" and args.bench_command == "precision":
+        from .bench import PRECISION_BENCH, precision
+
+        cfg = RunConfig.from_yaml(args.config) if args.config else PRECISION_BENCH
+        print(precision(cfg.with_overrides(args.overrides), json_path=args.json).table())
+        return 0
     if args.command == "bench":
         from .bench import overhead
 
