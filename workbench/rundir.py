@@ -94,6 +94,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def set_aside_metrics_after(run_dir: Path, step: int) -> Path | None:
+    """On resume from `step`: move later rows (the lost session's) to metrics.after-step-<step>.jsonl.
+
+    The resumed run logs those steps again; keeping both in metrics.jsonl would draw two curves in one.
+    """
+    rows = read_jsonl(run_dir / METRICS)
+    later = [r for r in rows if r.get("step", 0) > step]
+    if not later:
+        return None
+    aside = run_dir / f"metrics.after-step-{step}.jsonl"
+    for row in later:
+        append_jsonl(aside, row)
+    atomic_write_text(run_dir / METRICS, "".join(json.dumps(r, default=str) + "\n" for r in rows
+                                                  if r.get("step", 0) <= step))
+    return aside
+
+
 def event(run_dir: Path, kind: str, **fields: Any) -> None:
     append_jsonl(run_dir / EVENTS, {"time": time.time(), "event": kind, **fields})
 

@@ -382,6 +382,8 @@ class Trainer:
         self.accelerator.load_state(str(ckpt))
         saved = rundir.read_json(ckpt / rundir.COMPLETE_MARKER) or {}
         self.state = TrainerState(**{k: v for k, v in saved.items() if k in TrainerState.__dataclass_fields__})
+        if self.main:
+            rundir.set_aside_metrics_after(self.run_dir, self.state.step)
         self.log.info("resumed from %s at step %d", ckpt, self.state.step)
         return str(ckpt)
 
