@@ -317,3 +317,27 @@ def test_multi_node_recipe_two_torchrun_nodes_form_one_job(runs_dir: Path, tmp_p
     s = rundir.read_json(run_dir / "summary.json")
     assert s["status"] == "completed" and s["world_size"] == 2 and s["global_batch_size"] == 32
     assert s["ranks"][0]["weights_sha256"] == s["ranks"][1]["weights_sha256"]
+
+
+def test_ctrl_c_in_workbench_train_stops_gracefully_with_a_checkpoint(runs_dir: Path, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "run.yaml"
+    cfg_for(runs_dir, task="tasks_for_tests:TinyRegression", max_steps=100_000, log_every=5, run_name="ctrl-c",
+            task_options={"slow_s": 0.002}).to_yaml(path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "train", str(path), "--no-progress"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = runs_dir / "ctrl-c" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    summary = rundir.read_json(runs_dir / "ctrl-c" / "summary.json")
+    assert summary["status"] == "stopped"
+    assert rundir.latest_checkpoint(runs_dir / "ctrl-c").name == f"step_{summary['steps']}"
+    assert "interrupt again to kill" in err

@@ -278,8 +278,15 @@ class Run:
             try:
                 self._join(timeout)
             except KeyboardInterrupt:
-                self.kill()
-                raise
+                # First Ctrl-C / kernel interrupt: stop gracefully (the ranks checkpoint); a second one kills.
+                self.stop()
+                log.warning("stopping %s: ranks save a checkpoint and exit; interrupt again to kill them",
+                            self.run_dir.name)
+                try:
+                    self._join(timeout)
+                except KeyboardInterrupt:
+                    self.kill()
+                    raise
             code = self._exitcode()
             if code is None:
                 raise TimeoutError(f"run {self.run_dir.name} still running after {timeout}s; call wait() again, "
