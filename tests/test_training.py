@@ -341,3 +341,10 @@ def test_ctrl_c_in_workbench_train_stops_gracefully_with_a_checkpoint(runs_dir: 
     assert summary["status"] == "stopped"
     assert rundir.latest_checkpoint(runs_dir / "ctrl-c").name == f"step_{summary['steps']}"
     assert "interrupt again to kill" in err
+
+
+def test_dataloader_workers_do_not_change_the_result(runs_dir: Path) -> None:
+    plain = wb.launch(cfg_for(runs_dir, max_steps=6, task_options={"dropout": 0.1}), task=TinyRegression())
+    workers = wb.launch(cfg_for(runs_dir, max_steps=6, num_workers=2, task_options={"dropout": 0.1}),
+                        task=TinyRegression())
+    assert workers.summary["ranks"][0]["weights_sha256"] == plain.summary["ranks"][0]["weights_sha256"]
