@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import multiprocessing
-import os
 import statistics
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import RunConfig
+from .hardware import detect
 from .launch import free_port, launch
 from .metrics import lr_at, weights_digest
 from .tasks import Task, get_task
@@ -47,7 +47,7 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str) -> None:
     from .trainer import param_groups
 
     if cfg.resolved_device() == "cpu":  # the same thread share the trainer gives each rank
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+        torch.set_num_threads(detect().threads_per_rank(cfg.num_processes))
     acc = Accelerator(cpu=cfg.resolved_device() == "cpu",
                       mixed_precision="no" if cfg.precision == "fp32" else cfg.precision)
     set_seed(cfg.seed)
@@ -139,8 +139,6 @@ def overhead(steps: int = 200, repeats: int = 2, num_processes: int = 2, cfg: Ru
     cfg.check()
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps={steps}: must exceed the {WARMUP_STEPS} warm-up steps")
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))
     trainer_times: list[float] = []
     hand_times: list[float] = []
     equal = True
@@ -207,8 +205,6 @@ def precision(cfg: RunConfig, json_path: Path | None = None) -> PrecisionReport:
 
     Precisions this machine can't run are listed with the reason instead of being run.
     """
-    from .hardware import detect
-
     hw = detect()
     device = cfg.resolved_device(hw)
     rows = []

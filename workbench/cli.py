@@ -144,17 +144,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
                    update_baselines=args.update_baselines, junit=args.junit, profile=args.profile)
-    if args.command == "bench" and args.bench_command == "precision":
-        from .bench import PRECISION_BENCH, precision
-
-        cfg = RunConfig.from_yaml(args.config) if args.config else PRECISION_BENCH
-        print(precision(cfg.with_overrides(args.overrides), json_path=args.json).table())
-        return 0
     if args.command == "bench":
-        from .bench import overhead
+        from . import bench
 
-        report = overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
-                          json_path=args.json)
+        if args.bench_command == "precision":
+            cfg = RunConfig.from_yaml(args.config) if args.config else bench.PRECISION_BENCH
+            print(bench.precision(cfg.with_overrides(args.overrides), json_path=args.json).table())
+            return 0
+        report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
+                                json_path=args.json)
         print(report.table())
         return 0 if report.passed else 1
     raise AssertionError(args.command)

@@ -54,6 +54,11 @@ class Hardware:
             return "cpu"
         return "cuda-" + gpu_model(self.gpus[0].name)
 
+    def threads_per_rank(self, local_ranks: int) -> int:
+        """CPU threads each of `local_ranks` ranks on this machine should use: OMP_NUM_THREADS when the
+        user set it, else an equal share of the cores (forked ranks otherwise inherit the whole pool)."""
+        return int(os.environ.get("OMP_NUM_THREADS") or max(1, self.cpu_count // local_ranks))
+
     def max_processes(self, device: str) -> int:
         """How many ranks fit: one per GPU, or one per CPU core on CPU."""
         return len(self.gpus) if device == "cuda" else self.cpu_count

@@ -207,7 +207,7 @@ def _supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: i
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     if cfg.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
-        os.environ["OMP_NUM_THREADS"] = str(max(1, detect().cpu_count // cfg.num_processes))
+        os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
     error: BaseException | None = None
     try:
         # notebook_launcher prints its own "Launching training on N CUDAs/CPUs" line; ours (logged by the
@@ -364,7 +364,7 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True,
                               name=f"workbench-{cfg.run_name}")
         process.start()
     elif mode == "subprocess":
-        env = {"OMP_NUM_THREADS": str(max(1, detect().cpu_count // cfg.num_processes)), **os.environ,
+        env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
                "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(_launch_command(cfg, run_dir, port), env=env, start_new_session=True)
     else:

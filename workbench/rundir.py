@@ -104,8 +104,7 @@ def set_aside_metrics_after(run_dir: Path, step: int) -> Path | None:
     if not later:
         return None
     aside = run_dir / f"metrics.after-step-{step}.jsonl"
-    for row in later:
-        append_jsonl(aside, row)
+    atomic_write_text(aside, "".join(json.dumps(r, default=str) + "\n" for r in later))
     atomic_write_text(run_dir / METRICS, "".join(json.dumps(r, default=str) + "\n" for r in rows
                                                   if r.get("step", 0) <= step))
     return aside

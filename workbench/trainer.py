@@ -102,8 +102,7 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     if device == "cpu":
         # A forked rank inherits the parent's intra-op thread pool; N ranks x all cores of OpenMP threads
         # oversubscribe the machine several times over. Each rank gets its share of the cores.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes))
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, detect().cpu_count // local)))
+        torch.set_num_threads(detect().threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes))))
     accelerator = Accelerator(
         cpu=device == "cpu",
         mixed_precision="no" if cfg.precision == "fp32" else cfg.precision,
@@ -167,6 +166,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_sample = task.flops_per_sample(cfg, model)
         self.tokens_per_sample = task.tokens_per_sample(cfg)
+        gpus = detect().gpus
+        self.peak_flops = peak_flops(gpus[0].name, cfg.precision) if self.device.type == "cuda" and gpus else None
         self.compute_dtype = _first_leaf_dtype(model)
         train_ds, self.eval_ds = task.build_datasets(cfg)
         self.collate_fn = task.collate_fn(cfg)
@@ -322,10 +323,9 @@ class Trainer:
         return row, bool(everyone[:, 3].max() > 0)
 
     def _mfu(self, samples_per_s: float) -> float | None:
-        if self.device.type != "cuda" or not self.flops_per_sample:
+        if not (self.peak_flops and self.flops_per_sample):
             return None
-        peak = peak_flops(detect().gpus[0].name if detect().gpus else "", self.cfg.precision)
-        return self.flops_per_sample * samples_per_s / self.world / peak if peak else None
+        return self.flops_per_sample * samples_per_s / self.world / self.peak_flops
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
