@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench import rundir
+from workbench import files
 from workbench.cli import main
 
 
@@ -56,10 +56,10 @@ def test_demo_is_a_real_two_rank_run_with_a_plot(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "weights identical on every rank: True" in proc.stdout
     (run_dir,) = tmp_path.iterdir()
-    summary = rundir.read_json(run_dir / "summary.json")
+    summary = files.read_json(run_dir / "summary.json")
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert (run_dir / "plot.png").stat().st_size > 10_000
-    assert rundir.read_jsonl(run_dir / "metrics.jsonl")
+    assert files.read_jsonl(run_dir / "metrics.jsonl")
 
 
 @pytest.mark.slow

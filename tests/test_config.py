@@ -8,7 +8,7 @@ import pytest
 
 import workbench as wb
 from workbench.hardware import GPU, Hardware
-from workbench.metrics import lr_at
+from workbench.training import lr_at
 
 CPU2 = Hardware(cpu_count=2)
 V100x2 = Hardware(cpu_count=16, gpus=(GPU(name="Tesla V100", compute_capability=(7, 0), memory_bytes=16 << 30),) * 2)

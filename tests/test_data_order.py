@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import workbench as wb
-from workbench.trainer import ShardedBatches
+from workbench.training import ShardedBatches
 
 DATA = TensorDataset(torch.arange(100))
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
+
 import tomllib
-
 import yaml
-
 from conftest import REPO
 
 CONDA_NAMES = {"pytorch": "torch"}  # conda-forge package name -> PyPI name

@@ -12,12 +12,13 @@ from typing import Any, get_args
 import pytest
 
 import workbench as wb
-from workbench import panel as panel_mod
-from workbench import rundir
+from workbench import files, rundir
 from workbench.config import Precision
 from workbench.dashboard import Dashboard
 from workbench.hardware import GPU, Hardware, detect
 from workbench.launch import describe_launch
+from workbench.panel import controls as panel_mod
+from workbench.rundir import RunDir
 from workbench.tasks.digits import DigitsTask
 
 
@@ -178,7 +179,7 @@ def _fake_run(tmp_path: Path) -> Path:
     run_dir = tmp_path / "runs" / "fake-run"
     run_dir.mkdir(parents=True)
     wb.RunConfig(max_steps=100).to_yaml(run_dir / rundir.CONFIG)
-    rundir.write_json(run_dir / rundir.SUMMARY, {"status": "running", "world_size": 2, "precision": "fp32"})
+    files.write_json(run_dir / rundir.SUMMARY, {"status": "running", "world_size": 2, "precision": "fp32"})
     return run_dir
 
 
@@ -188,8 +189,8 @@ def test_dashboard_reads_rows_from_a_run_directory(tmp_path: Path) -> None:
     assert dash.progress.value == 0 and "starting" in dash.progress_text.value and bytes(dash.image.value) == b""
 
     for step in (10, 20):
-        rundir.append_jsonl(run_dir / rundir.METRICS, _row(step))
-    rundir.append_jsonl(run_dir / rundir.METRICS, {"step": 20, "eval_loss": 0.5, "eval_accuracy": 0.75})
+        files.append_jsonl(run_dir / rundir.METRICS, _row(step))
+    files.append_jsonl(run_dir / rundir.METRICS, {"step": 20, "eval_loss": 0.5, "eval_accuracy": 0.75})
     assert dash.refresh(force_draw=True) is False
     assert (dash.progress.value, dash.progress.max) == (20, 100)
     assert "step 20/100 (20%)" in dash.progress_text.value and "ETA 4 s" in dash.progress_text.value
@@ -199,8 +200,8 @@ def test_dashboard_reads_rows_from_a_run_directory(tmp_path: Path) -> None:
         assert text in stats, text
     assert bytes(dash.image.value).startswith(b"\x89PNG")
 
-    rundir.append_jsonl(run_dir / rundir.METRICS, _row(30))
-    rundir.write_json(run_dir / rundir.SUMMARY, {"status": "completed", "steps": 30, "wall_time_s": 3.0})
+    files.append_jsonl(run_dir / rundir.METRICS, _row(30))
+    files.write_json(run_dir / rundir.SUMMARY, {"status": "completed", "steps": 30, "wall_time_s": 3.0})
     assert dash.refresh() is True
     assert dash.progress.value == 30 and "completed in 3 s" in dash.progress_text.value
     assert dash.progress.bar_style == "success"
@@ -211,12 +212,12 @@ def test_dashboard_polls_in_a_thread_until_the_run_ends(tmp_path: Path) -> None:
     dash = Dashboard(run_dir, interval=0.1, figure_interval=0.1).start()
     try:
         assert dash.polling
-        rundir.append_jsonl(run_dir / rundir.METRICS, _row(10))
+        files.append_jsonl(run_dir / rundir.METRICS, _row(10))
         until(lambda: dash.progress.value == 10, 10, "the first row")
         until(lambda: dash.image.value, 10, "the first figure")
-        rundir.append_jsonl(run_dir / rundir.METRICS, _row(50))
+        files.append_jsonl(run_dir / rundir.METRICS, _row(50))
         until(lambda: dash.progress.value == 50, 10, "the second row")
-        rundir.write_json(run_dir / rundir.SUMMARY, {"status": "failed", "steps": 50, "error": {
+        files.write_json(run_dir / rundir.SUMMARY, {"status": "failed", "steps": 50, "error": {
             "rank": 1, "type": "ValueError", "message": "boom"}})
         until(lambda: not dash.polling, 10, "the poller to end with the run")
         assert "rank 1: ValueError: boom" in dash.stats.value and dash.progress.bar_style == "danger"
@@ -280,7 +281,7 @@ def test_stop_checkpoints_and_ends_cleanly(runs_dir: Path) -> None:
     assert panel.state.status in ("stopping", "stopped") and panel.stop_button.disabled
     result = panel.wait(timeout=120)
     assert result.status == "stopped" and panel.state.status == "stopped"
-    assert rundir.latest_checkpoint(result.run_dir) is not None
+    assert RunDir(result.run_dir).latest_checkpoint() is not None
     assert not panel.launch_button.disabled
     assert "stopped" in panel.dashboard.progress_text.value
 

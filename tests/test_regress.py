@@ -20,11 +20,15 @@ import pytest
 import yaml
 
 import workbench
+import workbench.kernel
 import workbench.recording as rec
-from workbench import regress
 from workbench.hardware import Hardware
-from workbench.launch import RunResult
-from workbench.regress import Case, Rule, parse_rule
+from workbench.regress.baselines import baseline_path, load_baseline
+from workbench.regress.judging import compare
+from workbench.regress.rules import DEFAULT_REL, Rule, median, parse_rule
+from workbench.regress.runner import run as run_suite
+from workbench.regress.suite import Case, load_targets, parse_parameters, select_profile
+from workbench.rundir import RunResult
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
@@ -95,13 +99,13 @@ def test_a_diverged_value_fails_every_rule_but_info() -> None:
 
 
 def test_repeats_are_compared_by_their_median() -> None:
-    assert regress.median([100.0, 10.0, 105.0]) == 100.0
-    assert math.isnan(regress.median([1.0, math.nan, 1.0]))  # one diverged repeat is not an outlier
+    assert median([100.0, 10.0, 105.0]) == 100.0
+    assert math.isnan(median([1.0, math.nan, 1.0]))  # one diverged repeat is not an outlier
     case = Case(id="t.c", suite="t", name="c", notebook=FIXTURES / "records_metric.ipynb", baselines=Path("."),
                 tolerances=({"*samples_per_s": {"mode": "higher_is_better", "rel": 0.5}},))
     runs = [rec.Records(metrics={"samples_per_s": rec.RecordedMetric("samples_per_s", v, "higher")})
             for v in (100.0, 10.0, 105.0)]  # one slow outlier: a single run would fail
-    [result] = regress.compare(case, runs, {"metrics": {"samples_per_s": {"value": 100.0}}})
+    [result] = compare(case, runs, {"metrics": {"samples_per_s": {"value": 100.0}}})
     assert (result.verdict, result.current, result.values) == ("pass", 100.0, [100.0, 10.0, 105.0])
     assert result.reason.startswith("median of 3:")
     assert result.rule_source == "suite '*samples_per_s'"
@@ -110,7 +114,7 @@ def test_repeats_are_compared_by_their_median() -> None:
 def test_missing_metric_fails_and_new_metric_does_not() -> None:
     case = Case(id="t.c", suite="t", name="c", notebook=FIXTURES / "records_metric.ipynb", baselines=Path("."))
     runs = [rec.Records(metrics={"fresh": rec.RecordedMetric("fresh", 1.0)})]
-    results = {m.name: m for m in regress.compare(case, runs, {"metrics": {"gone": {"value": 2.0}}})}
+    results = {m.name: m for m in compare(case, runs, {"metrics": {"gone": {"value": 2.0}}})}
     assert (results["fresh"].verdict, results["fresh"].failed) == ("new", False)
     assert (results["gone"].verdict, results["gone"].failed) == ("missing", True)
 
@@ -122,7 +126,7 @@ def test_rule_precedence_suite_then_notebook_then_default() -> None:
     # A suite spec without a mode takes the metric's direction: one-sided.
     assert case.rule_for("run1.final_loss", "lower") == (Rule("lower_is_better", rel=0.5), "suite '*.final_loss'")
     assert case.rule_for("val", None, {"abs": 0.2}) == (Rule("abs", abs=0.2), "notebook")
-    assert case.rule_for("val", "higher") == (Rule("higher_is_better", rel=regress.DEFAULT_REL), "default")
+    assert case.rule_for("val", "higher") == (Rule("higher_is_better", rel=DEFAULT_REL), "default")
 
 
 @pytest.mark.parametrize(("spec", "direction", "message"), [
@@ -147,16 +151,16 @@ def test_suite_cases_merge_defaults_and_resolve_paths(tmp_path: Path) -> None:
         {"notebook": fixture("raises_error", tmp_path), "name": "boom", "profile": ["smoke", "full"]},
     ], defaults={"profile": "full", "timeout_s": 60, "parameters": {"value": 1.0, "other": 1},
                  "tolerances": {"*": "info"}})
-    first, second = regress.load_targets([suite])
+    first, second = load_targets([suite])
     assert (first.id, first.notebook, first.parameters) == (
         "t.records_metric", FIXTURES / "records_metric.ipynb", {"value": 2.0, "other": 1})
     assert (first.repeats, first.timeout_s, first.profiles, first.baselines) == (3, 60.0, ("full",),
                                                                                 tmp_path / "baselines")
     assert (second.id, second.profiles) == ("t.boom", ("smoke", "full"))
-    assert [c.id for c in regress.select_profile([first, second], "smoke")] == ["t.boom"]
+    assert [c.id for c in select_profile([first, second], "smoke")] == ["t.boom"]
     with pytest.raises(ValueError, match=r"--profile 'nightly': no case has it; profiles in these suites: full, "
                                          r"smoke"):
-        regress.select_profile([first, second], "nightly")
+        select_profile([first, second], "nightly")
 
 
 @pytest.mark.parametrize(("case", "top", "message"), [
@@ -176,36 +180,36 @@ def test_invalid_suites_fail_before_anything_runs(tmp_path: Path, case: dict[str
     suite = write_suite(tmp_path, [case], **top)
     out = tmp_path / "report"
     with pytest.raises(ValueError, match=message):
-        regress.run([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=None,
+        run_suite([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=None,
                     profile=None)
     assert not out.exists()
 
 
 def test_targets_must_exist_and_ids_be_unique(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"nope.ipynb: no such file"):
-        regress.load_targets([tmp_path / "nope.ipynb"])
+        load_targets([tmp_path / "nope.ipynb"])
     nb = FIXTURES / "records_metric.ipynb"
     with pytest.raises(ValueError, match=r"case id 'records_metric' appears twice"):
-        regress.load_targets([nb, nb])
+        load_targets([nb, nb])
 
 
 def test_cli_parameters_are_read_like_papermill() -> None:
-    got = regress.parse_parameters({"value": "1.5", "lr": "1e-3", "steps": "20", "name": "abc", "flag": "true",
+    got = parse_parameters({"value": "1.5", "lr": "1e-3", "steps": "20", "name": "abc", "flag": "true",
                                     "sizes": "[1, 2]"})
     assert got == {"value": 1.5, "lr": 0.001, "steps": 20, "name": "abc", "flag": True, "sizes": [1, 2]}
     with pytest.raises(ValueError, match=r"-p max-steps 5: parameter names are Python identifiers"):
-        regress.parse_parameters({"max-steps": "5"})
+        parse_parameters({"max-steps": "5"})
 
 
 def test_shipped_smoke_suite_is_valid() -> None:
     suite = REPO / "regress" / "smoke.yaml"
-    cases = regress.load_targets([suite])  # raises if a notebook is missing
+    cases = load_targets([suite])  # raises if a notebook is missing
     assert {c.notebook.name for c in cases} == {p.name for p in (REPO / "notebooks").glob("*.ipynb")}
     assert {c.profiles for c in cases} == {("smoke",)}
     rule, _ = cases[0].rule_for("run.samples_per_s", "higher")
     assert rule == Rule("higher_is_better", rel=0.6)
     for case in cases:  # CPU baselines are committed for every case, and readable
-        baseline = regress.load_baseline(regress.baseline_path(case, "cpu"))
+        baseline = load_baseline(baseline_path(case, "cpu"))
         assert baseline is not None and "run.final_loss" in baseline["metrics"], case.id
 
 
@@ -218,7 +222,7 @@ class _FakeKernelShell:
 def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Pretend to be inside a Jupyter kernel; collect what would be displayed."""
     shown: list[dict[str, Any]] = []
-    monkeypatch.setattr(rec, "_kernel_shell", lambda: _FakeKernelShell())
+    monkeypatch.setattr(workbench.kernel, "kernel_shell", lambda: _FakeKernelShell())
     monkeypatch.setattr(rec, "_display", shown.append)
     monkeypatch.setattr(rec, "_prefix_counts", {})
     monkeypatch.setattr(rec, "_run_names", {})
@@ -292,7 +296,7 @@ def test_metric_past_tolerance_fails_the_suite_and_one_inside_passes(tmp_path: P
     for case in ("t.inside", "t.outside"):
         write_baseline(tmp_path / "baselines", case, {"val_loss": 1.0, "steps": 10})
     out, junit = tmp_path / "report", tmp_path / "junit.xml"
-    code = regress.run([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=junit,
+    code = run_suite([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=junit,
                        profile=None)
     assert code == 1
     cases = junit_cases(junit)
@@ -319,7 +323,7 @@ def test_errors_and_timeouts_are_reported_and_the_suite_goes_on(tmp_path: Path) 
         {"notebook": fixture("records_metric", tmp_path)},
     ])
     out, junit = tmp_path / "report", tmp_path / "junit.xml"
-    code = regress.run([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=junit,
+    code = run_suite([suite], parameters={}, out=out, baselines=None, update_baselines=False, junit=junit,
                        profile=None)
     assert code == 2
     results = {c["case"]: c for c in json.loads((out / "results.json").read_text())["cases"]}

@@ -10,10 +10,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from tasks_for_tests import TinyRegression
-from workbench import rundir
+from workbench import files
+from workbench.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -105,10 +106,10 @@ def test_failing_rank_is_reported_while_the_other_waits_in_a_collective(runs_dir
     err = info.value
     assert err.rank == 1 and err.exc_type == "ValueError"
     assert "tasks_for_tests.py" in err.rank_traceback and "in loss" in err.rank_traceback
-    summary = rundir.read_json(err.run_dir / "summary.json")
+    summary = files.read_json(err.run_dir / "summary.json")
     assert summary["status"] == "failed" and summary["error"]["rank"] == 1
     assert summary["error"]["message"] == "injected failure on call 3"
-    failed = [e for e in rundir.read_jsonl(err.run_dir / "events.jsonl") if e["event"] == "failed"]
+    failed = [e for e in files.read_jsonl(err.run_dir / "events.jsonl") if e["event"] == "failed"]
     assert [e["rank"] for e in failed] == [1], "the failure is recorded once, naming rank 1"
     assert no_children_left() == []
 
@@ -131,13 +132,13 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(runs_dir: Path) -> None:
     with pytest.raises(wb.RunFailedError):
         wb.launch(crashing, task=TinyRegression())
     crashed_dir = runs_dir / "crashed"
-    assert [s for s, _ in rundir.checkpoint_dirs(crashed_dir)] == [4]
+    assert [s for s, _ in RunDir(crashed_dir).checkpoints()] == [4]
     assert not list((crashed_dir / "checkpoints").glob(".tmp-*")), "a crash must not leave a half checkpoint named"
 
     resumed = wb.launch(cfg_for(runs_dir, run_name="crashed", resume=True, **common), task=TinyRegression())
     # The crashed session's steps 5 and 6 are set aside, not mixed into the resumed curve, and not lost.
     assert [r["step"] for r in resumed.metrics if "loss" in r] == list(range(1, 11))
-    assert [r["step"] for r in rundir.read_jsonl(crashed_dir / "metrics.after-step-4.jsonl")] == [5, 6]
+    assert [r["step"] for r in files.read_jsonl(crashed_dir / "metrics.after-step-4.jsonl")] == [5, 6]
     after_resume = [r for r in resumed.metrics if "loss" in r and r["step"] > 4]
     expected = [r for r in straight.metrics if "loss" in r and r["step"] > 4]
     assert [r["step"] for r in after_resume] == [5, 6, 7, 8, 9, 10]
@@ -158,8 +159,8 @@ def test_existing_run_directory_is_not_overwritten(runs_dir: Path) -> None:
 
 
 def test_stop_checkpoints_and_ends_cleanly(runs_dir: Path) -> None:
-    run = wb.launch(cfg_for(runs_dir, max_steps=100_000, log_every=5, task_options={"slow_s": 0.002}),
-                    task=TinyRegression(), wait=False)
+    run = wb.start(cfg_for(runs_dir, max_steps=100_000, log_every=5, task_options={"slow_s": 0.002}),
+                    task=TinyRegression())
     deadline = time.time() + 60
     while not run.metrics and time.time() < deadline:
         time.sleep(0.1)
@@ -167,7 +168,7 @@ def test_stop_checkpoints_and_ends_cleanly(runs_dir: Path) -> None:
     result = run.wait(timeout=60)
     s = result.summary
     assert s["status"] == "stopped" and 0 < s["steps"] < 100_000
-    assert rundir.latest_checkpoint(result.run_dir).name == f"step_{s['steps']}"
+    assert RunDir(result.run_dir).latest_checkpoint().name == f"step_{s['steps']}"
     assert [e["event"] for e in result.events][-2:] == ["checkpoint_saved", "stopped"]
     assert no_children_left() == []
 
@@ -178,7 +179,7 @@ def test_one_kernel_launches_again_and_again(runs_dir: Path) -> None:
     with pytest.raises(wb.RunFailedError, match="rank 0 failed"):
         wb.launch(cfg_for(runs_dir, max_steps=3, task_options={"fail_rank": 0, "fail_at_call": 2}), task=task)
     single = wb.launch(cfg_for(runs_dir, max_steps=3, num_processes=1, parallelism="none"), task=task)
-    run = wb.launch(cfg_for(runs_dir, max_steps=100_000, log_every=5), task=task, wait=False)
+    run = wb.start(cfg_for(runs_dir, max_steps=100_000, log_every=5), task=task)
     while not run.metrics:
         time.sleep(0.05)
     run.stop()
@@ -264,7 +265,7 @@ def test_workbench_train_runs_from_the_shell(runs_dir: Path, tmp_path: Path) -> 
     ok = subprocess.run([sys.executable, "-m", "workbench.cli", "train", str(path), "--set", "max_steps=6",
                          "--no-progress"], env=env, capture_output=True, text=True, timeout=240)
     assert ok.returncode == 0, ok.stderr
-    summary = rundir.read_json(runs_dir / "shell" / "summary.json")
+    summary = files.read_json(runs_dir / "shell" / "summary.json")
     assert summary["status"] == "completed" and summary["steps"] == 6 and summary["world_size"] == 2
     assert {r["distributed_type"] for r in summary["ranks"]} == {"MULTI_CPU"}
 
@@ -286,7 +287,7 @@ def test_user_task_defined_in_a_notebook_cell_runs_on_two_ranks(tmp_path: Path) 
     out = tmp_path / "executed.ipynb"
     papermill.execute_notebook(str(source), str(out), parameters={"runs_dir": str(tmp_path / "runs")},
                                cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
-    summary = rundir.read_json(tmp_path / "runs" / "from-a-cell" / "summary.json")
+    summary = files.read_json(tmp_path / "runs" / "from-a-cell" / "summary.json")
     assert summary["status"] == "completed" and summary["task"] == "cell-task"
     assert {r["distributed_type"] for r in summary["ranks"]} == {"MULTI_CPU"}
     text = out.read_text()
@@ -314,7 +315,7 @@ def test_multi_node_recipe_two_torchrun_nodes_form_one_job(runs_dir: Path, tmp_p
                               stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     codes = [n.wait(timeout=240) for n in nodes]
     assert codes == [0, 0], [n.stderr.read()[-2000:] for n in nodes]
-    s = rundir.read_json(run_dir / "summary.json")
+    s = files.read_json(run_dir / "summary.json")
     assert s["status"] == "completed" and s["world_size"] == 2 and s["global_batch_size"] == 32
     assert s["ranks"][0]["weights_sha256"] == s["ranks"][1]["weights_sha256"]
 
@@ -337,9 +338,9 @@ def test_ctrl_c_in_workbench_train_stops_gracefully_with_a_checkpoint(runs_dir: 
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    summary = rundir.read_json(runs_dir / "ctrl-c" / "summary.json")
+    summary = files.read_json(runs_dir / "ctrl-c" / "summary.json")
     assert summary["status"] == "stopped"
-    assert rundir.latest_checkpoint(runs_dir / "ctrl-c").name == f"step_{summary['steps']}"
+    assert RunDir(runs_dir / "ctrl-c").latest_checkpoint().name == f"step_{summary['steps']}"
     assert "interrupt again to kill" in err
 
 

@@ -6,13 +6,14 @@ from typing import Any
 
 from . import data
 from .config import RunConfig
-from .launch import Run, RunFailedError, RunResult, launch
+from .launch import Run, launch, start
 from .recording import record
+from .rundir import RunFailedError, RunResult, Status
 from .tasks import Task, register_task
+from .version import __version__
 
-__all__ = ["RunConfig", "Run", "RunFailedError", "RunResult", "Task", "Panel", "data", "launch", "record",
-           "register_task"]
-__version__ = "0.1.0"
+__all__ = ["RunConfig", "Run", "RunFailedError", "RunResult", "Status", "Task", "Panel", "__version__", "data",
+           "launch", "record", "register_task", "start"]
 
 
 def __getattr__(name: str) -> Any:

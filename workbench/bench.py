@@ -20,10 +20,14 @@ from pathlib import Path
 import torch
 
 from .config import RunConfig
+from .files import read_json
 from .hardware import detect
 from .launch import free_port, launch
-from .metrics import lr_at, weights_digest
+from .metrics import weights_digest
+from .precision import accelerate_mixed_precision
 from .tasks import Task, get_task
+from .training.optim import build_optimizer, lr_at
+from .units import fmt_bytes
 
 WARMUP_STEPS = 10
 
@@ -44,16 +48,14 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str) -> None:
     from accelerate.utils import send_to_device, set_seed
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from .trainer import param_groups
-
     if cfg.resolved_device() == "cpu":  # the same thread share the trainer gives each rank
         torch.set_num_threads(detect().threads_per_rank(cfg.num_processes))
     acc = Accelerator(cpu=cfg.resolved_device() == "cpu",
-                      mixed_precision="no" if cfg.precision == "fp32" else cfg.precision)
+                      mixed_precision=accelerate_mixed_precision(cfg.precision))
     set_seed(cfg.seed)
     model = task.build_model(cfg)
     train_ds, _ = task.build_datasets(cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    optimizer = build_optimizer(model, cfg)
     model, optimizer = acc.prepare(model, optimizer)
     torch.manual_seed(cfg.seed + 1000 * (acc.process_index + 1))
     sampler = DistributedSampler(train_ds, num_replicas=acc.num_processes, rank=acc.process_index,
@@ -145,7 +147,7 @@ def overhead(steps: int = 200, repeats: int = 2, num_processes: int = 2, cfg: Ru
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for i in range(repeats):
             result = launch(cfg.replace(runs_dir=tmp, run_name=f"trainer-{i}"))
-            timings = json.loads((result.run_dir / "timings.json").read_text())["step_time_s"]
+            timings = read_json(result.dir.timings_path)["step_time_s"]
             trainer_times += timings[WARMUP_STEPS:]
             hand_dir = Path(tmp, f"hand-{i}")
             hand_dir.mkdir()
@@ -196,7 +198,7 @@ class PrecisionReport:
             tokens = f"{r.tokens_per_s:10.0f}" if r.tokens_per_s else f"{'-':>10}"
             mfu = f"{r.mfu:6.1%}" if r.mfu is not None else f"{'-':>6}"
             lines.append(f"  {r.precision:10} {r.compute_dtype or '?':9} {r.samples_per_s:10.0f} {tokens} {speed:>8} "
-                         f"{(r.peak_memory_bytes or 0) / 2**20:9.0f} {mfu} {r.final_loss:10.4f}")
+                         f"{fmt_bytes(r.peak_memory_bytes or 0, 'MiB', '5.0f'):>9} {mfu} {r.final_loss:10.4f}")
         return "\n".join(lines)
 
 

@@ -92,70 +92,84 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from . import data
+    handlers = {"train": _train, "check": _train, "demo": _demo, "data": _data, "regress": _regress, "bench": _bench}
+    return handlers[args.command](args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from .config import RunConfig
 
-    if args.command in ("train", "check"):
-        cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
-        if args.command == "check":
-            from .launch import describe_launch
+    cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
+    if args.command == "check":
+        from .launch import describe_launch
 
-            cfg.check()
-            print(describe_launch(cfg))
-            return 0
-        if args.prepare_only:
-            from .rundir import prepare
-
-            print(prepare(cfg)[1])
-            return 0
-        from .launch import RunFailedError, launch
-
-        try:
-            result = launch(cfg, mode=args.mode, progress=not args.no_progress)
-        except RunFailedError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        _print_summary(result.summary, result.run_dir)
+        cfg.check()
+        print(describe_launch(cfg))
         return 0
-    if args.command == "demo":
-        from .demo import run_demo
+    if args.prepare_only:
+        from .rundir import prepare
 
-        return run_demo(runs_dir=args.runs_dir, num_processes=args.num_processes, steps=args.steps)
-    if args.command == "data":
-        if args.data_command == "list":
-            manifests = data.list_manifests()
-            width = max((len(m.name) for m in manifests), default=0)
-            for m in manifests:
-                print(f"{m.name:{width}}  v{m.version}  {m.license}\n{'':{width}}  {m.description}")
-        elif args.data_command == "show":
-            print(data.load_manifest(args.name).describe())
-        elif args.data_command == "fetch":
-            print(data.fetch(args.name).root)
-        elif args.data_command == "path":
-            print(data.resolve(args.name).root)
-        elif args.data_command == "verify":
-            checks = data.verify(args.name)
-            for c in checks:
-                print(c)
-            return 0 if all(c.ok for c in checks) else 1
+        print(prepare(cfg)[1].path)
         return 0
-    if args.command == "regress":
-        from .regress import run
+    from .launch import launch
+    from .rundir import RunFailedError
 
-        return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
-                   update_baselines=args.update_baselines, junit=args.junit, profile=args.profile)
-    if args.command == "bench":
-        from . import bench
+    try:
+        result = launch(cfg, mode=args.mode, progress=not args.no_progress)
+    except RunFailedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _print_summary(result.summary, result.run_dir)
+    return 0
 
-        if args.bench_command == "precision":
-            cfg = RunConfig.from_yaml(args.config) if args.config else bench.PRECISION_BENCH
-            print(bench.precision(cfg.with_overrides(args.overrides), json_path=args.json).table())
-            return 0
-        report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
-                                json_path=args.json)
-        print(report.table())
-        return 0 if report.passed else 1
-    raise AssertionError(args.command)
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(runs_dir=args.runs_dir, num_processes=args.num_processes, steps=args.steps)
+
+
+def _data(args: argparse.Namespace) -> int:
+    from . import data
+
+    if args.data_command == "list":
+        manifests = data.list_manifests()
+        width = max((len(m.name) for m in manifests), default=0)
+        for m in manifests:
+            print(f"{m.name:{width}}  v{m.version}  {m.license}\n{'':{width}}  {m.description}")
+    elif args.data_command == "show":
+        print(data.load_manifest(args.name).describe())
+    elif args.data_command == "fetch":
+        print(data.fetch(args.name).root)
+    elif args.data_command == "path":
+        print(data.resolve(args.name).root)
+    elif args.data_command == "verify":
+        checks = data.verify(args.name)
+        for c in checks:
+            print(c)
+        return 0 if all(c.ok for c in checks) else 1
+    return 0
+
+
+def _regress(args: argparse.Namespace) -> int:
+    from .regress.runner import run
+
+    return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
+               update_baselines=args.update_baselines, junit=args.junit, profile=args.profile)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+    from .config import RunConfig
+
+    if args.bench_command == "precision":
+        cfg = RunConfig.from_yaml(args.config) if args.config else bench.PRECISION_BENCH
+        print(bench.precision(cfg.with_overrides(args.overrides), json_path=args.json).table())
+        return 0
+    report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
+                            json_path=args.json)
+    print(report.table())
+    return 0 if report.passed else 1
 
 
 def _print_summary(summary: dict, run_dir: Path) -> None:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -15,10 +13,12 @@ from typing import Any, Literal, get_args
 
 import yaml
 
+from .files import atomic_write_text
 from .hardware import Hardware, detect
+from .precision import Precision
+from .suggest import unknown_keys
 
 Parallelism = Literal["none", "ddp"]
-Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Device = Literal["auto", "cpu", "cuda"]
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -255,13 +255,9 @@ def _coerce(key: str, value: Any) -> Any:
 
 def _reject_unknown(data: dict[str, Any], source: str) -> None:
     known = [f.name for f in fields(RunConfig)]
-    unknown = [k for k in data if k not in known]
+    unknown = unknown_keys(data, known)
     if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"{source}: unknown RunConfig key(s): {', '.join(hints)}. Known keys: {', '.join(known)}")
+        raise ValueError(f"{source}: unknown RunConfig key(s): {', '.join(unknown)}. Known keys: {', '.join(known)}")
 
 
 def _plain(value: Any) -> Any:
@@ -270,18 +266,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same directory, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

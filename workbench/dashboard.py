@@ -19,41 +19,11 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from . import rundir
-from .config import RunConfig
+from .kernel import in_kernel
+from .rundir import ENDED, RunDir, Status
+from .units import fmt_bytes, fmt_duration
 
 log = logging.getLogger("workbench")
-
-ENDED = ("completed", "stopped", "failed")
-"""summary.json statuses after which a run's files no longer change."""
-
-
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel, where widgets and rich outputs render (not in pytest or a terminal)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = max(0.0, float(seconds))
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f} min {seconds % 60:02.0f} s"
-    return f"{seconds // 3600:.0f} h {seconds % 3600 // 60:02.0f} min"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
 
 def _num(value: float | None, spec: str = ".4g") -> str:
     return "–" if value is None else format(value, spec)
@@ -70,6 +40,7 @@ class Dashboard:
     def __init__(self, run_dir: str | os.PathLike[str] | Any, *, interval: float = 1.0,
                  figure_interval: float = 2.0, max_steps: int | None = None) -> None:
         self.run_dir = Path(getattr(run_dir, "run_dir", run_dir))
+        self.dir = RunDir(self.run_dir)
         self.interval = interval
         # Rendering the figure costs a few tenths of a second of CPU that the ranks would rather have.
         self.figure_interval = max(interval, figure_interval)
@@ -105,14 +76,17 @@ class Dashboard:
     def max_steps(self) -> int | None:
         if self._max_steps is None:
             try:
-                self._max_steps = RunConfig.from_yaml(self.run_dir / rundir.CONFIG).max_steps
+                cfg = self.dir.config()
             except (OSError, ValueError):
-                return None  # not written yet, or not a RunConfig: ask again next poll
+                return None  # half written, or not a RunConfig: ask again next poll
+            if cfg is None:
+                return None  # not written yet
+            self._max_steps = cfg.max_steps
         return self._max_steps
 
     @property
     def status(self) -> str:
-        return str(self.summary.get("status", "starting"))
+        return str(self.summary.get("status", Status.STARTING))
 
     @property
     def ended(self) -> bool:
@@ -129,8 +103,8 @@ class Dashboard:
     def refresh(self, draw: bool = True, force_draw: bool = False) -> bool:
         """Read the run directory and update the widgets; True once the run has ended."""
         with self._lock:
-            self.rows = rundir.read_jsonl(self.run_dir / rundir.METRICS)
-            self.summary = rundir.read_json(self.run_dir / rundir.SUMMARY) or {}
+            self.rows = self.dir.metrics()
+            self.summary = self.dir.summary().to_dict()
             self._update_text()
             due = time.monotonic() - self._drawn_at >= self.figure_interval - 0.05
             if draw and len(self.rows) != self._drawn_rows and (due or force_draw or self.ended):
@@ -147,7 +121,7 @@ class Dashboard:
         if max_steps:
             self.progress.max = max_steps
             self.progress.value = min(step, max_steps)
-        self.progress.bar_style = {"completed": "success", "failed": "danger", "stopped": "warning"}.get(
+        self.progress.bar_style = {Status.COMPLETED: "success", Status.FAILED: "danger", Status.STOPPED: "warning"}.get(
             self.status, "info")
         total = f"/{max_steps}" if max_steps else ""
         pct = f" ({100 * step / max_steps:.0f}%)" if max_steps else ""
@@ -179,7 +153,7 @@ class Dashboard:
         elif last.get("peak_memory_bytes") is not None:
             items.append(("peak memory", f"{fmt_bytes(last['peak_memory_bytes'])} (max over ranks)"))
         items.append(("learning rate", _num(last.get("lr"), ".3g")))
-        if self.status == "failed":
+        if self.status == Status.FAILED:
             error = self.summary.get("error") or {}
             where = f"rank {error['rank']}" if error.get("rank") is not None else "the launcher"
             items.append(("error", f"{where}: {error.get('type', 'Error')}: {error.get('message', '')}"))

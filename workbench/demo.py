@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 
 from .config import RunConfig
-from .launch import RunResult, launch
+from .launch import launch
+from .rundir import Status
+from .units import fmt_bytes
 
 log = logging.getLogger("workbench")
 
@@ -18,7 +20,6 @@ def run_demo(runs_dir: str = "runs", num_processes: int = 2, steps: int = 300) -
     cfg = DEMO.replace(runs_dir=runs_dir, num_processes=num_processes, max_steps=steps,
                        warmup_steps=min(DEMO.warmup_steps, steps))
     result = launch(cfg, progress=True)
-    assert isinstance(result, RunResult)
     plot_path = result.run_dir / "plot.png"
     result.plot(path=plot_path)
     s = result.summary
@@ -29,7 +30,7 @@ def run_demo(runs_dir: str = "runs", num_processes: int = 2, steps: int = 300) -
           f"weights identical on every rank: {same}")
     print(f"  final train loss {s['final_loss']:.4f}, eval loss {s.get('eval_loss', float('nan')):.4f}, "
           f"eval accuracy {s.get('eval_accuracy', float('nan')):.3f}")
-    print(f"  {s['samples_per_s']:.0f} samples/s, peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB per rank, "
+    print(f"  {s['samples_per_s']:.0f} samples/s, peak memory {fmt_bytes(s['peak_memory_bytes'], 'MiB')} per rank, "
           f"{s['wall_time_s']:.1f} s")
     print(f"  files: config.yaml metrics.jsonl events.jsonl summary.json checkpoints/ plot.png ({plot_path})")
-    return 0 if s.get("status") == "completed" and same else 1
+    return 0 if s.get("status") == Status.COMPLETED and same else 1

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .units import MiB
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPU:
@@ -123,7 +125,7 @@ def _query_gpus() -> tuple[GPU, ...]:
     for line in out.strip().splitlines():
         name, cap, mem = (p.strip() for p in line.split(","))
         major, _, minor = cap.partition(".")
-        gpus.append(GPU(name=name, compute_capability=(int(major), int(minor or 0)), memory_bytes=int(mem) * 2**20))
+        gpus.append(GPU(name=name, compute_capability=(int(major), int(minor or 0)), memory_bytes=int(mem) * MiB))
     if visible is not None:
         ids = [int(i) for i in visible.split(",") if i.strip().isdigit()]
         gpus = [gpus[i] for i in ids if i < len(gpus)]

@@ -1,15 +1,12 @@
-"""Measurements shared by the trainer and benchmarks: memory, learning-rate schedule, model FLOPs utilisation."""
+"""Measurements shared by the trainer and benchmarks: memory, weights digests, model FLOPs utilisation."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 import resource
 import sys
 
 import torch
-
-from .config import RunConfig
 
 # Dense peak FLOP/s per GPU by (name fragment, precision): vendor datasheets, no sparsity.
 _PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
@@ -27,18 +24,6 @@ def peak_flops(gpu_name: str, precision: str) -> float | None:
         if fragment in gpu_name:
             return table.get(precision)
     return None
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine down to lr*min_lr_ratio."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = cfg.max_steps - cfg.warmup_steps - 1
-    if decay_steps <= 0:
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

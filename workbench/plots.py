@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from matplotlib.figure import Figure  # this module is imported only when something is plotted
 
 if TYPE_CHECKING:
-    from .launch import RunResult
+    from .rundir import RunResult
 
 PANELS = ("loss", "throughput", "memory", "lr")
 

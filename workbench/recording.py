@@ -12,16 +12,19 @@ import logging
 import math
 import numbers
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import kernel
+from .regress.rules import parse_rule
+from .units import fmt_bytes
+
 if TYPE_CHECKING:
     import nbformat
 
-    from .launch import RunResult
+    from .rundir import RunResult
 
 log = logging.getLogger("workbench")
 
@@ -48,15 +51,6 @@ _RUN_METRICS: tuple[tuple[str, str | None, str | None, dict[str, Any]], ...] = (
 # run doesn't record it twice). Re-executing a notebook starts a new kernel, so names repeat run after run.
 _prefix_counts: dict[str, int] = {}
 _run_names: dict[tuple[str, str], str] = {}
-
-
-def _kernel_shell() -> Any:
-    """The IPython shell when running inside a Jupyter kernel (papermill included), else None."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:  # never imported: certainly not in a kernel, and importing it would cost time
-        return None
-    shell = ipython.get_ipython()
-    return shell if shell is not None and getattr(shell, "kernel", None) is not None else None
 
 
 def encode_value(value: float) -> float | int | str:
@@ -100,8 +94,6 @@ def _display(bundle: dict[str, Any]) -> None:
 def _metric(name: str, value: Any, direction: str | None, tolerance: Mapping[str, Any] | str | None,
             unit: str | None) -> tuple[dict[str, Any], str]:
     """The validated payload of one metric and its one-line text for people."""
-    from .regress import parse_rule  # validation only; regress imports nothing heavy at module level
-
     _check_name(name, "name")
     value = _number(name, value)
     if direction is not None and direction not in DIRECTIONS:
@@ -112,7 +104,7 @@ def _metric(name: str, value: Any, direction: str | None, tolerance: Mapping[str
         raise ValueError(f"record({name!r}): unit={unit!r}: use a string such as 's' or 'bytes'")
     payload = {"name": name, "value": encode_value(value), "direction": direction,
                "tolerance": dict(tolerance) if isinstance(tolerance, Mapping) else tolerance, "unit": unit}
-    shown = f"{value / 2**20:.1f} MiB" if unit == "bytes" else f"{value:.6g}" + (f" {unit}" if unit else "")
+    shown = fmt_bytes(value, "MiB", ".1f") if unit == "bytes" else f"{value:.6g}" + (f" {unit}" if unit else "")
     return payload, f"{name} = {shown}"
 
 
@@ -127,7 +119,7 @@ def record(name: str, value: float, *, direction: str | None = None,
     payload, text = _metric(name, value, direction, tolerance, unit)
     if direction:
         text += f" ({direction} is better)"
-    if _kernel_shell() is None:
+    if kernel.kernel_shell() is None:
         log.info("recorded %s (not in a Jupyter kernel: nothing is kept for the regression suite)", text)
         return
     _display({METRIC_MIME: payload, "text/plain": f"[workbench metric] {text}"})
@@ -137,7 +129,7 @@ def record_curve(name: str, points: Sequence[Sequence[float]], *, x: str = "step
     """Record a curve, [[x, y], ...], that reports overlay on the baseline's (no pass/fail of its own)."""
     _check_name(name, "name")
     clean = [[p[0], encode_value(float(p[1]))] for p in points]
-    if _kernel_shell() is None:
+    if kernel.kernel_shell() is None:
         log.debug("curve %s: %d points (not in a Jupyter kernel: nothing recorded)", name, len(clean))
         return
     _display({CURVE_MIME: {"name": name, "x": x, "y": y, "points": clean},
@@ -158,7 +150,7 @@ def record_run(result: RunResult, prefix: str = "") -> str | None:
     launch order, so names are the same each time the notebook is executed. Recording the same run again is a
     no-op. Outside a Jupyter kernel this does nothing and returns None; otherwise it returns the prefix used.
     """
-    if _kernel_shell() is None:
+    if kernel.kernel_shell() is None:
         return None
     base = _check_name(prefix or "run", "prefix")
     key = (str(Path(result.run_dir).resolve()), base)

@@ -31,9 +31,18 @@ from __future__ import annotations
 from .cache import cache_dir
 from .errors import DataUnavailableError, IntegrityError, ManifestError, UnsafeArchiveError
 from .generators import GENERATORS, Generator, register_generator
-from .manifest import (MANIFEST_DIR, SCHEMA_VERSION, SOURCES, FileSpec, Manifest, PathLike, list_manifests,
-                       load_manifest, manifest_dirs)
-from .resolution import ResolvedData, fetch, resolve, reset_used_datasets, used_datasets
+from .manifest import (
+                       MANIFEST_DIR,
+                       SCHEMA_VERSION,
+                       SOURCES,
+                       FileSpec,
+                       Manifest,
+                       PathLike,
+                       list_manifests,
+                       load_manifest,
+                       manifest_dirs,
+)
+from .resolution import ResolvedData, fetch, reset_used_datasets, resolve, used_datasets
 from .verification import FileCheck, verify
 
 __all__ = [

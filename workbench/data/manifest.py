@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence, Union
 import yaml
 
 from .errors import ManifestError, _one_line
-from .generators import GENERATORS
+from .generators import GENERATORS, Generator
 
 log = logging.getLogger("workbench")
 
@@ -155,6 +155,16 @@ def _same_kind(default: Any, value: Any) -> bool:
     return True
 
 
+def _check_params(generator: Generator, params: dict[str, Any], where: str, problems: list[str]) -> None:
+    for key, value in params.items():
+        if key not in generator.defaults:
+            takes = ", ".join(generator.defaults)
+            problems.append(f"unknown generator parameter {key!r}{where} ({generator.name} takes: {takes})")
+        elif not _same_kind(generator.defaults[key], value):
+            kind = type(generator.defaults[key]).__name__
+            problems.append(f"generator parameter {key!r}{where} must be a {kind}, got {value!r}")
+
+
 def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileSpec | None:
     if not isinstance(raw, dict):
         problems.append(f"files[{index}] must be a mapping (with path, sha256, size, ...), got {raw!r}")
@@ -196,13 +206,7 @@ def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileS
     if not isinstance(params, dict):
         bad("params", "a mapping of generator parameters")
     elif generator is not None:
-        for key, value in params.items():
-            if key not in generator.defaults:
-                takes = ", ".join(generator.defaults)
-                problems.append(f"unknown generator parameter {key!r}{where} ({generator.name} takes: {takes})")
-            elif not _same_kind(generator.defaults[key], value):
-                kind = type(generator.defaults[key]).__name__
-                problems.append(f"generator parameter {key!r}{where} must be a {kind}, got {value!r}")
+        _check_params(generator, params, where, problems)
 
     if len(problems) > before:
         return None

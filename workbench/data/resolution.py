@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
 from .archives import _extract_archive
-from .cache import (_TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file,
-                    cache_dir)
+from .cache import _TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file, cache_dir
 from .errors import DataUnavailableError, IntegrityError, ManifestError, _one_line
 from .generators import GENERATORS
 from .manifest import FileSpec, Manifest, PathLike, _env_paths, _paths, _relative_path, load_manifest

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from . import Task, register_task
+from .base import Task
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -105,7 +105,6 @@ class CharWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-@register_task
 class CharGPTTask(Task):
     name = "char-gpt"
     default_options: dict[str, Any] = {

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from . import Task, register_task
+from .base import Task
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -30,7 +30,6 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1] / 16.0, table[:, -1].astype(np.int64)
 
 
-@register_task
 class DigitsTask(Task):
     name = "digits"
     default_options = {"hidden": 128, "dropout": 0.1, "eval_fraction": 0.2}

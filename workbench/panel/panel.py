@@ -10,69 +10,39 @@ from __future__ import annotations
 import html
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import ipywidgets as widgets
-import traitlets
 
-from .config import Parallelism, Precision, RunConfig
-from .dashboard import ENDED, Dashboard, in_kernel
-from .hardware import detect
-from .launch import Run, RunFailedError, RunResult, describe_launch
-from .launch import launch as launch_run
-from .tasks import Task, available
+from ..config import RunConfig
+from ..dashboard import Dashboard
+from ..hardware import detect
+from ..kernel import in_kernel
+from ..launch import Run, describe_launch, start
+from ..rundir import ENDED, RunFailedError, RunResult, Status
+from ..tasks import Task, available
+from .controls import build_controls
+from .state import ACTIVE, PanelState
 
 log = logging.getLogger("workbench")
 
-PARALLELISM_LABELS = {"ddp": "ddp: data-parallel replicas", "none": "none: one plain process"}
-
-ACTIVE = ("launching", "running", "stopping")
-"""Statuses during which the settings are frozen and Launch is off."""
-
-
-class PanelState(traitlets.HasTraits):
-    """What the panel shows is a function of these traits alone."""
-
-    config = traitlets.Instance(RunConfig, allow_none=True)
-    """The RunConfig the controls form, or None when they don't form one (see `problem`)."""
-    problem = traitlets.Unicode("")
-    """Why the controls can't launch: RunConfig's own ValueError message; '' when they can."""
-    status = traitlets.Unicode("ready")
-    """ready | launching | running | stopping | completed | stopped | failed"""
-    error = traitlets.Unicode("")
-    """The last failure: a rank's RunFailedError text, or an exception raised by a button's action."""
-    message = traitlets.Unicode("")
-    """A note for the user, e.g. where the YAML went."""
-    busy = traitlets.Bool(False)
-    """A button's action is running: every button is off until it returns."""
-
-
-def short_reason(precision: str, problem: str) -> str:
-    """'fp16 needs a CUDA GPU: on CPU, ...' -> 'needs a CUDA GPU': short enough for a dropdown label."""
-    reason = problem.removeprefix(f"{precision} ")
-    return re.split(r"[:;]", reason, maxsplit=1)[0].strip()
-
-
-def precision_options(device: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
-    """(label, value) pairs for the precision dropdown, and the full reason for each unavailable one."""
-    hw = detect()
-    options, reasons = [], {}
-    for precision in get_args(Precision):
-        problem = hw.precision_problem(precision, device)
-        if problem:
-            reasons[precision] = problem
-            options.append((f"{precision} (unavailable: {short_reason(precision, problem)})", precision))
-        else:
-            options.append((precision, precision))
-    return options, reasons
-
-
 def _error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RunFailedError) else f"{type(exc).__name__}: {exc}"
+
+
+def _html(css_class: str, value: str = "") -> widgets.HTML:
+    box = widgets.HTML(value)
+    box.add_class(css_class)
+    return box
+
+
+def _button(description: str, css_class: str, **kwargs: Any) -> widgets.Button:
+    button = widgets.Button(description=description, **kwargs)
+    button.add_class(css_class)
+    return button
 
 
 class Panel:
@@ -120,60 +90,29 @@ class Panel:
         hw = detect()
         self.device = base.resolved_device(hw)
         self.max_processes = hw.max_processes(self.device)
-        style = {"description_width": "140px"}
-        wide = widgets.Layout(width="380px")
-        precisions, self.precision_reasons = precision_options(self.device)
-        self.controls: dict[str, widgets.ValueWidget] = {
-            "task": widgets.Dropdown(options=self._task_options(base.task), description="task", style=style,
-                                     layout=wide),
-            "num_processes": widgets.IntSlider(min=1, max=max(1, self.max_processes), description="processes",
-                                               style=style, layout=wide),
-            "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
-                                            description="parallelism", style=style, layout=wide),
-            "precision": widgets.Dropdown(options=precisions, description="precision", style=style, layout=wide,
-                                          tooltip="; ".join(self.precision_reasons.values()) or None),
-            "micro_batch_size": widgets.BoundedIntText(min=1, max=2**20, description="micro-batch size",
-                                                       style=style, layout=wide),
-            "grad_accum_steps": widgets.BoundedIntText(min=1, max=2**16, description="grad accumulation",
-                                                       style=style, layout=wide),
-            "max_steps": widgets.BoundedIntText(min=1, max=10**9, description="steps", style=style, layout=wide),
-            "lr": widgets.FloatText(description="learning rate", style=style, layout=wide),
-            "run_name": widgets.Text(description="run name", placeholder="automatic: <task>-<time>", style=style,
-                                     layout=wide),
-        }
-        for name, control in self.controls.items():
-            control.add_class(f"wb-{name.replace('_', '-')}")
+        self.controls, self.precision_reasons = build_controls(self.device, self.max_processes,
+                                                               self._task_options(base.task))
+        for control in self.controls.values():
             control.observe(self._on_control, names="value")
         limit = widgets.HTML(f"<small style='white-space:nowrap'>up to {self.max_processes} on "
                              f"{html.escape(hw.describe(self.device))}</small>")
 
-        self.batch_info = widgets.HTML()
-        self.batch_info.add_class("wb-batch")
-        self.launch_info = widgets.HTML()
-        self.launch_info.add_class("wb-launch-info")
-        self.estimates = widgets.HTML(self.estimates_html(base))
-        self.estimates.add_class("wb-estimates")
-        self.problem_box = widgets.HTML()
-        self.problem_box.add_class("wb-problem")
-
-        self.launch_button = widgets.Button(description="Launch", button_style="success", icon="play")
-        self.launch_button.add_class("wb-launch")
-        self.stop_button = widgets.Button(description="Stop", button_style="warning", icon="stop",
-                                          tooltip="Ranks agree on a step, save a checkpoint and exit")
-        self.stop_button.add_class("wb-stop")
+        self.batch_info = _html("wb-batch")
+        self.launch_info = _html("wb-launch-info")
+        self.estimates = _html("wb-estimates", self.estimates_html(base))
+        self.problem_box = _html("wb-problem")
+        self.launch_button = _button("Launch", "wb-launch", button_style="success", icon="play")
+        self.stop_button = _button("Stop", "wb-stop", button_style="warning", icon="stop",
+                                   tooltip="Ranks agree on a step, save a checkpoint and exit")
         self.yaml_path = widgets.Text(value="run.yaml", description="YAML file",
                                       layout=widgets.Layout(width="260px"))
-        self.save_button = widgets.Button(description="Save as YAML", icon="save",
-                                          tooltip="Write the config for `workbench train FILE`")
-        self.save_button.add_class("wb-save")
-        self.launch_button.on_click(self._on_click(self.launch))
-        self.stop_button.on_click(self._on_click(self.stop))
-        self.save_button.on_click(self._on_click(self.save_yaml))
-
-        self.status_box = widgets.HTML()
-        self.status_box.add_class("wb-status-line")
-        self.error_box = widgets.HTML()
-        self.error_box.add_class("wb-error")
+        self.save_button = _button("Save as YAML", "wb-save", icon="save",
+                                   tooltip="Write the config for `workbench train FILE`")
+        for button, action in ((self.launch_button, self.launch), (self.stop_button, self.stop),
+                               (self.save_button, self.save_yaml)):
+            button.on_click(self._on_click(action))
+        self.status_box = _html("wb-status-line")
+        self.error_box = _html("wb-error")
         self.dashboard_box = widgets.VBox([])
         c = self.controls
         left = widgets.VBox([c["task"], widgets.HBox([c["num_processes"], limit]), c["parallelism"],
@@ -263,7 +202,7 @@ class Panel:
             for control in self.controls.values():
                 control.disabled = frozen
             self.launch_button.disabled = frozen or s.config is None or bool(s.problem)
-            self.stop_button.disabled = s.status != "running" or s.busy
+            self.stop_button.disabled = s.status != Status.RUNNING or s.busy
             self.save_button.disabled = s.busy or s.config is None
             self.yaml_path.disabled = s.busy
             cfg = s.config
@@ -287,11 +226,11 @@ class Panel:
         text = {
             "ready": "ready: pick the settings, then Launch",
             "launching": "launching…",
-            "running": f"running <b>{name}</b>: Stop makes the ranks save a checkpoint and exit",
+            Status.RUNNING: f"running <b>{name}</b>: Stop makes the ranks save a checkpoint and exit",
             "stopping": f"stopping <b>{name}</b>: the ranks finish a step, save a checkpoint and exit…",
-            "completed": f"completed <b>{name}</b>; change the settings and Launch again to compare",
-            "stopped": f"stopped <b>{name}</b> (checkpoint saved); Launch starts a new run",
-            "failed": "failed: the error is below; fix it and Launch again",
+            Status.COMPLETED: f"completed <b>{name}</b>; change the settings and Launch again to compare",
+            Status.STOPPED: f"stopped <b>{name}</b> (checkpoint saved); Launch starts a new run",
+            Status.FAILED: "failed: the error is below; fix it and Launch again",
         }.get(s.status, html.escape(s.status))
         note = f"<br><small>{html.escape(s.message)}</small>" if s.message else ""
         return f"<span class='wb-status' data-status='{html.escape(s.status)}'>{text}</span>{note}"
@@ -332,17 +271,16 @@ class Panel:
             self.state.message = ""
             self.state.status = "launching"
         try:
-            run = launch_run(cfg, task=self.task_for(cfg.task), wait=False)
+            run = start(cfg, task=self.task_for(cfg.task))
         except BaseException:
             self.state.status = "ready"
             raise
-        assert isinstance(run, Run)
         self.run, self.result, self._failure, self._final_shown = run, None, None, False
         self._finished = finished = threading.Event()
         self.dashboard = Dashboard(run.run_dir, max_steps=run.config.max_steps, interval=self.poll_interval)
         self.dashboard_box.children = [self.dashboard.widget]
         self.dashboard.start()
-        self.state.status = "running"
+        self.state.status = Status.RUNNING.value
         threading.Thread(target=self._watch, args=(run, self.dashboard, finished), daemon=True,
                          name=f"wb-panel-{run.run_dir.name}").start()
         return run
@@ -367,20 +305,20 @@ class Panel:
             log.exception("dashboard of %s: final refresh failed", run.run_dir)
         with self._lock:
             self.result, self._failure = result, failure
-            status = result.status if result is not None else "failed"
+            status = result.status if result is not None else Status.FAILED
             with self.state.hold_trait_notifications():
                 self.state.error = "" if failure is None else _error_text(failure)
-                self.state.status = status if status in ENDED else "failed"
+                self.state.status = str(status if status in ENDED else Status.FAILED)
         finished.set()
 
     def stop(self) -> None:
         """Ask the ranks to save a checkpoint and exit (the Stop button); returns at once, see wait()."""
         with self._lock:
-            if self.run is None or self.state.status not in ("running", "stopping"):
+            if self.run is None or self.state.status not in (Status.RUNNING, "stopping"):
                 self.state.message = "nothing is running to stop"
                 return
             self.run.stop()
-            if self.state.status == "running":
+            if self.state.status == Status.RUNNING:
                 self.state.status = "stopping"
 
     def wait(self, timeout: float | None = None, *, show: bool = True) -> RunResult:

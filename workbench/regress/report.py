@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .regress import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, MetricResult, exit_code
+from ..units import fmt_bytes
+from .judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, MetricResult, exit_code
 
 _XML_ILLEGAL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 _STATUS_ORDER = (ERROR, FAILED, NEW, UPDATED, PASSED, SKIPPED)
@@ -34,7 +35,7 @@ def _fmt(value: float | None, unit: str | None = None) -> str:
     if value is None:
         return "-"
     if unit == "bytes":
-        return f"{value / 2**20:.1f} MiB"
+        return fmt_bytes(value, "MiB", ".1f")
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
     return f"{text} {unit}" if unit else text
 
@@ -44,7 +45,7 @@ def _delta(m: MetricResult) -> str:
     if d is None:
         return "-"
     pct = f" ({d / abs(m.baseline):+.1%})" if m.baseline else ""
-    return (f"{d / 2**20:+.1f} MiB" if m.unit == "bytes" else f"{d:+.4g}") + pct
+    return (fmt_bytes(d, "MiB", "+.1f") if m.unit == "bytes" else f"{d:+.4g}") + pct
 
 
 def _current(m: MetricResult) -> str:

@@ -1,0 +1,63 @@
+"""The panel's controls: one widget per RunConfig field the panel edits, and their labels."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, get_args
+
+import ipywidgets as widgets
+
+from ..config import Parallelism
+from ..hardware import detect
+from ..precision import Precision
+
+PARALLELISM_LABELS = {"ddp": "ddp: data-parallel replicas", "none": "none: one plain process"}
+
+STYLE = {"description_width": "140px"}
+
+
+def short_reason(precision: str, problem: str) -> str:
+    """'fp16 needs a CUDA GPU: on CPU, ...' -> 'needs a CUDA GPU': short enough for a dropdown label."""
+    reason = problem.removeprefix(f"{precision} ")
+    return re.split(r"[:;]", reason, maxsplit=1)[0].strip()
+
+
+def precision_options(device: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(label, value) pairs for the precision dropdown, and the full reason for each unavailable one."""
+    hw = detect()
+    options, reasons = [], {}
+    for precision in get_args(Precision):
+        problem = hw.precision_problem(precision, device)
+        if problem:
+            reasons[precision] = problem
+            options.append((f"{precision} (unavailable: {short_reason(precision, problem)})", precision))
+        else:
+            options.append((precision, precision))
+    return options, reasons
+
+
+def build_controls(device: str, max_processes: int, task_options: list[tuple[str, str]]
+                   ) -> tuple[dict[str, widgets.ValueWidget], dict[str, str]]:
+    """The controls, keyed by RunConfig field, and the reasons unavailable precisions are unavailable."""
+    wide = widgets.Layout(width="380px")
+    precisions, reasons = precision_options(device)
+    controls: dict[str, Any] = {
+        "task": widgets.Dropdown(options=task_options, description="task", style=STYLE, layout=wide),
+        "num_processes": widgets.IntSlider(min=1, max=max(1, max_processes), description="processes",
+                                           style=STYLE, layout=wide),
+        "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
+                                        description="parallelism", style=STYLE, layout=wide),
+        "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=wide,
+                                      tooltip="; ".join(reasons.values()) or None),
+        "micro_batch_size": widgets.BoundedIntText(min=1, max=2**20, description="micro-batch size",
+                                                   style=STYLE, layout=wide),
+        "grad_accum_steps": widgets.BoundedIntText(min=1, max=2**16, description="grad accumulation",
+                                                   style=STYLE, layout=wide),
+        "max_steps": widgets.BoundedIntText(min=1, max=10**9, description="steps", style=STYLE, layout=wide),
+        "lr": widgets.FloatText(description="learning rate", style=STYLE, layout=wide),
+        "run_name": widgets.Text(description="run name", placeholder="automatic: <task>-<time>", style=STYLE,
+                                 layout=wide),
+    }
+    for name, control in controls.items():
+        control.add_class(f"wb-{name.replace('_', '-')}")
+    return controls, reasons

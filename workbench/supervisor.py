@@ -1,0 +1,56 @@
+"""The fork-mode supervisor: one process per run, between the caller's kernel and the ranks.
+
+It calls accelerate's notebook_launcher and records how the run ended. Keeping the launcher out of the
+caller's process is what makes a kernel able to launch again and again: torch elastic's signal handlers,
+accelerate's singletons and any failure stay in the supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from .hardware import detect
+from .postmortem import finalize, record_signal_deaths
+from .precision import accelerate_mixed_precision
+from .rank import die_with_parent, rank_main
+from .rundir import RunDir
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+    from .tasks import Task
+
+
+def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int) -> None:
+    """Body of the supervisor process: run notebook_launcher, then record a failure the ranks couldn't."""
+    die_with_parent()
+    os.setpgrp()  # the parent can end the supervisor and all its ranks with one killpg
+    from accelerate import notebook_launcher
+    from accelerate.state import AcceleratorState, PartialState
+
+    # An Accelerator made in the user's kernel was copied into this fork; the ranks must start clean.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+    # Elastic logs every rank failure as a wall of text; the run directory and RunFailedError carry it cleanly.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+    if cfg.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
+        os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
+    run = RunDir(run_dir)
+    error: BaseException | None = None
+    try:
+        # notebook_launcher prints its own "Launching training on N CUDAs/CPUs" line; ours (logged by the
+        # caller) says what really runs, so accelerate's is swallowed.
+        with contextlib.redirect_stdout(io.StringIO()):
+            notebook_launcher(rank_main, args=(cfg, task, run_dir, progress), num_processes=cfg.num_processes,
+                              mixed_precision=accelerate_mixed_precision(cfg.precision), use_port=str(port),
+                              monitor_interval=0.05)
+    except BaseException as exc:  # noqa: BLE001  (recorded in the run directory, then reported by exit code)
+        error = exc
+        record_signal_deaths(run, exc)
+    finalize(run, error)
+    os._exit(0 if error is None else 1)

@@ -1,0 +1,43 @@
+"""The rank's Accelerator: process group, device and autocast, and really what the config asks for."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+from ..hardware import detect
+from ..precision import accelerate_mixed_precision
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+
+
+def build_accelerator(cfg: RunConfig) -> Accelerator:
+    """An Accelerator that really is what cfg asks for.
+
+    Two accelerate behaviours are corrected here: without cpu=True, forked CPU ranks never form a process
+    group (N separate copies), and the precision is passed explicitly rather than through notebook_launcher,
+    whose mixed_precision argument never reaches the workers.
+    """
+    device = cfg.resolved_device()
+    if device == "cpu":
+        # A forked rank inherits the parent's intra-op thread pool; N ranks x all cores of OpenMP threads
+        # oversubscribe the machine several times over. Each rank gets its share of the cores.
+        torch.set_num_threads(detect().threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes))))
+    accelerator = Accelerator(
+        cpu=device == "cpu",
+        mixed_precision=accelerate_mixed_precision(cfg.precision),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
+    )
+    # A launcher that sets WORLD_SIZE (torchrun, elastic, multi-node) knows the real size; else it's ours.
+    expected = int(os.environ.get("WORLD_SIZE", cfg.num_processes))
+    if accelerator.num_processes != expected:
+        raise RuntimeError(f"expected {expected} ranks but accelerate formed a group of "
+                           f"{accelerator.num_processes}: the processes would train as separate copies, "
+                           "not one distributed job")
+    return accelerator

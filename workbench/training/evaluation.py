@@ -1,0 +1,52 @@
+"""Evaluation: every rank evaluates its shard of the eval set; the means are reduced over ranks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import send_to_device
+from torch.utils.data import DataLoader, DistributedSampler
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from ..config import RunConfig
+    from ..tasks import Task
+
+
+def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Task.loss returns a scalar tensor or (scalar tensor, {metric: value})."""
+    loss, extras = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(f"Task.loss must return a scalar tensor (or (tensor, dict)), got {type(loss).__name__}"
+                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+    return loss, extras
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, accelerator: Accelerator,
+             collate_fn: Any) -> dict[str, float]:
+    """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}."""
+    device = accelerator.device
+    sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes, rank=accelerator.process_index,
+                                 shuffle=False)
+    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+    model.eval()
+    totals: dict[str, torch.Tensor] = {}
+    count = torch.zeros((), device=device, dtype=torch.float64)
+    for i, batch in enumerate(loader):
+        if cfg.eval_batches and i >= cfg.eval_batches:
+            break
+        batch = send_to_device(batch, device)
+        loss, extras = split_loss(task.loss(model, batch))
+        n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
+        for name, value in {"loss": loss, **extras}.items():
+            value = torch.as_tensor(value, device=device, dtype=torch.float64)
+            totals[name] = totals.get(name, torch.zeros((), device=device, dtype=torch.float64)) + value * n
+        count += n
+    model.train()
+    names = sorted(totals)
+    stacked = torch.stack([totals[k] for k in names] + [count])
+    summed = accelerator.reduce(stacked, "sum").cpu()
+    return {f"eval_{k}": float(summed[i] / summed[-1]) for i, k in enumerate(names)}

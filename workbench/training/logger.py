@@ -1,0 +1,104 @@
+"""Metrics rows: the loss and throughput of each logging window, agreed over all ranks in one collective.
+
+Every `log_every` steps one all-gather carries each rank's window loss, peak memory, skipped steps and
+stop flag; rank 0 writes the row to metrics.jsonl. Between log steps, a stop request is checked every
+STOP_CHECK_EVERY steps with one tiny all-reduce, so all ranks stop on the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..metrics import peak_memory_bytes
+from .optim import lr_at
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from ..config import RunConfig
+    from ..rundir import RunDir
+    from .state import TrainerState
+
+STOP_CHECK_EVERY = 5
+"""Steps between stop-request checks: a tiny all-reduce, amortised so it stays out of step time."""
+
+
+class MetricsLogger:
+    """Accumulates the current window's loss; writes one row per log step; tells when all ranks must stop."""
+
+    def __init__(self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, *, global_batch: int,
+                 tokens_per_sample: int | None, mfu: Callable[[float], float | None],
+                 epoch_of: Callable[[int], int]) -> None:
+        self.accelerator, self.run, self.cfg = accelerator, run, cfg
+        self.device = accelerator.device
+        self.main = accelerator.is_main_process
+        self.global_batch, self.tokens_per_sample, self.mfu, self.epoch_of = \
+            global_batch, tokens_per_sample, mfu, epoch_of
+        self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self.steps = 0
+        self.window_start = time.perf_counter()
+        self.last_row: dict[str, Any] | None = None
+
+    def add_micro_batch_loss(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().double() / self.cfg.grad_accum_steps
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def restart_clock(self) -> None:
+        """Time spent outside training steps (eval, checkpoints) is not step time."""
+        self.window_start = time.perf_counter()
+
+    def due(self, step: int, final: bool) -> bool:
+        return final or step % self.cfg.log_every == 0
+
+    def _stop_flag(self) -> float:
+        return float(self.main and self.run.stop_requested())
+
+    def stop_agreed(self, step: int) -> bool:
+        """Every STOP_CHECK_EVERY steps: did rank 0 see a stop request? All ranks get the same answer."""
+        if step % STOP_CHECK_EVERY:
+            return False
+        flag = torch.tensor([self._stop_flag()], device=self.device)
+        return bool(self.accelerator.reduce(flag, "sum").item() > 0)
+
+    def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float) -> tuple[dict[str, Any], bool]:
+        """One all-gather: the window's row (written by rank 0) and whether any rank saw a stop request."""
+        cfg = self.cfg
+        mean_loss = self.loss_sum / self.steps
+        local = torch.tensor([mean_loss.item(), peak_memory_bytes(self.device), state.skipped_steps,
+                              self._stop_flag()], device=self.device, dtype=torch.float64)
+        everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
+        step_time = (time.perf_counter() - self.window_start) / self.steps
+        row: dict[str, Any] = {
+            "step": state.step,
+            "epoch": self.epoch_of(max(0, state.micro_batches - 1)),
+            "loss": float(everyone[:, 0].mean()),
+            "lr": lr_at(state.step - 1, cfg),
+            "step_time_s": step_time,
+            "samples_per_s": self.global_batch / step_time,
+            "peak_memory_bytes": int(everyone[:, 1].max()),
+            "peak_memory_bytes_per_rank": [int(v) for v in everyone[:, 1]],
+            "skipped_steps": int(everyone[:, 2].max()),
+            "samples": state.samples,
+            "elapsed_s": elapsed_s,
+            "eta_s": step_time * (cfg.max_steps - state.step),
+        }
+        if grad_norm is not None:
+            row["grad_norm"] = float(grad_norm)
+        if self.tokens_per_sample:
+            row["tokens_per_s"] = row["samples_per_s"] * self.tokens_per_sample
+        mfu = self.mfu(row["samples_per_s"])
+        if mfu is not None:
+            row["mfu"] = mfu
+        if self.main:
+            self.run.append_metrics(row)
+        self.loss_sum.zero_()
+        self.steps = 0
+        self.restart_clock()
+        self.last_row = row
+        return row, bool(everyone[:, 3].max() > 0)
