@@ -69,3 +69,41 @@ class TinyRegression(wb.Task):
     def options(self, cfg: wb.RunConfig) -> dict[str, Any]:
         self.options_cache = super().options(cfg)
         return self.options_cache
+
+
+class TinyBlocks(TinyRegression):
+    """TinyRegression's data through a stack of residual blocks in a ModuleList: the shape sharding and
+    activation checkpointing work on (each block is a shard unit)."""
+
+    name = "tiny-blocks"
+    default_options: dict[str, Any] = {**TinyRegression.default_options, "width": 32, "blocks": 3}
+
+    def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
+        o = self.options(cfg)
+        return BlockStack(o["width"], o["blocks"], o["dropout"])
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+        self.drop = torch.nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class BlockStack(torch.nn.Module):
+    def __init__(self, width: int, blocks: int, dropout: float) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(Block(width, dropout) for _ in range(blocks))
+        self.out = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)

@@ -74,3 +74,23 @@ def test_bench_precision_runs_each_supported_precision_side_by_side(tmp_path: Pa
     assert not rows["fp16"].available and "needs a CUDA GPU" in rows["fp16"].reason
     assert "unavailable: fp8 needs a CUDA GPU" in report.table()
     assert (tmp_path / "p.json").stat().st_size > 100
+
+
+@pytest.mark.slow
+def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
+    from workbench.bench import parallelism
+
+    cfg = wb.RunConfig(task="digits", num_processes=2, device="cpu", max_steps=8, log_every=4,
+                       task_options={"hidden": 64})
+    report = parallelism(cfg, json_path=tmp_path / "p.json")
+    rows = {r.mode: r for r in report.rows}
+    assert [m for m, r in rows.items() if r.available] == ["ddp", "zero1", "zero2", "zero3"]
+    assert "hsdp needs an even num_processes >= 4" in rows["hsdp"].reason
+    ddp, zero3 = rows["ddp"], rows["zero3"]
+    assert zero3.final_loss == pytest.approx(ddp.final_loss, rel=1e-5)
+    assert max(zero3.params_bytes) < max(ddp.params_bytes) and sum(zero3.params_bytes) == ddp.params_bytes[0]
+    assert sum(rows["zero1"].optimizer_bytes) == ddp.optimizer_bytes[0]
+    assert all(r.step_ms > 0 and r.tracked_peak_bytes for r in rows.values() if r.available)
+    table = report.table()
+    assert "zero3" in table and "unavailable: hsdp needs" in table
+    assert (tmp_path / "p.json").stat().st_size > 100

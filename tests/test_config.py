@@ -37,7 +37,7 @@ BAD_FIELDS = [
     ({"checkpoint_every": -10}, r"checkpoint_every=-10: must be 0 or more"),
     ({"seed": -1}, r"seed=-1: must be 0 or more"),
     ({"precision": "fp64"}, r"precision='fp64': choose one of 'fp32' \| 'bf16' \| 'fp16' \| 'fp8'"),
-    ({"parallelism": "fsdp"}, r"parallelism='fsdp': choose one of 'none' \| 'ddp'"),
+    ({"parallelism": "zero4"}, r"parallelism='zero4': choose one of 'none' \| 'ddp' \| 'zero1'"),
     ({"device": "tpu"}, r"device='tpu': choose one of 'auto' \| 'cpu' \| 'cuda'"),
     ({"parallelism": "none", "num_processes": 2}, r"parallelism='none' with num_processes=2: .*set parallelism='ddp'"),
     ({"run_name": "../escape"}, r"run_name='../escape': use letters, digits"),
@@ -68,6 +68,9 @@ BAD_FOR_MACHINE = [
     (CPU2, {"task": "char-gpt", "task_options": {"n_embd": 100, "n_head": 3}},
      r"task_options.n_embd=100 is not divisible by n_head=3"),
     (CPU2, {"task": "char-gpt", "task_options": {"preset": "huge"}}, r"task_options.preset='huge': choose one of"),
+    (CPU2, {"activation_checkpointing": "full"},
+     r"activation_checkpointing='full': the model has no repeated blocks to checkpoint .*Task.shard_units"),
+    (CPU2, {"parallelism": "zero3", "cpu_offload": True}, r"cpu_offload=True on CPU: .*set cpu_offload=False"),
 ]
 
 
@@ -179,3 +182,11 @@ def test_builtin_tasks_are_all_known_whatever_was_imported_first() -> None:
             "print(available())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "char-gpt" in out and "digits" in out
+
+
+def test_every_parallelism_mode_has_its_one_line_explanation() -> None:
+    from typing import get_args
+
+    from workbench.config import PARALLELISM_MODES, Parallelism
+
+    assert list(PARALLELISM_MODES) == list(get_args(Parallelism))

@@ -302,3 +302,31 @@ def test_failed_run_shows_the_rank_error_then_launches_again(runs_dir: Path) -> 
     panel.launch_button.click()
     assert panel.state.error == ""
     assert panel.wait(timeout=120).status == "completed" and panel.state.status == "completed"
+
+
+def test_panel_offers_every_parallelism_with_its_explanation(runs_dir: Path) -> None:
+    from workbench.config import PARALLELISM_MODES, Parallelism
+
+    panel = wb.Panel(tiny(runs_dir))
+    options = panel.controls["parallelism"].options
+    assert [value for _, value in options] == list(get_args(Parallelism))
+    for label, value in options:
+        assert label == f"{value}: {PARALLELISM_MODES[value]}"
+    panel.controls["parallelism"].value = "hsdp"  # 2 processes can't form 2 shard groups
+    assert "dp_shard=0 with parallelism='hsdp'" in panel.state.problem and panel.launch_button.disabled
+    panel.controls["parallelism"].value = "zero3"
+    assert panel.state.problem == "" and "zero3 (parameters, gradients and optimizer state sharded" in \
+        panel.launch_info.value
+
+
+@pytest.mark.slow
+def test_launching_zero3_from_the_panel_runs_sharded_ranks(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir, max_steps=10))
+    panel.controls["parallelism"].value = "zero3"
+    panel.launch_button.click()
+    result = panel.wait(timeout=120)
+    assert result.status == "completed" and result.summary["parallelism"] == "zero3"
+    ranks = result.summary["ranks"]
+    full = sum(p.numel() * 4 for p in DigitsTask().build_model(panel.config).parameters())
+    assert all(r["sharded"] and 0 < r["params_bytes"] < full for r in ranks)
+    assert sum(r["params_bytes"] for r in ranks) == full, "each parameter byte lives on exactly one rank"

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from tasks_for_tests import TinyRegression
 from workbench import files
 from workbench.rundir import ENDED, SCHEMA_VERSION, RunDir, Status, Summary
 

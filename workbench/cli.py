@@ -61,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--junit", type=Path, default=None, help="also write a JUnit XML file")
     r.add_argument("--profile", default=None, help="only cases of this profile (e.g. smoke, full)")
 
+    _bench_parser(sub)
+    return p
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     o = bsub.add_parser("overhead", help="trainer against a hand-written Accelerate loop, side by side")
@@ -73,7 +78,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="RunConfig YAML (default: char-gpt 'small' on one device, 50 steps)")
     pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pr.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    return p
+    pa = bsub.add_parser("parallelism", help="the same run under every data-parallel mode, side by side")
+    pa.add_argument("config", type=Path, nargs="?", default=None,
+                    help="RunConfig YAML (default: char-gpt 'tiny' on 2 processes, 30 steps)")
+    pa.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pa.add_argument("--modes", nargs="+", default=None, help="modes to run (default: ddp zero1 zero2 zero3 hsdp)")
+    pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,9 +172,14 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
     from .config import RunConfig
 
-    if args.bench_command == "precision":
-        cfg = RunConfig.from_yaml(args.config) if args.config else bench.PRECISION_BENCH
-        print(bench.precision(cfg.with_overrides(args.overrides), json_path=args.json).table())
+    if args.bench_command in ("precision", "parallelism"):
+        default = bench.PRECISION_BENCH if args.bench_command == "precision" else bench.PARALLELISM_BENCH
+        cfg = (RunConfig.from_yaml(args.config) if args.config else default).with_overrides(args.overrides)
+        if args.bench_command == "precision":
+            print(bench.precision(cfg, json_path=args.json).table())
+        else:
+            modes = tuple(args.modes) if args.modes else bench.MODES
+            print(bench.parallelism(cfg, modes=modes, json_path=args.json).table())
         return 0
     report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
                             json_path=args.json)

@@ -7,6 +7,7 @@ import os
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -18,7 +19,23 @@ from .hardware import Hardware, detect
 from .precision import Precision
 from .suggest import unknown_keys
 
-Parallelism = Literal["none", "ddp"]
+Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+GradCompression = Literal["none", "fp16", "bf16", "powersgd"]
+
+PARALLELISM_MODES: dict[str, str] = {
+    "none": "one plain process",
+    "ddp": "full replica per rank, gradients all-reduced (DDP)",
+    "zero1": "replicas, optimizer state sharded over ranks (ZeRO-1)",
+    "zero2": "gradients and optimizer state sharded; parameters gathered from forward to backward (FSDP2)",
+    "zero3": "parameters, gradients and optimizer state sharded (FSDP2)",
+    "fsdp": "same as zero3: parameters, gradients and optimizer state sharded (FSDP2)",
+    "hsdp": "sharded within groups of dp_shard ranks, replicated across groups (FSDP2, 2-D mesh)",
+}
+"""One line per parallelism mode, as the panel and `workbench check` show them."""
+
+SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
+"""Modes that shard parameters and gradients (FSDP2); 'zero1' shards only the optimizer state."""
 Device = Literal["auto", "cpu", "cuda"]
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -33,7 +50,19 @@ class RunConfig:
     num_processes: int = 1
     """Ranks to start on this machine: one per GPU, or CPU processes talking over gloo."""
     parallelism: Parallelism = "ddp"
-    """'ddp' replicates the model and all-reduces gradients; 'none' is a single plain process."""
+    """'ddp' replicates the model and all-reduces gradients; 'zero1' also shards the optimizer state;
+    'zero2' shards optimizer state and gradients (FSDP2, parameters kept gathered from forward to backward);
+    'zero3' (alias 'fsdp') shards parameters too; 'hsdp' shards within groups of dp_shard ranks and
+    replicates across groups; 'none' is a single plain process."""
+    dp_shard: int = 0
+    """hsdp: ranks in one shard group (a divisor of num_processes, the rest replicate); 0 for other modes."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute activations in backward, per shard unit: 'full' keeps only each block's input, 'selective'
+    also keeps matmul and attention outputs. Less memory, more compute; same losses."""
+    cpu_offload: bool = False
+    """zero3/hsdp on GPUs: keep sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
+    grad_compression: GradCompression = "none"
+    """ddp/zero1: compress gradients for the all-reduce ('fp16', 'bf16' on NCCL, 'powersgd' low rank)."""
     precision: Precision = "fp32"
     """Compute precision: 'bf16'/'fp16' autocast (fp16 with dynamic loss scaling); 'fp8' is rejected for now."""
     device: Device = "auto"
@@ -74,6 +103,11 @@ class RunConfig:
     """Continue the run named run_name from its newest complete checkpoint."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
+    oversubscribe: bool = False
+    """CPU: allow more processes than cores (warned, slow); e.g. to try a 2 x 2 hsdp layout on a 2-core box."""
+    track_memory: bool = False
+    """Trace the first step with PyTorch's memory tracker: bytes per rank by category (parameters, gradients,
+    optimizer state, activations, temporaries) in the summary. That step runs slower."""
     dist_timeout_s: int = 300
     """How long a collective may block before the run fails instead of hanging."""
     task_options: dict[str, Any] = field(default_factory=dict)
@@ -124,6 +158,7 @@ class RunConfig:
         if self.parallelism == "none" and self.num_processes > 1:
             raise ValueError(f"parallelism='none' with num_processes={self.num_processes}: 'none' runs one "
                              "process; set parallelism='ddp' or num_processes=1")
+        self._check_parallelism()
         if self.run_name is not None and not _RUN_NAME.match(self.run_name):
             raise ValueError(f"run_name={self.run_name!r}: use letters, digits, '.', '_' and '-' only, "
                              "starting with a letter or digit")
@@ -131,6 +166,28 @@ class RunConfig:
             raise ValueError("resume=True needs run_name: the run directory to continue (runs_dir/run_name)")
         if not self.task:
             raise ValueError("task='': name a task, e.g. 'digits' or 'char-gpt'")
+
+    def _check_parallelism(self) -> None:
+        p, n = self.parallelism, self.num_processes
+        if p == "hsdp":
+            ok = [d for d in range(2, n // 2 + 1) if n % d == 0]
+            hint = (f"use dp_shard={' or '.join(map(str, ok))}" if ok else
+                    f"num_processes={n} can't be split so; use e.g. num_processes=4 with dp_shard=2, or "
+                    "parallelism='zero3' to shard over all ranks")
+            if self.dp_shard < 2 or n % self.dp_shard or n // self.dp_shard < 2:
+                raise ValueError(f"dp_shard={self.dp_shard} with parallelism='hsdp' and num_processes={n}: hsdp "
+                                 f"shards within groups of dp_shard ranks and replicates across at least 2 groups, so "
+                                 f"dp_shard must divide num_processes and be between 2 and num_processes/2; {hint}")
+        elif self.dp_shard:
+            raise ValueError(f"dp_shard={self.dp_shard}: only parallelism='hsdp' uses it (parallelism={p!r}); set "
+                             "dp_shard=0, or parallelism='hsdp'")
+        if self.grad_compression != "none" and p not in ("ddp", "zero1"):
+            raise ValueError(f"grad_compression={self.grad_compression!r} with parallelism={p!r}: compression hooks "
+                             "apply to DDP's gradient all-reduce (ddp, zero1); sharded modes reduce-scatter instead. "
+                             "Set grad_compression='none', or parallelism='ddp'")
+        if self.cpu_offload and p not in ("zero3", "fsdp", "hsdp"):
+            raise ValueError(f"cpu_offload=True with parallelism={p!r}: offloading sharded parameters and optimizer "
+                             "state needs parallelism='zero3' (or 'hsdp'); set cpu_offload=False or change parallelism")
 
     def check(self, hardware: Hardware | None = None, task: Any = None) -> None:
         """Validate against this machine and the task (`task`, else the registry); ValueError before anything runs."""
@@ -142,13 +199,41 @@ class RunConfig:
         device = self.resolved_device(hw)
         limit = hw.max_processes(device)
         if self.num_processes > limit:
-            what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
-            raise ValueError(f"num_processes={self.num_processes}: this machine has {what}; "
-                             f"use num_processes={limit} or fewer")
+            if device == "cpu" and self.oversubscribe:
+                warnings.warn(f"num_processes={self.num_processes} on {limit} CPU core(s) (oversubscribe=True): the "
+                              "ranks share cores and run slower than they would on their own", stacklevel=2)
+            else:
+                what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
+                extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
+                raise ValueError(f"num_processes={self.num_processes}: this machine has {what}; "
+                                 f"use num_processes={limit} or fewer{extra}")
+        if self.cpu_offload and device != "cuda":
+            raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
+                             "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
+        if self.grad_compression == "bf16" and device != "cuda" and self.num_processes > 1:
+            raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
+                             "use grad_compression='fp16' or 'powersgd' on CPU")
         problem = hw.precision_problem(self.precision, device)
         if problem:
             raise ValueError(f"precision={self.precision!r} on {hw.describe(device)}: {problem}")
-        (task or get_task(self.task)).check_options(self)
+        task = task or get_task(self.task)
+        task.check_options(self)
+        if self.activation_checkpointing != "none":
+            self._check_checkpoint_units(task)
+
+    def _check_checkpoint_units(self, task: Any) -> None:
+        """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device
+        (no memory, no data loaded into it)."""
+        import torch
+
+        from .blocks import checkpoint_units, shard_units
+
+        try:
+            with torch.device("meta"):
+                model = task.build_model(self)
+        except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
+            return
+        checkpoint_units(model, shard_units(model, task), self.activation_checkpointing)
 
     # ---- copies and files ----------------------------------------------------------------------------
     def replace(self, **changes: Any) -> RunConfig:

@@ -25,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from .config import RunConfig
+from .config import PARALLELISM_MODES, RunConfig
 from .hardware import detect
 from .postmortem import finalize
 from .precision import accelerate_mixed_precision
@@ -52,8 +52,12 @@ def describe_launch(cfg: RunConfig) -> str:
     else:
         backend = "NCCL" if device == "cuda" else "gloo"
         what = "GPUs" if device == "cuda" else "CPU processes"
-        how = f"{cfg.num_processes} {what}, DDP over {backend}"
-    return f"launching {cfg.task}: {how}, {cfg.precision}, global batch {cfg.global_batch_size}"
+        mode = "DDP" if cfg.parallelism == "ddp" else f"{cfg.parallelism} ({PARALLELISM_MODES[cfg.parallelism]})"
+        how = f"{cfg.num_processes} {what}, {mode} over {backend}"
+    extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
+    extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")
+    extras += ["parameters offloaded to CPU"] * cfg.cpu_offload
+    return ", ".join([f"launching {cfg.task}: {how}", cfg.precision, f"global batch {cfg.global_batch_size}", *extras])
 
 
 @dataclass

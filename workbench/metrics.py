@@ -36,8 +36,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def weights_digest(model: torch.nn.Module) -> str:
     """sha256 over every parameter and buffer, bit for bit: equal digests mean identical weights."""
+    return state_digest(model.state_dict())
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors of a state dict, by name, bit for bit."""
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(state.items()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

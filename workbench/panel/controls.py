@@ -7,11 +7,12 @@ from typing import Any, get_args
 
 import ipywidgets as widgets
 
-from ..config import Parallelism
+from ..config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
 from ..hardware import detect
 from ..precision import Precision
 
-PARALLELISM_LABELS = {"ddp": "ddp: data-parallel replicas", "none": "none: one plain process"}
+PARALLELISM_LABELS = {mode: f"{mode}: {text}" for mode, text in PARALLELISM_MODES.items()}
+"""Every mode, with its one-line explanation."""
 
 STYLE = {"description_width": "140px"}
 
@@ -47,6 +48,10 @@ def build_controls(device: str, max_processes: int, task_options: list[tuple[str
                                            style=STYLE, layout=wide),
         "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
                                         description="parallelism", style=STYLE, layout=wide),
+        "dp_shard": widgets.BoundedIntText(min=0, max=4096, description="hsdp shard group", style=STYLE,
+                                           layout=wide, tooltip="hsdp only: ranks that shard one copy of the model"),
+        "activation_checkpointing": widgets.Dropdown(options=list(get_args(ActivationCheckpointing)),
+                                                     description="activation ckpt", style=STYLE, layout=wide),
         "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=wide,
                                       tooltip="; ".join(reasons.values()) or None),
         "micro_batch_size": widgets.BoundedIntText(min=1, max=2**20, description="micro-batch size",

@@ -27,6 +27,8 @@ TIMINGS = "timings.json"
 CHECKPOINTS = "checkpoints"
 ERRORS = "errors"
 STOP_REQUEST = "STOP"
+WEIGHTS = "model.safetensors"
+"""The full weights at the end of a run (any parallelism), loadable without torch.distributed."""
 COMPLETE_MARKER = "trainer_state.json"
 """Written last into a checkpoint: a step_<N> directory without it is not a checkpoint."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -57,6 +59,7 @@ class RunDir:
     checkpoints_path = property(lambda self: self.path / CHECKPOINTS)
     errors_path = property(lambda self: self.path / ERRORS)
     stop_path = property(lambda self: self.path / STOP_REQUEST)
+    weights_path = property(lambda self: self.path / WEIGHTS)
 
     # ---- reading --------------------------------------------------------------------------------------
     def config(self) -> RunConfig | None:

@@ -82,7 +82,10 @@ class Summary:
     mfu: float | None = None
     """Model FLOPs utilisation (GPUs with a known peak)."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank: pid, device, compute dtype, threads, peak memory, weights sha256."""
+    """Per rank: pid, device, compute dtype, threads, peak memory, bytes held for parameters, gradients and
+    optimizer state, weights sha256 (replicated modes)."""
+    weights_sha256: str | None = None
+    """sha256 of the full weights written to model.safetensors at the end of the session."""
     eval: dict[str, float] = field(default_factory=dict)
     """Final eval metrics, stored as top-level 'eval_<name>' keys."""
     error: dict[str, Any] | None = None

@@ -45,6 +45,12 @@ class Task:
         """Training FLOPs (forward + backward) per sample, for MFU on GPUs; None when unknown."""
         return None
 
+    def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module] | None:
+        """Submodules to shard (zero2/zero3/hsdp) and checkpoint (activation_checkpointing) as units, in
+        forward order; the root is always a unit on top. None means the repeated blocks (children of a
+        ModuleList). Tied parameters must sit in one unit (or both in the root)."""
+        return None
+
     def options(self, cfg: RunConfig) -> dict[str, Any]:
         """default_options overridden by cfg.task_options."""
         return {**self.default_options, **cfg.task_options}

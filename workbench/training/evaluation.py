@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +28,7 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, accelerator: Accelerator,
-             collate_fn: Any) -> dict[str, float]:
+             collate_fn: Any, forward_context: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:
     """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}."""
     device = accelerator.device
     sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes, rank=accelerator.process_index,
@@ -39,7 +41,8 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
         if cfg.eval_batches and i >= cfg.eval_batches:
             break
         batch = send_to_device(batch, device)
-        loss, extras = split_loss(task.loss(model, batch))
+        with forward_context():
+            loss, extras = split_loss(task.loss(model, batch))
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
         for name, value in {"loss": loss, **extras}.items():
             value = torch.as_tensor(value, device=device, dtype=torch.float64)

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from ..rundir import RunDir
     from .state import TrainerState
 
+HELD = ("params", "grads", "optimizer")
+"""What each rank holds, in bytes, reported per rank in every row (what sharding saved)."""
 STOP_CHECK_EVERY = 5
 """Steps between stop-request checks: a tiny all-reduce, amortised so it stays out of step time."""
 
@@ -32,12 +34,12 @@ class MetricsLogger:
 
     def __init__(self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, *, global_batch: int,
                  tokens_per_sample: int | None, mfu: Callable[[float], float | None],
-                 epoch_of: Callable[[int], int]) -> None:
+                 epoch_of: Callable[[int], int], held_bytes: Callable[[], dict[str, int]]) -> None:
         self.accelerator, self.run, self.cfg = accelerator, run, cfg
         self.device = accelerator.device
         self.main = accelerator.is_main_process
-        self.global_batch, self.tokens_per_sample, self.mfu, self.epoch_of = \
-            global_batch, tokens_per_sample, mfu, epoch_of
+        self.global_batch, self.tokens_per_sample, self.mfu, self.epoch_of, self.held_bytes = \
+            global_batch, tokens_per_sample, mfu, epoch_of, held_bytes
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self.steps = 0
         self.window_start = time.perf_counter()
@@ -70,8 +72,10 @@ class MetricsLogger:
         """One all-gather: the window's row (written by rank 0) and whether any rank saw a stop request."""
         cfg = self.cfg
         mean_loss = self.loss_sum / self.steps
+        held = self.held_bytes()
         local = torch.tensor([mean_loss.item(), peak_memory_bytes(self.device), state.skipped_steps,
-                              self._stop_flag()], device=self.device, dtype=torch.float64)
+                              self._stop_flag(), *(held.get(k, 0) for k in HELD)],
+                             device=self.device, dtype=torch.float64)
         everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
         step_time = (time.perf_counter() - self.window_start) / self.steps
         row: dict[str, Any] = {
@@ -84,6 +88,7 @@ class MetricsLogger:
             "peak_memory_bytes": int(everyone[:, 1].max()),
             "peak_memory_bytes_per_rank": [int(v) for v in everyone[:, 1]],
             "skipped_steps": int(everyone[:, 2].max()),
+            **{f"{kind}_bytes_per_rank": [int(v) for v in everyone[:, 4 + i]] for i, kind in enumerate(HELD)},
             "samples": state.samples,
             "elapsed_s": elapsed_s,
             "eta_s": step_time * (cfg.max_steps - state.step),

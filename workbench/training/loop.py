@@ -28,9 +28,10 @@ from .batches import ShardedBatches
 from .checkpoint import Checkpointer
 from .evaluation import evaluate, split_loss
 from .logger import MetricsLogger
+from .memory import tracked
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import parallelize
-from .report import first_leaf_dtype, running_fields, summary_fields
+from .report import export_weights, first_leaf_dtype, running_fields, summary_fields
 from .state import TrainerState
 
 _log = logging.getLogger("workbench")
@@ -58,6 +59,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.prior_time = 0.0  # training time of earlier sessions of a resumed run
         self.eval_row: dict[str, float] | None = None
+        self.tracked_memory: dict[str, int] | None = None  # track_memory: the first step's bytes by category
 
         data.reset_used_datasets()  # a forked rank inherits the kernel's list; record only this run's data
         set_seed(cfg.seed)  # identical initial weights on every rank
@@ -73,14 +75,14 @@ class Trainer:
         train_ds, self.eval_ds = task.build_datasets(cfg)
         self.collate_fn = task.collate_fn(cfg)
         self.batches = ShardedBatches(train_ds, cfg, self.rank, self.world, self.collate_fn)
-        self.parallel = parallelize(cfg, self.accelerator, model, build_optimizer(model, cfg))
+        self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg))
         self.model = self.parallel.model
         # Dropout masks should differ between ranks, yet be reproducible.
         torch.manual_seed(cfg.seed + 1000 * (self.rank + 1))
-        self.checkpoints = Checkpointer(self.accelerator, self.run, cfg)
+        self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
                                      tokens_per_sample=self.tokens_per_sample, mfu=self.mfu,
-                                     epoch_of=self.batches.epoch_of)
+                                     epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes)
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -109,7 +111,10 @@ class Trainer:
         step_start = time.perf_counter()
         try:
             while self.state.step < self.cfg.max_steps:
-                grad_norm = self._step(batches)
+                if self._track_this_step():
+                    grad_norm, self.tracked_memory = tracked(self.parallel, lambda: self._step(batches))
+                else:
+                    grad_norm = self._step(batches)
                 if bar is not None:
                     bar.update(1)
                 stop = self._after_step(grad_norm, bar)
@@ -132,7 +137,8 @@ class Trainer:
         for micro in range(cfg.grad_accum_steps):
             batch = send_to_device(next(batches), self.device)
             with parallel.sync_gradients(micro == cfg.grad_accum_steps - 1):
-                loss, _ = split_loss(self.task.loss(self.model, batch))
+                with parallel.forward_context():
+                    loss, _ = split_loss(self.task.loss(self.model, batch))
                 parallel.backward(loss / cfg.grad_accum_steps)
             self.metrics.add_micro_batch_loss(loss)
         grad_norm = parallel.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
@@ -156,7 +162,8 @@ class Trainer:
         else:
             stop = self.metrics.stop_agreed(step)
         if self.eval_ds is not None and (final or stop or (cfg.eval_every and step % cfg.eval_every == 0)):
-            self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn)
+            self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
+                                     self.parallel.forward_context)
             if self.main:
                 self.run.append_metrics({"step": step, **self.eval_row})
             self.metrics.restart_clock()
@@ -172,6 +179,7 @@ class Trainer:
         fields = summary_fields(self, samples_per_s=(self.state.samples - samples0) / session_time,
                                 tokens_per_s=tokens / session_time if tokens else None,
                                 steps_run=self.state.step - steps0)
+        fields["weights_sha256"] = export_weights(self)
         if self.main:
             self.run.set_status(status, **running_fields(self), **fields)
             self.run.write_timings(self.step_times)
@@ -181,6 +189,13 @@ class Trainer:
         return fields
 
     # ---- pieces ---------------------------------------------------------------------------------------
+    def _track_this_step(self) -> bool:
+        """track_memory watches the session's second step (steady state), or its only one."""
+        if not self.cfg.track_memory or self.tracked_memory is not None:
+            return False
+        done = len(self.step_times)
+        return done == 1 or (done == 0 and self.cfg.max_steps - self.state.step == 1)
+
     def elapsed_s(self) -> float:
         """Training time over all sessions of the run."""
         return self.prior_time + sum(self.step_times)

@@ -9,8 +9,9 @@ import torch
 from accelerate.utils import gather_object
 
 from .. import data
+from ..files import atomic_write_bytes
 from ..hardware import detect
-from ..metrics import peak_memory_bytes, weights_digest
+from ..metrics import peak_memory_bytes, state_digest
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -54,7 +55,9 @@ def rank_info(t: Trainer) -> list[dict[str, Any]]:
             "distributed_type": str(t.accelerator.distributed_type).split(".")[-1],
             "world_size": t.world, "torch_threads": torch.get_num_threads(),
             "peak_memory_bytes": peak_memory_bytes(t.device),
-            "weights_sha256": weights_digest(t.parallel.unwrapped())}
+            "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
+            **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
+            "weights_sha256": t.parallel.weights_digest(), "tracked_memory": t.tracked_memory}
     return gather_object([mine]) if t.world > 1 else [mine]
 
 
@@ -77,3 +80,24 @@ def summary_fields(t: Trainer, *, samples_per_s: float, tokens_per_s: float | No
         "mfu": t.mfu(samples_per_s),
     }
     return fields
+
+
+def export_weights(t: Trainer) -> str | None:
+    """Write the full weights once, as model.safetensors (loadable without torch.distributed), whatever the
+    parallelism; returns their sha256 on rank 0. Collective: every rank calls it."""
+    from safetensors.torch import save
+
+    full = t.parallel.full_weights()
+    if not t.main:
+        return None
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in full.items():
+        tensor = tensor.detach().cpu().contiguous()
+        # safetensors refuses tensors that share memory (tied weights): the copy keeps each name loadable.
+        tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
+    metadata = {"task": str(t.cfg.task), "step": str(t.state.step), "parallelism": t.cfg.parallelism,
+                "world_size": str(t.world)}
+    atomic_write_bytes(t.run.weights_path, save(tensors, metadata=metadata))
+    return state_digest(tensors)

@@ -1,0 +1,53 @@
+"""Where the model is made parallel: the one place a parallelism mode changes the training step.
+
+Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the strategy to
+hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
+looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp' (FSDP2);
+base.py: precision, checkpoints (DCP),
+the bytes each rank holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...blocks import checkpoint_units, shard_units
+from ...config import SHARDED
+from .base import Strategy
+from .replicated import Replicated, ZeroOne
+from .sharded import Sharded
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from ...config import RunConfig
+    from ...tasks import Task
+
+__all__ = ["Strategy", "parallelize"]
+
+
+def ensure_process_group(accelerator: Accelerator) -> None:
+    """One process runs without a process group, but sharding (a zero3 checkpoint resumed on one rank, say)
+    needs one: a group of one, in memory."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
+                make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
+    """Make `model` parallel as cfg.parallelism asks, with activation checkpointing per shard unit; the loop
+    then trains through the returned strategy."""
+    units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+    if cfg.parallelism in (*SHARDED, "zero1"):
+        ensure_process_group(accelerator)
+    if cfg.parallelism in SHARDED:
+        return Sharded(cfg, accelerator, model, units, make_optimizer)
+    if cfg.parallelism == "zero1":
+        return ZeroOne(cfg, accelerator, model, make_optimizer)
+    return Replicated(cfg, accelerator, model, make_optimizer)

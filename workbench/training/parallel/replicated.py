@@ -1,0 +1,130 @@
+"""Replicated modes: every rank holds the full model. 'ddp' all-reduces gradients (DDP, optionally with a
+compression hook); 'zero1' also shards the optimizer state (ZeroRedundancyOptimizer); 'none' is one process."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.nn.parallel import DistributedDataParallel
+
+from .base import DTYPES, Strategy
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from accelerate import Accelerator
+
+    from ...config import RunConfig
+
+
+class Replicated(Strategy):
+    """DDP when there is more than one rank (a plain module otherwise), autocast for bf16/fp16."""
+
+    name = "ddp"
+
+    def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module,
+                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
+        super().__init__(cfg, accelerator)
+        self.module = model.to(self.device)
+        self.model = self.module
+        if accelerator.num_processes > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.module, device_ids=ids)
+            self._register_compression(cfg)
+        self.optimizer = make_optimizer(self.module)
+        if cfg.precision == "fp16":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+
+    def _register_compression(self, cfg: RunConfig) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        if cfg.grad_compression == "fp16":
+            self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif cfg.grad_compression == "bf16":
+            self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif cfg.grad_compression == "powersgd":
+            # PyTorch's advice: a few steps of exact all-reduce first (the hook counts optimizer steps here,
+            # as accumulation steps don't communicate).
+            start = max(2, min(1000, cfg.max_steps // 10))
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                start_powerSGD_iter=start)
+            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    def facts(self) -> dict[str, Any]:
+        if not isinstance(self.model, DistributedDataParallel):
+            return {}
+        # DDP's own record of the hook it calls, not just the one we asked for.
+        return {"comm_hook": self.model._get_ddp_logging_data().get("comm_hook") or "allreduce"}
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        dtype = DTYPES.get(self.cfg.precision)
+        return nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+
+    def sync_gradients(self, last_micro_batch: bool) -> AbstractContextManager[Any]:
+        """Gradients are all-reduced only on the micro-batch that ends the step."""
+        if last_micro_batch or not isinstance(self.model, DistributedDataParallel):
+            return nullcontext()
+        return self.model.no_sync()
+
+
+class ZeroOne(Replicated):
+    """ZeRO stage 1: replicas and all-reduced gradients as in DDP; each rank keeps the optimizer state of
+    its own partition of the parameters, updates them, and broadcasts them to the others."""
+
+    name = "zero1"
+
+    def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module,
+                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        def zero(module: torch.nn.Module) -> torch.optim.Optimizer:
+            plain = make_optimizer(module)  # whatever optimizer the run uses, partitioned by ZeRO
+            accepted = inspect.signature(type(plain).__init__).parameters
+            defaults = {k: v for k, v in plain.defaults.items() if k in accepted}
+            return ZeroRedundancyOptimizer([{k: v for k, v in g.items() if k != "initial_lr"}
+                                            for g in plain.param_groups],
+                                           optimizer_class=type(plain), **defaults)
+
+        super().__init__(cfg, accelerator, model, zero)
+        self._names = {p: n for n, p in self.module.named_parameters()}
+
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.optim  # type: ignore[attr-defined]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by parameter name, like DDP's: each rank contributes the optimizer
+        state of the parameters it owns, so a zero1 checkpoint loads under any mode and vice versa."""
+        local = self.local_optimizer()
+        state = {self._names[p]: dict(local.state[p]) for g in local.param_groups for p in g["params"]
+                 if p in local.state}
+        groups = [{**{k: v for k, v in local_group.items() if k != "params"},
+                   "params": [self._names[p] for p in group["params"]]}
+                  for group, local_group in zip(self.optimizer.param_groups, local.param_groups)]
+        return {"model": self.module.state_dict(), "optim": {"state": state, "param_groups": groups}}
+
+    def load(self, path: Path) -> None:
+        """Read the whole model and, of the optimizer state, only this rank's partition."""
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        local = self.local_optimizer()
+        owned = [p for g in local.param_groups for p in g["params"]]
+        state: dict[str, Any] = {"model": self.module.state_dict(), "optim": {"state": {}}}
+        for p in owned:
+            prefix = f"optim.state.{self._names[p]}."
+            entries = {key[len(prefix):]: meta for key, meta in metadata.items() if key.startswith(prefix)}
+            state["optim"]["state"][self._names[p]] = {
+                k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+                for k, m in entries.items()}
+        dcp.load(state, checkpoint_id=str(path))
+        self.module.load_state_dict(state["model"])
+        index = {p: i for i, p in enumerate(owned)}
+        local.load_state_dict({
+            "state": {index[p]: state["optim"]["state"][self._names[p]] for p in owned
+                      if state["optim"]["state"][self._names[p]]},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                             for g in local.param_groups]})
