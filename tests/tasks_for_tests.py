@@ -25,6 +25,9 @@ class TinyRegression(wb.Task):
         "kill_rank": None,                      # ... or SIGKILL that rank there, as the OOM killer would
         "comm_log": None,                       # directory: count DDP all-reduce hook calls per rank
         "slow_s": 0.0,                          # sleep per loss call, to make a run long enough to stop
+        "nan_rank": None, "nan_at_call": 0,     # that rank's loss becomes NaN at that call
+        "hang_rank": None, "hang_at_call": 0,   # that rank sleeps forever in that call, as a stuck user step would
+        "crash_marker": None,                   # with fail_rank/fail_at_call: fail only while this file is absent
     }
 
     def __init__(self) -> None:
@@ -47,7 +50,15 @@ class TinyRegression(wb.Task):
         o = self.options_cache
         rank = int(os.environ.get("RANK", "0"))
         if o["fail_rank"] == rank and self.calls == o["fail_at_call"]:
-            raise ValueError(f"injected failure on call {self.calls}")
+            marker = Path(o["crash_marker"]) if o["crash_marker"] else None
+            if marker is None or not marker.exists():
+                if marker is not None:
+                    marker.touch()
+                raise ValueError(f"injected failure on call {self.calls}")
+        if o["hang_rank"] == rank and self.calls == o["hang_at_call"]:
+            import time
+
+            time.sleep(10**6)
         if o["kill_rank"] == rank and self.calls == o["fail_at_call"]:
             os.kill(os.getpid(), 9)
         if o["comm_log"] and self.calls == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -57,7 +68,10 @@ class TinyRegression(wb.Task):
 
             time.sleep(o["slow_s"])
         x, y = batch
-        return torch.nn.functional.mse_loss(model(x).float(), y)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if o["nan_rank"] == rank and self.calls == o["nan_at_call"]:
+            loss = loss * float("nan")
+        return loss
 
     def _counting_allreduce(self, path, bucket):  # noqa: ANN001  (DDP rejects hooks with string annotations)
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

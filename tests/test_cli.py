@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,3 +96,28 @@ def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
     table = report.table()
     assert "zero3" in table and "unavailable: hsdp needs" in table
     assert (tmp_path / "p.json").stat().st_size > 100
+
+
+@pytest.mark.parametrize("setup,args,message", [
+    (lambda p: p.write_text("max_steps: [1\n"), [], r"run.yaml: not valid YAML \(line 2, column 1\)"),
+    (lambda p: None, [], r"run.yaml: no such file"),
+    (lambda p: p.write_text("max_steps: 5\n"), ["--set", "max_steps=[1"], r"--set 'max_steps=\[1': not valid YAML"),
+    (lambda p: p.write_text("max_steps: 5\n"), ["--set", "max_steps"], r"--set 'max_steps': expected key=value"),
+    (lambda p: p.write_text("lr: .nan\n"), [], r"lr=nan: must be a finite number"),
+])
+def test_bad_files_and_values_are_one_error_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           setup: Any, args: list[str], message: str) -> None:
+    path = tmp_path / "run.yaml"
+    setup(path)
+    for command in ("train", "check"):
+        assert main([command, str(path), *args]) == 2
+        err = capsys.readouterr().err
+        assert re.match(rf"error: .*{message}", err) and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_prepare_only_runs_the_same_checks_as_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    wb.RunConfig(precision="fp16", device="cpu", runs_dir=str(tmp_path / "runs")).to_yaml(path)
+    assert main(["train", str(path), "--prepare-only"]) == 2
+    assert "fp16 needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists(), "nothing is created for a config that can't run"

@@ -190,3 +190,38 @@ def test_every_parallelism_mode_has_its_one_line_explanation() -> None:
     from workbench.config import PARALLELISM_MODES, Parallelism
 
     assert list(PARALLELISM_MODES) == list(get_args(Parallelism))
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"lr": float("nan")}, r"lr=nan: must be a finite number"),
+    ({"restart_backoff_s": float("inf")}, r"restart_backoff_s=inf: must be a finite number"),
+    ({"seed": 2**32}, r"seed=4294967296: must be between 0 and 2\*\*32-1"),
+    ({"seed": -1}, r"seed=-1: must be 0 or more"),
+    ({"num_workers": 10_000}, r"num_workers=10000: .*use at most 64"),
+    ({"run_name": "run\n"}, r"run_name='run\\n': use letters"),
+    ({"resume": "yes", "run_name": "a"}, r"resume='yes': choose one of bool \| 'auto'"),
+    ({"resume": "auto"}, r"resume='auto' needs run_name"),
+    ({"preempt_signal": "SIGKILL"}, r"preempt_signal='SIGKILL': choose one of SIGUSR1"),
+    ({"resume_allow": ["seeed"]}, r"resume_allow: unknown field\(s\) 'seeed' \(did you mean 'seed'\?\)"),
+    ({"preempt_grace_s": 0.5}, r"preempt_grace_s=0.5: use 1 to 3600 seconds"),
+])
+def test_hostile_values_are_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wb.RunConfig(**fields)
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path: Path) -> None:
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 10) + "]" for i in range(9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")  # 10**10 nodes once expanded
+    with pytest.raises(ValueError, match=r"bomb.yaml: not valid YAML .*expands \(through aliases\) to more than 100,000"):
+        wb.RunConfig.from_yaml(path)
+
+
+def test_home_in_paths_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = wb.RunConfig(runs_dir="~/runs", run_name="r")
+    assert cfg.runs_dir_path == tmp_path / "runs" and cfg.run_dir == tmp_path / "runs" / "r"
+    cfg.to_yaml(tmp_path / "run.yaml")
+    assert wb.RunConfig.from_yaml("~/run.yaml") == cfg

@@ -384,3 +384,31 @@ def test_command_line_parameter_overrides_and_fails_the_run(tmp_path: Path) -> N
     [case] = json.loads((out / "results.json").read_text())["cases"]
     assert case["parameters"] == {"value": 1.25}
     assert {m["name"]: m["current"] for m in case["metrics"]} == {"steps": 10, "val_loss": 1.25}
+
+
+def test_a_broken_baseline_is_found_before_any_notebook_runs(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from workbench.cli import main
+
+    path = write_baseline(tmp_path / "baselines", "records_metric", {"val_loss": 1.0})
+    path.write_text(json.dumps({"metrics": {"val_loss": {"value": None}}}))
+    out = tmp_path / "report"
+    code = main(["regress", str(FIXTURES / "records_metric.ipynb"), "--out", str(out), "--baselines",
+                 str(tmp_path / "baselines")])
+    err = capsys.readouterr().err
+    assert code == 2, "a baseline that can't be used means 'could not run', not 'regression'"
+    assert f"baseline {path}: metrics['val_loss'].value=None: must be a number" in err
+    assert "Traceback" not in err and not (out / "cases").exists(), "nothing ran"
+
+
+def test_an_unwritable_junit_path_is_an_error_line_before_anything_runs(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from workbench.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code = main(["regress", str(FIXTURES / "records_metric.ipynb"), "--out", str(tmp_path / "report"),
+                 "--junit", str(blocker / "junit.xml")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --junit ") and "can't write there" in err
+    assert "Traceback" not in err and not (tmp_path / "report" / "cases").exists()

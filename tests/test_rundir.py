@@ -15,7 +15,7 @@ from workbench.rundir import ENDED, SCHEMA_VERSION, RunDir, Status, Summary
 
 def test_status_is_a_string_and_knows_which_statuses_end_a_run() -> None:
     assert Status.COMPLETED == "completed" and str(Status.FAILED) == "failed"
-    assert {s.value for s in ENDED} == {"completed", "stopped", "failed"}
+    assert {s.value for s in ENDED} == {"completed", "stopped", "preempted", "diverged", "failed"}
     assert "stopped" in ENDED and Status.COMPLETED.ended and not Status.RUNNING.ended
 
 

@@ -135,7 +135,9 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(runs_dir: Path) -> None:
     assert [s for s, _ in RunDir(crashed_dir).checkpoints()] == [4]
     assert not list((crashed_dir / "checkpoints").glob(".tmp-*")), "a crash must not leave a half checkpoint named"
 
-    resumed = wb.launch(cfg_for(runs_dir, run_name="crashed", resume=True, **common), task=TinyRegression())
+    # The crash was injected through task_options; the resume drops it, which the resume check must be told.
+    resumed = wb.launch(cfg_for(runs_dir, run_name="crashed", resume=True, resume_allow=["task_options"], **common),
+                        task=TinyRegression())
     # The crashed session's steps 5 and 6 are set aside, not mixed into the resumed curve, and not lost.
     assert [r["step"] for r in resumed.metrics if "loss" in r] == list(range(1, 11))
     assert [r["step"] for r in files.read_jsonl(crashed_dir / "metrics.after-step-4.jsonl")] == [5, 6]

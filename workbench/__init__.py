@@ -8,11 +8,12 @@ from . import data
 from .config import RunConfig
 from .launch import Run, launch, start
 from .recording import record
-from .rundir import RunFailedError, RunResult, Status
+from .rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, RunResult, Status
 from .tasks import Task, register_task
 from .version import __version__
 
-__all__ = ["RunConfig", "Run", "RunFailedError", "RunResult", "Status", "Task", "Panel", "__version__", "data",
+__all__ = ["RunConfig", "Run", "RunDirLocked", "RunDivergedError", "RunFailedError", "RunPreemptedError", "RunResult",
+           "Status", "Task", "Panel", "__version__", "data",
            "launch", "record", "register_task", "start"]
 
 

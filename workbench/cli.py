@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("workbench")
 
@@ -32,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--prepare-only", action="store_true",
                    help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "
                         "yourself (multi-node, Slurm)")
+
+    st = sub.add_parser("status", help="how a run stands: status (a run whose processes are gone says so), "
+                                       "progress, ending or error, checkpoints")
+    st.add_argument("run_dir", type=Path)
 
     c = sub.add_parser("check", help="validate a RunConfig YAML for this machine and show what it implies")
     c.add_argument("config", type=Path)
@@ -91,18 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     from .data import DataUnavailableError
 
+    from .rundir import RunDirWriteError
+
     try:
         return _dispatch(args)
     except ValueError as e:  # validation errors: the message says which field and what would work
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except DataUnavailableError as e:  # offline and no mirror: the message says how to provide one
+    except (DataUnavailableError, RunDirWriteError) as e:  # the message says what is missing or could not be written
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    handlers = {"train": _train, "check": _train, "demo": _demo, "data": _data, "regress": _regress, "bench": _bench}
+    handlers = {"train": _train, "check": _train, "status": _status, "demo": _demo, "data": _data,
+                "regress": _regress, "bench": _bench}
     return handlers[args.command](args)
 
 
@@ -116,21 +124,54 @@ def _train(args: argparse.Namespace) -> int:
         cfg.check()
         print(describe_launch(cfg))
         return 0
-    if args.prepare_only:
-        from .rundir import prepare
+    from .launch import check_launch
 
-        print(prepare(cfg)[1].path)
+    cfg, _ = check_launch(cfg, None, args.mode)  # --prepare-only too: the same checks as a launch
+    if args.prepare_only:
+        from .rundir import lock, prepare
+
+        _, run, token = prepare(cfg)
+        lock.release(run, token)  # rank 0 takes it when the ranks start
+        print(run.path)
         return 0
     from .launch import launch
-    from .rundir import RunFailedError
+    from .rundir import RunFailedError, RunPreemptedError
+    from .signals import EXIT_PREEMPTED
 
+    _take_signals(cfg)
     try:
         result = launch(cfg, mode=args.mode, progress=not args.no_progress)
+    except RunPreemptedError as e:
+        print(f"preempted: {e.exc_message} (run the same command with --set resume=auto, or resume: auto in the "
+              "YAML, to continue)", file=sys.stderr)
+        return EXIT_PREEMPTED
     except RunFailedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     _print_summary(result.summary, result.run_dir)
     return 0
+
+
+def _take_signals(cfg: Any) -> None:
+    """Handle, not inherit: Ctrl-C stops gracefully whatever the shell left SIGINT as (a background job
+    ignores it), and a preemption signal that the launch has already forwarded to the ranks doesn't end this
+    process before they have checkpointed (the launch delivers it here again when they are done)."""
+    import signal
+
+    from .signals import preempt_signals
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in preempt_signals(cfg):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: None)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .status import describe_run
+
+    text, code = describe_run(args.run_dir)
+    print(text)
+    return code
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
-import types
 import typing
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 
-from .files import atomic_write_text
+from .files import atomic_write_text, load_yaml, read_yaml
 from .hardware import Hardware, detect
 from .precision import Precision
 from .suggest import unknown_keys
+from .typecheck import check_type, plain
 
 Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -38,7 +39,9 @@ SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
 """Modes that shard parameters and gradients (FSDP2); 'zero1' shards only the optimizer state."""
 Device = Literal["auto", "cpu", "cuda"]
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_WORKERS = 64
+PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT", "SIGXCPU")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -99,8 +102,24 @@ class RunConfig:
     """Directory holding run directories."""
     run_name: str | None = None
     """Run directory name under runs_dir; None makes '<task>-<timestamp>'."""
-    resume: bool = False
-    """Continue the run named run_name from its newest complete checkpoint."""
+    resume: bool | Literal["auto"] = False
+    """Continue the run named run_name from its newest complete checkpoint that verifies; 'auto' resumes when
+    there is one and starts fresh otherwise, so a scheduler can resubmit the same command line."""
+    resume_allow: list[str] = field(default_factory=list)
+    """Fields a resume may change although they change the training trajectory (e.g. ['lr', 'max_steps']);
+    others that differ from the checkpoint's config are refused, listed."""
+    max_restarts: int = 0
+    """Restart a failed or preempted run from its newest checkpoint up to this many times."""
+    restart_backoff_s: float = 10.0
+    """Seconds to wait before the first restart; doubled for each further one."""
+    preempt_signal: str | None = None
+    """A signal besides SIGTERM and SIGHUP that means 'checkpoint and exit now', e.g. 'SIGUSR1' for Slurm's
+    --signal=USR1@120."""
+    preempt_grace_s: float = 25.0
+    """After a preemption signal, how long a rank may take to reach a step, checkpoint and exit before it is
+    reported as hung (with its stack) and ends; torch elastic kills ranks 30 s after forwarding a signal."""
+    max_skipped_steps: int = 20
+    """fp16: this many consecutive steps skipped by the loss scaler (overflow) end the run as diverged."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     oversubscribe: bool = False
@@ -124,8 +143,13 @@ class RunConfig:
         return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
     @property
+    def runs_dir_path(self) -> Path:
+        """runs_dir with '~' expanded."""
+        return Path(self.runs_dir).expanduser()
+
+    @property
     def run_dir(self) -> Path | None:
-        return Path(self.runs_dir) / self.run_name if self.run_name else None
+        return self.runs_dir_path / self.run_name if self.run_name else None
 
     def resolved_device(self, hardware: Hardware | None = None) -> str:
         if self.device != "auto":
@@ -135,15 +159,32 @@ class RunConfig:
     # ---- validation ----------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
+            check_type(f.name, getattr(self, f.name), _field_types()[f.name])
+        self._check_numbers()
+        self._check_parallelism()
+        self._check_names()
+
+    def _check_numbers(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name}={value!r}: must be a finite number")
         positive = ("num_processes", "micro_batch_size", "grad_accum_steps", "max_steps", "log_every",
-                    "keep_checkpoints", "dist_timeout_s")
+                    "keep_checkpoints", "dist_timeout_s", "max_skipped_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1")
-        for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "num_workers", "seed"):
+        for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "num_workers", "seed",
+                     "max_restarts", "restart_backoff_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be 0 or more")
+        if self.seed > 2**32 - 1:
+            raise ValueError(f"seed={self.seed}: must be between 0 and 2**32-1 (4294967295)")
+        if self.num_workers > MAX_WORKERS:
+            raise ValueError(f"num_workers={self.num_workers}: more DataLoader workers per rank than any machine "
+                             f"can feed; use at most {MAX_WORKERS} (typically 2 to 8)")
+        if not 1 <= self.preempt_grace_s <= 3600:
+            raise ValueError(f"preempt_grace_s={self.preempt_grace_s!r}: use 1 to 3600 seconds (25 by default)")
         if not self.lr > 0 or self.lr > 10:
             raise ValueError(f"lr={self.lr!r}: must be a positive learning rate (typically 1e-5 to 1e-2)")
         if self.weight_decay < 0:
@@ -155,20 +196,28 @@ class RunConfig:
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps}: longer than max_steps={self.max_steps}; "
                              f"use at most {self.max_steps}")
-        if self.parallelism == "none" and self.num_processes > 1:
-            raise ValueError(f"parallelism='none' with num_processes={self.num_processes}: 'none' runs one "
-                             "process; set parallelism='ddp' or num_processes=1")
-        self._check_parallelism()
-        if self.run_name is not None and not _RUN_NAME.match(self.run_name):
+
+    def _check_names(self) -> None:
+        if self.run_name is not None and not _RUN_NAME.fullmatch(self.run_name):
             raise ValueError(f"run_name={self.run_name!r}: use letters, digits, '.', '_' and '-' only, "
                              "starting with a letter or digit")
         if self.resume and self.run_name is None:
-            raise ValueError("resume=True needs run_name: the run directory to continue (runs_dir/run_name)")
+            raise ValueError(f"resume={self.resume!r} needs run_name: the run directory to continue "
+                             "(runs_dir/run_name)")
         if not self.task:
             raise ValueError("task='': name a task, e.g. 'digits' or 'char-gpt'")
+        if self.preempt_signal is not None and self.preempt_signal not in PREEMPT_SIGNALS:
+            raise ValueError(f"preempt_signal={self.preempt_signal!r}: choose one of {', '.join(PREEMPT_SIGNALS)} "
+                             "(SIGTERM and SIGHUP are always handled)")
+        unknown = [name for name in self.resume_allow if name not in (*_field_names(), "global_batch_size")]
+        if unknown:
+            raise ValueError(f"resume_allow: unknown field(s) {', '.join(unknown_keys(unknown, _field_names()))}")
 
     def _check_parallelism(self) -> None:
         p, n = self.parallelism, self.num_processes
+        if p == "none" and n > 1:
+            raise ValueError(f"parallelism='none' with num_processes={n}: 'none' runs one process; set "
+                             "parallelism='ddp' or num_processes=1")
         if p == "hsdp":
             ok = [d for d in range(2, n // 2 + 1) if n % d == 0]
             hint = (f"use dp_shard={' or '.join(map(str, ok))}" if ok else
@@ -242,7 +291,7 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
@@ -261,9 +310,7 @@ class RunConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> RunConfig:
         """Load from YAML; unknown keys are rejected and listed, with the closest field names."""
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_yaml(Path(path).expanduser()) or {}, source=str(path))
 
     def with_overrides(self, assignments: list[str]) -> RunConfig:
         """Apply CLI-style 'key=value' strings (values parsed as YAML; 'task_options.n_layer=4' nests)."""
@@ -273,7 +320,7 @@ class RunConfig:
             key = key.strip()
             if not sep or not key:
                 raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_steps=200")
-            value = _coerce(key, yaml.safe_load(raw) if raw.strip() else None)
+            value = _coerce(key, load_yaml(raw, f"--set {item!r}") if raw.strip() else None)
             if "." in key:
                 head, _, sub = key.partition(".")
                 if head != "task_options":
@@ -289,42 +336,15 @@ class RunConfig:
 _TYPES: dict[str, Any] | None = None
 
 
+def _field_names() -> list[str]:
+    return [f.name for f in fields(RunConfig)]
+
+
 def _field_types() -> dict[str, Any]:
     global _TYPES
     if _TYPES is None:
         _TYPES = typing.get_type_hints(RunConfig)
     return _TYPES
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in get_args(tp))
-    return getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
-
-
-def _check_type(name: str, value: Any, tp: Any) -> None:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise ValueError(f"{name}={value!r}: choose one of {_type_name(tp)}")
-        return
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in get_args(tp):
-            return
-        tp = next(a for a in get_args(tp) if a is not type(None))
-        origin = typing.get_origin(tp)
-    if origin is dict or tp is dict:
-        ok = isinstance(value, dict)
-    elif tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, tp)
-    if not ok:
-        raise ValueError(f"{name}={value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -343,11 +363,3 @@ def _reject_unknown(data: dict[str, Any], source: str) -> None:
     unknown = unknown_keys(data, known)
     if unknown:
         raise ValueError(f"{source}: unknown RunConfig key(s): {', '.join(unknown)}. Known keys: {', '.join(known)}")
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

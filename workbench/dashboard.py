@@ -47,6 +47,7 @@ class Dashboard:
         self._max_steps = max_steps
         self.rows: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
+        self._observed: tuple[Status, str] = (Status.STARTING, "")
         self._png = b""
         self._drawn_rows = -1
         self._drawn_at = 0.0
@@ -86,7 +87,8 @@ class Dashboard:
 
     @property
     def status(self) -> str:
-        return str(self.summary.get("status", Status.STARTING))
+        """The run's status; 'failed' once a run that says it runs has lost all its processes."""
+        return str(self._observed[0])
 
     @property
     def ended(self) -> bool:
@@ -105,6 +107,7 @@ class Dashboard:
         with self._lock:
             self.rows = self.dir.metrics()
             self.summary = self.dir.summary().to_dict()
+            self._observed = self.dir.observed_status()
             self._update_text()
             due = time.monotonic() - self._drawn_at >= self.figure_interval - 0.05
             if draw and len(self.rows) != self._drawn_rows and (due or force_draw or self.ended):
@@ -121,8 +124,8 @@ class Dashboard:
         if max_steps:
             self.progress.max = max_steps
             self.progress.value = min(step, max_steps)
-        self.progress.bar_style = {Status.COMPLETED: "success", Status.FAILED: "danger", Status.STOPPED: "warning"}.get(
-            self.status, "info")
+        self.progress.bar_style = {Status.COMPLETED: "success", Status.FAILED: "danger", Status.DIVERGED: "danger",
+                                   Status.STOPPED: "warning", Status.PREEMPTED: "warning"}.get(self.status, "info")
         total = f"/{max_steps}" if max_steps else ""
         pct = f" ({100 * step / max_steps:.0f}%)" if max_steps else ""
         if self.ended:
@@ -154,9 +157,11 @@ class Dashboard:
             items.append(("peak memory", f"{fmt_bytes(last['peak_memory_bytes'])} (max over ranks)"))
         items.append(("learning rate", _num(last.get("lr"), ".3g")))
         if self.status == Status.FAILED:
-            error = self.summary.get("error") or {}
+            error = self.summary.get("error") or {"type": "Lost", "message": self._observed[1]}
             where = f"rank {error['rank']}" if error.get("rank") is not None else "the launcher"
             items.append(("error", f"{where}: {error.get('type', 'Error')}: {error.get('message', '')}"))
+        elif (self.summary.get("ending") or {}).get("message"):
+            items.append(("ending", self.summary["ending"]["message"]))
         cells = "".join(f"<tr><td style='padding-right:1em;color:#666'>{html.escape(k)}</td>"
                         f"<td class='wb-stat-{re.sub('[^a-z0-9]+', '-', k.lower())}'>{html.escape(v)}</td></tr>"
                         for k, v in items)

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` via a temp file in the same directory, then rename."""
@@ -73,3 +75,56 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Replace a JSONL file as a whole (atomically), e.g. to set rows aside."""
     atomic_write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
+
+
+MAX_YAML_NODES = 100_000
+"""A workbench YAML file is small; one that expands (through aliases) past this many nodes is refused."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing documents whose aliases expand past MAX_YAML_NODES: a few hundred bytes
+    of nested aliases (a 'billion laughs' file) stand for billions of nodes, and whatever walks them later
+    (validation, printing, saving) would never finish. Aliases in ordinary files (yaml.safe_dump writes them
+    for repeated objects) are fine."""
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        sizes: dict[int, int] = {}
+
+        def size(n: Any) -> int:
+            if id(n) not in sizes:
+                sizes[id(n)] = 0  # a recursive alias counts once
+                children = n.value if isinstance(n.value, list) else []
+                pairs = [part for child in children for part in (child if isinstance(child, tuple) else (child,))]
+                sizes[id(n)] = 1 + sum(size(c) for c in pairs)
+                if sizes[id(n)] > MAX_YAML_NODES:
+                    raise yaml.composer.ComposerError(
+                        None, None, f"the document expands (through aliases) to more than {MAX_YAML_NODES:,} "
+                        "nodes; write the values out", n.start_mark)
+            return sizes[id(n)]
+
+        if node is not None:
+            size(node)
+        return node
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse YAML text safely (no aliases); ValueError naming `source`, line and column for any problem."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506  (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(f"{source}: not valid YAML{where}: {problem}") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """Read and parse a YAML file; ValueError naming the file when it is missing, unreadable or invalid."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: can't be read ({e})") from None
+    return load_yaml(text, str(path))

@@ -19,17 +19,24 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, overload
 
+import psutil
+
 from .config import PARALLELISM_MODES, RunConfig
 from .hardware import detect
 from .postmortem import finalize
 from .precision import accelerate_mixed_precision
-from .rundir import RunFailedError, RunFiles, RunResult, Status, prepare
+from .rundir import (RunDir, RunDivergedError, RunFailedError, RunFiles, RunPreemptedError, RunResult, Status, lock,
+                     prepare)
+from .rundir.liveness import heartbeats, is_alive, this_process
+from .signals import elastic_signals, preempt_signals
 from .tasks import Task, get_task
 
 log = logging.getLogger("workbench")
@@ -62,13 +69,25 @@ def describe_launch(cfg: RunConfig) -> str:
 
 @dataclass
 class Run(RunFiles):
-    """A launched run. `stop()` asks ranks to checkpoint and exit; `wait()` returns the RunResult."""
+    """A launched run. `stop()` asks ranks to checkpoint and exit; `wait()` returns the RunResult.
+
+    While `wait()` blocks in the main thread, SIGTERM, SIGHUP and cfg.preempt_signal sent to this process are
+    forwarded to the ranks (they checkpoint and exit: 'preempted'), then delivered again to this process once
+    the ranks are gone, so the launcher neither outlives nor underlives them. A failed or preempted run is
+    restarted from its newest checkpoint up to cfg.max_restarts times.
+    """
 
     config: RunConfig
     run_dir: Path
     _process: Any = field(repr=False)
     _mode: Mode = "fork"
+    _task: Task | None = field(default=None, repr=False)
+    _progress: bool = False
+    _token: str | None = field(default=None, repr=False)
+    restarts: int = 0
     _result: RunResult | None = field(default=None, repr=False)
+    _signalled: int = 0
+    _kill_at: float | None = None
     # wait() in one thread and stop()/done() in another (the panel does this) must not race on the process.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -80,7 +99,7 @@ class Run(RunFiles):
             return self._process.poll() if self._mode == "subprocess" else self._process.exitcode
 
     def stop(self) -> None:
-        """Graceful stop: ranks agree on a step (within a few steps), save a checkpoint and exit."""
+        """Graceful stop: ranks agree on a step, save a checkpoint and exit."""
         if not self.done():
             self.dir.request_stop()
 
@@ -92,14 +111,25 @@ class Run(RunFiles):
         finalize(self.dir, RuntimeError("killed by Run.kill()"))
 
     def _join(self, timeout: float | None) -> None:
-        if self._mode == "subprocess":
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout)
-        elif multiprocessing.connection.wait([self._process.sentinel], timeout):
-            # The sentinel fires when the process closes its files, a moment before it can be reaped;
-            # join() then returns at once with the exit code. The lock keeps two threads from reaping at once.
-            with self._lock:
-                self._process.join()
+        """Wait for the launcher process, in slices, so a preemption deadline can end it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._exitcode() is None:
+            if self._kill_at is not None and time.monotonic() > self._kill_at:
+                log.warning("%s: the ranks did not exit within preempt_grace_s; killing them", self.run_dir.name)
+                self._kill_at = None
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._process.pid, signal.SIGKILL)
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left <= 0:
+                return
+            if self._mode == "subprocess":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._process.wait(left)
+            elif multiprocessing.connection.wait([self._process.sentinel], left):
+                # The sentinel fires when the process closes its files, a moment before it can be reaped;
+                # join() then returns at once with the exit code. The lock keeps two threads from reaping at once.
+                with self._lock:
+                    self._process.join()
 
     def _join_interruptibly(self, timeout: float | None) -> None:
         try:
@@ -115,28 +145,98 @@ class Run(RunFiles):
                 self.kill()
                 raise
 
+    def _forward(self, signum: int, frame: Any) -> None:
+        """A preemption signal for the launcher: the ranks get it, checkpoint and exit within the grace period."""
+        if self._signalled:
+            return
+        self._signalled = signum
+        self._kill_at = time.monotonic() + self.config.preempt_grace_s + 15
+        log.warning("%s: %s received; the ranks save a checkpoint and exit", self.run_dir.name,
+                    signal.Signals(signum).name)
+        # Straight to the ranks that are up (a signal through torch elastic would be followed by its SIGKILL
+        # 30 s later, and a traceback); before any rank is up, to the launcher process, which forwards it.
+        ranks = [b["pid"] for b in heartbeats(self.dir) if is_alive(b)]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if ranks:
+                for pid in ranks:
+                    os.kill(pid, signum)
+            elif self._mode == "fork":
+                os.killpg(self._process.pid, signum)  # the supervisor and its ranks
+            else:
+                self._process.send_signal(signum)  # torchrun forwards it to its ranks
+
+    @contextlib.contextmanager
+    def _forwarding_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {}
+        for sig in preempt_signals(self.config):
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: SIGHUP was meant to be ignored
+                previous[sig] = signal.signal(sig, self._forward)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def wait(self, timeout: float | None = None) -> RunResult:
-        """Block until the run ends. Raises RunFailedError naming the failing rank, or TimeoutError."""
+        """Block until the run ends. Raises RunFailedError naming the failing rank (RunPreemptedError,
+        RunDivergedError for those endings), or TimeoutError."""
         if self._result is None:
-            self._join_interruptibly(timeout)
-            code = self._exitcode()
-            if code is None:
-                raise TimeoutError(f"run {self.run_dir.name} still running after {timeout}s; call wait() again, "
-                                   "stop() or kill()")
-            finalize(self.dir, exitcode=code)
+            with self._forwarding_signals():
+                while True:
+                    self._join_interruptibly(timeout)
+                    code = self._exitcode()
+                    if code is None:
+                        raise TimeoutError(f"run {self.run_dir.name} still running after {timeout}s; call wait() "
+                                           "again, stop() or kill()")
+                    finalize(self.dir, exitcode=code)
+                    if not self._restart_if_due():
+                        break
             self._result = RunResult(self.run_dir, self.config)
+            lock.release(self.dir, self._token)
             if self._result.status in (Status.COMPLETED, Status.STOPPED):
                 from .recording import record_run
 
                 record_run(self._result)  # in a notebook: the regression suite reads these back (no-op elsewhere)
-        summary = self.dir.summary()
-        if summary.status is Status.FAILED:
-            raise RunFailedError(self.run_dir, summary.error or {})
+            if self._signalled:
+                os.kill(os.getpid(), self._signalled)  # the launcher's own fate, now that the ranks are safe
+        raise_for_ending(self.dir)
         return self._result
+
+    def _restart_if_due(self) -> bool:
+        cfg, status = self.config, self.dir.observed_status()[0]
+        if status not in (Status.FAILED, Status.PREEMPTED) or self.restarts >= cfg.max_restarts or self._signalled:
+            return False
+        backoff = cfg.restart_backoff_s * 2**self.restarts
+        error = self.dir.summary().error or {}
+        self.restarts += 1
+        self.dir.event("restarting", attempt=self.restarts, of=cfg.max_restarts, after=status.value,
+                       error=error.get("message"), backoff_s=backoff)
+        log.warning("%s %s; restart %d of %d in %.0f s", self.run_dir.name, status.value, self.restarts,
+                    cfg.max_restarts, backoff)
+        time.sleep(backoff)
+        cfg, run_dir, token = prepare(cfg.replace(resume="auto"), token=self._token)
+        self.config, self._token = cfg, token
+        self._process = _spawn(cfg, self._task, run_dir, token, self._mode, self._progress)
+        return True
 
     @cached_property
     def result(self) -> RunResult:
         return self.wait()
+
+
+def raise_for_ending(run: RunDir) -> None:
+    """The exception for a run that didn't end well: failed, diverged or preempted."""
+    summary = run.summary()
+    status = run.observed_status()[0]
+    if summary.status is Status.DIVERGED:
+        raise RunDivergedError(run.path, summary.ending or {})
+    if summary.status is Status.PREEMPTED:
+        raise RunPreemptedError(run.path, summary.ending or {})
+    if status is Status.FAILED:
+        raise RunFailedError(run.path, summary.error or {"type": "Lost", "message": run.observed_status()[1]})
 
 
 def _launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
@@ -160,7 +260,7 @@ def _launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
     return [*cmd, *worker]
 
 
-def _checked(cfg: RunConfig, task: Task | None, mode: Mode) -> tuple[RunConfig, Task]:
+def check_launch(cfg: RunConfig, task: Task | None, mode: Mode) -> tuple[RunConfig, Task]:
     """The config and task to run, every check done before anything is created or started."""
     if mode not in ("fork", "subprocess"):
         raise ValueError(f"mode={mode!r}: choose 'fork' or 'subprocess'")
@@ -185,6 +285,27 @@ def _checked(cfg: RunConfig, task: Task | None, mode: Mode) -> tuple[RunConfig, 
     return cfg, task
 
 
+def _spawn(cfg: RunConfig, task: Task | None, run: RunDir, token: str, mode: Mode, progress: bool) -> Any:
+    """Start the process that runs the ranks: a forked supervisor, or `accelerate launch`/torchrun."""
+    port = free_port()
+    log.info("%s -> %s", describe_launch(cfg), run.path)
+    if mode == "fork":
+        from .supervisor import supervise
+
+        ctx = multiprocessing.get_context("fork")
+        process: Any = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token),
+                                   name=f"workbench-{cfg.run_name}")
+        process.start()
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
+               "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1",
+               "WORKBENCH_LOCK_TOKEN": token, "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg)}
+        process = subprocess.Popen(_launch_command(cfg, run.path, port), env=env, start_new_session=True)
+    lock.set_runner(run, token, {**this_process(), "pid": process.pid,
+                                 "create_time": psutil.Process(process.pid).create_time()})
+    return process
+
+
 def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", progress: bool = False) -> Run:
     """Start `cfg` on cfg.num_processes ranks and return the `Run` handle at once (see `launch` to block).
 
@@ -192,22 +313,14 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
     defined in a notebook cell work; mode='subprocess' runs `accelerate launch` (torchrun for multi-process
     CPU) like `workbench train`. Everything is validated before any process starts.
     """
-    cfg, task = _checked(cfg, task, mode)
-    cfg, run_dir = prepare(cfg)
-    port = free_port()
-    log.info("%s -> %s", describe_launch(cfg), run_dir.path)
-    if mode == "fork":
-        from .supervisor import supervise
-
-        ctx = multiprocessing.get_context("fork")
-        process: Any = ctx.Process(target=supervise, args=(cfg, task, str(run_dir.path), progress, port),
-                                   name=f"workbench-{cfg.run_name}")
-        process.start()
-    else:
-        env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
-               "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(_launch_command(cfg, run_dir.path, port), env=env, start_new_session=True)
-    return Run(cfg, run_dir.path, process, mode)
+    cfg, task = check_launch(cfg, task, mode)
+    cfg, run_dir, token = prepare(cfg)
+    try:
+        process = _spawn(cfg, task, run_dir, token, mode, progress)
+    except BaseException:
+        lock.release(run_dir, token)
+        raise
+    return Run(cfg, run_dir.path, process, mode, task if mode == "fork" else None, progress, token)
 
 
 @overload

@@ -68,8 +68,9 @@ def finalize(run: RunDir, launcher_error: BaseException | None = None, exitcode:
     """After the ranks are gone: if the run didn't record an ending, record the failure (rank 0 may be dead)."""
     status = run.summary().status
     errors = run.rank_errors()
-    # Both the supervisor and Run.wait() call this; whoever comes second finds the ending recorded.
-    if status is Status.FAILED or (status in (Status.COMPLETED, Status.STOPPED) and not errors):
+    # Both the supervisor and Run.wait() call this; whoever comes second finds the ending recorded. Rank 0
+    # records the ending of a run that ends as a whole; a rank's error after that is still a failure.
+    if status is Status.FAILED or (status.ended and not errors):
         return
     error = _cause(run, errors, launcher_error, exitcode)
     run.set_status(Status.FAILED, error=error)

@@ -31,8 +31,15 @@ def die_with_parent() -> None:
 
 
 def record_exception(run_dir: Path, rank: int, exc: BaseException) -> None:
-    RunDir(run_dir).write_rank_error(rank, {"type": type(exc).__name__, "message": str(exc),
-                                            "traceback": traceback.format_exc(), "pid": os.getpid()})
+    """Write this rank's exception where the caller finds it; an exception without a message is named by its
+    repr (EOFError() would otherwise read as 'EOFError: ')."""
+    error = {"type": type(exc).__name__, "message": str(exc) or repr(exc), "traceback": traceback.format_exc(),
+             "pid": os.getpid()}
+    try:
+        RunDir(run_dir).write_rank_error(rank, error)
+    except OSError as e:  # the disk that failed the run may refuse this too: the launcher's log still has it
+        print(f"[rank {rank}] could not record its error in {run_dir} ({e}): {error['type']}: {error['message']}",
+              file=sys.stderr)
 
 
 def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:

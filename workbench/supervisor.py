@@ -18,16 +18,19 @@ from .postmortem import finalize, record_signal_deaths
 from .precision import accelerate_mixed_precision
 from .rank import die_with_parent, rank_main
 from .rundir import RunDir
+from .signals import elastic_signals
 
 if TYPE_CHECKING:
     from .config import RunConfig
     from .tasks import Task
 
 
-def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int) -> None:
+def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int, token: str) -> None:
     """Body of the supervisor process: run notebook_launcher, then record a failure the ranks couldn't."""
     die_with_parent()
     os.setpgrp()  # the parent can end the supervisor and all its ranks with one killpg
+    os.environ["WORKBENCH_LOCK_TOKEN"] = token  # the ranks find the run directory locked by their launcher
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = elastic_signals(cfg)
     from accelerate import notebook_launcher
     from accelerate.state import AcceleratorState, PartialState
 

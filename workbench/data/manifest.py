@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping, Sequence, Union
 
-import yaml
 
+from ..files import read_yaml
 from .errors import ManifestError, _one_line
 from .generators import GENERATORS, Generator
 
@@ -228,8 +228,8 @@ def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileS
 
 def _parse_manifest(path: Path) -> Manifest:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raw = read_yaml(path)
+    except ValueError as e:
         raise ManifestError(f"cannot read data manifest {path}: {_one_line(e)}", path) from e
     if not isinstance(raw, dict):
         raise ManifestError(f"invalid data manifest {path}: expected a YAML mapping, got {type(raw).__name__}", path)

@@ -230,6 +230,8 @@ class Panel:
             "stopping": f"stopping <b>{name}</b>: the ranks finish a step, save a checkpoint and exit…",
             Status.COMPLETED: f"completed <b>{name}</b>; change the settings and Launch again to compare",
             Status.STOPPED: f"stopped <b>{name}</b> (checkpoint saved); Launch starts a new run",
+            Status.PREEMPTED: f"preempted <b>{name}</b> (a signal; checkpoint saved): resume it to continue",
+            Status.DIVERGED: f"diverged <b>{name}</b>: the loss became NaN/inf; the error says where",
             Status.FAILED: "failed: the error is below; fix it and Launch again",
         }.get(s.status, html.escape(s.status))
         note = f"<br><small>{html.escape(s.message)}</small>" if s.message else ""
@@ -305,7 +307,7 @@ class Panel:
             log.exception("dashboard of %s: final refresh failed", run.run_dir)
         with self._lock:
             self.result, self._failure = result, failure
-            status = result.status if result is not None else Status.FAILED
+            status = result.status if result is not None else run.dir.observed_status()[0]
             with self.state.hold_trait_notifications():
                 self.state.error = "" if failure is None else _error_text(failure)
                 self.state.status = str(status if status in ENDED else Status.FAILED)

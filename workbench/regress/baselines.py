@@ -16,6 +16,7 @@ from .suite import Case
 if TYPE_CHECKING:
     from .judging import MetricResult
 
+
 def baseline_path(case: Case, device_class: str) -> Path:
     return case.baselines / device_class / f"{case.id}.json"
 
@@ -33,6 +34,12 @@ def load_baseline(path: Path) -> dict[str, Any] | None:
             not all(isinstance(m, dict) and "value" in m for m in data["metrics"].values()):
         raise ValueError(f"baseline {path}: expected {{'metrics': {{name: {{'value': ...}}}}}}; rewrite it with "
                          "--update-baselines")
+    for name, metric in data["metrics"].items():
+        value = metric["value"]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number and value not in ("nan", "inf", "-inf"):
+            raise ValueError(f"baseline {path}: metrics[{name!r}].value={value!r}: must be a number (or 'nan', "
+                             "'inf'); fix it or rewrite it with --update-baselines")
     return data
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -74,13 +75,28 @@ def run_case(case: Case, overrides: Mapping[str, Any], out: Path, *, device_clas
     return result
 
 
+def _check_writable(directory: Path, option: str) -> None:
+    """The nearest existing directory must be writable, or the run would fail only at the end."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ValueError(f"{option} {directory}: can't write there ({existing} is not a writable directory)")
+
+
 def run(targets: list[Path], *, parameters: dict[str, str], out: Path, baselines: Path | None,
         update_baselines: bool, junit: Path | None, profile: str | None) -> int:
     """`workbench regress`: execute every case, compare to baselines, write the report; returns the exit code."""
     cases = select_profile(load_targets(targets, baselines), profile)  # every ValueError before anything runs
     overrides = parse_parameters(parameters)
     hw = detect()
+    if not update_baselines:
+        for case in cases:  # a broken baseline is found now, not after an hour of notebooks
+            load_baseline(baseline_path(case, hw.device_class))
     out = Path(out).resolve()
+    _check_writable(out, "--out")
+    if junit is not None:
+        _check_writable(Path(junit).resolve().parent, "--junit")
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for i, case in enumerate(cases, 1):
@@ -91,7 +107,10 @@ def run(targets: list[Path], *, parameters: dict[str, str], out: Path, baselines
         results.append(result)
     report = write_report(results, out, device_class=hw.device_class)
     if junit is not None:
-        write_junit(results, Path(junit))
+        try:
+            write_junit(results, Path(junit))
+        except OSError as e:
+            raise ValueError(f"--junit {junit}: could not write it ({e.strerror or e}); the report is in {out}") from e
     code = exit_code(results)
     counts = {s: sum(r.status == s for r in results) for s in (PASSED, FAILED, ERROR, NEW, UPDATED, SKIPPED)}
     log.info("%s; report: %s", ", ".join(f"{n} {s}" for s, n in counts.items() if n), report)

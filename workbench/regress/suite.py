@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from ..files import load_yaml, read_yaml
 from ..suggest import reject_unknown
 from .rules import Rule, default_rule, parse_rule
 
@@ -111,10 +111,7 @@ def _check_fields(data: Mapping[str, Any], where: str) -> None:
 
 def load_suite(path: Path, baselines: Path | None = None) -> list[Case]:
     """The cases of a suite file, validated (unknown keys, types, notebooks that exist) before anything runs."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    data = read_yaml(path)
     if not isinstance(data, Mapping) or not data.get("cases"):
         raise ValueError(f"{path}: a suite is a mapping with a non-empty 'cases:' list of {{notebook: ...}}")
     reject_unknown(data, _SUITE_KEYS, str(path))
@@ -207,8 +204,8 @@ def parse_parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
             values[name] = text
             continue
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
+            value = load_yaml(text, f"-p {name}")
+        except ValueError:
             value = text
         if isinstance(value, str) and _NUMBER.match(value.strip()):
             value = float(value)  # YAML 1.1 reads 1e-3 as a string; papermill's CLI makes it a float

@@ -1,30 +1,21 @@
 """The run directory: the only channel from ranks back to the user (forked, subprocess or remote ranks alike).
 
-`RunDir` names the files and is the only code that writes them (`set_status` is the one writer of
-summary.json); `Summary` is summary.json's schema and `Status` the statuses a run goes through;
-`RunResult` is a run that has ended, read back from its directory.
+`RunDir` (layout.py) names the files and is the only code that writes them (`set_status` is the one writer
+of summary.json); `Summary` (summary.py) is summary.json's schema and `Status` the statuses a run goes
+through; prepare.py creates or reopens a run directory for a launch under its lock (lock.py); liveness.py
+tells whether a run's processes are still there; `RunResult` (result.py) is a run that has ended.
 """
 
 from __future__ import annotations
 
-from .layout import (
-                     CHECKPOINTS,
-                     COMPLETE_MARKER,
-                     CONFIG,
-                     ERRORS,
-                     EVENTS,
-                     METRICS,
-                     STOP_REQUEST,
-                     SUMMARY,
-                     TIMINGS,
-                     RunDir,
-                     is_fallout,
-                     new_run_name,
-                     prepare,
-)
-from .result import RunFailedError, RunFiles, RunResult
-from .summary import ENDED, SCHEMA_VERSION, Status, Summary
+from .layout import (CHECKPOINTS, COMPLETE_MARKER, CONFIG, ERRORS, EVENTS, METRICS, STOP_REQUEST, SUMMARY, TIMINGS,
+                     RunDir, RunDirWriteError, is_fallout, new_run_name)
+from .lock import RunDirLocked
+from .prepare import prepare
+from .result import RunDivergedError, RunFailedError, RunFiles, RunPreemptedError, RunResult
+from .summary import ENDED, RESUMABLE, SCHEMA_VERSION, Status, Summary
 
-__all__ = ["CHECKPOINTS", "COMPLETE_MARKER", "CONFIG", "ENDED", "ERRORS", "EVENTS", "METRICS", "SCHEMA_VERSION",
-           "STOP_REQUEST", "SUMMARY", "TIMINGS", "RunDir", "RunFailedError", "RunFiles", "RunResult", "Status",
-           "Summary", "is_fallout", "new_run_name", "prepare"]
+__all__ = ["CHECKPOINTS", "COMPLETE_MARKER", "CONFIG", "ENDED", "ERRORS", "EVENTS", "METRICS", "RESUMABLE",
+           "SCHEMA_VERSION", "STOP_REQUEST", "SUMMARY", "TIMINGS", "RunDir", "RunDirLocked", "RunDirWriteError",
+           "RunDivergedError", "RunFailedError", "RunFiles", "RunPreemptedError", "RunResult", "Status", "Summary",
+           "is_fallout", "new_run_name", "prepare"]

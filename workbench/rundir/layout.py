@@ -1,23 +1,29 @@
 """RunDir: the files of one run directory, and the only code that writes them.
 
-runs/<name>/config.yaml, metrics.jsonl, events.jsonl, summary.json, timings.json, checkpoints/step_<N>/,
-errors/rank_<r>.json, STOP. JSON files are replaced atomically; JSONL files are appended a whole line at a
-time, and readers skip a torn last line, so a crash never leaves a file that can't be read.
+runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl, events.jsonl, summary.json, timings.json,
+model.safetensors, checkpoints/step_<N>/, errors/rank_<r>.json, ranks/rank_<r>.json (heartbeats),
+stacks/rank_<r>.txt, LOCK, STOP. JSON files are replaced atomically; JSONL files are appended a whole line
+at a time, and readers skip a torn last line, so a crash never leaves a file that can't be read. A write
+that fails (disk full, permissions) raises RunDirWriteError naming the run directory and the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..files import append_jsonl, atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
+from .lock import LOCK
 from .summary import Status, Summary
 
 if TYPE_CHECKING:
     from ..config import RunConfig
+    from .liveness import Observation
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -27,11 +33,20 @@ TIMINGS = "timings.json"
 CHECKPOINTS = "checkpoints"
 ERRORS = "errors"
 STOP_REQUEST = "STOP"
+RANKS = "ranks"
+"""ranks/rank_<r>.json: each rank's heartbeat (pid, host, step, phase), rewritten every few seconds."""
+STACKS = "stacks"
+"""stacks/rank_<r>.txt: a rank's Python stacks, dumped when it hangs past the grace period."""
 WEIGHTS = "model.safetensors"
 """The full weights at the end of a run (any parallelism), loadable without torch.distributed."""
-COMPLETE_MARKER = "trainer_state.json"
-"""Written last into a checkpoint: a step_<N> directory without it is not a checkpoint."""
+COMPLETE_MARKER = "manifest.json"
+"""Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not complete."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_ATTEMPT = re.compile(r"^config\.attempt-(\d+)\.yaml$")
+
+
+class RunDirWriteError(OSError):
+    """A file of the run directory could not be written; says which, where, and why."""
 
 
 class RunDir:
@@ -60,13 +75,34 @@ class RunDir:
     errors_path = property(lambda self: self.path / ERRORS)
     stop_path = property(lambda self: self.path / STOP_REQUEST)
     weights_path = property(lambda self: self.path / WEIGHTS)
+    lock_path = property(lambda self: self.path / LOCK)
+    ranks_path = property(lambda self: self.path / RANKS)
+    stacks_path = property(lambda self: self.path / STACKS)
+
+    @contextlib.contextmanager
+    def writing(self, path: Path, what: str) -> Iterator[None]:
+        """Turn an OSError while writing `path` into one that names the run directory and the file."""
+        try:
+            yield
+        except RunDirWriteError:
+            raise
+        except OSError as e:
+            raise RunDirWriteError(e.errno, f"could not write {what} ({path}) in run directory {self.path}: "
+                                            f"{e.strerror or e}") from e
 
     # ---- reading --------------------------------------------------------------------------------------
+    def config_paths(self) -> list[Path]:
+        """The config of every attempt, first to last: config.yaml, then config.attempt-2.yaml, ..."""
+        attempts = sorted((int(m.group(1)), p) for p in self.path.glob("config.attempt-*.yaml")
+                          if (m := _ATTEMPT.match(p.name)))
+        return ([self.config_path] if self.config_path.exists() else []) + [p for _, p in attempts]
+
     def config(self) -> RunConfig | None:
-        """The RunConfig stored here, or None before it is written."""
+        """The RunConfig of the latest attempt, or None before one is written."""
         from ..config import RunConfig
 
-        return RunConfig.from_yaml(self.config_path) if self.config_path.exists() else None
+        paths = self.config_paths()
+        return RunConfig.from_yaml(paths[-1]) if paths else None
 
     def summary(self) -> Summary:
         return Summary.from_dict(read_json(self.summary_path))
@@ -77,36 +113,71 @@ class RunDir:
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.events_path)
 
+    def lock_owner(self) -> dict[str, Any] | None:
+        return read_json(self.lock_path)
+
+    def observe(self) -> Observation:
+        """Whether the run's processes are still there (heartbeats, recorded pids)."""
+        from .liveness import observe
+
+        return observe(self)
+
+    def observed_status(self) -> tuple[Status, str]:
+        """The status, corrected for a run whose processes are all gone without recording an ending."""
+        status = self.summary().status
+        if status in (Status.STARTING, Status.RUNNING):
+            seen = self.observe()
+            if seen.alive is False:
+                return Status.FAILED, (f"status says {status.value}, but {seen.reason} (last heartbeat at step "
+                                       f"{seen.last_step}); resume it from its newest checkpoint")
+        return status, ""
+
     # ---- writing --------------------------------------------------------------------------------------
-    def write_config(self, cfg: RunConfig) -> None:
-        cfg.to_yaml(self.config_path)
+    def write_config(self, cfg: RunConfig) -> Path:
+        """Store the config of a new attempt; earlier attempts' configs are kept, never overwritten."""
+        n = len(self.config_paths()) + 1
+        path = self.config_path if n == 1 else self.path / f"config.attempt-{n}.yaml"
+        with self.writing(path, "the run's config"):
+            cfg.to_yaml(path)
+        return path
 
     def set_status(self, status: Status | str, **fields: Any) -> Summary:
         """Change the run's status (and any other summary fields): the one writer of summary.json.
 
-        Fields not given keep their values; a status other than 'failed' clears an old error (a resumed run).
-        wall_time_s runs from started_at to now unless given.
+        Fields not given keep their values; a status other than 'failed' clears an old error, and other than
+        'preempted'/'diverged' an old ending (a resumed run). wall_time_s runs from started_at to now unless given.
         """
         status = Status(status)
         current = self.summary()
         if status is not Status.FAILED:
             current.error = None
+        if status not in (Status.PREEMPTED, Status.DIVERGED):
+            current.ending = None
         updated = current.replace(status=status, **fields)
         if updated.started_at is None:
             updated.started_at = time.time()
         if "wall_time_s" not in fields:
             updated.wall_time_s = time.time() - updated.started_at
-        write_json(self.summary_path, updated.to_dict())
+        with self.writing(self.summary_path, "the run summary"):
+            write_json(self.summary_path, updated.to_dict())
         return updated
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        append_jsonl(self.metrics_path, row)
+        with self.writing(self.metrics_path, "a metrics row"):
+            append_jsonl(self.metrics_path, row)
 
     def event(self, kind: str, **fields: Any) -> None:
-        append_jsonl(self.events_path, {"time": time.time(), "event": kind, **fields})
+        with self.writing(self.events_path, f"the {kind!r} event"):
+            append_jsonl(self.events_path, {"time": time.time(), "event": kind, **fields})
 
     def write_timings(self, step_times: list[float]) -> None:
-        write_json(self.timings_path, {"step_time_s": step_times})
+        with self.writing(self.timings_path, "step timings"):
+            write_json(self.timings_path, {"step_time_s": step_times})
+
+    def write_heartbeat(self, rank: int, beat: dict[str, Any]) -> None:
+        path = self.ranks_path / f"rank_{rank}.json"
+        with self.writing(path, f"rank {rank}'s heartbeat"):
+            write_json(path, {"rank": rank, "time": time.time(), **beat})
 
     def set_aside_metrics_after(self, step: int) -> Path | None:
         """On resume from `step`: move later rows (the lost session's) to metrics.after-step-<step>.jsonl.
@@ -118,13 +189,14 @@ class RunDir:
         if not later:
             return None
         aside = self.path / f"metrics.after-step-{step}.jsonl"
-        write_jsonl(aside, later)
-        write_jsonl(self.metrics_path, [r for r in rows if r.get("step", 0) <= step])
+        with self.writing(aside, "the earlier session's metrics"):
+            write_jsonl(aside, later)
+            write_jsonl(self.metrics_path, [r for r in rows if r.get("step", 0) <= step])
         return aside
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """Complete checkpoints, oldest first. A directory only gets its step_<N> name once fully written."""
+        """Complete checkpoints (with their manifest), oldest first; resume still verifies their contents."""
         found = []
         for p in self.checkpoints_path.glob("step_*"):
             m = _STEP_DIR.match(p.name)
@@ -138,7 +210,8 @@ class RunDir:
 
     # ---- stop requests --------------------------------------------------------------------------------
     def request_stop(self) -> None:
-        atomic_write_text(self.stop_path, f"{time.time()}\n")
+        with self.writing(self.stop_path, "the stop request"):
+            atomic_write_text(self.stop_path, f"{time.time()}\n")
 
     def stop_requested(self) -> bool:
         return self.stop_path.exists()
@@ -163,37 +236,17 @@ class RunDir:
         return sorted(errors, key=lambda e: (is_fallout(e), e.get("time", 0)))
 
 
-_FALLOUT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
-            "ProcessGroupNCCL", "Timed out waiting", "got signal: 15")
+_FALLOUT = ("connection reset by peer", "connection closed by peer", "broken pipe", "nccl communicator was aborted",
+            "processgroupnccl", "got signal: 15", "timed out", "timeout", "pair closure")
 
 
 def is_fallout(error: dict[str, Any]) -> bool:
-    """An error caused by another rank's death: a collective that lost its peer, or the launcher's SIGTERM."""
-    return error.get("type") == "SignalException" or any(s in error.get("message", "") for s in _FALLOUT)
+    """An error caused by another rank's death or hang: a collective that lost its peer or timed out, or the
+    launcher's SIGTERM."""
+    message = error.get("message", "").lower()
+    return error.get("type") == "SignalException" or any(s in message for s in _FALLOUT)
 
 
 def new_run_name(cfg: RunConfig) -> str:
-    return f"{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
-
-
-def prepare(cfg: RunConfig) -> tuple[RunConfig, RunDir]:
-    """Create (or, with resume, reopen) the run directory and store the config that will run.
-
-    Returns the config with run_name filled in, and the run directory.
-    """
-    if cfg.run_name is None:
-        cfg = cfg.replace(run_name=new_run_name(cfg))
-    run = RunDir(Path(cfg.runs_dir) / str(cfg.run_name))
-    if cfg.resume:
-        if run.latest_checkpoint() is None:
-            raise ValueError(f"resume=True: {run.path} has no complete checkpoint to resume from; "
-                             "set resume=False to start over, or pick the run_name of a run that saved one")
-        run.clear_stop()
-        run.clear_rank_errors()
-    elif run.path.exists() and any(run.path.iterdir()):
-        raise ValueError(f"run_name={cfg.run_name!r}: {run.path} already exists; pick another run_name, "
-                         "leave it None for a fresh one, or set resume=True to continue it")
-    run.path.mkdir(parents=True, exist_ok=True)
-    run.write_config(cfg)
-    run.set_status(Status.STARTING, run_name=cfg.run_name, task=cfg.task, started_at=time.time())
-    return cfg, run
+    task = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rpartition(":")[2] or cfg.task).strip("-._") or "run"
+    return f"{task}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"

@@ -20,12 +20,33 @@ class RunFailedError(RuntimeError):
     def __init__(self, run_dir: Path, error: dict[str, Any]) -> None:
         self.run_dir = run_dir
         self.rank = error.get("rank")
-        self.exc_type = error.get("type", "Error")
-        self.exc_message = error.get("message", "")
+        self.exc_type = error.get("type") or "Error"
+        # An exception without a message (EOFError(), a bare assert) still says what it was.
+        self.exc_message = error.get("message") or f"{self.exc_type} with no message (see the traceback below)"
         self.rank_traceback = error.get("traceback", "")
         where = f"rank {self.rank}" if self.rank is not None else "the launcher"
         super().__init__(f"{where} failed with {self.exc_type}: {self.exc_message}\n"
                          f"run directory: {run_dir}\n--- traceback from {where} ---\n{self.rank_traceback}")
+
+
+class RunDivergedError(RunFailedError):
+    """The loss or gradient norm became NaN or inf: the run stopped at that step, without checkpointing it."""
+
+    def __init__(self, run_dir: Path, ending: dict[str, Any]) -> None:
+        self.step = ending.get("step")
+        self.last_checkpoint = ending.get("last_checkpoint")
+        super().__init__(run_dir, {"type": "Diverged", "message": ending.get("message", "the run diverged"),
+                                   "traceback": ""})
+
+
+class RunPreemptedError(RunFailedError):
+    """A signal (SIGTERM, SIGHUP, preempt_signal) made the ranks checkpoint and exit: resume the run later."""
+
+    def __init__(self, run_dir: Path, ending: dict[str, Any]) -> None:
+        self.step = ending.get("step")
+        self.signal = ending.get("signal")
+        super().__init__(run_dir, {"type": "Preempted", "message": ending.get("message", "the run was preempted"),
+                                   "traceback": ""})
 
 
 class RunFiles:
@@ -53,7 +74,8 @@ class RunFiles:
 
     @property
     def status(self) -> Status:
-        return self.dir.summary().status
+        """The summary's status; 'failed' for a run that says it runs but whose processes are all gone."""
+        return self.dir.observed_status()[0]
 
 
 @dataclass

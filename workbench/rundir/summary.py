@@ -18,6 +18,10 @@ class Status(str, Enum):
     RUNNING = "running"
     COMPLETED = "completed"
     STOPPED = "stopped"
+    PREEMPTED = "preempted"
+    """A signal (SIGTERM, SIGHUP, preempt_signal) made the ranks checkpoint and exit: resume it."""
+    DIVERGED = "diverged"
+    """The loss or gradient norm became NaN/inf; no checkpoint was written after it."""
     FAILED = "failed"
 
     @property
@@ -32,7 +36,9 @@ class Status(str, Enum):
     __hash__ = str.__hash__
 
 
-ENDED = frozenset({Status.COMPLETED, Status.STOPPED, Status.FAILED})
+ENDED = frozenset({Status.COMPLETED, Status.STOPPED, Status.PREEMPTED, Status.DIVERGED, Status.FAILED})
+RESUMABLE = frozenset({Status.STOPPED, Status.PREEMPTED, Status.FAILED})
+"""Endings a run can continue from (its newest complete checkpoint)."""
 
 
 @dataclass(kw_only=True)
@@ -42,7 +48,7 @@ class Summary:
     schema_version: int = SCHEMA_VERSION
     """Version of this schema the file was written with."""
     status: Status = Status.STARTING
-    """starting | running | completed | stopped | failed."""
+    """starting | running | completed | stopped | preempted | diverged | failed."""
     run_name: str | None = None
     """The run directory's name."""
     task: str | None = None
@@ -90,6 +96,10 @@ class Summary:
     """Final eval metrics, stored as top-level 'eval_<name>' keys."""
     error: dict[str, Any] | None = None
     """When failed: rank, type, message, traceback (and other_ranks)."""
+    ending: dict[str, Any] | None = None
+    """When preempted or diverged: the step, the signal or the non-finite value, the last good checkpoint."""
+    attempt: int | None = None
+    """Which launch of this run directory wrote the summary (1, then 2 after a resume or restart, ...)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys this version doesn't know (written by a newer workbench), kept on rewrite."""
 

@@ -1,8 +1,7 @@
 """Metrics rows: the loss and throughput of each logging window, agreed over all ranks in one collective.
 
-Every `log_every` steps one all-gather carries each rank's window loss, peak memory, skipped steps and
-stop flag; rank 0 writes the row to metrics.jsonl. Between log steps, a stop request is checked every
-STOP_CHECK_EVERY steps with one tiny all-reduce, so all ranks stop on the same step.
+Every `log_every` steps one all-gather carries each rank's window loss, peak memory, skipped steps and the
+bytes it holds; rank 0 writes the row to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
 
 HELD = ("params", "grads", "optimizer")
 """What each rank holds, in bytes, reported per rank in every row (what sharding saved)."""
-STOP_CHECK_EVERY = 5
-"""Steps between stop-request checks: a tiny all-reduce, amortised so it stays out of step time."""
 
 
 class MetricsLogger:
@@ -45,10 +42,9 @@ class MetricsLogger:
         self.window_start = time.perf_counter()
         self.last_row: dict[str, Any] | None = None
 
-    def add_micro_batch_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss.detach().double() / self.cfg.grad_accum_steps
-
-    def step_done(self) -> None:
+    def step_done(self, step_loss: torch.Tensor) -> None:
+        """A step ended with this mean loss over its micro-batches."""
+        self.loss_sum += step_loss.double()
         self.steps += 1
 
     def restart_clock(self) -> None:
@@ -58,23 +54,13 @@ class MetricsLogger:
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.log_every == 0
 
-    def _stop_flag(self) -> float:
-        return float(self.main and self.run.stop_requested())
-
-    def stop_agreed(self, step: int) -> bool:
-        """Every STOP_CHECK_EVERY steps: did rank 0 see a stop request? All ranks get the same answer."""
-        if step % STOP_CHECK_EVERY:
-            return False
-        flag = torch.tensor([self._stop_flag()], device=self.device)
-        return bool(self.accelerator.reduce(flag, "sum").item() > 0)
-
-    def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float) -> tuple[dict[str, Any], bool]:
-        """One all-gather: the window's row (written by rank 0) and whether any rank saw a stop request."""
+    def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float) -> dict[str, Any]:
+        """One all-gather: the window's row, written by rank 0."""
         cfg = self.cfg
         mean_loss = self.loss_sum / self.steps
         held = self.held_bytes()
         local = torch.tensor([mean_loss.item(), peak_memory_bytes(self.device), state.skipped_steps,
-                              self._stop_flag(), *(held.get(k, 0) for k in HELD)],
+                              *(held.get(k, 0) for k in HELD)],
                              device=self.device, dtype=torch.float64)
         everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
         step_time = (time.perf_counter() - self.window_start) / self.steps
@@ -88,7 +74,7 @@ class MetricsLogger:
             "peak_memory_bytes": int(everyone[:, 1].max()),
             "peak_memory_bytes_per_rank": [int(v) for v in everyone[:, 1]],
             "skipped_steps": int(everyone[:, 2].max()),
-            **{f"{kind}_bytes_per_rank": [int(v) for v in everyone[:, 4 + i]] for i, kind in enumerate(HELD)},
+            **{f"{kind}_bytes_per_rank": [int(v) for v in everyone[:, 3 + i]] for i, kind in enumerate(HELD)},
             "samples": state.samples,
             "elapsed_s": elapsed_s,
             "eta_s": step_time * (cfg.max_steps - state.step),
@@ -106,4 +92,4 @@ class MetricsLogger:
         self.steps = 0
         self.restart_clock()
         self.last_row = row
-        return row, bool(everyone[:, 3].max() > 0)
+        return row

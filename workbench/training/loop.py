@@ -9,30 +9,35 @@ saved and restored (checkpoint.py) and what the summary says (report.py) live in
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device, set_seed
+from accelerate.utils import set_seed
 
 from .. import data
 from ..config import RunConfig
 from ..hardware import detect
 from ..metrics import peak_flops
-from ..rundir import RunDir, Status
+from ..rundir import RunDir, Status, lock
 from ..tasks import Task
 from .accelerator import build_accelerator
+from .agreement import Agreement, Verdict
 from .batches import ShardedBatches
 from .checkpoint import Checkpointer
-from .evaluation import evaluate, split_loss
+from .evaluation import evaluate
+from .guard import Guard
 from .logger import MetricsLogger
 from .memory import tracked
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import parallelize
 from .report import export_weights, first_leaf_dtype, running_fields, summary_fields
 from .state import TrainerState
+from .step import accumulate
 
 _log = logging.getLogger("workbench")
 
@@ -59,7 +64,11 @@ class Trainer:
         self.step_times: list[float] = []
         self.prior_time = 0.0  # training time of earlier sessions of a resumed run
         self.eval_row: dict[str, float] | None = None
-        self.tracked_memory: dict[str, int] | None = None  # track_memory: the first step's bytes by category
+        self.tracked_memory: dict[str, int] | None = None  # track_memory: one step's bytes by category
+        self.ending: dict[str, Any] | None = None  # how a preempted, stopped or diverged run ended
+        self.consecutive_skips = 0
+        self.guard = Guard(self.run, self.rank, cfg).start()
+        self.lock_token = self._hold_lock()
 
         data.reset_used_datasets()  # a forked rank inherits the kernel's list; record only this run's data
         set_seed(cfg.seed)  # identical initial weights on every rank
@@ -80,6 +89,7 @@ class Trainer:
         # Dropout masks should differ between ranks, yet be reproducible.
         torch.manual_seed(cfg.seed + 1000 * (self.rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
+        self.agreement = Agreement(self.accelerator, self.run, self.guard)
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
                                      tokens_per_sample=self.tokens_per_sample, mfu=self.mfu,
                                      epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes)
@@ -92,6 +102,12 @@ class Trainer:
         status = self._train()
         return self._finish(status, *start)
 
+    def close(self) -> None:
+        """Whatever happened: stop the heartbeat, restore signal handlers, give back a lock rank 0 took."""
+        self.guard.close()
+        if self.lock_token is not None:
+            lock.release(self.run, self.lock_token)
+
     def _announce(self, resumed_from: str | None) -> None:
         if not self.main:
             return
@@ -103,7 +119,7 @@ class Trainer:
                       self.device.type, cfg.precision, self.global_batch, self.n_params)
 
     def _train(self) -> Status:
-        """Steps until max_steps or an agreed stop; step time runs from one step's start to the next, so
+        """Steps until max_steps or an agreed ending; step time runs from one step's start to the next, so
         logging, eval and checkpoints count too."""
         batches = self.batches.iterate(self.state.micro_batches)
         self.model.train()
@@ -112,76 +128,111 @@ class Trainer:
         try:
             while self.state.step < self.cfg.max_steps:
                 if self._track_this_step():
-                    grad_norm, self.tracked_memory = tracked(self.parallel, lambda: self._step(batches))
+                    (grad_norm, verdict), self.tracked_memory = tracked(self.parallel, lambda: self._step(batches))
                 else:
-                    grad_norm = self._step(batches)
+                    grad_norm, verdict = self._step(batches)
+                if verdict.nonfinite:
+                    return Status.DIVERGED
                 if bar is not None:
                     bar.update(1)
-                stop = self._after_step(grad_norm, bar)
+                status = self._after_step(grad_norm, verdict, bar)
                 now = time.perf_counter()
                 self.step_times.append(now - step_start)
                 step_start = now
-                if stop:
-                    if self.main:
-                        self.run.event("stopped", step=self.state.step)
-                    return Status.STOPPED
+                if status is not None:
+                    return status
             return Status.COMPLETED
         finally:
             if bar is not None:
                 bar.close()
 
-    def _step(self, batches: Iterator[Any]) -> torch.Tensor | None:
-        """One optimizer step: accumulate micro-batches, clip, update. Returns the gradient norm if clipped."""
-        cfg, parallel = self.cfg, self.parallel
-        set_lr(parallel.optimizer, lr_at(self.state.step, cfg))
-        for micro in range(cfg.grad_accum_steps):
-            batch = send_to_device(next(batches), self.device)
-            with parallel.sync_gradients(micro == cfg.grad_accum_steps - 1):
-                with parallel.forward_context():
-                    loss, _ = split_loss(self.task.loss(self.model, batch))
-                parallel.backward(loss / cfg.grad_accum_steps)
-            self.metrics.add_micro_batch_loss(loss)
+    def _step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, Verdict]:
+        """One optimizer step: accumulate micro-batches, clip, agree, update. The update of a step whose loss
+        or gradient norm is not finite is never applied."""
+        cfg, parallel, step = self.cfg, self.parallel, self.state.step
+        set_lr(parallel.optimizer, lr_at(step, cfg))
+        step_loss = accumulate(parallel, self.task, batches, cfg.grad_accum_steps, self.device,
+                               at=lambda phase: self.guard.at(step, phase), before_last_backward=self.agreement.start)
+        self.guard.at(step, "optimizer")
         grad_norm = parallel.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
+        # With fp16 loss scaling an inf gradient is an overflow the scaler skips, not divergence.
+        verdict = self.agreement.finish(grad_norm if parallel.scaler is None else None)
+        if verdict.nonfinite:
+            self._diverged(verdict.reason)
+            return grad_norm, verdict
         if parallel.step():
             self.state.skipped_steps += 1  # fp16 overflow: the scaler skipped the update and lowered the scale
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= cfg.max_skipped_steps:
+                self._diverged(f"fp16 loss scaling skipped {self.consecutive_skips} steps in a row "
+                               f"(max_skipped_steps={cfg.max_skipped_steps})")
+                return grad_norm, Verdict(bad_grad_norm=True)
+        else:
+            self.consecutive_skips = 0
         self.state.step += 1
         self.state.micro_batches += cfg.grad_accum_steps
         self.state.samples += self.global_batch
         self.state.tokens += self.global_batch * (self.tokens_per_sample or 0)
-        self.metrics.step_done()
-        return grad_norm
+        self.metrics.step_done(step_loss)
+        return grad_norm, verdict
 
-    def _after_step(self, grad_norm: torch.Tensor | None, bar: Any) -> bool:
-        """Log, evaluate and checkpoint when due; True when the ranks agreed to stop."""
+    def _after_step(self, grad_norm: torch.Tensor | None, verdict: Verdict, bar: Any) -> Status | None:
+        """Log, evaluate and checkpoint when due; the status the run ends with, if it ends now."""
         cfg, step = self.cfg, self.state.step
         final = step == cfg.max_steps
-        if self.metrics.due(step, final):
-            row, stop = self.metrics.log(self.state, grad_norm, self.elapsed_s())
+        if self.metrics.due(step, final) or verdict.ends:
+            row = self.metrics.log(self.state, grad_norm, self.elapsed_s())
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
-        else:
-            stop = self.metrics.stop_agreed(step)
-        if self.eval_ds is not None and (final or stop or (cfg.eval_every and step % cfg.eval_every == 0)):
+        # A preempted rank has a grace period to save its state: no eval then.
+        evaluate_now = final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0)
+        if self.eval_ds is not None and evaluate_now and not verdict.signal:
+            self.guard.at(step, "evaluation")
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
                                      self.parallel.forward_context)
             if self.main:
                 self.run.append_metrics({"step": step, **self.eval_row})
             self.metrics.restart_clock()
-        if self.checkpoints.due(step, final, stop):
+        if self.checkpoints.due(step, final, verdict.stop or bool(verdict.signal)):
+            self.guard.at(step, "checkpoint")
             self.state.train_time_s = self.elapsed_s()
             self.checkpoints.save(self.state)
             self.metrics.restart_clock()
-        return stop
+        if verdict.signal:
+            return self._ended(Status.PREEMPTED, signal=signal.Signals(verdict.signal).name,
+                               message=f"{signal.Signals(verdict.signal).name} at step {step}: the ranks "
+                                       "checkpointed and exited")
+        if verdict.stop:
+            return self._ended(Status.STOPPED)
+        return Status.COMPLETED if final else None
+
+    def _ended(self, status: Status, **details: Any) -> Status:
+        step, ckpt = self.state.step, self.run.latest_checkpoint()
+        self.ending = {"step": step, "checkpoint": str(ckpt) if ckpt else None, **details}
+        if self.main:
+            self.run.event(status.value, **self.ending)
+        return status
+
+    def _diverged(self, reason: str) -> None:
+        """Record where the run diverged; the loop ends without applying the step or checkpointing."""
+        step, ckpt = self.state.step + 1, self.run.latest_checkpoint()
+        where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint was saved before it"
+        self.ending = {"step": step, "reason": reason, "last_checkpoint": str(ckpt) if ckpt else None,
+                       "message": f"diverged at step {step}: {reason}; {where}"}
+        if self.main:
+            self.run.event("diverged", **self.ending)
 
     def _finish(self, status: Status, steps0: int, samples0: int, tokens0: int) -> dict[str, Any]:
+        self.guard.at(self.state.step, "finishing")
         session_time = sum(self.step_times) or 1e-9
         tokens = self.state.tokens - tokens0
         fields = summary_fields(self, samples_per_s=(self.state.samples - samples0) / session_time,
                                 tokens_per_s=tokens / session_time if tokens else None,
                                 steps_run=self.state.step - steps0)
-        fields["weights_sha256"] = export_weights(self)
+        if status is not Status.DIVERGED:
+            fields["weights_sha256"] = export_weights(self)
         if self.main:
-            self.run.set_status(status, **running_fields(self), **fields)
+            self.run.set_status(status, **running_fields(self), **fields, ending=self.ending)
             self.run.write_timings(self.step_times)
             if status is Status.COMPLETED:
                 self.run.event("completed", step=self.state.step)
@@ -215,6 +266,13 @@ class Trainer:
         return tqdm(total=self.cfg.max_steps, initial=self.state.step, desc=f"{self.cfg.task} x{self.world}",
                     unit="step", dynamic_ncols=True)
 
+    def _hold_lock(self) -> str | None:
+        """A run launched by workbench is locked by its launcher; one started by hand (multi-node,
+        --prepare-only) is locked by rank 0 for as long as it runs."""
+        if not self.main or lock.held_by(self.run, os.environ.get("WORKBENCH_LOCK_TOKEN")):
+            return None
+        return lock.acquire(self.run)
+
     def _resume(self) -> str:
         self.state, ckpt = self.checkpoints.resume()
         self.prior_time = self.state.train_time_s
@@ -224,4 +282,8 @@ class Trainer:
 
 def train(cfg: RunConfig, task: Task, run_dir: Path, *, progress: bool = False) -> dict[str, Any]:
     """Run one rank of `cfg` (call on every rank). Returns the summary fields."""
-    return Trainer(cfg, task, run_dir, progress=progress).fit()
+    trainer = Trainer(cfg, task, run_dir, progress=progress)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -118,12 +118,16 @@ class Strategy:
         return {"model": model, "optim": optim}
 
     def save(self, path: Path) -> None:
-        dcp.save(self.state_dict(), checkpoint_id=str(path))
+        """The model into path/model and the optimizer into path/optim (DCP, sharded as the ranks hold it)."""
+        state = self.state_dict()
+        dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"))
+        dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
 
     def load(self, path: Path) -> None:
         """Load a checkpoint saved by any mode and number of ranks; DCP reshards it into this layout."""
         state = self.state_dict()
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load({"model": state["model"]}, checkpoint_id=str(path / "model"))
+        dcp.load({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 

@@ -62,6 +62,14 @@ class Replicated(Strategy):
         # DDP's own record of the hook it calls, not just the one we asked for.
         return {"comm_hook": self.model._get_ddp_logging_data().get("comm_hook") or "allreduce"}
 
+    def save(self, path: Path) -> None:
+        """Every rank holds the same weights and optimizer state: rank 0 writes them alone, without DCP's
+        planning collectives (a checkpoint any mode and rank count loads, as from the sharded modes)."""
+        if self.accelerator.process_index == 0:
+            state = self.state_dict()
+            dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"), no_dist=True)
+            dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"), no_dist=True)
+
     def forward_context(self) -> AbstractContextManager[Any]:
         dtype = DTYPES.get(self.cfg.precision)
         return nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
@@ -97,6 +105,9 @@ class ZeroOne(Replicated):
     def local_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer.optim  # type: ignore[attr-defined]
 
+    def save(self, path: Path) -> None:
+        Strategy.save(self, path)  # each rank contributes its own partition of the optimizer state
+
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name, like DDP's: each rank contributes the optimizer
         state of the parameters it owns, so a zero1 checkpoint loads under any mode and vice versa."""
@@ -110,18 +121,20 @@ class ZeroOne(Replicated):
 
     def load(self, path: Path) -> None:
         """Read the whole model and, of the optimizer state, only this rank's partition."""
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = dcp.FileSystemReader(str(path / "optim")).read_metadata().state_dict_metadata
         local = self.local_optimizer()
         owned = [p for g in local.param_groups for p in g["params"]]
-        state: dict[str, Any] = {"model": self.module.state_dict(), "optim": {"state": {}}}
+        model = {"model": self.module.state_dict()}
+        dcp.load(model, checkpoint_id=str(path / "model"))
+        state: dict[str, Any] = {"optim": {"state": {}}}
         for p in owned:
             prefix = f"optim.state.{self._names[p]}."
             entries = {key[len(prefix):]: meta for key, meta in metadata.items() if key.startswith(prefix)}
             state["optim"]["state"][self._names[p]] = {
                 k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
                 for k, m in entries.items()}
-        dcp.load(state, checkpoint_id=str(path))
-        self.module.load_state_dict(state["model"])
+        dcp.load(state, checkpoint_id=str(path / "optim"))
+        self.module.load_state_dict(model["model"])
         index = {p: i for i, p in enumerate(owned)}
         local.load_state_dict({
             "state": {index[p]: state["optim"]["state"][self._names[p]] for p in owned

@@ -1,0 +1,40 @@
+"""The micro-batches of one optimizer step, shared by the trainer and the estimator's trace, so the estimate
+runs exactly the step the trainer runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import send_to_device
+
+from .evaluation import split_loss
+
+if TYPE_CHECKING:
+    from ..tasks import Task
+    from .parallel import Strategy
+
+
+def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: int, device: torch.device,
+               at: Callable[[str], None] | None = None,
+               before_last_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Forward and backward over `accum` micro-batches, gradient sync held back until the last; returns the
+    step's mean loss. `at` is told the phase (for a hang report); `before_last_backward` gets the loss so far,
+    so the trainer can start its per-step agreement while backward runs."""
+    step_loss = torch.zeros((), device=device)
+    for micro in range(accum):
+        last = micro == accum - 1
+        if at is not None:
+            at("data")
+        batch = send_to_device(next(batches), device)
+        if at is not None:
+            at("forward/backward (Task.loss)")
+        with strategy.sync_gradients(last):
+            with strategy.forward_context():
+                loss, _ = split_loss(task.loss(strategy.model, batch))
+            step_loss += loss.detach().float() / accum
+            if last and before_last_backward is not None:
+                before_last_backward(step_loss)
+            strategy.backward(loss / accum)
+    return step_loss
