@@ -36,3 +36,13 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest'
     assert command in readme
     assert command in (REPO / ".ci" / "run").read_text()
+
+
+def test_every_subpackage_and_data_file_ships_in_the_wheel() -> None:
+    """An editable install finds everything; a wheel only what pyproject lists."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "workbench").rglob("__init__.py")}
+    assert packages <= set(setuptools["packages"]), sorted(packages - set(setuptools["packages"]))
+    for data in (REPO / "workbench").rglob("*.yaml"):
+        package = ".".join(data.parent.relative_to(REPO).parts)
+        assert any(data.match(glob) for glob in setuptools["package-data"].get(package, [])), data

@@ -50,7 +50,7 @@ def test_controls_round_trip_keeps_fields_without_a_control(runs_dir: Path) -> N
     cfg = tiny(runs_dir, num_processes=1, parallelism="none", precision="bf16", micro_batch_size=8,
                grad_accum_steps=3, max_steps=42, lr=3e-4, run_name="rt-1",
                warmup_steps=4, seed=7, weight_decay=0.1, task_options={"hidden": 32})
-    panel = wb.Panel(cfg)
+    panel = wb.Panel(cfg, estimate=False)
     c = panel.controls
     assert (c["task"].value, c["num_processes"].value, c["parallelism"].value, c["precision"].value) == \
            ("digits", 1, "none", "bf16")
@@ -66,7 +66,6 @@ def test_controls_round_trip_keeps_fields_without_a_control(runs_dir: Path) -> N
     assert panel.config.task_options == {"hidden": 32} and panel.config.seed == 7  # no control: kept
     assert "global batch <b>32</b>" in panel.batch_info.value  # 8 x 2 x 2
     assert panel.launch_info.value == html.escape(describe_launch(panel.config))
-    assert "Estimates" in panel.estimates.value and "placeholder" in panel.estimates.value
 
     other = tiny(runs_dir, max_steps=7, lr=0.01)
     panel.config = other
@@ -74,7 +73,7 @@ def test_controls_round_trip_keeps_fields_without_a_control(runs_dir: Path) -> N
 
 
 def test_invalid_combination_shows_runconfig_message_and_disables_launch(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir))
+    panel = wb.Panel(tiny(runs_dir), estimate=False)
     assert panel.state.problem == "" and not panel.launch_button.disabled
 
     panel.controls["parallelism"].value = "none"  # with 2 processes: RunConfig refuses it
@@ -98,13 +97,13 @@ def test_invalid_combination_shows_runconfig_message_and_disables_launch(runs_di
 
 def test_task_options_problem_is_shown(runs_dir: Path) -> None:
     cfg = tiny(runs_dir, task_options={"hiden": 64})
-    panel = wb.Panel(cfg)
+    panel = wb.Panel(cfg, estimate=False)
     assert panel.state.problem == expected_error(cfg.check)
     assert "hiden" in panel.state.problem and panel.launch_button.disabled
 
 
 def test_unavailable_precisions_are_labelled_with_the_reason(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir))
+    panel = wb.Panel(tiny(runs_dir), estimate=False)
     hw = detect()
     labels = dict((value, label) for label, value in panel.controls["precision"].options)
     assert set(labels) == set(get_args(Precision))
@@ -127,16 +126,24 @@ def test_precision_labels_on_an_old_gpu(monkeypatch: pytest.MonkeyPatch) -> None
     assert reasons["bf16"] == v100.precision_problem("bf16", "cuda")
 
 
-def test_processes_bounded_by_the_machine(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir, num_processes=1))
-    assert panel.controls["num_processes"].max == detect().max_processes(panel.device)
+def test_values_the_machine_cant_take_are_said_not_clamped(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir, num_processes=1), estimate=False)
+    too_many = detect().max_processes(panel.device) + 1
+    panel.controls["num_processes"].value = too_many
+    assert panel.controls["num_processes"].value == too_many  # kept as typed, and refused with the reason
+    assert f"num_processes={too_many}: this machine has" in panel.state.problem
+    assert panel.launch_button.disabled and "launching" not in panel.launch_info.value
+    panel.controls["num_processes"].value = 1
+    panel.controls["micro_batch_size"].value = 0
+    assert panel.controls["micro_batch_size"].value == 0
+    assert panel.state.problem.startswith("micro_batch_size=0")
 
 
 def test_user_task_is_offered_and_selected(runs_dir: Path) -> None:
     class Mine(DigitsTask):
         name = "mine"
 
-    panel = wb.Panel(tiny(runs_dir), task=Mine())
+    panel = wb.Panel(tiny(runs_dir), task=Mine(), estimate=False)
     assert ("mine (your task)", "mine") in panel.controls["task"].options
     assert "digits" in [value for _, value in panel.controls["task"].options]
     assert panel.config.task == "mine" and panel.state.problem == ""
@@ -145,7 +152,7 @@ def test_user_task_is_offered_and_selected(runs_dir: Path) -> None:
 
 
 def test_save_as_yaml(runs_dir: Path, tmp_path: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir, max_steps=9))
+    panel = wb.Panel(tiny(runs_dir, max_steps=9), estimate=False)
     panel.yaml_path.value = str(tmp_path / "run.yaml")
     panel.save_button.click()
     assert panel.state.error == ""
@@ -161,7 +168,7 @@ def test_save_as_yaml(runs_dir: Path, tmp_path: Path) -> None:
 def test_button_exception_is_shown_and_buttons_come_back(runs_dir: Path) -> None:
     (runs_dir / "taken").mkdir()
     (runs_dir / "taken" / "config.yaml").write_text("x: 1\n")
-    panel = wb.Panel(tiny(runs_dir, run_name="taken"))
+    panel = wb.Panel(tiny(runs_dir, run_name="taken"), estimate=False)
     panel.launch_button.click()  # rundir.prepare refuses before any process starts
     assert "already exists" in panel.state.error and "already exists" in panel.error_box.value
     assert panel.state.status == "ready" and not panel.launch_button.disabled
@@ -243,7 +250,7 @@ class FailsOnRank1(DigitsTask):
 
 @pytest.mark.slow
 def test_launch_wait_and_launch_again(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir))
+    panel = wb.Panel(tiny(runs_dir), estimate=False)
     panel.launch_button.click()
     assert panel.state.error == ""
     assert panel.state.status in ("running", "completed")
@@ -273,7 +280,7 @@ def test_launch_wait_and_launch_again(runs_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_stop_checkpoints_and_ends_cleanly(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir, max_steps=100_000))
+    panel = wb.Panel(tiny(runs_dir, max_steps=100_000), estimate=False)
     panel.launch()
     assert panel.dashboard is not None
     until(lambda: panel.dashboard.train_rows, 120, "the first metrics row")
@@ -288,7 +295,7 @@ def test_stop_checkpoints_and_ends_cleanly(runs_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_failed_run_shows_the_rank_error_then_launches_again(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir), task=FailsOnRank1())
+    panel = wb.Panel(tiny(runs_dir), task=FailsOnRank1(), estimate=False)
     panel.launch_button.click()
     with pytest.raises(wb.RunFailedError) as info:
         panel.wait(timeout=120)
@@ -307,7 +314,7 @@ def test_failed_run_shows_the_rank_error_then_launches_again(runs_dir: Path) -> 
 def test_panel_offers_every_parallelism_with_its_explanation(runs_dir: Path) -> None:
     from workbench.config import PARALLELISM_MODES, Parallelism
 
-    panel = wb.Panel(tiny(runs_dir))
+    panel = wb.Panel(tiny(runs_dir), estimate=False)
     options = panel.controls["parallelism"].options
     assert [value for _, value in options] == list(get_args(Parallelism))
     for label, value in options:
@@ -321,7 +328,7 @@ def test_panel_offers_every_parallelism_with_its_explanation(runs_dir: Path) -> 
 
 @pytest.mark.slow
 def test_launching_zero3_from_the_panel_runs_sharded_ranks(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir, max_steps=10))
+    panel = wb.Panel(tiny(runs_dir, max_steps=10), estimate=False)
     panel.controls["parallelism"].value = "zero3"
     panel.launch_button.click()
     result = panel.wait(timeout=120)
@@ -330,3 +337,32 @@ def test_launching_zero3_from_the_panel_runs_sharded_ranks(runs_dir: Path) -> No
     full = sum(p.numel() * 4 for p in DigitsTask().build_model(panel.config).parameters())
     assert all(r["sharded"] and 0 < r["params_bytes"] < full for r in ranks)
     assert sum(r["params_bytes"] for r in ranks) == full, "each parameter byte lives on exactly one rank"
+
+
+@pytest.mark.slow
+def test_the_estimate_box_says_whether_it_fits_and_what_would_make_it_fit(runs_dir: Path) -> None:
+    from tasks_for_tests import TinyBlocks
+
+    big = wb.RunConfig(task="tiny-blocks", num_processes=1, parallelism="none", micro_batch_size=4096,
+                       device="cpu", max_steps=1000, runs_dir=str(runs_dir),
+                       task_options={"width": 8192, "blocks": 6, "n": 8192})  # 1.6B parameters
+    panel = wb.Panel(big, task=TinyBlocks())
+    panel.estimate_box.target.value = "L4-24GB"
+    panel.estimate_box.gpus.value = 1
+    panel.estimate_box.wait(timeout=240)
+    est = panel.estimate_box.state.result
+    assert est is not None, panel.estimate_box.state.message
+    assert not est.fits and est.target.name == "L4-24GB"
+    text = panel.estimates.value
+    assert "short by" in text and "rank 0" in text and "would fit with" in text
+    assert "placeholder" not in text
+    suggestions = panel.estimate_box.state.alternatives
+    assert suggestions and all(alt.fits for _, alt in suggestions)
+    for what, alt in suggestions:
+        assert html.escape(what) in text and alt.peak < est.peak
+    assert any("GPUs with zero3" in what for what, _ in suggestions), "sharding over more GPUs fits it"
+
+    panel.estimate_box.target.value = "H200-SXM-141GB"
+    panel.estimate_box.wait(timeout=240)
+    assert panel.estimate_box.state.result.target.name == "H200-SXM-141GB"
+    assert "fits:" in panel.estimates.value

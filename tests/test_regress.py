@@ -129,6 +129,21 @@ def test_rule_precedence_suite_then_notebook_then_default() -> None:
     assert case.rule_for("val", "higher") == (Rule("higher_is_better", rel=DEFAULT_REL), "default")
 
 
+def test_device_class_tolerances_beat_the_others_on_that_class_only() -> None:
+    case = Case(id="t.c", suite="t", name="c", notebook=FIXTURES / "records_metric.ipynb", baselines=Path("."),
+                tolerances=({"*.samples_per_s": {"rel": 0.4}},),
+                device_tolerances=({"cuda-*": {"run.samples_per_s": {"rel": 0.1}}, "cpu": {"*_per_s": "info"}},))
+    assert case.rule_for("run.samples_per_s", "higher", device_class="cpu") == (Rule("info"), "suite '*_per_s' on cpu")
+    assert case.rule_for("run.samples_per_s", "higher", device_class="cuda-H100") == \
+        (Rule("higher_is_better", rel=0.1), "suite 'run.samples_per_s' on cuda-*")
+    assert case.rule_for("run.samples_per_s", "higher", device_class="rocm-MI300X")[0] == \
+        Rule("higher_is_better", rel=0.4)
+    runs = [rec.Records(metrics={"run.samples_per_s": rec.RecordedMetric("run.samples_per_s", 10.0, "higher")})]
+    [on_cpu] = compare(case, runs, {"metrics": {"run.samples_per_s": {"value": 100.0}}}, "cpu")
+    [on_gpu] = compare(case, runs, {"metrics": {"run.samples_per_s": {"value": 100.0}}}, "cuda-A100")
+    assert (on_cpu.verdict, on_gpu.verdict) == ("info", "fail")
+
+
 @pytest.mark.parametrize(("spec", "direction", "message"), [
     ({"tol": 0.1}, None, r"unknown key 'tol'; allowed: mode, abs, rel"),
     ({"mode": "absolute", "abs": 0.1}, None, r"mode='absolute' \(did you mean 'abs'\?\)"),
@@ -170,6 +185,9 @@ def test_suite_cases_merge_defaults_and_resolve_paths(tmp_path: Path) -> None:
     ({"notebook": "NB", "repeats": 0}, {}, r"repeats=0: use a whole number >= 1"),
     ({"notebook": "NB", "needs_gpu": "yes"}, {}, r"needs_gpu='yes': use true or false"),
     ({"notebook": "NB", "tolerances": {"x": {"mode": "rell"}}}, {}, r"tolerances\['x'\]: mode='rell'"),
+    ({"notebook": "NB", "device_tolerances": {"cpu": {"x": {"abs": "1"}}}}, {},
+     r"device_tolerances\['cpu'\]\['x'\]"),
+    ({"notebook": "NB", "device_tolerances": ["cpu"]}, {}, r"device_tolerances=\['cpu'\]: use a mapping of device class"),
     ({"notebook": "NB"}, {"baseline": "b"}, r"unknown key 'baseline' \(did you mean 'baselines'\?\)"),
     ({"notebook": "NB"}, {"defaults": {"notebook": "x"}}, r"defaults: unknown key 'notebook'"),
 ])
@@ -208,9 +226,13 @@ def test_shipped_smoke_suite_is_valid() -> None:
     assert {c.profiles for c in cases} == {("smoke",)}
     rule, _ = cases[0].rule_for("run.samples_per_s", "higher")
     assert rule == Rule("higher_is_better", rel=0.6)
+    assert cases[0].rule_for("run.samples_per_s", "higher", device_class="cuda-H100")[0] == rule
+    assert cases[0].rule_for("run.samples_per_s", "higher", device_class="cpu") == \
+        (Rule("higher_is_better", rel=0.85), "suite '*.samples_per_s' on cpu")
+    assert cases[0].rule_for("run.final_loss", "lower", device_class="cpu")[0] == Rule("abs", abs=0.05)
     for case in cases:  # CPU baselines are committed for every case, and readable
         baseline = load_baseline(baseline_path(case, "cpu"))
-        assert baseline is not None and "run.final_loss" in baseline["metrics"], case.id
+        assert baseline is not None and any(k.endswith(".final_loss") for k in baseline["metrics"]), case.id
 
 
 # ---- recording ------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from typing import Any
 
 from . import data
 from .config import RunConfig
+from .estimate import estimate
 from .launch import Run, launch, start
 from .recording import record
 from .rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, RunResult, Status
@@ -14,7 +15,7 @@ from .version import __version__
 
 __all__ = ["RunConfig", "Run", "RunDirLocked", "RunDivergedError", "RunFailedError", "RunPreemptedError", "RunResult",
            "Status", "Task", "Panel", "__version__", "data",
-           "launch", "record", "register_task", "start"]
+           "estimate", "launch", "record", "register_task", "start"]
 
 
 def __getattr__(name: str) -> Any:

@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "
                         "yourself (multi-node, Slurm)")
 
+    _estimate_parser(sub)
+
     st = sub.add_parser("status", help="how a run stands: status (a run whose processes are gone says so), "
                                        "progress, ending or error, checkpoints")
     st.add_argument("run_dir", type=Path)
@@ -70,6 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _estimate_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("estimate", help="memory, time and cost per rank before launching, on this machine or an "
+                                        "accelerator to rent")
+    e.add_argument("config", type=Path)
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    e.add_argument("--gpu", default=None, help="catalog name, e.g. H100-SXM-80GB (default: this machine)")
+    e.add_argument("--gpus", type=int, default=None, help="GPUs (ranks) per node (default: num_processes)")
+    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--network", choices=["infiniband", "ethernet"], default="infiniband")
+    e.add_argument("--compare", action="store_true", help="the same run on every catalog accelerator")
+    e.add_argument("--suggest", action="store_true", help="when it doesn't fit: changes that would, each estimated")
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -89,6 +104,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     pa.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pa.add_argument("--modes", nargs="+", default=None, help="modes to run (default: ddp zero1 zero2 zero3 hsdp)")
     pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
+    es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    handlers = {"train": _train, "check": _train, "status": _status, "demo": _demo, "data": _data,
+    handlers = {"train": _train, "check": _train, "estimate": _estimate, "status": _status, "demo": _demo, "data": _data,
                 "regress": _regress, "bench": _bench}
     return handlers[args.command](args)
 
@@ -166,6 +183,27 @@ def _take_signals(cfg: Any) -> None:
             signal.signal(sig, lambda signum, frame: None)
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from .config import RunConfig
+    from .estimate import estimate
+    from .estimate.alternatives import alternatives, compare, compare_table
+    from .tasks import get_task
+
+    cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
+    task = get_task(cfg.task)
+    if args.compare:
+        gpus = args.gpus or cfg.num_processes
+        print(f"{cfg.task} on {args.nodes} x {gpus} GPUs of each accelerator in the catalog:")
+        print(compare_table(compare(cfg, task, gpus=gpus, nodes=args.nodes, network=args.network)))
+        return 0
+    est = estimate(cfg, args.gpu, args.gpus, args.nodes, task=task, network=args.network)
+    print(est.table())
+    if args.suggest and not est.fits:
+        for what, alt in alternatives(cfg, est, task, network=args.network):
+            print(f"  would fit with {what}: {alt.verdict()}, step {1e3 * alt.step_s:.1f} ms")
+    return 0 if est.fits else 1
+
+
 def _status(args: argparse.Namespace) -> int:
     from .status import describe_run
 
@@ -213,6 +251,9 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
     from .config import RunConfig
 
+    if args.bench_command == "estimate":
+        print(bench.estimate_accuracy(json_path=args.json).table())
+        return 0
     if args.bench_command in ("precision", "parallelism"):
         default = bench.PRECISION_BENCH if args.bench_command == "precision" else bench.PARALLELISM_BENCH
         cfg = (RunConfig.from_yaml(args.config) if args.config else default).with_overrides(args.overrides)

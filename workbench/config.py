@@ -70,8 +70,16 @@ class RunConfig:
     """Compute precision: 'bf16'/'fp16' autocast (fp16 with dynamic loss scaling); 'fp8' is rejected for now."""
     device: Device = "auto"
     """'auto' picks CUDA when present, else CPU."""
-    micro_batch_size: int = 32
-    """Samples per rank per forward/backward."""
+    start_method: Literal["auto", "fork", "spawn"] = "auto"
+    """How a launch from Python starts its ranks: 'fork' (tasks as they are, fast), or 'spawn' (fresh
+    interpreters, the task pickled with cloudpickle); 'auto' forks unless CUDA is already initialised in this
+    process and the run uses CUDA, then spawns. `workbench train` always starts fresh interpreters."""
+    micro_batch_size: int | Literal["auto"] = 32
+    """Samples per rank per forward/backward; 'auto' picks the largest that fits (see target_global_batch)."""
+    target_global_batch: int = 0
+    """With micro_batch_size='auto': choose grad_accum_steps so the global batch is this (0: keep it)."""
+    memory_budget_gb: float = 0.0
+    """With micro_batch_size='auto' on CPU: memory a rank may use (0: an equal share of this machine's)."""
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step; gradients are all-reduced only on the last one."""
     max_steps: int = 100
@@ -84,6 +92,12 @@ class RunConfig:
     """Cosine decay ends at lr * min_lr_ratio on the last step."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, applied to matrices only (not biases or norms)."""
+    beta1: float = 0.9
+    """AdamW's first-moment decay (the default optimizer; a Task's configure_optimizers may read it too)."""
+    beta2: float = 0.999
+    """AdamW's second-moment decay; 0.95-0.99 is common for transformers (nanoGPT: 0.99 on small data)."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the denominator."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     eval_every: int = 0
@@ -138,8 +152,11 @@ class RunConfig:
         return self.num_processes
 
     @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step over all ranks: micro_batch_size x grad_accum_steps x world size."""
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks: micro_batch_size x grad_accum_steps x world size (with an
+        'auto' micro-batch: target_global_batch, or None until the ranks have chosen)."""
+        if self.micro_batch_size == "auto":
+            return self.target_global_batch or None
         return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
     @property
@@ -169,13 +186,13 @@ class RunConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{f.name}={value!r}: must be a finite number")
-        positive = ("num_processes", "micro_batch_size", "grad_accum_steps", "max_steps", "log_every",
-                    "keep_checkpoints", "dist_timeout_s", "max_skipped_steps")
+        positive = ("num_processes", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints",
+                    "dist_timeout_s", "max_skipped_steps", *(("micro_batch_size",) * (self.micro_batch_size != "auto")))
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1")
         for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "num_workers", "seed",
-                     "max_restarts", "restart_backoff_s"):
+                     "max_restarts", "restart_backoff_s", "target_global_batch", "memory_budget_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be 0 or more")
         if self.seed > 2**32 - 1:
@@ -183,6 +200,12 @@ class RunConfig:
         if self.num_workers > MAX_WORKERS:
             raise ValueError(f"num_workers={self.num_workers}: more DataLoader workers per rank than any machine "
                              f"can feed; use at most {MAX_WORKERS} (typically 2 to 8)")
+        if self.target_global_batch and self.micro_batch_size != "auto":
+            raise ValueError(f"target_global_batch={self.target_global_batch}: only micro_batch_size='auto' uses it; "
+                             "with a fixed micro-batch set grad_accum_steps, or set micro_batch_size='auto'")
+        if self.target_global_batch and self.target_global_batch % self.num_processes:
+            raise ValueError(f"target_global_batch={self.target_global_batch}: must be a multiple of "
+                             f"num_processes={self.num_processes}, e.g. {self.num_processes * 32}")
         if not 1 <= self.preempt_grace_s <= 3600:
             raise ValueError(f"preempt_grace_s={self.preempt_grace_s!r}: use 1 to 3600 seconds (25 by default)")
         if not self.lr > 0 or self.lr > 10:
@@ -191,6 +214,11 @@ class RunConfig:
             raise ValueError(f"weight_decay={self.weight_decay!r}: must be 0 or more (0.1 is typical)")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip!r}: must be positive, or 0 to disable clipping")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be in [0, 1), e.g. 0.9 for beta1, 0.999 for beta2")
+        if not 0 < self.eps < 1:
+            raise ValueError(f"eps={self.eps!r}: must be a small positive number, e.g. 1e-8")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r}: must be between 0 and 1")
         if self.warmup_steps > self.max_steps:
@@ -267,6 +295,7 @@ class RunConfig:
             raise ValueError(f"precision={self.precision!r} on {hw.describe(device)}: {problem}")
         task = task or get_task(self.task)
         task.check_options(self)
+        task.check_data(self)
         if self.activation_checkpointing != "none":
             self._check_checkpoint_units(task)
 

@@ -10,17 +10,50 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 
+_UMASK_LOCK = threading.Lock()
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where the OS allows (Linux), else set and restored
+    under a lock (os.umask has no read-only form)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def regular_file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the umask (0644 under umask 022, 0664 under 002)."""
+    return 0o666 & ~umask()
+
+
+def mkstemp_like_open(directory: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """tempfile.mkstemp, but with the mode open() would give: mkstemp's 0600 would survive the rename and
+    hide shared run directories and caches from the rest of the team."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    os.fchmod(fd, regular_file_mode())
+    return fd, tmp
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` via a temp file in the same directory, then rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = mkstemp_like_open(path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -51,7 +84,7 @@ def read_json(path: Path) -> Any:
 def append_jsonl(path: Path, obj: dict[str, Any]) -> None:
     line = json.dumps(obj, default=str) + "\n"
     # One write() on an O_APPEND file: a crash leaves whole lines plus at most one torn last line.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # less the umask
     try:
         os.write(fd, line.encode("utf-8"))
     finally:

@@ -1,6 +1,6 @@
 """The caller's side of a launch: `launch()` and `start()` run a RunConfig on N ranks from a notebook (fork,
-via notebook_launcher in a supervisor process) or the shell (`accelerate launch` / torchrun), and `Run` is
-the handle on a run that is going.
+via notebook_launcher in a supervisor process, or spawn: fresh interpreters, see spawn.py) or the shell
+(`accelerate launch` / torchrun), and `Run` is the handle on a run that is going.
 
 What notebook_launcher gets wrong is fixed around it: a free port per run, precision that reaches the
 workers, CPU ranks that form one process group, an honest launch message, and each rank's exception
@@ -37,6 +37,7 @@ from .rundir import (RunDir, RunDivergedError, RunFailedError, RunFiles, RunPree
                      prepare)
 from .rundir.liveness import heartbeats, is_alive, this_process
 from .signals import elastic_signals, preempt_signals
+from .spawn import SpawnedRanks, StartPlan, plan_start, write_task
 from .tasks import Task, get_task
 
 log = logging.getLogger("workbench")
@@ -64,7 +65,10 @@ def describe_launch(cfg: RunConfig) -> str:
     extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
     extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")
     extras += ["parameters offloaded to CPU"] * cfg.cpu_offload
-    return ", ".join([f"launching {cfg.task}: {how}", cfg.precision, f"global batch {cfg.global_batch_size}", *extras])
+    batch = f"global batch {cfg.global_batch_size or 'chosen by the ranks'}"
+    if cfg.micro_batch_size == "auto":
+        batch += " (micro-batch: the largest that fits)"
+    return ", ".join([f"launching {cfg.task}: {how}", cfg.precision, batch, *extras])
 
 
 @dataclass
@@ -85,18 +89,35 @@ class Run(RunFiles):
     _progress: bool = False
     _token: str | None = field(default=None, repr=False)
     restarts: int = 0
+    _plan: StartPlan = field(default=StartPlan("fork", ""), repr=False)
     _result: RunResult | None = field(default=None, repr=False)
     _signalled: int = 0
     _kill_at: float | None = None
     # wait() in one thread and stop()/done() in another (the panel does this) must not race on the process.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    @property
+    def start_method(self) -> str:
+        """How the ranks were started: 'fork', 'spawn' (fresh interpreters) or 'subprocess' (the shell's way)."""
+        return self._plan.method
+
+    @property
+    def start_reason(self) -> str:
+        """Why that start method (e.g. CUDA was already initialised in this process, so not fork)."""
+        return self._plan.reason
+
     def done(self) -> bool:
         return self._exitcode() is not None
 
     def _exitcode(self) -> int | None:
         with self._lock:
-            return self._process.poll() if self._mode == "subprocess" else self._process.exitcode
+            return self._process.exitcode if self.start_method == "fork" else self._process.poll()
+
+    def _close_output(self) -> None:
+        """Spawned ranks: their output is copied until they are gone; no copying thread outlives the run."""
+        close = getattr(self._process, "close_output", None)
+        if close is not None:
+            close()
 
     def stop(self) -> None:
         """Graceful stop: ranks agree on a step, save a checkpoint and exit."""
@@ -108,6 +129,7 @@ class Run(RunFiles):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._process.pid, signal.SIGKILL)
         self._join(timeout=30)
+        self._close_output()
         finalize(self.dir, RuntimeError("killed by Run.kill()"))
 
     def _join(self, timeout: float | None) -> None:
@@ -122,7 +144,7 @@ class Run(RunFiles):
             left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if left <= 0:
                 return
-            if self._mode == "subprocess":
+            if self.start_method != "fork":
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._process.wait(left)
             elif multiprocessing.connection.wait([self._process.sentinel], left):
@@ -160,7 +182,7 @@ class Run(RunFiles):
             if ranks:
                 for pid in ranks:
                     os.kill(pid, signum)
-            elif self._mode == "fork":
+            elif self.start_method == "fork":
                 os.killpg(self._process.pid, signum)  # the supervisor and its ranks
             else:
                 self._process.send_signal(signum)  # torchrun forwards it to its ranks
@@ -191,10 +213,11 @@ class Run(RunFiles):
                     if code is None:
                         raise TimeoutError(f"run {self.run_dir.name} still running after {timeout}s; call wait() "
                                            "again, stop() or kill()")
+                    self._close_output()
                     finalize(self.dir, exitcode=code)
                     if not self._restart_if_due():
                         break
-            self._result = RunResult(self.run_dir, self.config)
+            self._result = RunResult(self.run_dir, self.config, self._task)
             lock.release(self.dir, self._token)
             if self._result.status in (Status.COMPLETED, Status.STOPPED):
                 from .recording import record_run
@@ -219,7 +242,7 @@ class Run(RunFiles):
         time.sleep(backoff)
         cfg, run_dir, token = prepare(cfg.replace(resume="auto"), token=self._token)
         self.config, self._token = cfg, token
-        self._process = _spawn(cfg, self._task, run_dir, token, self._mode, self._progress)
+        self._process = _spawn(cfg, self._task, run_dir, token, self._plan, self._progress)
         return True
 
     @cached_property
@@ -274,22 +297,17 @@ def check_launch(cfg: RunConfig, task: Task | None, mode: Mode) -> tuple[RunConf
                              "the task in an importable module (or name it 'module:Class' in cfg.task) and pass "
                              "no task=, or use mode='fork' for tasks defined in a notebook")
     cfg.check(task=task)  # hardware, precision, task and its options: all before anything starts
-    task = task or get_task(cfg.task)
-    if mode == "fork" and cfg.resolved_device() == "cuda":
-        import torch
-
-        if torch.cuda.is_initialized():
-            raise RuntimeError("CUDA is already initialised in this process (a .cuda() or torch.cuda call ran "
-                               "here), and forked ranks cannot use it. Restart the kernel and keep GPU work "
-                               "inside your Task, or launch with mode='subprocess'")
-    return cfg, task
+    return cfg, task or get_task(cfg.task)
 
 
-def _spawn(cfg: RunConfig, task: Task | None, run: RunDir, token: str, mode: Mode, progress: bool) -> Any:
-    """Start the process that runs the ranks: a forked supervisor, or `accelerate launch`/torchrun."""
+def _spawn(cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: StartPlan, progress: bool) -> Any:
+    """Start the process that runs the ranks: a forked supervisor, or `accelerate launch`/torchrun (for the
+    shell, or for ranks spawned from here, whose output is then copied to this process's sys.stdout/stderr)."""
     port = free_port()
     log.info("%s -> %s", describe_launch(cfg), run.path)
-    if mode == "fork":
+    if plan.method != "subprocess":
+        log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
+    if plan.method == "fork":
         from .supervisor import supervise
 
         ctx = multiprocessing.get_context("fork")
@@ -300,7 +318,12 @@ def _spawn(cfg: RunConfig, task: Task | None, run: RunDir, token: str, mode: Mod
         env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
                "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1",
                "WORKBENCH_LOCK_TOKEN": token, "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg)}
-        process = subprocess.Popen(_launch_command(cfg, run.path, port), env=env, start_new_session=True)
+        if plan.method == "spawn":
+            assert plan.payload is not None
+            env.update(write_task(run.path, plan.payload))
+            process = SpawnedRanks(_launch_command(cfg, run.path, port), env, f"workbench-{cfg.run_name}")
+        else:
+            process = subprocess.Popen(_launch_command(cfg, run.path, port), env=env, start_new_session=True)
     lock.set_runner(run, token, {**this_process(), "pid": process.pid,
                                  "create_time": psutil.Process(process.pid).create_time()})
     return process
@@ -310,17 +333,24 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
     """Start `cfg` on cfg.num_processes ranks and return the `Run` handle at once (see `launch` to block).
 
     mode='fork' (notebooks, any Python process) forks ranks through accelerate.notebook_launcher, so tasks
-    defined in a notebook cell work; mode='subprocess' runs `accelerate launch` (torchrun for multi-process
-    CPU) like `workbench train`. Everything is validated before any process starts.
+    defined in a notebook cell work, or, per cfg.start_method (when CUDA is already initialised here), spawns
+    them as fresh interpreters with the task pickled; mode='subprocess' runs `accelerate launch` (torchrun for
+    multi-process CPU) like `workbench train`. Everything is validated before any process starts.
     """
     cfg, task = check_launch(cfg, task, mode)
+    plan = plan_start(cfg, task, mode)  # may refuse: still nothing created
     cfg, run_dir, token = prepare(cfg)
     try:
-        process = _spawn(cfg, task, run_dir, token, mode, progress)
+        if cfg.micro_batch_size == "auto":
+            from .estimate.microbatch import propose
+            from .files import write_json
+
+            write_json(run_dir.path / "autobatch.json", propose(cfg, task))
+        process = _spawn(cfg, task, run_dir, token, plan, progress)
     except BaseException:
         lock.release(run_dir, token)
         raise
-    return Run(cfg, run_dir.path, process, mode, task if mode == "fork" else None, progress, token)
+    return Run(cfg, run_dir.path, process, mode, task if mode == "fork" else None, progress, token, _plan=plan)
 
 
 @overload
@@ -345,3 +375,6 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode:
                       DeprecationWarning, stacklevel=2)
         return start(cfg, task, mode=mode, progress=progress)
     return start(cfg, task, mode=mode, progress=progress).wait()
+
+
+RunResult.launcher = launch  # result.resume() launches through here

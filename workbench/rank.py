@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import os
 import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, TextIO
 
 from .rundir import RunDir
 
@@ -42,14 +44,64 @@ def record_exception(run_dir: Path, rank: int, exc: BaseException) -> None:
               file=sys.stderr)
 
 
+class LinePrefixer(io.TextIOBase):
+    """A text stream that prefixes every whole line it passes on (`print` from a rank: '[rank 1] ...'); a
+    partial line waits for its end, or for close."""
+
+    def __init__(self, target: TextIO, prefix: str) -> None:
+        super().__init__()
+        self.target, self.prefix, self._partial = target, prefix, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        if lines:
+            self.target.write("".join(f"{self.prefix}{line}\n" for line in lines))
+            self.target.flush()  # a rank can end by os._exit, which flushes nothing
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def close(self) -> None:
+        if self._partial:
+            self.target.write(f"{self.prefix}{self._partial}\n")
+            self._partial = ""
+        self.flush()
+        super().close()
+
+
+@contextlib.contextmanager
+def rank_stdout(rank: int) -> Iterator[None]:
+    """The rank's print() output, prefixed with its rank, to the stdout it was started with."""
+    original = sys.stdout
+    if original is None or isinstance(original, LinePrefixer):
+        yield
+        return
+    sys.stdout = prefixed = LinePrefixer(original, f"[rank {rank}] ")
+    try:
+        yield
+    finally:
+        sys.stdout = original
+        prefixed.close()
+
+
 def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
     """Entry point of every rank: run the trainer; on any exception, write it where the caller will find it."""
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        from .training import train
+    if os.environ.get("WORKBENCH_FORKED_RANKS"):
+        import torch
 
-        train(cfg, task, Path(run_dir), progress=progress)
-    except BaseException as exc:
-        record_exception(Path(run_dir), rank, exc)
-        raise
+        torch.set_num_threads(1)  # before any CPU math: see training/accelerator.py on OpenMP after fork
+    with rank_stdout(rank):
+        try:
+            from .training import train
+
+            train(cfg, task, Path(run_dir), progress=progress)
+        except BaseException as exc:
+            record_exception(Path(run_dir), rank, exc)
+            raise

@@ -12,7 +12,9 @@ import logging
 import math
 import numbers
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +53,9 @@ _RUN_METRICS: tuple[tuple[str, str | None, str | None, dict[str, Any]], ...] = (
 # run doesn't record it twice). Re-executing a notebook starts a new kernel, so names repeat run after run.
 _prefix_counts: dict[str, int] = {}
 _run_names: dict[tuple[str, str], str] = {}
+
+# The label runs are recorded under inside `recorded_as(...)`: "" outside any block, None for "don't record".
+_label: ContextVar[str | None] = ContextVar("workbench_record_label", default="")
 
 
 def encode_value(value: float) -> float | int | str:
@@ -143,16 +148,39 @@ def _new_run_name(prefix: str) -> str:
     return prefix if i == 0 else f"{prefix}{'_' if prefix[-1].isdigit() else ''}{i}"
 
 
+@contextmanager
+def recorded_as(label: str | None) -> Iterator[None]:
+    """Record the runs that end inside this block as `<label>.*` instead of run.*, run1.*, ...
+
+    A notebook comparing runs names its recorded metrics after what it compares, so a baseline reads
+    `bf16.samples_per_s`, not `run1.samples_per_s`. A second run under one label is `<label>_1` (or
+    `<label>1`), as with prefixes. `recorded_as(None)` records none of them: repeats a notebook measures
+    for itself, whose numbers would only double the baseline.
+
+        with recorded_as("bf16"):
+            half = wb.launch(cfg.replace(precision="bf16"))
+    """
+    if label is not None:
+        _check_name(label, "label")  # now, not after the run: a bad name must not turn a good run into an error
+    token = _label.set(label)
+    try:
+        yield
+    finally:
+        _label.reset(token)
+
+
 def record_run(result: RunResult, prefix: str = "") -> str | None:
     """Record a run's summary (loss, eval, throughput, memory, wall time) and its loss curve as `<prefix>.*`.
 
-    prefix '' means 'run'; the second run recorded under one prefix in a kernel is 'run1', then 'run2', in
-    launch order, so names are the same each time the notebook is executed. Recording the same run again is a
-    no-op. Outside a Jupyter kernel this does nothing and returns None; otherwise it returns the prefix used.
+    prefix '' means the label of the enclosing `recorded_as(...)` block, or else 'run'; the second run recorded
+    under one prefix in a kernel is 'run1', then 'run2', in launch order, so names are the same each time the
+    notebook is executed. Recording the same run again is a no-op. Outside a Jupyter kernel, or inside
+    `recorded_as(None)` without a prefix, this does nothing and returns None; otherwise it returns the name used.
     """
-    if kernel.kernel_shell() is None:
+    label = _label.get()
+    if kernel.kernel_shell() is None or (label is None and not prefix):
         return None
-    base = _check_name(prefix or "run", "prefix")
+    base = _check_name(prefix or label or "run", "prefix")
     key = (str(Path(result.run_dir).resolve()), base)
     if key in _run_names:
         return _run_names[key]

@@ -11,7 +11,8 @@ import contextlib
 import io
 import logging
 import os
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, TextIO
 
 from .hardware import detect
 from .postmortem import finalize, record_signal_deaths
@@ -19,10 +20,31 @@ from .precision import accelerate_mixed_precision
 from .rank import die_with_parent, rank_main
 from .rundir import RunDir
 from .signals import elastic_signals
+from .training.accelerator import FORKED_RANKS
 
 if TYPE_CHECKING:
     from .config import RunConfig
     from .tasks import Task
+
+
+class DropLines(io.TextIOBase):
+    """A text stream that passes on everything but the lines starting with one of `prefixes`."""
+
+    def __init__(self, target: TextIO, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.target, self.prefixes = target, prefixes
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        kept = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(self.prefixes))
+        if kept:
+            self.target.write(kept)
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
 
 
 def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int, token: str) -> None:
@@ -40,6 +62,7 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     # Elastic logs every rank failure as a wall of text; the run directory and RunFailedError carry it cleanly.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+    os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (training/accelerator.py)
     if cfg.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
@@ -47,8 +70,9 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     error: BaseException | None = None
     try:
         # notebook_launcher prints its own "Launching training on N CUDAs/CPUs" line; ours (logged by the
-        # caller) says what really runs, so accelerate's is swallowed.
-        with contextlib.redirect_stdout(io.StringIO()):
+        # caller) says what really runs, so accelerate's is dropped. Everything else, the ranks' print()
+        # included (they are forked inside this redirect), passes.
+        with contextlib.redirect_stdout(DropLines(sys.stdout, ("Launching training on",))):
             notebook_launcher(rank_main, args=(cfg, task, run_dir, progress), num_processes=cfg.num_processes,
                               mixed_precision=accelerate_mixed_precision(cfg.precision), use_port=str(port),
                               monitor_interval=0.05)

@@ -7,12 +7,21 @@ GiB = 2**30
 
 
 def fmt_bytes(n: float | None, unit: str | None = None, spec: str | None = None) -> str:
-    """'512 MiB' / '1.50 GiB' (the unit picked by size unless given); '?' for None."""
+    """'512 MiB' / '1.50 GiB' / '64.0 KiB' (the unit picked by size unless given); '?' for None."""
     if n is None:
         return "?"
-    unit = unit or ("GiB" if abs(n) >= GiB else "MiB")
+    unit = unit or ("GiB" if abs(n) >= GiB else "MiB" if abs(n) >= MiB or n == 0 else "KiB")
+    if unit == "KiB":
+        return f"{n / 1024:{spec or '.1f'}} KiB"
     scale = GiB if unit == "GiB" else MiB
     return f"{n / scale:{spec or ('.2f' if unit == 'GiB' else '.0f')}} {unit}"
+
+
+def fmt_seconds(seconds: float) -> str:
+    """A short span: '412 us', '26.2 ms', '3.1 s'."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
 def fmt_duration(seconds: float | None) -> str:

@@ -2,16 +2,49 @@
 
 This is what `workbench train` hands to `accelerate launch`; torchrun, Slurm's srun or a multi-node
 `accelerate launch` can start it the same way. It imports only the rank side of workbench.
+
+Ranks spawned from a notebook (start_method 'spawn', see spawn.py) get the caller's task object instead of a
+task name: pickled into RUN_DIR/task.pkl, with its sha256 in $WORKBENCH_TASK_SHA256.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import pickle
 import sys
+from pathlib import Path
 
-from .rank import rank_main
+from .rank import rank_main, record_exception
 from .rundir import RunDir
-from .tasks import get_task
+from .tasks import Task, get_task
+
+TASK_FILE = "task.pkl"
+"""The pickled task of a spawned launch, in the run directory: (the caller's sys.path, cloudpickle bytes)."""
+TASK_DIGEST_ENV = "WORKBENCH_TASK_SHA256"
+"""The sha256 of the task file the launcher wrote; without it the worker never reads a task file."""
+
+
+def load_task(run_dir: Path, digest: str) -> Task:
+    """The task object the launcher pickled for this run, only if the file is the one it wrote."""
+    path = Path(run_dir) / TASK_FILE
+    data = path.read_bytes()
+    actual = hashlib.sha256(data).hexdigest()
+    if not hmac.compare_digest(actual, digest.strip().lower()):
+        raise RuntimeError(f"{path}: its sha256 is {actual[:16]}..., not the {digest[:16]}... its launcher wrote "
+                           f"({TASK_DIGEST_ENV}); refusing to unpickle it, since unpickling runs code. Launch the "
+                           "run again from the caller, which writes a fresh one")
+    # Unpickling executes code. Only the bytes the launcher wrote for this launch get here: their digest came
+    # through the environment, which only the launcher and its children see, not through the run directory.
+    paths, blob = pickle.loads(data)
+    # The caller's import path, behind ours: a task class importable there (sys.path.append in a notebook)
+    # is pickled by reference and must import here too, without shadowing what this interpreter finds first.
+    sys.path.extend(p for p in paths if p not in sys.path)
+    task = pickle.loads(blob)
+    if not isinstance(task, Task):
+        raise TypeError(f"{path} holds a {type(task).__name__}, not a workbench.Task")
+    return task
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,7 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     if cfg is None:
         raise SystemExit(f"{run.config_path}: no such file; create the run directory with "
                          "`workbench train CONFIG --prepare-only`")
-    rank_main(cfg, get_task(cfg.task), str(run.path), progress=os.environ.get("WORKBENCH_PROGRESS") == "1")
+    digest = os.environ.get(TASK_DIGEST_ENV)
+    try:
+        task = load_task(run.path, digest) if digest else get_task(cfg.task)
+    except BaseException as exc:  # the caller reads why this rank never started from the run directory
+        record_exception(run.path, int(os.environ.get("RANK", "0")), exc)
+        raise
+    rank_main(cfg, task, str(run.path), progress=os.environ.get("WORKBENCH_PROGRESS") == "1")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LIVE_STEPS = 100_000
 """Steps of the run launched by clicking: more than any machine finishes before the test clicks Stop."""
+NO_BROKEN_IMAGE = "img => getComputedStyle(img).display === 'none' || !(img.complete && img.naturalWidth === 0)"
+"""A shown image that finished loading with nothing in it is the browser's broken-image icon (one still loading
+its next figure keeps showing the last)."""
 
 
 @dataclass
@@ -184,7 +187,15 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             _wait(page, lambda: _all_cells_ran(page), 150, "every cell to run", artifacts)
             _wait(page, lambda: page.locator(".wb-status-line [data-status='completed']").count(), 60,
                   "the notebook's run to complete", artifacts)
-            assert page.locator(".jp-OutputArea-output img").count() >= 1  # the final figure, as an output
+            # One copy of the final figure: the static snapshot wait() added as an output (a saved notebook keeps
+            # it); the live dashboard hides its own and says where the figure went.
+            _wait(page, lambda: page.locator(".wb-snapshot-figure").count() == 1
+                  and page.locator(".wb-snapshot-figure").evaluate("img => img.naturalWidth") > 0, 30,
+                  "the final snapshot", artifacts)
+            assert page.locator(".wb-figure").evaluate("img => getComputedStyle(img).display") == "none"
+            assert "below" in _text(page, ".wb-figure-placeholder")
+            assert "(run average)" in _text(page, ".wb-snapshot-dashboard")
+            page.locator(".wb-snapshot-dashboard").screenshot(path=str(artifacts / "quickstart-final.png"))
             first_run = _text(page, ".wb-dash-title b")
             assert first_run.startswith("digits-")
 
@@ -205,6 +216,8 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             deadline = time.monotonic() + 180
             while len(seen) < 3:
                 assert time.monotonic() < deadline, f"the dashboard barely moved: steps seen {sorted(seen)}"
+                # Never a broken-image icon: the figure stays hidden until there is one.
+                assert page.locator(".wb-figure").evaluate(NO_BROKEN_IMAGE), "an empty image is shown"
                 m = re.search(r"step (\d+)/(\d+)", _text(page, ".wb-progress-text"))
                 if m and int(m.group(2)) == LIVE_STEPS and int(m.group(1)) > 0:
                     seen.add(int(m.group(1)))
@@ -213,6 +226,9 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
                 page.wait_for_timeout(250)
             assert kernel_idle_while_training, "the kernel was busy while the ranks trained"
             assert re.fullmatch(r"\d+\.\d+", _text(page, ".wb-stat-loss")), _text(page, ".wb-stats")
+            # Throughput says which window it covers, with the run average (summary.json's definition) beside it.
+            assert re.fullmatch(r"[\d,]+ \(last \d+ steps?\) · [\d,]+ \(run average\)",
+                                _text(page, ".wb-stat-samples-s")), _text(page, ".wb-stats")
             _wait(page, lambda: page.locator(".wb-figure").evaluate("img => img.naturalWidth") > 0, 30,
                   "the live figure", artifacts)
             page.locator(".wb-dashboard").scroll_into_view_if_needed()
@@ -228,6 +244,11 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             page.locator(".wb-dashboard").scroll_into_view_if_needed()
             page.wait_for_timeout(300)
             page.screenshot(path=str(artifacts / "quickstart-stopped.png"))
+            # The estimate box fills once the cores are free: memory per rank, fits, time and cost.
+            _wait(page, lambda: "fits" in _text(page, ".wb-estimate-verdict"), 120, "the estimate box to fill",
+                  artifacts)
+            assert "placeholder" not in _text(page, ".wb-panel")
+            assert "rank 0-1" in _text(page, ".wb-estimate") and "steps:" in _text(page, ".wb-estimate-time")
             # The whole panel in one picture: a window tall enough that the notebook needn't scroll inside it.
             page.set_viewport_size({"width": 1400, "height": 2400})
             page.locator(".wb-panel").evaluate("el => el.scrollIntoView({block: 'start'})")

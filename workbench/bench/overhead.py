@@ -50,7 +50,7 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str) -> None:
     set_seed(cfg.seed)
     model = task.build_model(cfg)
     train_ds, _ = task.build_datasets(cfg)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, task)
     model, optimizer = acc.prepare(model, optimizer)
     torch.manual_seed(cfg.seed + 1000 * (acc.process_index + 1))
     sampler = DistributedSampler(train_ds, num_replicas=acc.num_processes, rank=acc.process_index,

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import filelock
 import platformdirs
 from tqdm import tqdm
 
+from ..files import mkstemp_like_open
 log = logging.getLogger("workbench")
 
 _CHUNK = 1 << 20
@@ -50,7 +50,7 @@ class _Copied:
 
 def _copy_to_temp(src: BinaryIO, dest_dir: Path, *, limit: int | None, desc: str, progress: bool) -> _Copied:
     """Copy and hash in one pass, so what is verified is exactly what was written."""
-    fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=dest_dir)
+    fd, name = mkstemp_like_open(dest_dir, prefix=_TMP_PREFIX)
     tmp = Path(name)
     h, size, too_big = hashlib.sha256(), 0, False
     try:
@@ -64,7 +64,6 @@ def _copy_to_temp(src: BinaryIO, dest_dir: Path, *, limit: int | None, desc: str
                 out.write(chunk)
                 h.update(chunk)
                 bar.update(len(chunk))
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache files should read like normal files
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -89,7 +88,7 @@ def _load_state(path: Path) -> dict[str, Any]:
 
 
 def _save_state(path: Path, state: dict[str, Any]) -> None:
-    fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+    fd, name = mkstemp_like_open(path.parent, prefix=_TMP_PREFIX)
     with os.fdopen(fd, "w") as f:
         json.dump(state, f, indent=1, sort_keys=True)
     os.replace(name, path)

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -16,6 +15,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
+from ..files import mkstemp_like_open
 from .archives import _extract_archive
 from .cache import _TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file, cache_dir
 from .errors import DataUnavailableError, IntegrityError, ManifestError, _one_line
@@ -231,12 +231,11 @@ class _Resolver:
         gen_spec = spec.generator_spec()
         where = f"generator {spec.generator}(seed={spec.seed})"
         log.info("data %s: generating with %s", self._label(spec), where)
-        fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=target.parent)
+        fd, name = mkstemp_like_open(target.parent, prefix=_TMP_PREFIX)
         tmp = Path(name)
         try:
             with os.fdopen(fd, "wb") as out:
                 GENERATORS[spec.generator].write(out, gen_spec["params"], spec.seed)  # type: ignore[index]
-            os.chmod(tmp, 0o644)
             sha, size = _sha256_file(tmp), tmp.stat().st_size
         except ValueError as e:
             tmp.unlink(missing_ok=True)

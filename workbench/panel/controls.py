@@ -10,6 +10,7 @@ import ipywidgets as widgets
 from ..config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
 from ..hardware import detect
 from ..precision import Precision
+from ..tasks import Task, available
 
 PARALLELISM_LABELS = {mode: f"{mode}: {text}" for mode, text in PARALLELISM_MODES.items()}
 """Every mode, with its one-line explanation."""
@@ -37,28 +38,27 @@ def precision_options(device: str) -> tuple[list[tuple[str, str]], dict[str, str
     return options, reasons
 
 
-def build_controls(device: str, max_processes: int, task_options: list[tuple[str, str]]
+def build_controls(device: str, task_options: list[tuple[str, str]]
                    ) -> tuple[dict[str, widgets.ValueWidget], dict[str, str]]:
     """The controls, keyed by RunConfig field, and the reasons unavailable precisions are unavailable."""
     wide = widgets.Layout(width="380px")
     precisions, reasons = precision_options(device)
     controls: dict[str, Any] = {
         "task": widgets.Dropdown(options=task_options, description="task", style=STYLE, layout=wide),
-        "num_processes": widgets.IntSlider(min=1, max=max(1, max_processes), description="processes",
-                                           style=STYLE, layout=wide),
+        # Plain number boxes, no bounds: a bounded widget clamps what the user typed without a word; here
+        # RunConfig refuses it and the panel says why (num_processes=3: this machine has 2 CPU cores...).
+        "num_processes": widgets.IntText(description="processes", style=STYLE, layout=wide),
         "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
                                         description="parallelism", style=STYLE, layout=wide),
-        "dp_shard": widgets.BoundedIntText(min=0, max=4096, description="hsdp shard group", style=STYLE,
+        "dp_shard": widgets.IntText(description="hsdp shard group", style=STYLE,
                                            layout=wide, tooltip="hsdp only: ranks that shard one copy of the model"),
         "activation_checkpointing": widgets.Dropdown(options=list(get_args(ActivationCheckpointing)),
                                                      description="activation ckpt", style=STYLE, layout=wide),
         "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=wide,
                                       tooltip="; ".join(reasons.values()) or None),
-        "micro_batch_size": widgets.BoundedIntText(min=1, max=2**20, description="micro-batch size",
-                                                   style=STYLE, layout=wide),
-        "grad_accum_steps": widgets.BoundedIntText(min=1, max=2**16, description="grad accumulation",
-                                                   style=STYLE, layout=wide),
-        "max_steps": widgets.BoundedIntText(min=1, max=10**9, description="steps", style=STYLE, layout=wide),
+        "micro_batch_size": widgets.IntText(description="micro-batch size", style=STYLE, layout=wide),
+        "grad_accum_steps": widgets.IntText(description="grad accumulation", style=STYLE, layout=wide),
+        "max_steps": widgets.IntText(description="steps", style=STYLE, layout=wide),
         "lr": widgets.FloatText(description="learning rate", style=STYLE, layout=wide),
         "run_name": widgets.Text(description="run name", placeholder="automatic: <task>-<time>", style=STYLE,
                                  layout=wide),
@@ -66,3 +66,13 @@ def build_controls(device: str, max_processes: int, task_options: list[tuple[str
     for name, control in controls.items():
         control.add_class(f"wb-{name.replace('_', '-')}")
     return controls, reasons
+
+
+def task_options(user_task: Task | None, selected: str) -> list[tuple[str, str]]:
+    """(label, name) pairs for the task dropdown: the user's own task first, then the registry's."""
+    options = [(name, name) for name in available() if not (user_task and name == user_task.name)]
+    if user_task is not None:
+        options.insert(0, (f"{user_task.name} (your task)", user_task.name))
+    if selected not in [value for _, value in options]:
+        options.append((selected, selected))  # an import path 'module:Class' from a YAML file
+    return options

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,12 @@ from ..hardware import detect
 from ..kernel import in_kernel
 from ..launch import Run, describe_launch, start
 from ..rundir import ENDED, RunFailedError, RunResult, Status
-from ..tasks import Task, available
-from .controls import build_controls
+from ..rundir.result import resume_config
+from ..tasks import Task
+from .controls import build_controls, task_options
+from .estimates import EstimateBox
 from .state import ACTIVE, PanelState
+from .view import RESUMABLE, error_html, save_yaml, status_html
 
 log = logging.getLogger("workbench")
 
@@ -55,7 +59,8 @@ class Panel:
     poll_interval = 1.0
     """Seconds between dashboard reads of the run directory."""
 
-    def __init__(self, cfg: RunConfig | None = None, *, task: Task | None = None, display: bool = True) -> None:
+    def __init__(self, cfg: RunConfig | None = None, *, task: Task | None = None, display: bool = True,
+                 estimate: bool = True) -> None:
         if task is not None and not isinstance(task, Task):
             raise TypeError(f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()")
         if cfg is not None and not isinstance(cfg, RunConfig):
@@ -74,15 +79,18 @@ class Panel:
         self._final_shown = False
         self._filling = False
         self._lock = threading.RLock()  # the waiting thread and the kernel both change status
+        self.live_estimate = estimate
+        """Estimate memory, time and cost as the controls change (it traces a step in this process)."""
         self._build_widgets(base)
         self.state.observe(self._render)
         self._fill(base)
         self._displayed_in: int | None = None
+        self._display: Any = None  # the handle that refreshes the static snapshot when a run ends
         if display and in_kernel():
             from IPython import get_ipython
             from IPython.display import display as show
 
-            show(self.widget)
+            self._display = show(self._repr_mimebundle_(), raw=True, display_id=True)
             self._displayed_in = get_ipython().execution_count
 
     # ---- widgets ------------------------------------------------------------------------------------
@@ -90,8 +98,7 @@ class Panel:
         hw = detect()
         self.device = base.resolved_device(hw)
         self.max_processes = hw.max_processes(self.device)
-        self.controls, self.precision_reasons = build_controls(self.device, self.max_processes,
-                                                               self._task_options(base.task))
+        self.controls, self.precision_reasons = build_controls(self.device, self._task_options(base.task))
         for control in self.controls.values():
             control.observe(self._on_control, names="value")
         limit = widgets.HTML(f"<small style='white-space:nowrap'>up to {self.max_processes} on "
@@ -99,7 +106,9 @@ class Panel:
 
         self.batch_info = _html("wb-batch")
         self.launch_info = _html("wb-launch-info")
-        self.estimates = _html("wb-estimates", self.estimates_html(base))
+        self.estimate_box = EstimateBox(base.num_processes)
+        for control in (self.estimate_box.target, self.estimate_box.gpus, self.estimate_box.nodes):
+            control.observe(lambda change: self._request_estimate(), names="value")
         self.problem_box = _html("wb-problem")
         self.launch_button = _button("Launch", "wb-launch", button_style="success", icon="play")
         self.stop_button = _button("Stop", "wb-stop", button_style="warning", icon="stop",
@@ -108,8 +117,10 @@ class Panel:
                                       layout=widgets.Layout(width="260px"))
         self.save_button = _button("Save as YAML", "wb-save", icon="save",
                                    tooltip="Write the config for `workbench train FILE`")
+        self.resume_button = _button("Resume", "wb-resume", icon="forward",
+                                     tooltip="Continue the last run from its newest checkpoint, with these settings")
         for button, action in ((self.launch_button, self.launch), (self.stop_button, self.stop),
-                               (self.save_button, self.save_yaml)):
+                               (self.resume_button, self.resume), (self.save_button, self.save_yaml)):
             button.on_click(self._on_click(action))
         self.status_box = _html("wb-status-line")
         self.error_box = _html("wb-error")
@@ -119,28 +130,28 @@ class Panel:
                              c["activation_checkpointing"], c["precision"], c["micro_batch_size"], c["grad_accum_steps"], c["max_steps"], c["lr"],
                              c["run_name"]])
         right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,
-                              self.estimates], layout=widgets.Layout(margin="0 0 0 2em", max_width="460px"))
+                              self.estimate_box.widget], layout=widgets.Layout(margin="0 0 0 2em", max_width="560px"))
         self.widget = widgets.VBox([
             widgets.HTML("<h3 style='margin:0.2em 0'>workbench: configure a run</h3>"),
             widgets.HBox([left, right]), self.problem_box,
-            widgets.HBox([self.launch_button, self.stop_button, self.yaml_path, self.save_button]),
+            widgets.HBox([self.launch_button, self.stop_button, self.resume_button, self.yaml_path, self.save_button]),
             self.status_box, self.error_box, self.dashboard_box,
         ])
         self.widget.add_class("wb-panel")
 
     def _task_options(self, selected: str) -> list[tuple[str, str]]:
-        names = available()
-        options = [(name, name) for name in names if not (self.user_task and name == self.user_task.name)]
-        if self.user_task is not None:
-            options.insert(0, (f"{self.user_task.name} (your task)", self.user_task.name))
-        if selected not in [value for _, value in options]:
-            options.append((selected, selected))  # an import path 'module:Class' from a YAML file
-        return options
+        return task_options(self.user_task, selected)
 
-    def estimates_html(self, cfg: RunConfig | None) -> str:
-        """Placeholder for memory/time/cost estimates of `cfg`; the estimator will fill this area."""
-        return ("<div style='border:1px dashed #999;padding:4px 8px;color:#666'>"
-                "<b>Estimates</b> (memory / time / cost): <i>placeholder, not estimated yet</i></div>")
+    @property
+    def estimates(self) -> widgets.HTML:
+        """The estimate box's HTML: memory per rank against the target, time and cost, what to change."""
+        return self.estimate_box.html
+
+    def _request_estimate(self) -> None:
+        # While a run goes, its ranks have the cores; the box shows the estimate it was launched with.
+        if self.live_estimate and self.state.status not in ACTIVE:
+            cfg = self.state.config if not self.state.problem else None
+            self.estimate_box.request(cfg, self.task_for(cfg.task) if cfg else None)
 
     # ---- controls <-> RunConfig ---------------------------------------------------------------------
     def _control_values(self) -> dict[str, Any]:
@@ -165,7 +176,6 @@ class Panel:
         try:
             c = self.controls
             c["task"].options = self._task_options(cfg.task)
-            c["num_processes"].max = max(c["num_processes"].max, cfg.num_processes)  # over the limit: say so
             for name, control in c.items():
                 value = getattr(cfg, name)
                 control.value = "" if value is None else value
@@ -193,6 +203,7 @@ class Panel:
             self.state.config = cfg
             self.state.problem = problem
         self._render()
+        self._request_estimate()
 
     # ---- the one view of the state ------------------------------------------------------------------
     def _render(self, change: Any = None) -> None:
@@ -203,48 +214,24 @@ class Panel:
                 control.disabled = frozen
             self.launch_button.disabled = frozen or s.config is None or bool(s.problem)
             self.stop_button.disabled = s.status != Status.RUNNING or s.busy
+            self.resume_button.disabled = frozen or not self._resumable() or s.config is None or bool(s.problem)
             self.save_button.disabled = s.busy or s.config is None
             self.yaml_path.disabled = s.busy
             cfg = s.config
-            if cfg is None:
+            if cfg is None or s.problem:  # nothing would launch: say nothing that reads as if it would
                 self.batch_info.value = "global batch: –"
-                self.launch_info.value = ""
+                self.launch_info.value = "<i>not launchable as set: see the problem below</i>" if cfg else ""
             else:
                 procs = f"{cfg.num_processes} process" + ("es" if cfg.num_processes > 1 else "")
                 self.batch_info.value = (f"global batch <b>{cfg.global_batch_size}</b> = {cfg.micro_batch_size} "
                                          f"micro-batch × {cfg.grad_accum_steps} accumulation × {procs}")
                 self.launch_info.value = html.escape(describe_launch(cfg))
-            self.estimates.value = self.estimates_html(cfg)
             self.problem_box.value = ("" if not s.problem else
                                       "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
                                       f"{html.escape(s.problem)}</div>")
-            self.status_box.value = self._status_html()
-            self.error_box.value = self._error_html(s.error)
-
-    def _status_html(self) -> str:
-        s, name = self.state, html.escape(self.run.run_dir.name) if self.run else ""
-        text = {
-            "ready": "ready: pick the settings, then Launch",
-            "launching": "launching…",
-            Status.RUNNING: f"running <b>{name}</b>: Stop makes the ranks save a checkpoint and exit",
-            "stopping": f"stopping <b>{name}</b>: the ranks finish a step, save a checkpoint and exit…",
-            Status.COMPLETED: f"completed <b>{name}</b>; change the settings and Launch again to compare",
-            Status.STOPPED: f"stopped <b>{name}</b> (checkpoint saved); Launch starts a new run",
-            Status.PREEMPTED: f"preempted <b>{name}</b> (a signal; checkpoint saved): resume it to continue",
-            Status.DIVERGED: f"diverged <b>{name}</b>: the loss became NaN/inf; the error says where",
-            Status.FAILED: "failed: the error is below; fix it and Launch again",
-        }.get(s.status, html.escape(s.status))
-        note = f"<br><small>{html.escape(s.message)}</small>" if s.message else ""
-        return f"<span class='wb-status' data-status='{html.escape(s.status)}'>{text}</span>{note}"
-
-    @staticmethod
-    def _error_html(error: str) -> str:
-        if not error:
-            return ""
-        first, _, rest = error.partition("\n")
-        detail = (f"<pre style='max-height:16em;overflow:auto;font-size:85%'>{html.escape(rest)}</pre>"
-                  if rest.strip() else "")
-        return f"<div style='color:#b00020'><b>{html.escape(first)}</b>{detail}</div>"
+            self.status_box.value = status_html(s, self.run.run_dir.name if self.run else "",
+                                                resumable=self._resumable())
+            self.error_box.value = error_html(s.error)
 
     # ---- actions ------------------------------------------------------------------------------------
     def _on_click(self, action: Callable[[], Any]) -> Callable[[Any], None]:
@@ -262,24 +249,48 @@ class Panel:
 
     def launch(self) -> Run:
         """Launch the run the controls describe (the Launch button); returns the Run handle at once."""
+        return self._go(lambda: self.config, "launching")
+
+    def _resumable(self) -> bool:
+        return (self.run is not None and self.state.status in RESUMABLE
+                and self.run.dir.latest_checkpoint() is not None)
+
+    def resume(self, **changes: Any) -> Run:
+        """Continue the last run from its newest checkpoint (the Resume button), in its run directory, with the
+        settings the controls show now plus `changes`; what differs from the run's config may change."""
+        def config() -> RunConfig:
+            if self.run is None or not self._resumable():
+                raise RuntimeError("nothing to resume: Resume continues a stopped, preempted, failed or completed "
+                                   "run that saved a checkpoint; Launch starts a new run")
+            old, new = self.run.config, self.config.replace(**changes)
+            differ = {f.name: getattr(new, f.name) for f in fields(new) if getattr(new, f.name) != getattr(old, f.name)
+                      and f.name not in ("run_name", "runs_dir", "resume", "resume_allow")}
+            self.state.message = ("resuming with " + ", ".join(f"{k}={v!r}" for k, v in differ.items())
+                                  if differ else "")
+            return resume_config(old, self.run.run_dir, differ)
+        return self._go(config, "resuming")
+
+    def _go(self, make_config: Callable[[], RunConfig], status: str) -> Run:
         with self._lock:
             if self.state.status in ACTIVE:
                 raise RuntimeError(f"a run is going ({self.run.run_dir.name if self.run else '?'}): stop it or "
                                    "wait for it (panel.wait()) before launching another")
-            cfg = self.config
             if self.state.problem:
                 raise ValueError(self.state.problem)
-            self.state.error = ""
             self.state.message = ""
-            self.state.status = "launching"
+            cfg = make_config()
+            self.state.error = ""
+            before, self.state.status = self.state.status, status
+            self.estimate_box.cancel()
         try:
             run = start(cfg, task=self.task_for(cfg.task))
         except BaseException:
-            self.state.status = "ready"
+            self.state.status = before if status == "resuming" else "ready"
             raise
         self.run, self.result, self._failure, self._final_shown = run, None, None, False
         self._finished = finished = threading.Event()
-        self.dashboard = Dashboard(run.run_dir, max_steps=run.config.max_steps, interval=self.poll_interval)
+        self.dashboard = Dashboard(run.run_dir, max_steps=run.config.max_steps, interval=self.poll_interval,
+                                   show_error=False)  # the panel shows the error once, itself
         self.dashboard_box.children = [self.dashboard.widget]
         self.dashboard.start()
         self.state.status = Status.RUNNING.value
@@ -312,6 +323,7 @@ class Panel:
                 self.state.error = "" if failure is None else _error_text(failure)
                 self.state.status = str(status if status in ENDED else Status.FAILED)
         finished.set()
+        self._request_estimate()  # the cores are free again: the box shows what the settings imply
 
     def stop(self) -> None:
         """Ask the ranks to save a checkpoint and exit (the Stop button); returns at once, see wait()."""
@@ -341,6 +353,8 @@ class Panel:
         if show and not self._final_shown and self.dashboard is not None:
             self._final_shown = True
             self.dashboard.show_final()
+            if self._display is not None:  # a saved notebook shows the panel as it ended, not as it began
+                self._display.update(self._repr_mimebundle_(), raw=True)
         if self._failure is not None:
             raise self._failure
         assert self.result is not None
@@ -348,17 +362,9 @@ class Panel:
 
     def save_yaml(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the config as YAML (the Save button, to the path in the text box) for `workbench train`."""
-        raw = str(path if path is not None else self.yaml_path.value).strip()
-        if not raw:
-            raise ValueError("YAML file: the path is empty; type a file name such as run.yaml")
-        target = Path(raw).expanduser()
         cfg = self.config
-        cfg.to_yaml(target)
-        note = ""
-        if self.task_for(cfg.task) is not None:
-            note = (f" (task {cfg.task!r} lives in this notebook: for the shell, register it in an importable "
-                    "module or set task to 'module:ClassName')")
-        self.state.message = f"saved {target}; train it from a shell with: workbench train {raw}{note}"
+        target, self.state.message = save_yaml(cfg, str(path if path is not None else self.yaml_path.value),
+                                               own_task=self.task_for(cfg.task) is not None)
         return target
 
     # ---- display ------------------------------------------------------------------------------------
@@ -370,7 +376,16 @@ class Panel:
         # The constructor already showed the panel in this cell; `wb.Panel(cfg)` as a cell's last line
         # would otherwise show it twice.
         if shell is None or shell.execution_count != self._displayed_in:
-            display(self.widget)
+            self._display = display(self._repr_mimebundle_(), raw=True, display_id=True)
 
     def __repr__(self) -> str:
         return f"<workbench.Panel status={self.state.status!r} run={self.run.run_dir.name if self.run else None!r}>"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """The live widget, plus a static snapshot for frontends without a kernel (papermill output, nbconvert)."""
+        from ..snapshot import panel_html
+
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = repr(self)
+        bundle["text/html"] = panel_html(self)
+        return bundle

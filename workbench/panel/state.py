@@ -7,7 +7,7 @@ import traitlets
 from ..config import RunConfig
 from ..rundir import Status
 
-ACTIVE = ("launching", Status.RUNNING.value, "stopping")
+ACTIVE = ("launching", "resuming", Status.RUNNING.value, "stopping")
 """Statuses during which the settings are frozen and Launch is off."""
 
 

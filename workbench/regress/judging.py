@@ -42,8 +42,10 @@ class MetricResult:
         return self.current - self.baseline
 
 
-def compare(case: Case, runs: Sequence[Records], baseline: Mapping[str, Any] | None) -> list[MetricResult]:
-    """Judge the median over `runs` (one Records per repeat) of every metric against `baseline`."""
+def compare(case: Case, runs: Sequence[Records], baseline: Mapping[str, Any] | None,
+            device_class: str | None = None) -> list[MetricResult]:
+    """Judge the median over `runs` (one Records per repeat) of every metric against `baseline`, by the rules
+    for `device_class`."""
     values: dict[str, list[float]] = {}
     last: dict[str, RecordedMetric] = {}
     for rec in runs:
@@ -54,7 +56,7 @@ def compare(case: Case, runs: Sequence[Records], baseline: Mapping[str, Any] | N
     results = []
     for name in sorted(values):
         m = last[name]
-        rule, source = case.rule_for(name, m.direction, m.tolerance)
+        rule, source = case.rule_for(name, m.direction, m.tolerance, device_class)
         current = median(values[name])
         res = MetricResult(name, "new", "not in the baseline", rule, source, current, None, values[name], m.unit,
                            m.direction)
@@ -65,7 +67,7 @@ def compare(case: Case, runs: Sequence[Records], baseline: Mapping[str, Any] | N
                 res.reason = f"median of {len(values[name])}: {res.reason}"
         results.append(res)
     for name in sorted(set(base) - set(values)):
-        rule, source = case.rule_for(name, base[name].get("direction"))
+        rule, source = case.rule_for(name, base[name].get("direction"), device_class=device_class)
         verdict = "info" if rule.mode == "info" else "missing"
         results.append(MetricResult(name, verdict, "in the baseline but not recorded by this run", rule, source,
                                     None, base[name]["value"], [], base[name].get("unit"),

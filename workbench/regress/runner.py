@@ -51,7 +51,7 @@ def run_case(case: Case, overrides: Mapping[str, Any], out: Path, *, device_clas
     except ValueError as e:
         result.status, result.error = ERROR, CaseError("bad baseline", str(e))
         return result
-    result.metrics = compare(case, runs, baseline)
+    result.metrics = compare(case, runs, baseline, device_class)
     result.curves = runs[0].curves
     result.baseline_curves = {k: [[p[0], decode_value(p[1])] for p in v]
                               for k, v in (baseline or {}).get("curves", {}).items()}

@@ -18,6 +18,8 @@ A suite is data, a YAML file (paths relative to it):
         tolerances:                  # metric name or glob -> rule; beats the notebook's own tolerance
           "*.final_loss": {mode: abs, abs: 0.05}
           "*.wall_time_s": info
+        device_tolerances:           # device class (or glob) -> tolerances there; beat the ones above
+          cpu: {"*.samples_per_s": {mode: higher_is_better, rel: 0.85}}
 
 Baselines live in <baselines>/<device class>/<case id>.json ('cpu', 'cuda-H100', ...) and are written by
 `--update-baselines`. A notebook target (.ipynb) is one case with default settings, baselines beside it.
@@ -39,7 +41,7 @@ from .rules import Rule, default_rule, parse_rule
 
 DEFAULT_TIMEOUT_S = 3600.0
 _SUITE_KEYS = ("name", "description", "baselines", "defaults", "cases")
-_DEFAULT_KEYS = ("parameters", "profile", "timeout_s", "needs_gpu", "repeats", "tolerances")
+_DEFAULT_KEYS = ("parameters", "profile", "timeout_s", "needs_gpu", "repeats", "tolerances", "device_tolerances")
 _CASE_KEYS = ("notebook", "name", "description", *_DEFAULT_KEYS)
 _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -61,18 +63,22 @@ class Case:
     repeats: int = 1
     tolerances: tuple[dict[str, Any], ...] = ()
     """Case-level then suite-level tables of metric name or glob -> rule spec; the first match decides."""
+    device_tolerances: tuple[dict[str, Any], ...] = ()
+    """Case-level then suite-level tables of device class (or glob) -> tolerances; they beat `tolerances`."""
     source: str = ""
 
-    def rule_for(self, name: str, direction: str | None, notebook_tolerance: Any = None) -> tuple[Rule, str]:
-        """The rule for metric `name` and where it came from: the suite, the notebook, or the default."""
-        for table in self.tolerances:
-            if name in table:
-                return parse_rule(table[name], direction, where=f"{self.source} tolerances[{name!r}]"), \
-                    f"suite '{name}'"
-            for pattern, spec in table.items():
-                if fnmatch.fnmatchcase(name, pattern):
-                    return parse_rule(spec, direction, where=f"{self.source} tolerances[{pattern!r}]"), \
-                        f"suite '{pattern}'"
+    def rule_for(self, name: str, direction: str | None, notebook_tolerance: Any = None,
+                 device_class: str | None = None) -> tuple[Rule, str]:
+        """The rule for metric `name` on `device_class` and where it came from: the suite (for that device
+        class, then for all), the notebook, or the default."""
+        tables = [(table, f"{self.source} device_tolerances[{cls!r}]", f" on {cls}")
+                  for by_device in self.device_tolerances for cls, table in by_device.items()
+                  if device_class is not None and fnmatch.fnmatchcase(device_class, cls)]
+        tables += [(table, f"{self.source} tolerances", "") for table in self.tolerances]
+        for table, where, on in tables:
+            for pattern, spec in ([(name, table[name])] if name in table else []) + list(table.items()):
+                if pattern == name or fnmatch.fnmatchcase(name, pattern):
+                    return parse_rule(spec, direction, where=f"{where}[{pattern!r}]"), f"suite '{pattern}'{on}"
         if notebook_tolerance is not None:
             return parse_rule(notebook_tolerance, direction, where=f"notebook tolerance of {name!r}"), "notebook"
         return default_rule(direction), "default"
@@ -95,18 +101,28 @@ def _check_fields(data: Mapping[str, Any], where: str) -> None:
     n = data.get("repeats")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"{where}: repeats={n!r}: use a whole number >= 1 (e.g. 3 for noisy timings)")
-    tol = data.get("tolerances")
-    if tol is not None:
-        if not isinstance(tol, Mapping):
-            raise ValueError(f"{where}: tolerances={tol!r}: use a mapping of metric name (or glob) to rule, "
-                             "e.g. {'*.final_loss': {mode: abs, abs: 0.05}}")
-        for metric, spec in tol.items():
-            # Direction is only known once the notebook runs; 'higher' accepts every spec that some metric could use.
-            parse_rule(spec, "higher", where=f"{where}: tolerances[{metric!r}]")
-            if isinstance(spec, Mapping) and "mode" not in spec and spec.get("abs") is not None \
-                    and spec.get("rel") is not None:
-                raise ValueError(f"{where}: tolerances[{metric!r}] has abs and rel but no mode: set mode, "
-                                 "e.g. {mode: lower_is_better, abs: 0.01, rel: 0.05}")
+    if data.get("tolerances") is not None:
+        _check_tolerances(data["tolerances"], f"{where}: tolerances")
+    by_device = data.get("device_tolerances")
+    if by_device is not None:
+        if not isinstance(by_device, Mapping) or not all(isinstance(k, str) for k in by_device):
+            raise ValueError(f"{where}: device_tolerances={by_device!r}: use a mapping of device class (or glob) "
+                             "to tolerances, e.g. {cpu: {'*.samples_per_s': info}}")
+        for cls, tol in by_device.items():
+            _check_tolerances(tol, f"{where}: device_tolerances[{cls!r}]")
+
+
+def _check_tolerances(tol: Any, where: str) -> None:
+    if not isinstance(tol, Mapping):
+        raise ValueError(f"{where}={tol!r}: use a mapping of metric name (or glob) to rule, "
+                         "e.g. {'*.final_loss': {mode: abs, abs: 0.05}}")
+    for metric, spec in tol.items():
+        # Direction is only known once the notebook runs; 'higher' accepts every spec that some metric could use.
+        parse_rule(spec, "higher", where=f"{where}[{metric!r}]")
+        if isinstance(spec, Mapping) and "mode" not in spec and spec.get("abs") is not None \
+                and spec.get("rel") is not None:
+            raise ValueError(f"{where}[{metric!r}] has abs and rel but no mode: set mode, "
+                             "e.g. {mode: lower_is_better, abs: 0.01, rel: 0.05}")
 
 
 def load_suite(path: Path, baselines: Path | None = None) -> list[Case]:
@@ -151,6 +167,7 @@ def load_suite(path: Path, baselines: Path | None = None) -> list[Case]:
             timeout_s=float(merged.get("timeout_s", DEFAULT_TIMEOUT_S)), needs_gpu=merged.get("needs_gpu", False),
             repeats=merged.get("repeats", 1),
             tolerances=tuple(t for t in (raw.get("tolerances"), defaults.get("tolerances")) if t),
+            device_tolerances=tuple(t for t in (raw.get("device_tolerances"), defaults.get("device_tolerances")) if t),
             source=where))
     return cases
 

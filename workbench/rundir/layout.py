@@ -34,6 +34,8 @@ CHECKPOINTS = "checkpoints"
 ERRORS = "errors"
 STOP_REQUEST = "STOP"
 RANKS = "ranks"
+RANK_VALUES = "rank_values"
+
 """ranks/rank_<r>.json: each rank's heartbeat (pid, host, step, phase), rewritten every few seconds."""
 STACKS = "stacks"
 """stacks/rank_<r>.txt: a rank's Python stacks, dumped when it hangs past the grace period."""
@@ -78,6 +80,7 @@ class RunDir:
     lock_path = property(lambda self: self.path / LOCK)
     ranks_path = property(lambda self: self.path / RANKS)
     stacks_path = property(lambda self: self.path / STACKS)
+    rank_values_path = property(lambda self: self.path / RANK_VALUES)
 
     @contextlib.contextmanager
     def writing(self, path: Path, what: str) -> Iterator[None]:

@@ -48,7 +48,7 @@ def acquire(run: RunDir, token: str | None = None) -> str:
     record = {**this_process(), "token": token, "time": time.time()}
     for _ in range(3):
         try:
-            fd = os.open(run.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(run.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             owner = read_json(run.lock_path)
             if owner is None or _stale(run, owner):

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..config import RunConfig
 
 TRAJECTORY = ("task", "task_options", "seed", "precision", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
-              "grad_clip", "max_steps")
+              "beta1", "beta2", "eps", "grad_clip", "max_steps")
 """Fields that change what a resumed run computes; the layout (ranks, micro-batch, accumulation, mode) may
 change as long as the global batch stays, since the checkpoint is resharded and the data order follows samples."""
 
@@ -29,7 +29,10 @@ def config_changes(saved: RunConfig, new: RunConfig, step: int) -> list[str]:
                if getattr(saved, name) != getattr(new, name) and name not in new.resume_allow]
     if new.max_steps < step:
         changes.append(f"max_steps={new.max_steps} is below the checkpoint's step {step}")
-    if saved.global_batch_size != new.global_batch_size and "global_batch_size" not in new.resume_allow:
+    if new.global_batch_size is None:
+        changes.append(f"micro_batch_size='auto' without target_global_batch may change the global batch (the "
+                       f"checkpoint's is {saved.global_batch_size}); set target_global_batch={saved.global_batch_size}")
+    elif saved.global_batch_size != new.global_batch_size and "global_batch_size" not in new.resume_allow:
         changes.append(f"global batch: {saved.global_batch_size} ({saved.micro_batch_size} x {saved.grad_accum_steps} "
                        f"x {saved.num_processes}) -> {new.global_batch_size} ({new.micro_batch_size} x "
                        f"{new.grad_accum_steps} x {new.num_processes})")

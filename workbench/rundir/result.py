@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .layout import RunDir
 from .summary import Status
 
 if TYPE_CHECKING:
     from ..config import RunConfig
+    from ..tasks import Task
 
 
 class RunFailedError(RuntimeError):
@@ -49,6 +51,13 @@ class RunPreemptedError(RunFailedError):
                                    "traceback": ""})
 
 
+def resume_config(cfg: RunConfig, run_dir: Path, changes: dict[str, Any]) -> RunConfig:
+    """The config that continues the run in `run_dir` with `changes`: the changes are allowed by name."""
+    allowed = sorted(set(cfg.resume_allow) | set(changes) - {"resume", "resume_allow"})
+    return cfg.replace(**{"runs_dir": str(Path(run_dir).parent), "run_name": Path(run_dir).name, **changes,
+                          "resume": True, "resume_allow": allowed})
+
+
 class RunFiles:
     """Read access to a run's directory: what a running `Run` and an ended `RunResult` both show."""
 
@@ -84,6 +93,44 @@ class RunResult(RunFiles):
 
     run_dir: Path
     config: RunConfig | None = None
+    task: Task | None = field(default=None, repr=False)
+    """The task object the run was launched with (a notebook's own); else the one cfg.task names."""
+
+    def _task(self) -> Task:
+        from ..tasks import get_task
+
+        return self.task if self.task is not None else get_task(self._config().task)
+
+    def _config(self) -> RunConfig:
+        cfg = self.config or self.dir.config()
+        if cfg is None:
+            raise FileNotFoundError(f"{self.dir.config_path}: no such file; is {self.run_dir} a run directory?")
+        return cfg
+
+    def load_model(self, step: int | None = None, device: str | Any = "cpu") -> Any:
+        """The task's model with this run's final weights (or those of the checkpoint at `step`), on
+        `device`, in eval mode, whatever parallelism trained it."""
+        from ..weights import load_model
+
+        return load_model(self.dir, self._config(), self._task(), step=step, device=device)
+
+    @property
+    def rank_values(self) -> list[Any]:
+        """What Task.rank_value returned on every rank at the end of the run, in rank order."""
+        from ..weights import rank_values
+
+        return rank_values(self.dir)
+
+    launcher: ClassVar[Callable[..., RunResult] | None] = None
+    """wb.launch, registered by workbench.launch when it is imported: the run directory's code stays free of
+    the caller's launcher (and the ranks of it)."""
+
+    def resume(self, **changes: Any) -> RunResult:
+        """Continue this run from its newest checkpoint, with `changes` to the config (e.g. max_steps=2000);
+        blocks like wb.launch. Changes you name are allowed even where they alter the trajectory."""
+        if RunResult.launcher is None:
+            raise RuntimeError("resume() needs the launcher: import workbench (or workbench.launch) first")
+        return RunResult.launcher(resume_config(self._config(), self.run_dir, changes), self.task)
 
     def plot(self, *others: RunResult, **kwargs: Any) -> Any:
         """Loss, throughput and memory; pass other results to overlay them (e.g. fp32 against bf16)."""

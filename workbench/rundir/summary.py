@@ -67,6 +67,9 @@ class Summary:
     """'cpu' or 'cuda-<model>': the key regression baselines are kept under."""
     global_batch_size: int | None = None
     """Samples per optimizer step over all ranks."""
+    micro_batch_size: int | None = None
+    """Samples per rank per forward/backward, as run (micro_batch_size='auto' resolved)."""
+    grad_accum_steps: int | None = None
     n_params: int | None = None
     data: list[dict[str, Any]] = field(default_factory=list)
     """Datasets the run read: manifest name, version and sha256 per file."""

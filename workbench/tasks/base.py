@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -10,6 +11,10 @@ from ..suggest import did_you_mean
 
 if TYPE_CHECKING:
     from ..config import RunConfig
+
+log = logging.getLogger("workbench")
+_TRAIN_SIZES: dict[tuple[type, str], int | None] = {}
+"""Training-set sizes by task class and options: the panel checks on every change, tasks are made fresh."""
 
 
 class Task:
@@ -50,6 +55,65 @@ class Task:
         forward order; the root is always a unit on top. None means the repeated blocks (children of a
         ModuleList). Tied parameters must sit in one unit (or both in the root)."""
         return None
+
+    def configure_optimizers(self, model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer | None:
+        """Your optimizer for `model` (nanoGPT's hook name), or None for AdamW(lr, beta1, beta2, eps, weight
+        decay on matrices only). Called on every rank after the model is made parallel: build it from the
+        parameters `model` has then (sharded ones included), and don't move them. Each param group's lr is the
+        peak that `lr_scale` scales; the optimizer's state is checkpointed and resumed like AdamW's."""
+        return None
+
+    def lr_scale(self, step: int, cfg: RunConfig) -> float:
+        """Learning-rate multiplier at optimizer step `step` (0-based), applied to every param group's peak lr:
+        linear warm-up over cfg.warmup_steps, then cosine down to cfg.min_lr_ratio. Override it for your own
+        schedule (return 1.0 for a constant lr)."""
+        from ..schedule import lr_at
+
+        return lr_at(step, cfg) / cfg.lr
+
+    def rank_value(self, model: torch.nn.Module, cfg: RunConfig) -> Any:
+        """Called on every rank when the run completes or stops, with the trained model as the rank holds it
+        (wrapped or sharded: call it on every rank alike); what it returns comes back in the caller's
+        `result.rank_values`, in rank order. Tensors, numbers, strings and lists/tuples/dicts of them; None
+        sends nothing."""
+        return None
+
+    def datasets(self, cfg: RunConfig) -> list[str]:
+        """Names of the data-manifests datasets build_datasets reads: checked to be available offline (cache
+        or mirror) before launch."""
+        return []
+
+    def train_size(self, cfg: RunConfig) -> int | None:
+        """Samples in the training set, for the pre-launch check that one step's micro-batches fit in it.
+        The default builds the datasets once per task_options (override it when that is expensive); None
+        means unknown, not checked."""
+        key, cache = (type(self), repr(sorted(self.options(cfg).items()))), _TRAIN_SIZES
+        if key not in cache:
+            try:
+                cache[key] = len(self.build_datasets(cfg)[0])
+            except Exception as e:  # noqa: BLE001  (a dataset without len(), or one only a rank can build)
+                log.debug("%s: training-set size unknown before launch (%s: %s)", self.name, type(e).__name__, e)
+                cache[key] = None
+        return cache[key]
+
+    def check_data(self, cfg: RunConfig) -> None:
+        """Before launch: the datasets are available offline and one step's micro-batches fit in the training
+        set (each rank draws micro_batch_size samples of its 1/num_processes share)."""
+        from .. import data
+
+        for name in self.datasets(cfg):
+            try:
+                data.resolve(name, offline=True, progress=False)
+            except data.DataUnavailableError as e:
+                raise ValueError(f"task {self.name!r}: dataset {name!r} is not available offline "
+                                 f"({str(e).splitlines()[0]}); fetch it once with `workbench data fetch {name}` "
+                                 "or point WORKBENCH_DATA_MIRROR at a copy") from e
+        size = self.train_size(cfg) if cfg.micro_batch_size != "auto" else None
+        if size is not None and cfg.micro_batch_size * cfg.num_processes > size:
+            fit = max(1, size // cfg.num_processes)
+            raise ValueError(f"micro_batch_size={cfg.micro_batch_size} x num_processes={cfg.num_processes} is more "
+                             f"than the {size:,} training samples of task {self.name!r}: use micro_batch_size={fit} "
+                             "or fewer")
 
     def options(self, cfg: RunConfig) -> dict[str, Any]:
         """default_options overridden by cfg.task_options."""

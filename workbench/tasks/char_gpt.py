@@ -131,6 +131,9 @@ class CharGPTTask(Task):
             self._text_cache = (dataset, path.read_text(encoding="utf-8"))
         return self._text_cache[1]
 
+    def datasets(self, cfg: RunConfig) -> list[str]:
+        return [self.options(cfg)["dataset"]]
+
     def vocab(self, cfg: RunConfig) -> list[str]:
         return sorted(set(self._text(cfg)))
 

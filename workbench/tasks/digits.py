@@ -34,6 +34,9 @@ class DigitsTask(Task):
     name = "digits"
     default_options = {"hidden": 128, "dropout": 0.1, "eval_fraction": 0.2}
 
+    def datasets(self, cfg: RunConfig) -> list[str]:
+        return ["digits"]
+
     def build_model(self, cfg: RunConfig) -> nn.Module:
         o = self.options(cfg)
         return nn.Sequential(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -16,6 +17,10 @@ from ..precision import accelerate_mixed_precision
 if TYPE_CHECKING:
     from ..config import RunConfig
 
+log = logging.getLogger("workbench")
+FORKED_RANKS = "WORKBENCH_FORKED_RANKS"
+"""Set by the fork-mode supervisor: the ranks are forks of the caller's process."""
+
 
 def build_accelerator(cfg: RunConfig) -> Accelerator:
     """An Accelerator that really is what cfg asks for.
@@ -25,10 +30,19 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     whose mixed_precision argument never reaches the workers.
     """
     device = cfg.resolved_device()
-    if device == "cpu":
-        # A forked rank inherits the parent's intra-op thread pool; N ranks x all cores of OpenMP threads
-        # oversubscribe the machine several times over. Each rank gets its share of the cores.
-        torch.set_num_threads(detect().threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes))))
+    share = detect().threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes)))
+    if os.environ.get(FORKED_RANKS) and (share > 1 or device != "cpu"):
+        # GNU OpenMP's thread pool does not survive fork: once the launching process (a notebook kernel that
+        # did any sizeable CPU math) has used it, a forked rank's first parallel region waits forever for
+        # threads that exist only in the parent. One thread never enters the pool (PyTorch's DataLoader
+        # workers do the same).
+        torch.set_num_threads(1)
+        if share > 1 and int(os.environ.get("RANK", "0")) == 0:
+            log.info("forked ranks use 1 CPU thread each (OpenMP can't be used after a fork); "
+                     "start_method='spawn' gives each rank its share of %d", share)
+    elif device == "cpu":
+        # N ranks x all cores of OpenMP threads would oversubscribe the machine: each gets its share.
+        torch.set_num_threads(share)
     accelerator = Accelerator(
         cpu=device == "cpu",
         mixed_precision=accelerate_mixed_precision(cfg.precision),

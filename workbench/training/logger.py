@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..metrics import peak_memory_bytes
-from .optim import lr_at
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -54,7 +53,7 @@ class MetricsLogger:
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.log_every == 0
 
-    def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float) -> dict[str, Any]:
+    def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float, lr: float) -> dict[str, Any]:
         """One all-gather: the window's row, written by rank 0."""
         cfg = self.cfg
         mean_loss = self.loss_sum / self.steps
@@ -68,7 +67,7 @@ class MetricsLogger:
             "step": state.step,
             "epoch": self.epoch_of(max(0, state.micro_batches - 1)),
             "loss": float(everyone[:, 0].mean()),
-            "lr": lr_at(state.step - 1, cfg),
+            "lr": lr,
             "step_time_s": step_time,
             "samples_per_s": self.global_batch / step_time,
             "peak_memory_bytes": int(everyone[:, 1].max()),

@@ -26,6 +26,7 @@ from ..metrics import peak_flops
 from ..rundir import RunDir, Status, lock
 from ..tasks import Task
 from .accelerator import build_accelerator
+from . import autobatch
 from .agreement import Agreement, Verdict
 from .batches import ShardedBatches
 from .checkpoint import Checkpointer
@@ -33,8 +34,9 @@ from .evaluation import evaluate
 from .guard import Guard
 from .logger import MetricsLogger
 from .memory import tracked
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import build_optimizer, set_lr
 from .parallel import parallelize
+from ..weights import save_rank_value
 from .report import export_weights, first_leaf_dtype, running_fields, summary_fields
 from .state import TrainerState
 from .step import accumulate
@@ -56,8 +58,6 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.main = self.accelerator.is_main_process
-        # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
-        self.global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * self.world
         self.log = _RankLog(_log, {"rank": self.rank})
         self.device = self.accelerator.device
         self.state = TrainerState()
@@ -67,25 +67,21 @@ class Trainer:
         self.tracked_memory: dict[str, int] | None = None  # track_memory: one step's bytes by category
         self.ending: dict[str, Any] | None = None  # how a preempted, stopped or diverged run ended
         self.consecutive_skips = 0
+        self.lr = 0.0  # the learning rate the last step used (the first param group's)
         self.guard = Guard(self.run, self.rank, cfg).start()
         self.lock_token = self._hold_lock()
 
         data.reset_used_datasets()  # a forked rank inherits the kernel's list; record only this run's data
-        set_seed(cfg.seed)  # identical initial weights on every rank
-        model = task.build_model(cfg)
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a torch.nn.Module")
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.flops_per_sample = task.flops_per_sample(cfg, model)
-        self.tokens_per_sample = task.tokens_per_sample(cfg)
-        gpus = detect().gpus
-        self.peak_flops = peak_flops(gpus[0].name, cfg.precision) if self.device.type == "cuda" and gpus else None
-        self.compute_dtype = first_leaf_dtype(model)
+        model = self._build_model()
         train_ds, self.eval_ds = task.build_datasets(cfg)
         self.collate_fn = task.collate_fn(cfg)
-        self.batches = ShardedBatches(train_ds, cfg, self.rank, self.world, self.collate_fn)
-        self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg))
+        self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task))
         self.model = self.parallel.model
+        if cfg.micro_batch_size == "auto":
+            self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.world, self.collate_fn)
+        # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
+        self.global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * self.world
+        self.batches = ShardedBatches(train_ds, cfg, self.rank, self.world, self.collate_fn)
         # Dropout masks should differ between ranks, yet be reproducible.
         torch.manual_seed(cfg.seed + 1000 * (self.rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
@@ -128,7 +124,11 @@ class Trainer:
         try:
             while self.state.step < self.cfg.max_steps:
                 if self._track_this_step():
-                    (grad_norm, verdict), self.tracked_memory = tracked(self.parallel, lambda: self._step(batches))
+                    # Fetched outside the tracker: a batch sliced from an in-memory dataset would be counted
+                    # with the whole dataset's storage.
+                    micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
+                    (grad_norm, verdict), self.tracked_memory = tracked(self.parallel, lambda: self._step(iter(micro)),
+                                                                        tuple(micro))
                 else:
                     grad_norm, verdict = self._step(batches)
                 if verdict.nonfinite:
@@ -150,7 +150,7 @@ class Trainer:
         """One optimizer step: accumulate micro-batches, clip, agree, update. The update of a step whose loss
         or gradient norm is not finite is never applied."""
         cfg, parallel, step = self.cfg, self.parallel, self.state.step
-        set_lr(parallel.optimizer, lr_at(step, cfg))
+        self.lr = set_lr(parallel.optimizer, self.task.lr_scale(step, cfg))
         step_loss = accumulate(parallel, self.task, batches, cfg.grad_accum_steps, self.device,
                                at=lambda phase: self.guard.at(step, phase), before_last_backward=self.agreement.start)
         self.guard.at(step, "optimizer")
@@ -181,7 +181,7 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         final = step == cfg.max_steps
         if self.metrics.due(step, final) or verdict.ends:
-            row = self.metrics.log(self.state, grad_norm, self.elapsed_s())
+            row = self.metrics.log(self.state, grad_norm, self.elapsed_s(), self.lr)
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
         # A preempted rank has a grace period to save its state: no eval then.
@@ -231,6 +231,9 @@ class Trainer:
                                 steps_run=self.state.step - steps0)
         if status is not Status.DIVERGED:
             fields["weights_sha256"] = export_weights(self)
+            value = self.task.rank_value(self.parallel.model, self.cfg)
+            if value is not None:
+                save_rank_value(self.run, self.rank, value)
         if self.main:
             self.run.set_status(status, **running_fields(self), **fields, ending=self.ending)
             self.run.write_timings(self.step_times)
@@ -240,6 +243,21 @@ class Trainer:
         return fields
 
     # ---- pieces ---------------------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        """The task's model, identical on every rank (one seed), and what it tells about itself."""
+        cfg, task = self.cfg, self.task
+        set_seed(cfg.seed)
+        model = task.build_model(cfg)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a torch.nn.Module")
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_sample = task.flops_per_sample(cfg, model)
+        self.tokens_per_sample = task.tokens_per_sample(cfg)
+        gpus = detect().gpus
+        self.peak_flops = peak_flops(gpus[0].name, cfg.precision) if self.device.type == "cuda" and gpus else None
+        self.compute_dtype = first_leaf_dtype(model)
+        return model
+
     def _track_this_step(self) -> bool:
         """track_memory watches the session's second step (steady state), or its only one."""
         if not self.cfg.track_memory or self.tracked_memory is not None:

@@ -16,28 +16,76 @@ if TYPE_CHECKING:
     from .parallel import Strategy
 
 T = TypeVar("T")
+_ACTIVE: list[Any] = []
+"""The tracker watching the current step, if any (the trainer's, or an estimate's trace)."""
 
-CATEGORIES = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
-              "Activation": "activations", "Temp": "temporaries", "Other": "other"}
+
+def watching(tracker: Any) -> Any:
+    """Register `tracker` as the one watching (a context manager around the tracked step)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope() -> Any:
+        _ACTIVE.append(tracker)
+        try:
+            with tracker:
+                yield tracker
+        finally:
+            _ACTIVE.remove(tracker)
+
+    return scope()
 
 
-def tracked(strategy: Strategy, step: Callable[[], T]) -> tuple[T, dict[str, Any]]:
-    """Run `step` under the memory tracker; returns its result and the bytes by category at the peak."""
+def next_micro_batch() -> None:
+    """Between the micro-batches of an accumulated step: the tracker counts the model's forward once per
+    pass, so its per-module counts restart (its peak is kept)."""
+    if _ACTIVE:
+        _ACTIVE[-1].reset_mod_stats()
+
+def summarize(snapshot: dict[Any, dict[str, Any]], device: Any) -> dict[str, int]:
+    """A tracker's snapshot on `device` by workbench's categories (MemTracker's and FSDPMemTracker's names
+    alike). On a GPU the snapshot also has the host's tensors (the batch before it moves): not counted."""
+    import torch
+
+    device = torch.device(device)
+    own = next((v for k, v in snapshot.items() if torch.device(k).type == device.type), {})
+    s = {str(getattr(k, "value", k)): v for k, v in own.items()}
+    return {"params": s.get("Sharded Param", 0) + s.get("Unsharded Param", 0) + s.get("Parameter", 0),
+            "grads": s.get("Sharded Grad", 0) + s.get("Unsharded Grad", 0) + s.get("Gradient", 0),
+            "optimizer": s.get("OptState", 0) + s.get("Optstate", 0),
+            "activations": s.get("Activation", 0),
+            "buffers": s.get("All Gather", 0) + s.get("Reduce Scatter", 0),
+            "temporaries": s.get("Temp", 0) + s.get("Buffer", 0) + s.get("Inputs", 0) + s.get("Other", 0),
+            "peak": s.get("Total", 0)}
+
+
+def activations_after_forward(tracker: Any, module: Any) -> int:
+    """Activations saved for backward: what the model holds when its forward returns."""
+    stats = tracker.memory_tracking.get(module)
+    # MemTracker snapshots the module at POST_FW; FSDPMemTracker at AFT_POST_FW (after resharding).
+    snaps = [snap for state, snaps in (stats.snapshots.items() if stats else ())
+             if getattr(state, "name", state) in ("POST_FW", "AFT_POST_FW") for snap in snaps]
+    # MemTracker's categories are str enums, FSDPMemTracker's plain ones: compare by value.
+    return int(max((v for snap in snaps for s in snap.values() for k, v in s.items()
+                    if str(getattr(k, "value", k)) == "Activation"), default=0))
+
+
+def tracked(strategy: Strategy, step: Callable[[], T], inputs: tuple[Any, ...] = ()) -> tuple[T, dict[str, int]]:
+    """Run `step` under PyTorch's memory tracker (FSDPMemTracker for a sharded model, MemTracker otherwise);
+    returns its result and the bytes by category at the peak, with the activations after forward."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
 
-    tracker = MemTracker()
-    tracker.track_external(strategy.module, strategy.local_optimizer())
-    with tracker:
+    if isinstance(strategy.module, FSDPModule):
+        tracker: Any = FSDPMemTracker(strategy.module, strategy.local_optimizer())
+        if inputs:
+            tracker.track_inputs(inputs)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(strategy.module, strategy.local_optimizer(), *inputs)
+    with watching(tracker):
         result = step()
-    from torch.distributed._tools.mem_tracker import _ModState
-
-    peak = tracker.get_tracker_snapshot("peak")
-    at_peak = next(iter(peak.values()), {})
-    report: dict[str, Any] = {name: int(at_peak.get(category, 0)) for category, name in CATEGORIES.items()}
-    report["peak"] = int(at_peak.get("Total", sum(report.values())))
-    # Activations saved for backward: what the model holds when its forward returns (largest micro-batch).
-    stats = tracker.memory_tracking.get(strategy.module)
-    after_forward = [snap.get("Activation", 0) for snaps in (stats.snapshots.get(_ModState.POST_FW, []) if stats
-                                                             else []) for snap in snaps.values()]
-    report["activations_after_forward"] = int(max(after_forward, default=0))
+    report = summarize(tracker.get_tracker_snapshot("peak"), strategy.device)
+    report["activations_after_forward"] = activations_after_forward(tracker, strategy.module)
     return result, report

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import math
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..schedule import lr_at  # noqa: F401  (the schedule's home is a leaf module tasks can import)
+
 if TYPE_CHECKING:
     from ..config import RunConfig
+    from ..tasks import Task
+
+log = logging.getLogger("workbench")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -19,22 +24,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine down to lr*min_lr_ratio."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = cfg.max_steps - cfg.warmup_steps - 1
-    if decay_steps <= 0:
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, task: Task | None = None) -> torch.optim.Optimizer:
+    """The task's optimizer (Task.configure_optimizers) or AdamW; every param group remembers its lr as the
+    peak (`initial_lr`, PyTorch's schedulers' key) that the schedule scales."""
+    optimizer = task.configure_optimizers(model, cfg) if task is not None else None
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                      eps=cfg.eps)
+    elif not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{type(task).__name__}.configure_optimizers returned {type(optimizer).__name__}: return a "
+                        "torch.optim.Optimizer over the model's parameters, or None for AdamW")
+    else:
+        given = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in given]
+        if missing:
+            log.warning("%s.configure_optimizers leaves %d trainable parameter(s) out (%s): they will not be "
+                        "updated", type(task).__name__, len(missing), ", ".join(missing[:3]))
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group.setdefault("initial_lr", group["lr"])
+    return optimizer
+
+
+def set_lr(optimizer: torch.optim.Optimizer, scale: float) -> float:
+    """Every param group's lr = its peak (`initial_lr`) x `scale`; returns the first group's, for the log."""
+    for group in optimizer.param_groups:
+        group["lr"] = group.setdefault("initial_lr", group["lr"]) * scale
+    return float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else 0.0

@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import send_to_device
 
 from .evaluation import split_loss
+from .memory import next_micro_batch
 
 if TYPE_CHECKING:
     from ..tasks import Task
@@ -37,4 +38,6 @@ def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: in
             if last and before_last_backward is not None:
                 before_last_backward(step_loss)
             strategy.backward(loss / accum)
+        if not last:
+            next_micro_batch()
     return step_loss

@@ -23,7 +23,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ...distributed import single_process_dcp
 from ...metrics import state_digest
+
+
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -31,6 +34,11 @@ if TYPE_CHECKING:
     from ...config import RunConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def on_device(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+    """The model on the rank's device; a traced estimate's model already has (fake) storage there."""
+    return model if getattr(accelerator, "tracing", False) else model.to(accelerator.device)
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -120,14 +128,16 @@ class Strategy:
     def save(self, path: Path) -> None:
         """The model into path/model and the optimizer into path/optim (DCP, sharded as the ranks hold it)."""
         state = self.state_dict()
-        dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"))
-        dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
+        with single_process_dcp():
+            dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"))
+            dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
 
     def load(self, path: Path) -> None:
         """Load a checkpoint saved by any mode and number of ranks; DCP reshards it into this layout."""
         state = self.state_dict()
-        dcp.load({"model": state["model"]}, checkpoint_id=str(path / "model"))
-        dcp.load({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
+        with single_process_dcp():
+            dcp.load({"model": state["model"]}, checkpoint_id=str(path / "model"))
+            dcp.load({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 

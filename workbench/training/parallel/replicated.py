@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import DTYPES, Strategy
+from .base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -31,9 +31,11 @@ class Replicated(Strategy):
     def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module,
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
-        self.module = model.to(self.device)
+        self.module = on_device(model, accelerator)
         self.model = self.module
-        if accelerator.num_processes > 1:
+        # A traced estimate leaves DDP out: its buckets live in C++, out of the trace's sight; the estimate
+        # adds them (one copy of the gradients) and their all-reduce from their known size.
+        if accelerator.num_processes > 1 and not getattr(accelerator, "tracing", False):
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.module, device_ids=ids)
             self._register_compression(cfg)

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .base import DTYPES, Strategy
+from .base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -41,13 +41,15 @@ class Sharded(Strategy):
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
         self.name = cfg.parallelism
-        self.mesh = data_parallel_mesh(cfg, self.device.type, accelerator.num_processes)
+        # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
+        self.mesh = getattr(accelerator, "mesh", None) or data_parallel_mesh(cfg, self.device.type,
+                                                                             accelerator.num_processes)
         dtype = DTYPES.get(cfg.precision)
         # Compute in bf16/fp16, keep fp32 master weights and reduce gradients in fp32.
         precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
         if not cfg.cpu_offload:
-            model = model.to(self.device)
+            model = on_device(model, accelerator)
         reshard = cfg.parallelism != "zero2"
         for unit in units:
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=precision,

@@ -1,0 +1,249 @@
+"""The dashboard's live numbers, figure and static snapshot, without a browser; recorded names of labelled runs."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.formatters import DisplayFormatter
+from matplotlib.figure import Figure
+
+import workbench as wb
+import workbench.dashboard as dashboard_mod
+import workbench.recording as rec
+from workbench import files, rundir
+from workbench.dashboard import Dashboard
+from workbench.plots import draw, ema, sci
+from workbench.snapshot import Reading, run_average
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+BATCH = 64
+
+
+def trainer_rows(step_times: list[float], log_every: int) -> list[dict[str, Any]]:
+    """Rows as the trainer writes them: a row at step k is logged before step k's own time is counted, so its
+    elapsed_s holds the steps before it; samples/s and step time are the window's."""
+    rows, window_start = [], 0.0
+    for k in range(log_every, len(step_times) + 1, log_every):
+        elapsed = sum(step_times[:k - 1])
+        window = (elapsed + step_times[k - 1] - window_start) / log_every
+        rows.append({"step": k, "loss": 2.0 / k, "lr": 3e-4, "step_time_s": window,
+                     "samples_per_s": BATCH / window, "peak_memory_bytes": 300 * 2**20, "samples": k * BATCH,
+                     "elapsed_s": elapsed, "eta_s": window * (100 - k)})
+        window_start = elapsed + step_times[k - 1]
+    return rows
+
+
+def fake_run(tmp_path: Path, rows: list[dict[str, Any]], max_steps: int = 100, **summary: Any) -> Path:
+    run_dir = tmp_path / "runs" / "fake-run"
+    run_dir.mkdir(parents=True)
+    wb.RunConfig(max_steps=max_steps).to_yaml(run_dir / rundir.CONFIG)
+    files.write_json(run_dir / rundir.SUMMARY, {"status": "running", "world_size": 2, "precision": "fp32",
+                                                "global_batch_size": BATCH, **summary})
+    files.append_jsonl(run_dir / rundir.EVENTS, {"time": 0.0, "event": "started", "step": 0})
+    for row in rows:
+        files.append_jsonl(run_dir / rundir.METRICS, row)
+    return run_dir
+
+
+# ---- live numbers ---------------------------------------------------------------------------------------------
+def test_run_average_counts_the_samples_of_the_timed_steps(tmp_path: Path) -> None:
+    times = [0.5] + [0.1] * 9 + [0.3] * 10  # a slow first step, then two speeds
+    dash = Dashboard(fake_run(tmp_path, trainer_rows(times, log_every=5)))
+    # At step 20 the row has timed steps 1..19: summary.json's definition, samples / training time, over them.
+    assert dash.run_average == pytest.approx(19 * BATCH / sum(times[:19]), rel=1e-12)
+    window_rate = BATCH / 0.3
+    assert f"{window_rate:,.0f} (last 5 steps) · {dash.run_average:,.0f} (run average)" in dash.stats.value
+    assert "300.0 ms (last 5 steps)" in dash.stats.value
+
+
+@pytest.mark.slow
+def test_run_average_matches_the_summary_of_a_real_run(runs_dir: Path) -> None:
+    cfg = wb.RunConfig(task="digits", num_processes=2, max_steps=20, log_every=5, micro_batch_size=16,
+                       device="cpu", runs_dir=str(runs_dir))
+    result = wb.launch(cfg)
+    summary, rows = result.summary, result.metrics
+    timings = files.read_json(result.run_dir / "timings.json")["step_time_s"]
+    batch = summary["global_batch_size"]
+    # What summary.json's samples_per_s is: this session's samples over its step times.
+    assert summary["samples_per_s"] == pytest.approx(len(timings) * batch / sum(timings), rel=1e-9)
+
+    dash = Dashboard(result)
+    assert dash.ended and dash.run_average == pytest.approx(summary["samples_per_s"], rel=1e-9)
+    assert f"{summary['samples_per_s']:,.0f} (run average)" in dash.stats.value
+    assert "(last 5 steps)" in dash.stats.value
+    # While it ran, the same definition over the steps its rows had timed: every row agrees with timings.json.
+    for row in (r for r in rows if r.get("loss") is not None):
+        live = Reading(rows=[r for r in rows if r["step"] <= row["step"]], summary={"global_batch_size": batch})
+        k = row["step"]
+        assert run_average(live, ended=False) == pytest.approx((k - 1) * batch / sum(timings[:k - 1]), rel=1e-9)
+
+
+def test_eta_uses_the_median_of_recent_steps_not_the_last_window(tmp_path: Path) -> None:
+    times = [0.2] * 24 + [2.0] * 5  # the last window is ten times slower (an eval, a neighbour's burst)
+    rows = trainer_rows(times + [2.0], log_every=5)
+    dash = Dashboard(fake_run(tmp_path, rows))
+    assert dash.step == 30 and rows[-1]["eta_s"] > 100  # the row's own ETA believes the slow window
+    assert "ETA 14 s" in dash.progress_text.value  # median 0.2 s (windows 5..25) x 70 steps left
+
+
+# ---- the figure -----------------------------------------------------------------------------------------------
+def _rows_with_wobble() -> list[dict[str, Any]]:
+    return [{"step": s, "loss": 2.0 / s + 0.05 * (-1) ** s, "lr": 3e-4 * (1 - s / 100), "samples_per_s": 640.0,
+             "peak_memory_bytes": 300 * 2**20 + (s % 2) * 2**20} for s in range(5, 105, 5)]
+
+
+def test_figure_memory_from_zero_log_loss_ema_lr_ticks_and_step() -> None:
+    fig = Figure()
+    rows = _rows_with_wobble()
+    draw(fig, [("run", rows)], log_loss=True, drawn_at=100)
+    ax_loss, _, ax_mem, ax_lr = fig.axes
+    assert ax_mem.get_ylim()[0] == 0  # a 1 MiB wobble on 300 MiB stays flat
+    assert ax_loss.get_yscale() == "log"
+    raw, smooth = ax_loss.get_lines()[:2]
+    assert list(smooth.get_ydata()) == pytest.approx(ema([r["loss"] for r in rows]))
+    assert smooth.get_label() == "run train (EMA)" and raw.get_alpha() < 1 and smooth.get_alpha() in (None, 1)
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ax_lr.get_yticklabels() if t.get_text()]
+    assert ticks and all(re.fullmatch(r"-?\d(\.\d+)?e-?\d+|0", t) for t in ticks), ticks
+    assert any(t.get_text() == "drawn at step 100" for t in fig.texts)
+    # A learning rate that barely decays still gets ticks that differ from each other.
+    slow = Figure()
+    draw(slow, [("run", [dict(r, lr=1e-3 * (1 - 1e-4 * r["step"])) for r in rows])])
+    slow.canvas.draw()
+    ticks = [t.get_text() for t in slow.axes[3].get_yticklabels() if t.get_text()]
+    assert len(ticks) > 2 and len(set(ticks)) == len(ticks), ticks
+
+
+def test_sci_labels_and_ema() -> None:
+    assert (sci(3e-4), sci(2.5e-4), sci(0.0), sci(1e-2)) == ("3e-4", "2.5e-4", "0", "1e-2")
+    smooth = ema([1.0, 3.0, 1.0, 3.0, 1.0, 3.0])
+    assert smooth[0] == 1.0 and max(smooth[2:]) - min(smooth[2:]) < 1.0  # debiased, and calmer than the raw swing
+
+
+def test_overlaid_runs_differ_in_colour_line_style_and_marker() -> None:
+    fig = Figure()
+    draw(fig, [(name, _rows_with_wobble()) for name in ("fp32", "bf16", "fp16")])
+    emas = [line for line in fig.axes[0].get_lines() if line.get_label().endswith("(EMA)")]
+    assert len(emas) == 3
+    for attr in ("get_color", "get_linestyle", "get_marker"):
+        assert len({getattr(line, attr)() for line in emas}) == 3, attr
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == \
+           ["fp32 train (EMA)", "bf16 train (EMA)", "fp16 train (EMA)"]
+
+
+def test_no_empty_image_before_the_first_step_then_one_figure(tmp_path: Path) -> None:
+    run_dir = fake_run(tmp_path, [])
+    dash = Dashboard(run_dir)
+    assert dash.image.layout.display == "none" and bytes(dash.image.value) == b""
+    assert "waiting for the first logged step" in dash.placeholder.value
+    for row in trainer_rows([0.1] * 10, log_every=5):
+        files.append_jsonl(run_dir / rundir.METRICS, row)
+    dash.refresh(force_draw=True)
+    assert bytes(dash.image.value).startswith(b"\x89PNG") and dash.image.layout.display is None
+    assert dash.placeholder.layout.display == "none"
+    before = bytes(dash.image.value)
+    dash.log_loss = True  # the trait redraws at once
+    assert bytes(dash.image.value).startswith(b"\x89PNG") and bytes(dash.image.value) != before
+
+
+def test_a_failed_run_ends_with_one_figure_and_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = fake_run(tmp_path, trainer_rows([0.1] * 20, log_every=5))
+    dash = Dashboard(run_dir, interval=0.05, figure_interval=0.05)
+    files.write_json(run_dir / rundir.SUMMARY, {"status": "failed", "steps": 20, "world_size": 2,
+                                                "error": {"rank": 1, "type": "ValueError", "message": "boom"}})
+    dash.start()
+    dash.stop(timeout=10)  # the poller's last refresh and stop()'s final one both render
+    dash.refresh(force_draw=True)
+    assert not dash.polling and dash.stats.value.count("boom") == 1
+    assert [type(c).__name__ for c in dash.children].count("Image") == 1
+    shown: list[dict[str, Any]] = []
+    monkeypatch.setattr(dashboard_mod, "in_kernel", lambda: True)
+    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj))
+    dash.show_final()
+    dash.show_final()  # a second call (wait() twice) adds nothing
+    assert len(shown) == 1 and shown[0]["text/html"].count("<img") == 1 and shown[0]["text/html"].count("boom") == 1
+    assert base64.b64decode(shown[0]["image/png"]) == dash.figure_png()  # for readers that take only images
+    # The live view points to the static copy instead of showing the figure a second time.
+    assert dash.final_shown and dash.image.layout.display == "none" and "below" in dash.placeholder.value
+
+
+def test_watch_updates_its_own_output_at_the_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Handle:
+        updates: list[Any] = []
+
+        def update(self, obj: Any) -> None:
+            self.updates.append(obj._repr_mimebundle_())
+
+    shown: list[Any] = []
+    monkeypatch.setattr(dashboard_mod, "in_kernel", lambda: True)
+    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(kw) or Handle())
+    run_dir = fake_run(tmp_path, trainer_rows([0.1] * 20, log_every=5), status="completed", steps=20)
+    dash = dashboard_mod.watch(run_dir, interval=0.05)
+    dash.stop(timeout=10)
+    dash.show_final()
+    assert shown == [{"display_id": True}]  # no second output: the first one now holds the final snapshot
+    assert len(Handle.updates) == 1 and "completed" in Handle.updates[0]["text/html"]
+    assert Handle.updates[0]["text/html"].count("<img") == 1 and WIDGET_VIEW in Handle.updates[0]
+
+
+# ---- static snapshot in the display bundle --------------------------------------------------------------------
+def test_dashboard_bundle_has_the_widget_and_a_static_snapshot(tmp_path: Path) -> None:
+    dash = Dashboard(fake_run(tmp_path, trainer_rows([0.1] * 20, log_every=5)))
+    data, _ = DisplayFormatter().format(dash)  # as IPython formats it for a notebook output
+    assert data[WIDGET_VIEW]["model_id"] == dash.model_id
+    page = data["text/html"]
+    png = re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
+    assert png and base64.b64decode(png.group(1)) == dash.figure_png()
+    assert "running" in page and "step 20/100 (20%)" in page and "(last 5 steps)" in page
+    assert "VBox(" not in data["text/plain"] and "fake-run" in data["text/plain"]
+
+
+def test_panel_bundle_has_the_widget_and_a_static_snapshot(tmp_path: Path, runs_dir: Path) -> None:
+    cfg = wb.RunConfig(task="digits", num_processes=2, max_steps=42, micro_batch_size=8, runs_dir=str(runs_dir))
+    panel = wb.Panel(cfg, display=False, estimate=False)
+    bundle = panel._repr_mimebundle_()
+    assert bundle[WIDGET_VIEW]["model_id"] == panel.widget.model_id
+    page = bundle["text/html"]
+    assert "data-status='ready'" in page and "global batch <b>16</b>" in page
+    assert re.search(r"max steps</td><td [^>]*class='wb-snapshot-setting-max-steps'>42<", page)
+    failed = fake_run(tmp_path, trainer_rows([0.1] * 10, log_every=5), status="failed",
+                      error={"rank": 1, "type": "ValueError", "message": "boom"})
+    panel.dashboard = Dashboard(failed)
+    page = panel._repr_mimebundle_()["text/html"]
+    assert page.count("<img") == 1 and "fake-run" in page
+    assert "boom" not in page  # the panel's own error box says it; the dashboard's copy is left out
+
+
+# ---- recorded names -------------------------------------------------------------------------------------------
+class _Shell:
+    kernel = object()
+
+
+def _fake_result(run_dir: Path) -> wb.RunResult:
+    run_dir.mkdir(parents=True)
+    files.write_json(run_dir / rundir.SUMMARY, {"status": "completed", "final_loss": 0.5, "samples_per_s": 9.0})
+    return wb.RunResult(run_dir)
+
+
+def test_runs_are_recorded_under_their_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shown: list[dict[str, Any]] = []
+    monkeypatch.setattr(rec.kernel, "kernel_shell", lambda: _Shell())
+    monkeypatch.setattr(rec, "_display", shown.append)
+    monkeypatch.setattr(rec, "_prefix_counts", {})
+    monkeypatch.setattr(rec, "_run_names", {})
+    with rec.recorded_as("bf16"):
+        assert rec.record_run(_fake_result(tmp_path / "a")) == "bf16"
+        assert rec.record_run(_fake_result(tmp_path / "b")) == "bf16_1"
+    with rec.recorded_as(None):
+        assert rec.record_run(_fake_result(tmp_path / "c")) is None  # a repeat: not recorded
+    assert rec.record_run(_fake_result(tmp_path / "d")) == "run"  # outside any block: as before
+    names = [m["name"] for b in shown if rec.METRIC_MIME in b for m in b[rec.METRIC_MIME]["metrics"]]
+    assert names == ["bf16.final_loss", "bf16.samples_per_s", "bf16_1.final_loss", "bf16_1.samples_per_s",
+                     "run.final_loss", "run.samples_per_s"]
+    with pytest.raises(ValueError, match="label='32 x 1'"):
+        with rec.recorded_as("32 x 1"):
+            pass

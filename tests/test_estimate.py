@@ -1,0 +1,151 @@
+"""The estimate before launching: traced through the trainer's own parallelism code on a fake world, checked
+against the same runs for real (PyTorch's memory tracker on CPU), and priced on accelerators to rent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import workbench as wb
+from tasks_for_tests import TinyBlocks
+from workbench.estimate import estimate, lookup
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).parent
+SHAPES = {"deep": {"width": 64, "blocks": 4}, "wide": {"width": 192, "blocks": 1}}
+LAYOUTS = {"ddp": {}, "zero1": {}, "zero2": {}, "zero3": {},
+           "hsdp": {"num_processes": 4, "dp_shard": 2, "micro_batch_size": 8}}
+
+
+def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
+    base = dict(task="tiny-blocks", num_processes=2, device="cpu", micro_batch_size=16, grad_accum_steps=2,
+                max_steps=2, log_every=1, runs_dir=str(runs_dir), oversubscribe=True, track_memory=True)
+    return wb.RunConfig(**{**base, **fields})
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[list[dict], Any]]:
+    """Every mode on both shapes: the real run's ranks (memory tracked) and the estimate of the same config."""
+    runs_dir = tmp_path_factory.mktemp("runs")
+    out = {}
+    for shape, options in SHAPES.items():
+        for mode, layout in LAYOUTS.items():
+            cfg = cfg_for(runs_dir, parallelism=mode, task_options=options, **layout)
+            ranks = wb.launch(cfg, task=TinyBlocks()).summary["ranks"]
+            out[(shape, mode)] = ranks, estimate(cfg, task=TinyBlocks())
+    return out
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("mode", list(LAYOUTS))
+def test_model_state_is_exact_and_the_peak_within_2_percent(measured: dict, shape: str, mode: str) -> None:
+    ranks, est = measured[(shape, mode)]
+    assert len(est.ranks) == len(ranks)
+    for real in ranks:
+        mine = est.ranks[real["rank"]]
+        assert mine.held == {k: real[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}, (mode, real["rank"])
+        tracked = real["tracked_memory"]["peak"]
+        assert abs(mine.tensors / tracked - 1) < 0.02, (mode, shape, mine.tensors, tracked)
+
+
+def test_the_peak_tracks_the_choice_of_mode(measured: dict) -> None:
+    """Sharding must show in the estimate as it does in the real run: not a formula that ignores the mode."""
+    ddp, zero3 = measured[("wide", "ddp")][1], measured[("wide", "zero3")][1]
+    assert zero3.ranks[0].held["params"] < 0.6 * ddp.ranks[0].held["params"]
+    assert zero3.ranks[0].optimizer < 0.6 * ddp.ranks[0].optimizer
+
+
+def test_a_1_5b_parameter_zero3_estimate_never_allocates_the_model(needs_mirror: Path) -> None:
+    code = ("import json, time, workbench as wb\nfrom workbench.estimate import estimate\nstarted = time.time()\n"
+            "cfg = wb.RunConfig(task='char-gpt', num_processes=8, micro_batch_size=1, parallelism='zero3', "
+            "precision='bf16', task_options={'n_layer': 48, 'n_embd': 1600, 'n_head': 25, 'block_size': 1024})\n"
+            "e = estimate(cfg, gpu='H100-SXM-80GB', gpus=8)\n"
+            "print(json.dumps({'seconds': time.time() - started, 'rss': e.max_rss_bytes, 'fits': e.fits, "
+            "'params': sum(p for p in [e.ranks[0].held['params']]), 'peak': e.peak, 'n': e.config['task_options']}))")
+    env = {**os.environ, "WORKBENCH_DATA_MIRROR": str(needs_mirror), "WORKBENCH_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    model_bytes = 1.47e9 * 4
+    assert result["params"] * 8 > 0.99 * model_bytes, "the estimate covers the whole 1.5B-parameter model"
+    assert result["rss"] < model_bytes / 4, f"resident memory {result['rss'] / 2**30:.2f} GiB"
+    assert result["fits"] and result["peak"] < 20 * 2**30
+    print(f"1.5B zero3 estimate: {result['seconds']:.0f} s, resident {result['rss'] / 2**20:.0f} MiB")
+
+
+def test_auto_micro_batch_agrees_on_the_smaller_fit_and_keeps_the_global_batch(
+        runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.training import autobatch
+
+    budgets = {0: 1_300_000, 1: 1_000_000}  # bytes each rank may use; forked ranks inherit the patch
+    monkeypatch.setattr(autobatch, "memory_limit", lambda device, cfg, local: budgets[int(os.environ["RANK"])])
+    cfg = cfg_for(runs_dir, micro_batch_size="auto", target_global_batch=64, grad_accum_steps=1, max_steps=3,
+                  track_memory=False, task_options={"width": 64, "blocks": 3})
+    result = wb.launch(cfg, task=TinyBlocks())
+    record = json.loads((result.run_dir / "autobatch.json").read_text())
+    own = {r["rank"]: r["own_choice"] for r in record["ranks"]}
+    chosen, s = record["chosen"], result.summary
+    assert own[1] < own[0], "the ranks' budgets give different fits"
+    assert chosen <= own[1] and 64 % (chosen * 2) == 0
+    assert (s["micro_batch_size"], s["grad_accum_steps"], s["global_batch_size"]) == (chosen, 64 // (2 * chosen), 64)
+    assert record["proposed"] >= 1 and record["estimates"], "the launcher's estimate proposed the first try"
+    assert any(e["event"] == "micro_batch_chosen" and e["micro_batch"] == chosen for e in result.events)
+    assert result.status == "completed" and result.dir.config().micro_batch_size == "auto"
+
+
+def test_unknown_accelerators_and_broken_catalog_entries_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"gpu='H1000': not in the accelerator catalog.*known: A10-24GB, .*H100-SXM-80GB"):
+        lookup("H1000")
+    catalog = tmp_path / "mine.yaml"
+    catalog.write_text("accelerators:\n  - {name: MyGPU, memory_gib: 48, peak_tflops: {bf16: 300}}\n")
+    with pytest.raises(ValueError, match=r"mine.yaml: accelerator 'MyGPU': missing field\(s\) memory_bandwidth_gbs, "
+                                         r"link, price_per_hour, price_source"):
+        estimate(wb.RunConfig(), gpu="MyGPU", catalog=catalog)
+
+
+def test_an_accelerator_of_your_own_is_priced(tmp_path: Path) -> None:
+    catalog = tmp_path / "mine.yaml"
+    catalog.write_text("accelerators:\n  - {name: MyGPU, memory_gib: 48, peak_tflops: {fp32: 40, bf16: 300}, "
+                       "memory_bandwidth_gbs: 900, link: {kind: PCIe, gbs: 32}, price_per_hour: 2.0, "
+                       "price_source: our contract}\n")
+    cfg = wb.RunConfig(task="tiny-blocks", max_steps=3600, micro_batch_size=8)
+    est = estimate(cfg, gpu="MyGPU", gpus=2, catalog=catalog, task=TinyBlocks())
+    assert est.target.name == "MyGPU" and est.fits and est.capacity == 48 * 2**30
+    assert est.cost == pytest.approx(2.0 * est.gpu_hours) and est.gpu_hours == pytest.approx(2 * est.run_s / 3600)
+    assert est.step_s >= est.compute_s > 0
+    assert any("our contract" in a for a in est.assumptions)
+
+
+def test_workbench_estimate_prints_a_verdict_and_compares_accelerators(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    wb.RunConfig(task="tasks_for_tests:TinyBlocks", num_processes=2, micro_batch_size=8, max_steps=100,
+                 task_options={"width": 64}).to_yaml(path)
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    one = subprocess.run([sys.executable, "-m", "workbench.cli", "estimate", str(path), "--gpu", "A100-SXM-80GB",
+                          "--gpus", "8", "--nodes", "2"], capture_output=True, text=True, timeout=240, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert "on 2 x 8 x A100-SXM-80GB" in one.stdout and "fits:" in one.stdout and "GPU-hours, $" in one.stdout
+    assert "between nodes" in one.stdout
+    table = subprocess.run([sys.executable, "-m", "workbench.cli", "estimate", str(path), "--compare", "--gpus", "4"],
+                           capture_output=True, text=True, timeout=240, env=env)
+    assert table.returncode == 0, table.stderr[-2000:]
+    names = [line.split()[0] for line in table.stdout.splitlines()[2:]]
+    assert set(names) >= {"H100-SXM-80GB", "A10-24GB", "L4-24GB"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="compares against a real CUDA device")
+def test_the_estimate_is_within_10_percent_of_max_memory_allocated_on_a_gpu(runs_dir: Path) -> None:
+    import torch
+
+    cfg = cfg_for(runs_dir, device="cuda", num_processes=1, parallelism="zero3", track_memory=False,
+                  micro_batch_size=64, task_options={"width": 1024, "blocks": 4})
+    measured = wb.launch(cfg, task=TinyBlocks()).summary["ranks"][0]["peak_memory_bytes"]
+    est = estimate(cfg, gpu=torch.cuda.get_device_name(0), gpus=1, task=TinyBlocks())
+    assert abs(est.ranks[0].tensors / measured - 1) < 0.10, (est.ranks[0].tensors, measured)

@@ -1,0 +1,208 @@
+"""The notebook round trip: a task's own optimizer and schedule, rank output in the caller, the trained
+model and per-rank values back in the kernel, resume, files the team can read, and refusals before launch."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import workbench as wb
+from tasks_for_tests import TinyBlocks, TinyRegression
+from workbench.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).parent
+
+
+def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
+    base = dict(task="tiny-regression", num_processes=2, device="cpu", micro_batch_size=16, max_steps=8,
+                log_every=1, lr=5e-2, runs_dir=str(runs_dir), seed=3)
+    return wb.RunConfig(**{**base, **fields})
+
+
+class SGDTask(TinyRegression):
+    """nanoGPT-style: the task builds its optimizer (SGD with momentum) and keeps a constant learning rate."""
+
+    name = "sgd-task"
+
+    def configure_optimizers(self, model: torch.nn.Module, cfg: wb.RunConfig) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+
+    def lr_scale(self, step: int, cfg: wb.RunConfig) -> float:
+        return 1.0
+
+
+def optimizer_keys(run: RunDir) -> set[str]:
+    _, ckpt = run.checkpoints()[-1]
+    return set(dcp.FileSystemReader(str(ckpt / "optim")).read_metadata().state_dict_metadata)
+
+
+def test_a_tasks_own_optimizer_steps_checkpoints_and_resumes(runs_dir: Path) -> None:
+    straight = wb.launch(cfg_for(runs_dir, run_name="straight"), task=SGDTask())
+    keys = optimizer_keys(straight.dir)
+    assert any(k.endswith("momentum_buffer") for k in keys) and not any("exp_avg" in k for k in keys), keys
+    assert {r["lr"] for r in straight.metrics if "lr" in r} == {5e-2}  # the task's schedule, not warm-up/cosine
+    half = wb.launch(cfg_for(runs_dir, run_name="halves", max_steps=4), task=SGDTask())
+    resumed = half.resume(max_steps=8)
+    # Bit for bit the uninterrupted run: the momentum buffers were saved and loaded, not restarted at zero.
+    assert resumed.summary["weights_sha256"] == straight.summary["weights_sha256"]
+    assert [r["step"] for r in resumed.metrics if "loss" in r] == list(range(1, 9))  # one curve, continued
+
+
+def test_betas_and_eps_reach_the_default_adamw(runs_dir: Path) -> None:
+    default = wb.launch(cfg_for(runs_dir, max_steps=4), task=TinyRegression())
+    nano = wb.launch(cfg_for(runs_dir, max_steps=4, beta2=0.99), task=TinyRegression())
+    assert nano.summary["weights_sha256"] != default.summary["weights_sha256"]
+    with pytest.raises(ValueError, match=r"beta2=1.0: must be in \[0, 1\)"):
+        cfg_for(runs_dir, beta2=1.0)
+    with pytest.raises(ValueError, match=r"eps=0: must be a small positive number"):
+        cfg_for(runs_dir, eps=0)
+
+
+class Chatty(TinyRegression):
+    name = "chatty"
+
+    def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
+        print(f"hello from rank {os.environ['RANK']}", end="")  # a partial line: ends when the rank closes it
+        print(" building the model")
+        return super().build_model(cfg)
+
+
+def test_a_ranks_print_reaches_the_caller_with_its_rank(runs_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    wb.launch(cfg_for(runs_dir, max_steps=2), task=Chatty())
+    out = capfd.readouterr().out
+    for rank in (0, 1):
+        assert f"[rank {rank}] hello from rank {rank} building the model\n" in out, out
+    assert "Launching training on" not in out  # accelerate's misleading line is still dropped
+
+
+def test_an_import_path_task_gets_a_valid_automatic_run_name(runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+    result = wb.launch(cfg_for(runs_dir, task="tasks_for_tests:TinyRegression", max_steps=2))
+    assert result.run_dir.name.startswith("TinyRegression-") and result.status == wb.Status.COMPLETED
+    path = runs_dir / "shell.yaml"
+    cfg_for(runs_dir, task="tasks_for_tests:TinyRegression", max_steps=2).to_yaml(path)
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "train", str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len([p for p in runs_dir.iterdir() if p.name.startswith("TinyRegression-")]) == 2
+
+
+class Reporting(TinyBlocks):
+    """Every rank sends back its rank, a statistic of its own data and a tensor."""
+
+    name = "reporting"
+
+    def rank_value(self, model: torch.nn.Module, cfg: wb.RunConfig) -> Any:
+        rank = int(os.environ["RANK"])
+        return {"rank": rank, "pid": os.getpid(), "scale": torch.full((2,), float(rank))}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_the_trained_model_and_rank_values_come_back(runs_dir: Path, mode: str) -> None:
+    result = wb.launch(cfg_for(runs_dir, task="reporting", parallelism=mode, max_steps=3,
+                               task_options={"width": 16, "blocks": 2}), task=Reporting())
+    final = result.load_model()
+    from_checkpoint = result.load_model(step=3)
+    assert isinstance(final, torch.nn.Module) and not final.training
+    final_state, ckpt_state = final.state_dict(), from_checkpoint.state_dict()
+    assert final_state.keys() == ckpt_state.keys()
+    assert all(torch.equal(final_state[k], ckpt_state[k]) for k in final_state)  # bit for bit
+    assert not torch.equal(final_state["inp.weight"], Reporting().build_model(result.config).state_dict()["inp.weight"])
+    values = result.rank_values
+    assert [v["rank"] for v in values] == [0, 1]
+    assert values[0]["pid"] != values[1]["pid"] and torch.equal(values[1]["scale"], torch.ones(2))
+    with pytest.raises(ValueError, match=r"step=2: .* has complete checkpoints at steps \[3\] only"):
+        result.load_model(step=2)
+
+
+def test_a_rank_value_that_cant_be_loaded_safely_fails_the_run(runs_dir: Path) -> None:
+    class Unsafe(TinyRegression):
+        name = "unsafe"
+
+        def rank_value(self, model: torch.nn.Module, cfg: wb.RunConfig) -> Any:
+            return model  # a whole module: loading it back would need pickle's code execution
+
+    with pytest.raises(wb.RunFailedError, match=r"rank_value returned a .* that can't be loaded safely"):
+        wb.launch(cfg_for(runs_dir, max_steps=2), task=Unsafe())
+
+
+def test_the_panel_resumes_a_stopped_run_and_the_curve_continues(runs_dir: Path) -> None:
+    panel = wb.Panel(cfg_for(runs_dir, max_steps=4, num_processes=1, parallelism="none"), task=TinyRegression(),
+                     estimate=False)
+    panel.poll_interval = 0.2
+    assert panel.resume_button.disabled  # nothing to resume yet
+    panel.launch()
+    first = panel.wait(timeout=300, show=False)
+    assert first.status == wb.Status.COMPLETED and not panel.resume_button.disabled
+    panel.controls["max_steps"].value = 7
+    panel.resume_button.click()
+    assert panel.state.error == "" and "max_steps=7" in panel.state.message
+    second = panel.wait(timeout=300, show=False)
+    assert second.run_dir == first.run_dir and second.status == wb.Status.COMPLETED
+    assert [r["step"] for r in second.metrics if "loss" in r] == list(range(1, 8))
+    assert any(e["event"] == "resumed" for e in second.events)
+
+
+def test_written_files_honour_the_umask(runs_dir: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        result = wb.launch(cfg_for(runs_dir, max_steps=2, num_processes=1, parallelism="none"), task=TinyRegression())
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(result.run_dir): stat.S_IMODE(p.stat().st_mode) for p in result.run_dir.rglob("*")}
+    files = {p: m for p, m in modes.items() if (result.run_dir / p).is_file()}
+    for name in ("config.yaml", "summary.json", "metrics.jsonl", "model.safetensors"):
+        assert files[Path(name)] == 0o644, (name, oct(files[Path(name)]))
+    assert {oct(m) for m in files.values()} == {oct(0o644)}, {str(p): oct(m) for p, m in files.items() if m != 0o644}
+    assert all(m == 0o755 for p, m in modes.items() if (result.run_dir / p).is_dir())
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"task": "digits", "micro_batch_size": 5000},
+     r"micro_batch_size=5000 x num_processes=2 is more than the 1,438 training samples of task 'digits': "
+     r"use micro_batch_size=719 or fewer"),
+])
+def test_what_can_be_known_before_launch_is_refused_before_launch(runs_dir: Path, fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wb.launch(cfg_for(runs_dir, **fields))
+    assert not list(runs_dir.iterdir())
+    panel = wb.Panel(cfg_for(runs_dir, **fields), estimate=False)
+    assert panel.launch_button.disabled and "micro_batch_size=5000 x num_processes=2" in panel.state.problem
+
+
+def test_data_that_isnt_available_offline_is_refused_before_launch(runs_dir: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORKBENCH_DATA_DIR", str(tmp_path / "empty-cache"))
+    (tmp_path / "empty-mirror").mkdir()
+    monkeypatch.setenv("WORKBENCH_DATA_MIRROR", str(tmp_path / "empty-mirror"))
+    with pytest.raises(ValueError, match=r"task 'char-gpt': dataset 'tinyshakespeare' is not available offline .*"
+                                         r"`workbench data fetch tinyshakespeare`"):
+        cfg_for(runs_dir, task="char-gpt").check()
+    panel = wb.Panel(cfg_for(runs_dir, task="char-gpt"), estimate=False)
+    assert panel.launch_button.disabled and "not available offline" in panel.state.problem
+    assert "launching" not in panel.launch_info.value  # the implied launch doesn't contradict the refusal
+
+
+def test_ranks_forked_after_the_caller_used_openmp_do_not_hang(runs_dir: Path) -> None:
+    """A kernel that did CPU math has a live OpenMP pool; a forked rank that enters a parallel region with
+    more than one thread waits forever for the pool's threads, which exist only in the kernel."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("needs 2 or more intra-op threads to start an OpenMP pool")
+    torch.rand(4_000_000).sqrt()  # MKL's threaded sqrt: the pool now exists in this process
+    run = wb.start(cfg_for(runs_dir, max_steps=3, num_processes=1, parallelism="none"), task=TinyRegression())
+    try:
+        result = run.wait(timeout=240)
+    except TimeoutError:
+        run.kill()
+        pytest.fail("the forked rank hung after the caller used OpenMP")
+    assert result.status == wb.Status.COMPLETED
