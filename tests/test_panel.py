@@ -55,7 +55,7 @@ def test_controls_round_trip_keeps_fields_without_a_control(runs_dir: Path) -> N
     assert (c["task"].value, c["num_processes"].value, c["parallelism"].value, c["precision"].value) == \
            ("digits", 1, "none", "bf16")
     assert (c["micro_batch_size"].value, c["grad_accum_steps"].value, c["max_steps"].value, c["lr"].value,
-            c["run_name"].value) == (8, 3, 42, 3e-4, "rt-1")
+            c["run_name"].value) == ("8", 3, 42, 3e-4, "rt-1")
     assert panel.config == cfg
 
     c["num_processes"].value = 2
@@ -134,9 +134,13 @@ def test_values_the_machine_cant_take_are_said_not_clamped(runs_dir: Path) -> No
     assert f"num_processes={too_many}: this machine has" in panel.state.problem
     assert panel.launch_button.disabled and "launching" not in panel.launch_info.value
     panel.controls["num_processes"].value = 1
-    panel.controls["micro_batch_size"].value = 0
-    assert panel.controls["micro_batch_size"].value == 0
+    panel.controls["micro_batch_size"].value = "0"
+    assert panel.controls["micro_batch_size"].value == "0"
     assert panel.state.problem.startswith("micro_batch_size=0")
+    panel.controls["micro_batch_size"].value = "auto"  # a value of its own: the ranks pick the largest that fits
+    assert panel.state.problem == "" and panel.config.micro_batch_size == "auto"
+    assert "global batch <b>chosen at launch</b>" in panel.batch_info.value
+    assert wb.Panel(tiny(runs_dir, micro_batch_size="auto"), estimate=False).config.micro_batch_size == "auto"
 
 
 def test_user_task_is_offered_and_selected(runs_dir: Path) -> None:

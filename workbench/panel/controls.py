@@ -56,7 +56,9 @@ def build_controls(device: str, task_options: list[tuple[str, str]]
                                                      description="activation ckpt", style=STYLE, layout=wide),
         "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=wide,
                                       tooltip="; ".join(reasons.values()) or None),
-        "micro_batch_size": widgets.IntText(description="micro-batch size", style=STYLE, layout=wide),
+        # Text, not a number box: 'auto' (the largest that fits, chosen by the ranks) is a value too.
+        "micro_batch_size": widgets.Combobox(options=["auto"], ensure_option=False, placeholder="a number, or auto",
+                                             description="micro-batch size", style=STYLE, layout=wide),
         "grad_accum_steps": widgets.IntText(description="grad accumulation", style=STYLE, layout=wide),
         "max_steps": widgets.IntText(description="steps", style=STYLE, layout=wide),
         "lr": widgets.FloatText(description="learning rate", style=STYLE, layout=wide),
@@ -76,3 +78,10 @@ def task_options(user_task: Task | None, selected: str) -> list[tuple[str, str]]
     if selected not in [value for _, value in options]:
         options.append((selected, selected))  # an import path 'module:Class' from a YAML file
     return options
+
+
+def read_micro_batch(text: str) -> int | str:
+    """The micro-batch box's text as RunConfig takes it: a whole number, or the text itself ('auto', or what
+    RunConfig will refuse by name)."""
+    text = str(text).strip()
+    return int(text) if text.lstrip("+-").isdigit() else text

@@ -26,7 +26,7 @@ from ..launch import Run, describe_launch, start
 from ..rundir import ENDED, RunFailedError, RunResult, Status
 from ..rundir.result import resume_config
 from ..tasks import Task
-from .controls import build_controls, task_options
+from .controls import build_controls, read_micro_batch, task_options
 from .estimates import EstimateBox
 from .state import ACTIVE, PanelState
 from .view import RESUMABLE, error_html, save_yaml, status_html
@@ -157,6 +157,7 @@ class Panel:
     def _control_values(self) -> dict[str, Any]:
         values = {name: control.value for name, control in self.controls.items()}
         values["run_name"] = values["run_name"].strip() or None
+        values["micro_batch_size"] = read_micro_batch(values["micro_batch_size"])
         return values
 
     @property
@@ -178,7 +179,7 @@ class Panel:
             c["task"].options = self._task_options(cfg.task)
             for name, control in c.items():
                 value = getattr(cfg, name)
-                control.value = "" if value is None else value
+                control.value = "" if value is None else str(value) if name == "micro_batch_size" else value
         finally:
             self._filling = False
         self._derive()
@@ -223,8 +224,9 @@ class Panel:
                 self.launch_info.value = "<i>not launchable as set: see the problem below</i>" if cfg else ""
             else:
                 procs = f"{cfg.num_processes} process" + ("es" if cfg.num_processes > 1 else "")
-                self.batch_info.value = (f"global batch <b>{cfg.global_batch_size}</b> = {cfg.micro_batch_size} "
-                                         f"micro-batch × {cfg.grad_accum_steps} accumulation × {procs}")
+                self.batch_info.value = (f"global batch <b>{cfg.global_batch_size or 'chosen at launch'}</b> = "
+                                         f"{cfg.micro_batch_size} micro-batch × {cfg.grad_accum_steps} "
+                                         f"accumulation × {procs}")
                 self.launch_info.value = html.escape(describe_launch(cfg))
             self.problem_box.value = ("" if not s.problem else
                                       "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
