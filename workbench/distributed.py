@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 
 @contextlib.contextmanager
-def single_process_dcp() -> Iterator[None]:
-    """DCP warns when it runs without a process group; one process saving or loading alone is what's meant."""
+def single_process_dcp(alone: bool = False) -> Iterator[None]:
+    """DCP warns when it runs without a process group (or with `no_dist`: `alone`); one process saving or
+    loading alone is what's meant."""
     with warnings.catch_warnings():
-        if not dist.is_initialized():
+        if alone or not dist.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield

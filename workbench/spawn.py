@@ -116,7 +116,7 @@ def plan_start(cfg: RunConfig, task: Task, mode: str) -> StartPlan:
         return StartPlan("fork", "start_method='fork'")
     if cfg.start_method == "auto" and not cuda:
         why = "a CPU run" if not run_uses_cuda(cfg) else "CUDA is not initialised in this process"
-        return StartPlan("fork", f"start_method='auto': {why}, so the ranks fork")
+        return StartPlan("fork", f"start_method='auto': {why}, so the ranks fork", level=logging.DEBUG)
     if cuda:
         reason = (f"start_method={cfg.start_method!r}: CUDA is already initialised in this process ({cuda}), and "
                   "forked ranks can't use it, so the ranks start as fresh interpreters")

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
+from ...distributed import single_process_dcp
 from .base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
@@ -69,8 +70,9 @@ class Replicated(Strategy):
         planning collectives (a checkpoint any mode and rank count loads, as from the sharded modes)."""
         if self.accelerator.process_index == 0:
             state = self.state_dict()
-            dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"), no_dist=True)
-            dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"), no_dist=True)
+            with single_process_dcp(alone=True):
+                dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"), no_dist=True)
+                dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"), no_dist=True)
 
     def forward_context(self) -> AbstractContextManager[Any]:
         dtype = DTYPES.get(self.cfg.precision)
