@@ -120,7 +120,7 @@ class TensorParallel(Strategy):
         """The mesh, this rank's place in it, and how each split parameter is placed and what it holds here."""
         names = self.mesh.mesh_dim_names or ()
         coords = self.mesh.get_coordinate() or []
-        split = {name: {"placements": [str(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
+        split = {name: {"placements": [repr(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
                         "global_shape": list(p.shape), "mesh": list(p.device_mesh.mesh_dim_names or ())}
                  for name, p in self.module.named_parameters() if isinstance(p, DTensor)}
         return {"mesh": dict(zip(names, self.mesh.mesh.shape)), "coordinates": dict(zip(names, coords)),
