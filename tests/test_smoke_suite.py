@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nbformat
 import pytest
 from conftest import REPO
 
@@ -23,3 +24,13 @@ def test_shipped_smoke_suite_passes_against_committed_baselines(tmp_path: Path) 
     assert code == 0, json.dumps(results, indent=1)[:4000]
     assert (tmp_path / "report.html").stat().st_size > 10_000
     assert "<failure" not in (tmp_path / "junit.xml").read_text()
+    for case in results["cases"]:  # every notebook ran headless (papermill) and kept what a reader needs
+        for path in case["executed"]:
+            outputs = [o for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"
+                       for o in cell.get("outputs", [])]
+            assert not [o for o in outputs if o.output_type == "error"], path
+            assert any("image/png" in o.get("data", {}) for o in outputs), f"{path}: the final figure is missing"
+            if case["case"] == "smoke.quickstart":  # opened later without a kernel: the panel as it ended
+                panels = [o["data"]["text/html"] for o in outputs
+                          if "wb-snapshot-panel" in o.get("data", {}).get("text/html", "")]
+                assert len(panels) == 1 and "data-status='completed'" in panels[0], path

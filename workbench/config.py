@@ -58,7 +58,10 @@ class RunConfig:
     'zero3' (alias 'fsdp') shards parameters too; 'hsdp' shards within groups of dp_shard ranks and
     replicates across groups; 'none' is a single plain process."""
     dp_shard: int = 0
-    """hsdp: ranks in one shard group (a divisor of num_processes, the rest replicate); 0 for other modes."""
+    """hsdp: ranks in one shard group (a divisor of the data-parallel size, the rest replicate); 0 otherwise."""
+    tp: int = 1
+    """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
+    The data-parallel size is num_processes / tp; above 1 it combines with zero2/zero3/hsdp only (FSDP x TP)."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward, per shard unit: 'full' keeps only each block's input, 'selective'
     also keeps matmul and attention outputs. Less memory, more compute; same losses."""
@@ -152,12 +155,24 @@ class RunConfig:
         return self.num_processes
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel size: ranks that see different batches (num_processes / tp)."""
+        return self.num_processes // self.tp
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'tp'; see layout.py)."""
+        from .layout import mesh_sizes
+
+        return mesh_sizes(self)
+
+    @property
     def global_batch_size(self) -> int | None:
-        """Samples per optimizer step over all ranks: micro_batch_size x grad_accum_steps x world size (with an
-        'auto' micro-batch: target_global_batch, or None until the ranks have chosen)."""
+        """Samples per optimizer step over all ranks: micro_batch_size x grad_accum_steps x data-parallel size
+        (with an 'auto' micro-batch: target_global_batch, or None until the ranks have chosen)."""
         if self.micro_batch_size == "auto":
             return self.target_global_batch or None
-        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+        return self.micro_batch_size * self.grad_accum_steps * self.dp_size
 
     @property
     def runs_dir_path(self) -> Path:
@@ -242,29 +257,9 @@ class RunConfig:
             raise ValueError(f"resume_allow: unknown field(s) {', '.join(unknown_keys(unknown, _field_names()))}")
 
     def _check_parallelism(self) -> None:
-        p, n = self.parallelism, self.num_processes
-        if p == "none" and n > 1:
-            raise ValueError(f"parallelism='none' with num_processes={n}: 'none' runs one process; set "
-                             "parallelism='ddp' or num_processes=1")
-        if p == "hsdp":
-            ok = [d for d in range(2, n // 2 + 1) if n % d == 0]
-            hint = (f"use dp_shard={' or '.join(map(str, ok))}" if ok else
-                    f"num_processes={n} can't be split so; use e.g. num_processes=4 with dp_shard=2, or "
-                    "parallelism='zero3' to shard over all ranks")
-            if self.dp_shard < 2 or n % self.dp_shard or n // self.dp_shard < 2:
-                raise ValueError(f"dp_shard={self.dp_shard} with parallelism='hsdp' and num_processes={n}: hsdp "
-                                 f"shards within groups of dp_shard ranks and replicates across at least 2 groups, so "
-                                 f"dp_shard must divide num_processes and be between 2 and num_processes/2; {hint}")
-        elif self.dp_shard:
-            raise ValueError(f"dp_shard={self.dp_shard}: only parallelism='hsdp' uses it (parallelism={p!r}); set "
-                             "dp_shard=0, or parallelism='hsdp'")
-        if self.grad_compression != "none" and p not in ("ddp", "zero1"):
-            raise ValueError(f"grad_compression={self.grad_compression!r} with parallelism={p!r}: compression hooks "
-                             "apply to DDP's gradient all-reduce (ddp, zero1); sharded modes reduce-scatter instead. "
-                             "Set grad_compression='none', or parallelism='ddp'")
-        if self.cpu_offload and p not in ("zero3", "fsdp", "hsdp"):
-            raise ValueError(f"cpu_offload=True with parallelism={p!r}: offloading sharded parameters and optimizer "
-                             "state needs parallelism='zero3' (or 'hsdp'); set cpu_offload=False or change parallelism")
+        from .layout import check_layout
+
+        check_layout(self)
 
     def check(self, hardware: Hardware | None = None, task: Any = None) -> None:
         """Validate against this machine and the task (`task`, else the registry); ValueError before anything runs."""
@@ -296,6 +291,10 @@ class RunConfig:
         task = task or get_task(self.task)
         task.check_options(self)
         task.check_data(self)
+        if self.tp > 1:
+            from .layout import check_tensor_parallel_task
+
+            check_tensor_parallel_task(self, task)
         if self.activation_checkpointing != "none":
             self._check_checkpoint_units(task)
 

@@ -61,6 +61,8 @@ def describe_launch(cfg: RunConfig) -> str:
         backend = "NCCL" if device == "cuda" else "gloo"
         what = "GPUs" if device == "cuda" else "CPU processes"
         mode = "DDP" if cfg.parallelism == "ddp" else f"{cfg.parallelism} ({PARALLELISM_MODES[cfg.parallelism]})"
+        if cfg.tp > 1:
+            mode = f"tensor parallel tp={cfg.tp}" + (f" x {cfg.parallelism} (data-parallel {cfg.dp_size})" * (cfg.dp_size > 1))
         how = f"{cfg.num_processes} {what}, {mode} over {backend}"
     extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
     extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")

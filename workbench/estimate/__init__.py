@@ -75,6 +75,9 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     machine). The trace runs here, on the CPU, without allocating the model."""
     from ..tasks import get_task
 
+    if cfg.tp > 1:
+        raise ValueError(f"tp={cfg.tp}: the estimate does not model tensor parallelism yet (it traces the data-parallel "
+                         "modes only); estimate the same model with tp=1 and parallelism='zero3' for a bound")
     target = lookup(gpu or THIS_MACHINE, load_catalog(catalog) if gpu and gpu != THIS_MACHINE else None)
     if network not in NETWORKS:
         raise ValueError(f"network={network!r}: choose one of {', '.join(NETWORKS)}")

@@ -60,6 +60,10 @@ class Summary:
     world_size: int | None = None
     """Ranks over all machines."""
     parallelism: str | None = None
+    tp: int | None = None
+    """Tensor-parallel size (1: none)."""
+    mesh: dict[str, int] | None = None
+    """The rank layout as named dimension sizes: pp, dp_replicate, dp_shard, tp."""
     precision: str | None = None
     device: str | None = None
     """The devices in words, e.g. 'CPU (2 cores)' or '8 x NVIDIA H100 80GB HBM3'."""

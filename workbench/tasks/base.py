@@ -56,6 +56,13 @@ class Task:
         ModuleList). Tied parameters must sit in one unit (or both in the root)."""
         return None
 
+    def tensor_parallel_plan(self, model: torch.nn.Module, cfg: RunConfig) -> dict[str, Any] | None:
+        """For tp > 1: {submodule name: parallel style} for torch.distributed.tensor.parallel.parallelize_module,
+        names relative to `model` (e.g. {'blocks.0.attn.q': ColwiseParallel(), 'blocks.0.attn.proj':
+        RowwiseParallel()}); modules left out stay replicated on every rank of a TP group. None (the default)
+        means the task can't be split, and a run with tp > 1 is refused before launch."""
+        return None
+
     def configure_optimizers(self, model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer | None:
         """Your optimizer for `model` (nanoGPT's hook name), or None for AdamW(lr, beta1, beta2, eps, weight
         decay on matrices only). Called on every rank after the model is made parallel: build it from the
@@ -98,7 +105,7 @@ class Task:
 
     def check_data(self, cfg: RunConfig) -> None:
         """Before launch: the datasets are available offline and one step's micro-batches fit in the training
-        set (each rank draws micro_batch_size samples of its 1/num_processes share)."""
+        set (each data-parallel rank draws micro_batch_size samples of its 1/dp_size share)."""
         from .. import data
 
         for name in self.datasets(cfg):
@@ -109,9 +116,11 @@ class Task:
                                  f"({str(e).splitlines()[0]}); fetch it once with `workbench data fetch {name}` "
                                  "or point WORKBENCH_DATA_MIRROR at a copy") from e
         size = self.train_size(cfg) if cfg.micro_batch_size != "auto" else None
-        if size is not None and cfg.micro_batch_size * cfg.num_processes > size:
-            fit = max(1, size // cfg.num_processes)
-            raise ValueError(f"micro_batch_size={cfg.micro_batch_size} x num_processes={cfg.num_processes} is more "
+        if size is not None and cfg.micro_batch_size * cfg.dp_size > size:
+            fit = max(1, size // cfg.dp_size)
+            ranks = (f"num_processes={cfg.num_processes}" if cfg.tp == 1 else
+                     f"data-parallel size {cfg.dp_size} (num_processes={cfg.num_processes} / tp={cfg.tp})")
+            raise ValueError(f"micro_batch_size={cfg.micro_batch_size} x {ranks} is more "
                              f"than the {size:,} training samples of task {self.name!r}: use micro_batch_size={fit} "
                              "or fewer")
 

@@ -27,19 +27,34 @@ PRESETS: dict[str, dict[str, int]] = {
 
 
 class CausalSelfAttention(nn.Module):
+    """q, k and v are separate Linears (not one fused qkv) so tensor parallelism can give each rank its heads
+    of all three; -1 in the head views is the local head count (n_head / tp under TP). The same seed draws the
+    same weights as the fused layout did, and fused `qkv` checkpoints still load (split by a pre-hook)."""
+
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.n_head, self.head_dim, self.dropout = n_head, n_embd // n_head, dropout
+        self.q = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v = nn.Linear(n_embd, n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        self._register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, -1)))
+
+
+def _split_fused_qkv(state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+    """A checkpoint of the fused layout (`attn.qkv.weight` [3C, C]) loads as q, k, v: its thirds in order."""
+    for kind in ("weight", "bias"):
+        key = f"{prefix}qkv.{kind}"
+        if key in state_dict:
+            for name, part in zip("qkv", state_dict.pop(key).chunk(3, dim=0)):
+                state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class Block(nn.Module):
@@ -165,6 +180,20 @@ class CharGPTTask(Task):
         per_token = 6 * n_params + 12 * m["n_layer"] * m["n_head"] * (m["n_embd"] // m["n_head"]) * t
         return float(per_token * t)
 
+    def tensor_parallel_plan(self, model: nn.Module, cfg: RunConfig) -> dict[str, Any]:
+        """Megatron's split per block: q, k, v and the MLP's up projection column-wise (each rank its heads and
+        its slice of the hidden units), the attention and MLP output projections row-wise (partial sums
+        all-reduced). Embeddings, layer norms and the tied head stay replicated, which keeps the tie as it is."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict[str, Any] = {}
+        for i in range(len(model.blocks)):  # type: ignore[arg-type]
+            for name in ("attn.q", "attn.k", "attn.v", "mlp.0"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+            for name in ("attn.proj", "mlp.2"):
+                plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+        return plan
+
     def check_options(self, cfg: RunConfig) -> None:
         super().check_options(cfg)
         o = self.options(cfg)
@@ -177,6 +206,11 @@ class CharGPTTask(Task):
         if m["n_embd"] % m["n_head"]:
             raise ValueError(f"task_options.n_embd={m['n_embd']} is not divisible by n_head={m['n_head']}; "
                              f"use a multiple, e.g. n_embd={m['n_head'] * 64}")
+        if m["n_head"] % cfg.tp:
+            ok = [d for d in range(1, m["n_head"] + 1) if m["n_head"] % d == 0 and cfg.num_processes % d == 0]
+            raise ValueError(f"tp={cfg.tp}: task 'char-gpt' has n_head={m['n_head']} attention heads, which tensor "
+                             f"parallelism can't split over {cfg.tp} ranks; use tp={' or '.join(map(str, ok))}, or "
+                             f"task_options.n_head={cfg.tp * max(1, m['n_head'] // cfg.tp)} (a multiple of tp)")
         if not 0 <= o["dropout"] < 1:
             raise ValueError(f"task_options.dropout={o['dropout']!r}: must be in [0, 1)")
         if not isinstance(o["train_stride"], int) or o["train_stride"] < 1:

@@ -28,11 +28,14 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, accelerator: Accelerator,
-             collate_fn: Any, forward_context: Callable[[], AbstractContextManager[Any]]) -> dict[str, float]:
-    """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}."""
+             collate_fn: Any, forward_context: Callable[[], AbstractContextManager[Any]],
+             shard: tuple[int, int] | None = None) -> dict[str, float]:
+    """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}. `shard` is
+    (data-parallel rank, size) when it differs from the process's (tensor parallel: a TP group evaluates
+    the same batches, and counts them once per rank in both the sums and the count)."""
     device = accelerator.device
-    sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes, rank=accelerator.process_index,
-                                 shuffle=False)
+    rank, world = shard or (accelerator.process_index, accelerator.num_processes)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
     model.eval()
     totals: dict[str, torch.Tensor] = {}

@@ -57,6 +57,8 @@ class Trainer:
         self.accelerator = build_accelerator(cfg)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
+        # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share batches and seed.
+        self.dp_rank, self.dp_world = self.rank // cfg.tp, self.world // cfg.tp
         self.main = self.accelerator.is_main_process
         self.log = _RankLog(_log, {"rank": self.rank})
         self.device = self.accelerator.device
@@ -80,10 +82,11 @@ class Trainer:
         if cfg.micro_batch_size == "auto":
             self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.world, self.collate_fn)
         # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
-        self.global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * self.world
-        self.batches = ShardedBatches(train_ds, cfg, self.rank, self.world, self.collate_fn)
-        # Dropout masks should differ between ranks, yet be reproducible.
-        torch.manual_seed(cfg.seed + 1000 * (self.rank + 1))
+        self.global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * self.dp_world
+        self.batches = ShardedBatches(train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn)
+        # Dropout masks should differ between data-parallel ranks, yet be reproducible; the ranks of one TP group
+        # must draw the same ones (their replicated parameters would drift apart otherwise).
+        torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
         self.agreement = Agreement(self.accelerator, self.run, self.guard)
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
@@ -189,7 +192,7 @@ class Trainer:
         if self.eval_ds is not None and evaluate_now and not verdict.signal:
             self.guard.at(step, "evaluation")
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
-                                     self.parallel.forward_context)
+                                     self.parallel.forward_context, shard=(self.dp_rank, self.dp_world))
             if self.main:
                 self.run.append_metrics({"step": step, **self.eval_row})
             self.metrics.restart_clock()

@@ -42,7 +42,7 @@ def running_fields(t: Trainer) -> dict[str, Any]:
     hw = detect()
     cuda = t.device.type == "cuda"
     return {"run_name": t.cfg.run_name, "task": t.cfg.task, "world_size": t.world,
-            "parallelism": t.cfg.parallelism, "precision": t.cfg.precision, "device": hw.describe(t.device.type),
+            "parallelism": t.cfg.parallelism, "tp": t.cfg.tp, "mesh": t.cfg.mesh, "precision": t.cfg.precision, "device": hw.describe(t.device.type),
             "device_class": hw.device_class if cuda else "cpu", "global_batch_size": t.global_batch,
             "micro_batch_size": t.cfg.micro_batch_size, "grad_accum_steps": t.cfg.grad_accum_steps,
             "n_params": t.n_params, "data": data.used_datasets()}

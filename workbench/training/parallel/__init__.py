@@ -3,7 +3,7 @@
 Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the strategy to
 hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
 looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp' (FSDP2);
-base.py: precision, checkpoints (DCP),
+tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); base.py: precision, checkpoints (DCP),
 the bytes each rank holds.
 """
 
@@ -19,6 +19,7 @@ from ...config import SHARDED
 from .base import Strategy
 from .replicated import Replicated, ZeroOne
 from .sharded import Sharded
+from .tensor import TensorParallel
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -43,6 +44,9 @@ def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
     """Make `model` parallel as cfg.parallelism asks, with activation checkpointing per shard unit; the loop
     then trains through the returned strategy."""
+    if cfg.tp > 1:  # the plan names submodules as the task built them: TP before checkpoint wrappers
+        ensure_process_group(accelerator)
+        return TensorParallel(cfg, accelerator, model, task, make_optimizer)
     units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
     if cfg.parallelism in (*SHARDED, "zero1"):
         ensure_process_group(accelerator)
