@@ -370,3 +370,35 @@ def test_the_estimate_box_says_whether_it_fits_and_what_would_make_it_fit(runs_d
     panel.estimate_box.wait(timeout=240)
     assert panel.estimate_box.state.result.target.name == "H200-SXM-141GB"
     assert "fits:" in panel.estimates.value
+
+
+@pytest.mark.filterwarnings("ignore:num_processes=4 on")
+def test_the_rank_layout_picture_follows_the_sizes(runs_dir: Path) -> None:
+    import re
+
+    panel = wb.Panel(tiny(runs_dir, task="char-gpt", num_processes=2, oversubscribe=True,
+                          task_options={"preset": "tiny"}), estimate=False)
+
+    def cells() -> list[dict[str, int]]:
+        html_ = panel.layout_box.value
+        return [{k: int(v) for k, v in re.findall(r"data-(rank|dp-replicate|dp-shard|tp)='(\d+)'", cell)}
+                for cell in re.findall(r"<div class='wb-layout-rank'[^>]*>", html_)]
+
+    # ddp on 2: two replicas, one rank each, rows of one
+    assert [(c["rank"], c["dp-replicate"], c["tp"]) for c in cells()] == [(0, 0, 0), (1, 1, 0)]
+    assert "dp_replicate 2" in panel.layout_box.value
+    # zero3 x tp on 4: two rows (shards) of a tensor-parallel pair
+    c = panel.controls
+    c["num_processes"].value, c["parallelism"].value, c["tp"].value = 4, "zero3", 2
+    assert panel.state.problem == "", panel.state.problem
+    assert [(x["rank"], x["dp-shard"], x["tp"]) for x in cells()] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert panel.layout_box.value.count("wb-layout-row") == 2 and "dp_shard 2 × tp 2" in panel.layout_box.value
+    # hsdp on 4 (shard groups of 2): two replicas of two shards, one colour per replica
+    c["tp"].value, c["parallelism"].value, c["dp_shard"].value = 1, "hsdp", 2
+    assert [(x["dp-replicate"], x["dp-shard"]) for x in cells()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    hues = re.findall(r"hsl\((\d+),", panel.layout_box.value)
+    assert hues[0] == hues[1] != hues[2] == hues[3]
+    # impossible: 3 does not divide 4; the picture says so instead of drawing a layout
+    c["parallelism"].value, c["dp_shard"].value, c["tp"].value = "zero3", 0, 3
+    assert "data-layout='impossible'" in panel.layout_box.value and "tp=3" in panel.layout_box.value
+    assert not cells()

@@ -199,6 +199,10 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             first_run = _text(page, ".wb-dash-title b")
             assert first_run.startswith("digits-")
 
+            # The rank layout picture: one cell per rank (2 DDP replicas), in the panel's screenshot.
+            assert page.locator(".wb-layout-rank").count() == 2, _text(page, ".wb-layout-box")
+            page.locator(".wb-panel").screenshot(path=str(artifacts / "panel-layout.png"))
+
             # Now the panel itself: more steps, then the Launch button.
             steps = page.locator(".wb-max-steps input")
             steps.fill(str(LIVE_STEPS))

@@ -52,6 +52,8 @@ def build_controls(device: str, task_options: list[tuple[str, str]]
                                         description="parallelism", style=STYLE, layout=wide),
         "dp_shard": widgets.IntText(description="hsdp shard group", style=STYLE,
                                            layout=wide, tooltip="hsdp only: ranks that shard one copy of the model"),
+        "tp": widgets.IntText(description="tensor parallel", style=STYLE, layout=wide,
+                              tooltip="ranks that split each matrix of the task's plan (1: off)"),
         "activation_checkpointing": widgets.Dropdown(options=list(get_args(ActivationCheckpointing)),
                                                      description="activation ckpt", style=STYLE, layout=wide),
         "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=wide,

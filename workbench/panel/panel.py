@@ -28,6 +28,7 @@ from ..rundir.result import resume_config
 from ..tasks import Task
 from .controls import build_controls, read_micro_batch, task_options
 from .estimates import EstimateBox
+from .layout_view import layout_html
 from .state import ACTIVE, PanelState
 from .view import RESUMABLE, error_html, save_yaml, status_html
 
@@ -126,11 +127,13 @@ class Panel:
         self.error_box = _html("wb-error")
         self.dashboard_box = widgets.VBox([])
         c = self.controls
-        left = widgets.VBox([c["task"], widgets.HBox([c["num_processes"], limit]), c["parallelism"], c["dp_shard"],
+        left = widgets.VBox([c["task"], widgets.HBox([c["num_processes"], limit]), c["parallelism"], c["dp_shard"], c["tp"],
                              c["activation_checkpointing"], c["precision"], c["micro_batch_size"], c["grad_accum_steps"], c["max_steps"], c["lr"],
                              c["run_name"]])
+        self.layout_box = _html("wb-layout-box")
         right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,
-                              self.estimate_box.widget], layout=widgets.Layout(margin="0 0 0 2em", max_width="560px"))
+                              self.layout_box, self.estimate_box.widget],
+                             layout=widgets.Layout(margin="0 0 0 2em", max_width="560px"))
         self.widget = widgets.VBox([
             widgets.HTML("<h3 style='margin:0.2em 0'>workbench: configure a run</h3>"),
             widgets.HBox([left, right]), self.problem_box,
@@ -228,6 +231,7 @@ class Panel:
                                          f"{cfg.micro_batch_size} micro-batch × {cfg.grad_accum_steps} "
                                          f"accumulation × {procs}")
                 self.launch_info.value = html.escape(describe_launch(cfg))
+            self.layout_box.value = layout_html(cfg, s.problem)
             self.problem_box.value = ("" if not s.problem else
                                       "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
                                       f"{html.escape(s.problem)}</div>")
