@@ -8,6 +8,9 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+FORKED_RANKS = "WORKBENCH_FORKED_RANKS"
+"""Set by the fork-mode supervisor: the ranks are forks of the caller's process (see rank.py on OpenMP)."""
+
 
 @contextlib.contextmanager
 def single_process_dcp(alone: bool = False) -> Iterator[None]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, TextIO
 
+from .distributed import FORKED_RANKS
 from .rundir import RunDir
 
 if TYPE_CHECKING:
@@ -93,10 +94,14 @@ def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
     """Entry point of every rank: run the trainer; on any exception, write it where the caller will find it."""
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
-    if os.environ.get("WORKBENCH_FORKED_RANKS"):
+    if os.environ.get(FORKED_RANKS):
         import torch
 
-        torch.set_num_threads(1)  # before any CPU math: see training/accelerator.py on OpenMP after fork
+        # GNU OpenMP's thread pool does not survive fork: once the launching process (a notebook kernel that
+        # did any sizeable CPU math) has used it, a forked rank's first parallel region waits forever for
+        # threads that exist only in the parent. One thread never enters the pool (PyTorch's DataLoader
+        # workers do the same); set before any CPU math.
+        torch.set_num_threads(1)
     with rank_stdout(rank):
         try:
             from .training import train

@@ -14,13 +14,13 @@ import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
+from .distributed import FORKED_RANKS
 from .hardware import detect
 from .postmortem import finalize, record_signal_deaths
 from .precision import accelerate_mixed_precision
 from .rank import die_with_parent, rank_main
 from .rundir import RunDir
 from .signals import elastic_signals
-from .training.accelerator import FORKED_RANKS
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -62,7 +62,7 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     # Elastic logs every rank failure as a wall of text; the run directory and RunFailedError carry it cleanly.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (training/accelerator.py)
+    os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (rank.py)
     if cfg.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))

@@ -26,7 +26,8 @@ from ..launch import free_port, launch
 from ..metrics import weights_digest
 from ..precision import accelerate_mixed_precision
 from ..tasks import Task, get_task
-from ..training.optim import build_optimizer, lr_at
+from ..schedule import lr_at
+from ..training.optim import build_optimizer
 
 WARMUP_STEPS = 10
 

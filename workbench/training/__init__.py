@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .batches import ShardedBatches
 from .loop import Trainer, train
-from .optim import lr_at
+from ..schedule import lr_at
 from .state import TrainerState
 
 __all__ = ["ShardedBatches", "Trainer", "TrainerState", "lr_at", "train"]

@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
+from ..distributed import FORKED_RANKS
 from ..hardware import detect
 from ..precision import accelerate_mixed_precision
 
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
     from ..config import RunConfig
 
 log = logging.getLogger("workbench")
-FORKED_RANKS = "WORKBENCH_FORKED_RANKS"
-"""Set by the fork-mode supervisor: the ranks are forks of the caller's process."""
 
 
 def build_accelerator(cfg: RunConfig) -> Accelerator:
@@ -31,12 +30,8 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     """
     device = cfg.resolved_device()
     share = detect().threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes)))
-    if os.environ.get(FORKED_RANKS) and (share > 1 or device != "cpu"):
-        # GNU OpenMP's thread pool does not survive fork: once the launching process (a notebook kernel that
-        # did any sizeable CPU math) has used it, a forked rank's first parallel region waits forever for
-        # threads that exist only in the parent. One thread never enters the pool (PyTorch's DataLoader
-        # workers do the same).
-        torch.set_num_threads(1)
+    if os.environ.get(FORKED_RANKS):
+        # rank_main already limited a forked rank to one thread (OpenMP after fork): keep it, and say so.
         if share > 1 and int(os.environ.get("RANK", "0")) == 0:
             log.info("forked ranks use 1 CPU thread each (OpenMP can't be used after a fork); "
                      "start_method='spawn' gives each rank its share of %d", share)

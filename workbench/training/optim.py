@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..schedule import lr_at  # noqa: F401  (the schedule's home is a leaf module tasks can import)
-
 if TYPE_CHECKING:
     from ..config import RunConfig
     from ..tasks import Task
