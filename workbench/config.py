@@ -62,6 +62,10 @@ class RunConfig:
     tp: int = 1
     """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
     The data-parallel size is num_processes / tp; above 1 it combines with zero2/zero3/hsdp only (FSDP x TP)."""
+    pp: int = 1
+    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages); pure pipeline parallel only."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Pipeline schedule over the step's grad_accum_steps micro-batches; '1f1b' needs grad_accum_steps >= pp."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward, per shard unit: 'full' keeps only each block's input, 'selective'
     also keeps matmul and attention outputs. Less memory, more compute; same losses."""
@@ -156,8 +160,8 @@ class RunConfig:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel size: ranks that see different batches (num_processes / tp)."""
-        return self.num_processes // self.tp
+        """Data-parallel size: ranks that see different batches (num_processes / (tp * pp))."""
+        return self.num_processes // (self.tp * self.pp)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -291,10 +295,9 @@ class RunConfig:
         task = task or get_task(self.task)
         task.check_options(self)
         task.check_data(self)
-        if self.tp > 1:
-            from .layout import check_tensor_parallel_task
+        from .layout import check_parallel_task
 
-            check_tensor_parallel_task(self, task)
+        check_parallel_task(self, task)
         if self.activation_checkpointing != "none":
             self._check_checkpoint_units(task)
 

@@ -3,7 +3,7 @@ refuse an impossible layout before anything launches (messages name the field, t
 
 The layout is a mesh of named dimensions, outermost first, as torchtitan names them:
 
-    pp            pipeline stages (1 for now)
+    pp            pipeline stages (pure pipeline parallel for now: tp = 1, data-parallel size 1)
     dp_replicate  data-parallel replicas (ddp, zero1; hsdp's groups)
     dp_shard      data-parallel ranks that shard parameters (zero2, zero3/fsdp; hsdp's shard groups)
     tp            tensor-parallel ranks that split each matrix (Megatron style)
@@ -25,14 +25,14 @@ SHARDED_MODES = ("zero2", "zero3", "fsdp", "hsdp")
 
 def mesh_sizes(cfg: RunConfig) -> dict[str, int]:
     """{'pp', 'dp_replicate', 'dp_shard', 'tp'} sizes whose product is num_processes."""
-    dp = cfg.num_processes // cfg.tp
+    dp = cfg.num_processes // (cfg.tp * cfg.pp)
     if cfg.parallelism == "hsdp" and cfg.dp_shard:
         replicate, shard = dp // cfg.dp_shard, cfg.dp_shard
     elif cfg.parallelism in SHARDED_MODES:
         replicate, shard = 1, dp
     else:
         replicate, shard = dp, 1
-    return {"pp": 1, "dp_replicate": replicate, "dp_shard": shard, "tp": cfg.tp}
+    return {"pp": cfg.pp, "dp_replicate": replicate, "dp_shard": shard, "tp": cfg.tp}
 
 
 def _divisors(n: int) -> list[int]:
@@ -51,6 +51,9 @@ def check_layout(cfg: RunConfig) -> None:
         raise ValueError(f"tp={tp} with num_processes={n}: the tensor-parallel size must divide the number of ranks "
                          f"(data-parallel size = num_processes / tp); use tp={' or '.join(map(str, _divisors(n)))}, "
                          f"or num_processes={tp * max(1, n // tp + 1)}")
+    if cfg.pp != 1:
+        _check_pipeline(cfg)
+        return
     dp = n // tp
     if tp > 1:
         _check_tensor_parallel(cfg, dp)
@@ -96,6 +99,58 @@ def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
     if cfg.micro_batch_size == "auto":
         raise ValueError(f"micro_batch_size='auto' with tp={tp}: the automatic micro-batch search does not handle "
                          "tensor parallelism yet; set micro_batch_size to a number")
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    """pp > 1: pure pipeline parallel (every rank one stage), micro-batches enough for the schedule."""
+    pp, n, tp, accum = cfg.pp, cfg.num_processes, cfg.tp, cfg.grad_accum_steps
+    if pp < 1:
+        raise ValueError(f"pp={pp}: the number of pipeline stages must be at least 1 (1 turns pipelining off)")
+    if n % (pp * tp):
+        raise ValueError(f"pp={pp} with tp={tp} and num_processes={n}: pp x tp must divide the number of ranks; "
+                         f"use num_processes={pp * tp}, or pp={' or '.join(map(str, _divisors(n // tp or 1)))}")
+    if tp > 1:
+        raise ValueError(f"pp={pp} with tp={tp}: pipeline x tensor parallel is not supported yet; set tp=1 "
+                         "(pipeline parallel alone), or pp=1")
+    if n // pp > 1:
+        raise ValueError(f"pp={pp} with num_processes={n} (data-parallel size {n // pp}): pipeline x data parallel "
+                         f"is not supported yet; set num_processes={pp} (pure pipeline parallel), or pp=1")
+    if cfg.pp_schedule == "1f1b" and accum < pp:
+        raise ValueError(f"pp_schedule='1f1b' with pp={pp} and grad_accum_steps={accum}: 1F1B needs at least as "
+                         f"many micro-batches per step (grad_accum_steps) as stages; set grad_accum_steps={pp} or "
+                         "more, or pp_schedule='gpipe'")
+    unsupported = {"grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
+                   "cpu_offload": (cfg.cpu_offload, "set cpu_offload=False"),
+                   "precision": (cfg.precision == "fp16", "use precision='bf16' or 'fp32'"),
+                   "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
+                   "activation_checkpointing": (cfg.activation_checkpointing != "none",
+                                                "set activation_checkpointing='none'")}
+    for name, (bad, fix) in unsupported.items():
+        if bad:
+            raise ValueError(f"{name}={getattr(cfg, name)!r} with pp={pp}: not supported with pipeline parallelism "
+                             f"yet; {fix}, or pp=1")
+
+
+def check_parallel_task(cfg: RunConfig, task: Any) -> None:
+    """Before launch: the task can be split as tp and pp ask (a plan, pipeline stages)."""
+    if cfg.tp > 1:
+        check_tensor_parallel_task(cfg, task)
+    if cfg.pp > 1:
+        check_pipeline_task(cfg, task)
+
+
+def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
+    """pp > 1: Task.pipeline_stages gives a stage for every stage index, built on the meta device."""
+    import torch
+
+    for stage in range(cfg.pp):
+        with torch.device("meta"):
+            model = task.build_model(cfg)
+        part = task.pipeline_stages(model, cfg, stage, cfg.pp)
+        if part is None:
+            raise ValueError(f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "
+                             f"({type(task).__name__}.pipeline_stages returns None); set pp=1, or implement "
+                             "pipeline_stages(model, cfg, stage, stages) returning the stage's nn.Module")
 
 
 def check_tensor_parallel_task(cfg: RunConfig, task: Any) -> None:

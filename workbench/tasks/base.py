@@ -63,6 +63,15 @@ class Task:
         means the task can't be split, and a run with tp > 1 is refused before launch."""
         return None
 
+    def pipeline_stages(self, model: torch.nn.Module, cfg: RunConfig, stage: int,
+                        stages: int) -> torch.nn.Module | None:
+        """For pp > 1: the part of `model` that pipeline stage `stage` (0-based, of `stages`) runs, as an
+        nn.Module whose forward takes the previous stage's output (the batch's input on stage 0) and whose last
+        stage returns what `loss` gets from the model. Keep the full model's parameter names (a ModuleDict keyed
+        by block index keeps `blocks.<i>.`), so checkpoints load under any layout. Tied parameters may sit on
+        two stages: their gradients are summed between them. None (the default): refused before launch."""
+        return None
+
     def configure_optimizers(self, model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer | None:
         """Your optimizer for `model` (nanoGPT's hook name), or None for AdamW(lr, beta1, beta2, eps, weight
         decay on matrices only). Called on every rank after the model is made parallel: build it from the

@@ -104,6 +104,27 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class GPTStage(nn.Module):
+    """Pipeline stage: consecutive blocks of a GPT under the full model's attribute names (a ModuleDict keyed by
+    the block's index), with the embeddings on the first stage and ln_f + head on the last."""
+
+    def __init__(self, gpt: GPT, block_ids: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok, self.pos, self.drop = gpt.tok, gpt.pos, gpt.drop
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in block_ids})
+        if last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
 class CharWindows(Dataset):
     """Every window of block_size + 1 characters starting at a multiple of `stride`: (input, next-char target)."""
 
@@ -194,6 +215,16 @@ class CharGPTTask(Task):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel()
         return plan
 
+    def pipeline_stages(self, model: nn.Module, cfg: RunConfig, stage: int, stages: int) -> nn.Module:
+        """Blocks balanced by parameter count over the stages (embeddings on the first, ln_f and the tied head on
+        the last); each stage keeps the full model's parameter names."""
+        from ..pipeline import balanced_split
+
+        assert isinstance(model, GPT)
+        costs = [float(sum(p.numel() for p in b.parameters())) for b in model.blocks]
+        parts = balanced_split(costs, stages)
+        return GPTStage(model, parts[stage], first=stage == 0, last=stage == stages - 1)
+
     def check_options(self, cfg: RunConfig) -> None:
         super().check_options(cfg)
         o = self.options(cfg)
@@ -211,6 +242,9 @@ class CharGPTTask(Task):
             raise ValueError(f"tp={cfg.tp}: task 'char-gpt' has n_head={m['n_head']} attention heads, which tensor "
                              f"parallelism can't split over {cfg.tp} ranks; use tp={' or '.join(map(str, ok))}, or "
                              f"task_options.n_head={cfg.tp * max(1, m['n_head'] // cfg.tp)} (a multiple of tp)")
+        if cfg.pp > m["n_layer"]:
+            raise ValueError(f"pp={cfg.pp}: task 'char-gpt' has n_layer={m['n_layer']} blocks, fewer than the "
+                             f"pipeline stages; use pp={m['n_layer']} or fewer, or task_options.n_layer={cfg.pp}")
         if not 0 <= o["dropout"] < 1:
             raise ValueError(f"task_options.dropout={o['dropout']!r}: must be in [0, 1)")
         if not isinstance(o["train_stride"], int) or o["train_stride"] < 1:

@@ -57,8 +57,10 @@ class Trainer:
         self.accelerator = build_accelerator(cfg)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
-        # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share batches and seed.
-        self.dp_rank, self.dp_world = self.rank // cfg.tp, self.world // cfg.tp
+        # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share batches and seed,
+        # and so do the stages of one pipeline (pp outermost, so the coordinate wraps every dp_size x tp ranks).
+        self.dp_world = self.world // (cfg.tp * cfg.pp)
+        self.dp_rank = (self.rank // cfg.tp) % self.dp_world
         self.main = self.accelerator.is_main_process
         self.log = _RankLog(_log, {"rank": self.rank})
         self.device = self.accelerator.device
@@ -189,7 +191,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
         # A preempted rank has a grace period to save its state: no eval then.
         evaluate_now = final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0)
-        if self.eval_ds is not None and evaluate_now and not verdict.signal:
+        if self.eval_ds is not None and evaluate_now and not verdict.signal and cfg.pp == 1:  # no PP eval yet
             self.guard.at(step, "evaluation")
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
                                      self.parallel.forward_context, shard=(self.dp_rank, self.dp_world))

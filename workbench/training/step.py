@@ -23,6 +23,8 @@ def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: in
     """Forward and backward over `accum` micro-batches, gradient sync held back until the last; returns the
     step's mean loss. `at` is told the phase (for a hang report); `before_last_backward` gets the loss so far,
     so the trainer can start its per-step agreement while backward runs."""
+    if getattr(strategy, "pipelined", False):  # the pipeline schedule runs the micro-batches itself
+        return strategy.pipeline_step(batches, accum, at, before_last_backward)  # type: ignore[attr-defined]
     step_loss = torch.zeros((), device=device)
     for micro in range(accum):
         last = micro == accum - 1

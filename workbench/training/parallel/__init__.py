@@ -3,7 +3,7 @@
 Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the strategy to
 hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
 looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp' (FSDP2);
-tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); base.py: precision, checkpoints (DCP),
+tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); pipeline.py: pp > 1 (one stage per rank); base.py: precision, checkpoints (DCP),
 the bytes each rank holds.
 """
 
@@ -17,6 +17,7 @@ import torch
 from ...blocks import checkpoint_units, shard_units
 from ...config import SHARDED
 from .base import Strategy
+from .pipeline import PipelineParallel
 from .replicated import Replicated, ZeroOne
 from .sharded import Sharded
 from .tensor import TensorParallel
@@ -44,6 +45,9 @@ def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
     """Make `model` parallel as cfg.parallelism asks, with activation checkpointing per shard unit; the loop
     then trains through the returned strategy."""
+    if cfg.pp > 1:  # each rank keeps its stage of the model
+        ensure_process_group(accelerator)
+        return PipelineParallel(cfg, accelerator, model, task, make_optimizer)
     if cfg.tp > 1:  # the plan names submodules as the task built them: TP before checkpoint wrappers
         ensure_process_group(accelerator)
         return TensorParallel(cfg, accelerator, model, task, make_optimizer)
