@@ -1,0 +1,105 @@
+"""Pipeline parallelism, for real: gloo CPU ranks each running one stage of char-gpt (PP=2, GPipe and 1F1B).
+
+The schedule runs the same micro-batches as one process's gradient accumulation, so it must train like one
+process does (fp32, dropout 0, clipping active, the tied embedding/head kept tied by summing its gradients
+between the first and the last stage); each rank reports the blocks it holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import workbench as wb
+from workbench.pipeline import balanced_split
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
+    """char-gpt tiny (2 blocks), 32-character windows, 2 micro-batches of 4 per step."""
+    base = dict(task="char-gpt", num_processes=1, device="cpu", micro_batch_size=4, grad_accum_steps=2,
+                max_steps=STEPS, log_every=1, lr=3e-3, grad_clip=0.5, runs_dir=str(runs_dir), seed=3,
+                oversubscribe=True, task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
+    return wb.RunConfig(**{**base, **fields})
+
+
+def losses(result: wb.RunResult) -> list[float]:
+    return [r["loss"] for r in result.metrics if "loss" in r]
+
+
+def worst_relative(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == STEPS
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, wb.RunResult]:
+    runs_dir = tmp_path_factory.mktemp("runs")
+    return {"single": wb.launch(cfg_for(runs_dir, run_name="single", parallelism="none")),
+            **{s: wb.launch(cfg_for(runs_dir, num_processes=2, pp=2, pp_schedule=s, run_name=f"pp-{s}"))
+               for s in ("gpipe", "1f1b")}}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_trains_like_one_process(runs: dict[str, wb.RunResult], schedule: str) -> None:
+    single, pp = runs["single"], runs[schedule]
+    assert pp.status == "completed", pp.summary
+    assert pp.summary["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert pp.summary["global_batch_size"] == single.summary["global_batch_size"] == 8
+    norms = [r["grad_norm"] for r in single.metrics if "grad_norm" in r]
+    assert any(n > 0.5 for n in norms), "clipping must be active for the comparison to cover it"
+    worst = worst_relative(losses(pp), losses(single))
+    print(f"{schedule}: worst relative loss deviation {worst:.2e}")
+    assert worst < 1e-5
+    reference, got = load_file(str(single.dir.weights_path)), load_file(str(pp.dir.weights_path))
+    assert reference.keys() == got.keys()
+    assert torch.equal(got["tok.weight"], got["head.weight"]), "the tied copies drifted apart"
+    diff = max((reference[k] - got[k]).abs().max().item() for k in reference)
+    assert diff < 1e-5, f"exported weights differ by {diff:.2e}"
+
+
+def test_each_rank_holds_its_stage(runs: dict[str, wb.RunResult]) -> None:
+    ranks = runs["1f1b"].summary["ranks"]
+    held = {r["rank"]: r["pp_holds"] for r in ranks}
+    assert held == {0: ["blocks.0", "drop", "pos", "tok"], 1: ["blocks.1", "head", "ln_f"]} or \
+        held == {0: ["blocks.0", "pos", "tok"], 1: ["blocks.1", "head", "ln_f"]}, held
+    assert [r["pp_stage"] for r in sorted(ranks, key=lambda r: r["rank"])] == [0, 1]
+
+
+def test_balanced_split() -> None:
+    assert balanced_split([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert balanced_split([3, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert balanced_split([1, 1], 3)[0] == [] or len(balanced_split([1, 1], 3)) == 3
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"num_processes": 3, "pp": 2}, r"pp x tp must divide"),
+    ({"num_processes": 4, "pp": 2}, r"pipeline x data parallel is not supported yet"),
+    ({"num_processes": 4, "pp": 2, "tp": 2}, r"pipeline x tensor parallel is not supported yet"),
+    ({"num_processes": 2, "pp": 2, "grad_accum_steps": 1}, r"1F1B needs at least as many micro-batches"),
+    ({"num_processes": 2, "pp": 0}, r"must be at least 1"),
+])
+def test_layout_refusals(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        cfg_for(tmp_path, **fields)
+
+
+def test_task_without_stages_is_refused(tmp_path: Path) -> None:
+    from tasks_for_tests import TinyBlocks
+
+    cfg = cfg_for(tmp_path, task="char-gpt", num_processes=2, pp=2, grad_accum_steps=2, task_options={})
+    with pytest.raises(ValueError, match=r"can't be split into pipeline stages"):
+        cfg.check(task=TinyBlocks())
+
+
+def test_too_many_stages_for_char_gpt(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path, num_processes=4, pp=4, grad_accum_steps=4, oversubscribe=True)
+    with pytest.raises(ValueError, match=r"n_layer=2 blocks, fewer than the pipeline stages"):
+        cfg.check()
