@@ -7,6 +7,7 @@ between the first and the last stage); each rank reports the blocks it holds.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from workbench.rundir import RunDir
+
 import workbench as wb
 from workbench.pipeline import balanced_split
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
+SAVED_AT = 2
 
 
 def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
@@ -43,7 +47,8 @@ def worst_relative(a: list[float], b: list[float]) -> float:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, wb.RunResult]:
     runs_dir = tmp_path_factory.mktemp("runs")
     return {"single": wb.launch(cfg_for(runs_dir, run_name="single", parallelism="none")),
-            **{s: wb.launch(cfg_for(runs_dir, num_processes=2, pp=2, pp_schedule=s, run_name=f"pp-{s}"))
+            **{s: wb.launch(cfg_for(runs_dir, num_processes=2, pp=2, pp_schedule=s, run_name=f"pp-{s}",
+                                         checkpoint_every=SAVED_AT, keep_checkpoints=2))
                for s in ("gpipe", "1f1b")}}
 
 
@@ -68,8 +73,7 @@ def test_pp2_trains_like_one_process(runs: dict[str, wb.RunResult], schedule: st
 def test_each_rank_holds_its_stage(runs: dict[str, wb.RunResult]) -> None:
     ranks = runs["1f1b"].summary["ranks"]
     held = {r["rank"]: r["pp_holds"] for r in ranks}
-    assert held == {0: ["blocks.0", "drop", "pos", "tok"], 1: ["blocks.1", "head", "ln_f"]} or \
-        held == {0: ["blocks.0", "pos", "tok"], 1: ["blocks.1", "head", "ln_f"]}, held
+    assert held == {0: ["blocks.0", "pos", "tok"], 1: ["blocks.1", "head", "ln_f"]}, held
     assert [r["pp_stage"] for r in sorted(ranks, key=lambda r: r["rank"])] == [0, 1]
 
 
@@ -103,3 +107,38 @@ def test_too_many_stages_for_char_gpt(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path, num_processes=4, pp=4, grad_accum_steps=4, oversubscribe=True)
     with pytest.raises(ValueError, match=r"n_layer=2 blocks, fewer than the pipeline stages"):
         cfg.check()
+
+
+def _resume_copy(runs_dir: Path, saved: RunDir, name: str) -> None:
+    target = RunDir(runs_dir / name)
+    target.path.mkdir()
+    for item in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json"):
+        (target.path / item).write_bytes((saved.path / item).read_bytes())
+    target.checkpoints_path.mkdir()
+    shutil.copytree(dict(saved.checkpoints())[SAVED_AT], target.checkpoints_path / f"step_{SAVED_AT}")
+
+
+@pytest.mark.xfail(strict=True, raises=wb.RunFailedError,
+                   reason="left for the next session: the tied parameter's optimizer state is keyed 'head.weight' "
+                          "by one process and split between 'tok.weight'/'head.weight' by the stages")
+def test_pp_checkpoint_resumes_on_one_process(runs: dict[str, wb.RunResult]) -> None:
+    runs_dir, expected = runs["single"].dir.path.parent, losses(runs["single"])[SAVED_AT:]
+    _resume_copy(runs_dir, RunDir(runs["1f1b"].dir.path), "pp-to-single")
+    resumed = wb.launch(cfg_for(runs_dir, run_name="pp-to-single", parallelism="none", resume=True,
+                                resume_allow=["pp", "pp_schedule"]))
+    assert resumed.summary["steps_this_session"] == STEPS - SAVED_AT
+    got = losses(resumed)[SAVED_AT:]
+    assert max(abs(x - y) / y for x, y in zip(got, expected)) < 1e-5
+
+
+@pytest.mark.xfail(strict=True, raises=wb.RunFailedError,
+                   reason="left for the next session: the last stage's tied copy is 'head.weight' in its optimizer "
+                          "state, a one-process checkpoint only has 'tok.weight'")
+def test_one_process_checkpoint_resumes_under_pp(runs: dict[str, wb.RunResult]) -> None:
+    runs_dir, expected = runs["single"].dir.path.parent, losses(runs["single"])[SAVED_AT:]
+    wb.launch(cfg_for(runs_dir, run_name="single-saved", parallelism="none", checkpoint_every=SAVED_AT))
+    _resume_copy(runs_dir, RunDir(runs_dir / "single-saved"), "single-to-pp")
+    back = wb.launch(cfg_for(runs_dir, run_name="single-to-pp", num_processes=2, pp=2, resume=True))
+    assert back.status == "completed", back.summary
+    got = losses(back)[SAVED_AT:]
+    assert max(abs(x - y) / y for x, y in zip(got, expected)) < 1e-5
