@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 import typing
-import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from .config_checks import check_against_machine, check_names, check_numbers
 from .files import atomic_write_text, load_yaml, read_yaml
 from .hardware import Hardware, detect
 from .precision import Precision
@@ -39,9 +37,6 @@ SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
 """Modes that shard parameters and gradients (FSDP2); 'zero1' shards only the optimizer state."""
 Device = Literal["auto", "cpu", "cuda"]
 
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-MAX_WORKERS = 64
-PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT", "SIGXCPU")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -201,64 +196,10 @@ class RunConfig:
         self._check_names()
 
     def _check_numbers(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{f.name}={value!r}: must be a finite number")
-        positive = ("num_processes", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints",
-                    "dist_timeout_s", "max_skipped_steps", *(("micro_batch_size",) * (self.micro_batch_size != "auto")))
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1")
-        for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "num_workers", "seed",
-                     "max_restarts", "restart_backoff_s", "target_global_batch", "memory_budget_gb"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be 0 or more")
-        if self.seed > 2**32 - 1:
-            raise ValueError(f"seed={self.seed}: must be between 0 and 2**32-1 (4294967295)")
-        if self.num_workers > MAX_WORKERS:
-            raise ValueError(f"num_workers={self.num_workers}: more DataLoader workers per rank than any machine "
-                             f"can feed; use at most {MAX_WORKERS} (typically 2 to 8)")
-        if self.target_global_batch and self.micro_batch_size != "auto":
-            raise ValueError(f"target_global_batch={self.target_global_batch}: only micro_batch_size='auto' uses it; "
-                             "with a fixed micro-batch set grad_accum_steps, or set micro_batch_size='auto'")
-        if self.target_global_batch and self.target_global_batch % self.num_processes:
-            raise ValueError(f"target_global_batch={self.target_global_batch}: must be a multiple of "
-                             f"num_processes={self.num_processes}, e.g. {self.num_processes * 32}")
-        if not 1 <= self.preempt_grace_s <= 3600:
-            raise ValueError(f"preempt_grace_s={self.preempt_grace_s!r}: use 1 to 3600 seconds (25 by default)")
-        if not self.lr > 0 or self.lr > 10:
-            raise ValueError(f"lr={self.lr!r}: must be a positive learning rate (typically 1e-5 to 1e-2)")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay!r}: must be 0 or more (0.1 is typical)")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip={self.grad_clip!r}: must be positive, or 0 to disable clipping")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be in [0, 1), e.g. 0.9 for beta1, 0.999 for beta2")
-        if not 0 < self.eps < 1:
-            raise ValueError(f"eps={self.eps!r}: must be a small positive number, e.g. 1e-8")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r}: must be between 0 and 1")
-        if self.warmup_steps > self.max_steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps}: longer than max_steps={self.max_steps}; "
-                             f"use at most {self.max_steps}")
+        check_numbers(self)
 
     def _check_names(self) -> None:
-        if self.run_name is not None and not _RUN_NAME.fullmatch(self.run_name):
-            raise ValueError(f"run_name={self.run_name!r}: use letters, digits, '.', '_' and '-' only, "
-                             "starting with a letter or digit")
-        if self.resume and self.run_name is None:
-            raise ValueError(f"resume={self.resume!r} needs run_name: the run directory to continue "
-                             "(runs_dir/run_name)")
-        if not self.task:
-            raise ValueError("task='': name a task, e.g. 'digits' or 'char-gpt'")
-        if self.preempt_signal is not None and self.preempt_signal not in PREEMPT_SIGNALS:
-            raise ValueError(f"preempt_signal={self.preempt_signal!r}: choose one of {', '.join(PREEMPT_SIGNALS)} "
-                             "(SIGTERM and SIGHUP are always handled)")
-        unknown = [name for name in self.resume_allow if name not in (*_field_names(), "global_batch_size")]
-        if unknown:
-            raise ValueError(f"resume_allow: unknown field(s) {', '.join(unknown_keys(unknown, _field_names()))}")
+        check_names(self, _field_names())
 
     def _check_parallelism(self) -> None:
         from .layout import check_layout
@@ -267,53 +208,7 @@ class RunConfig:
 
     def check(self, hardware: Hardware | None = None, task: Any = None) -> None:
         """Validate against this machine and the task (`task`, else the registry); ValueError before anything runs."""
-        from .tasks import get_task  # tasks import config, so late
-
-        hw = hardware or detect()
-        if self.device == "cuda" and not hw.has_cuda:
-            raise ValueError("device='cuda': no CUDA GPU is visible on this machine; use device='auto' or 'cpu'")
-        device = self.resolved_device(hw)
-        limit = hw.max_processes(device)
-        if self.num_processes > limit:
-            if device == "cpu" and self.oversubscribe:
-                warnings.warn(f"num_processes={self.num_processes} on {limit} CPU core(s) (oversubscribe=True): the "
-                              "ranks share cores and run slower than they would on their own", stacklevel=2)
-            else:
-                what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
-                extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
-                raise ValueError(f"num_processes={self.num_processes}: this machine has {what}; "
-                                 f"use num_processes={limit} or fewer{extra}")
-        if self.cpu_offload and device != "cuda":
-            raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
-                             "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
-        if self.grad_compression == "bf16" and device != "cuda" and self.num_processes > 1:
-            raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
-                             "use grad_compression='fp16' or 'powersgd' on CPU")
-        problem = hw.precision_problem(self.precision, device)
-        if problem:
-            raise ValueError(f"precision={self.precision!r} on {hw.describe(device)}: {problem}")
-        task = task or get_task(self.task)
-        task.check_options(self)
-        task.check_data(self)
-        from .layout import check_parallel_task
-
-        check_parallel_task(self, task)
-        if self.activation_checkpointing != "none":
-            self._check_checkpoint_units(task)
-
-    def _check_checkpoint_units(self, task: Any) -> None:
-        """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device
-        (no memory, no data loaded into it)."""
-        import torch
-
-        from .blocks import checkpoint_units, shard_units
-
-        try:
-            with torch.device("meta"):
-                model = task.build_model(self)
-        except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
-            return
-        checkpoint_units(model, shard_units(model, task), self.activation_checkpointing)
+        check_against_machine(self, hardware or detect(), task)
 
     # ---- copies and files ----------------------------------------------------------------------------
     def replace(self, **changes: Any) -> RunConfig:

@@ -1,0 +1,133 @@
+"""RunConfig's validation: ranges and names (on construction), and the checks against this machine and the task
+(RunConfig.check). Every error names the field, the value and what would work."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from .suggest import unknown_keys
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+    from .hardware import Hardware
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_WORKERS = 64
+PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT", "SIGXCPU")
+
+
+def check_numbers(cfg: RunConfig) -> None:
+    """Ranges of the numeric fields."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name}={value!r}: must be a finite number")
+    positive = ("num_processes", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints",
+                "dist_timeout_s", "max_skipped_steps", *(("micro_batch_size",) * (cfg.micro_batch_size != "auto")))
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: must be at least 1")
+    for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "num_workers", "seed",
+                 "max_restarts", "restart_backoff_s", "target_global_batch", "memory_budget_gb"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: must be 0 or more")
+    if cfg.seed > 2**32 - 1:
+        raise ValueError(f"seed={cfg.seed}: must be between 0 and 2**32-1 (4294967295)")
+    if cfg.num_workers > MAX_WORKERS:
+        raise ValueError(f"num_workers={cfg.num_workers}: more DataLoader workers per rank than any machine "
+                         f"can feed; use at most {MAX_WORKERS} (typically 2 to 8)")
+    if cfg.target_global_batch and cfg.micro_batch_size != "auto":
+        raise ValueError(f"target_global_batch={cfg.target_global_batch}: only micro_batch_size='auto' uses it; "
+                         "with a fixed micro-batch set grad_accum_steps, or set micro_batch_size='auto'")
+    if cfg.target_global_batch and cfg.target_global_batch % cfg.num_processes:
+        raise ValueError(f"target_global_batch={cfg.target_global_batch}: must be a multiple of "
+                         f"num_processes={cfg.num_processes}, e.g. {cfg.num_processes * 32}")
+    if not 1 <= cfg.preempt_grace_s <= 3600:
+        raise ValueError(f"preempt_grace_s={cfg.preempt_grace_s!r}: use 1 to 3600 seconds (25 by default)")
+    if not cfg.lr > 0 or cfg.lr > 10:
+        raise ValueError(f"lr={cfg.lr!r}: must be a positive learning rate (typically 1e-5 to 1e-2)")
+    if cfg.weight_decay < 0:
+        raise ValueError(f"weight_decay={cfg.weight_decay!r}: must be 0 or more (0.1 is typical)")
+    if cfg.grad_clip < 0:
+        raise ValueError(f"grad_clip={cfg.grad_clip!r}: must be positive, or 0 to disable clipping")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: must be in [0, 1), e.g. 0.9 for beta1, 0.999 for beta2")
+    if not 0 < cfg.eps < 1:
+        raise ValueError(f"eps={cfg.eps!r}: must be a small positive number, e.g. 1e-8")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio={cfg.min_lr_ratio!r}: must be between 0 and 1")
+    if cfg.warmup_steps > cfg.max_steps:
+        raise ValueError(f"warmup_steps={cfg.warmup_steps}: longer than max_steps={cfg.max_steps}; "
+                         f"use at most {cfg.max_steps}")
+
+def check_names(cfg: RunConfig, field_names: list[str]) -> None:
+    """Names: run name, task, preempt signal, resume_allow."""
+    if cfg.run_name is not None and not _RUN_NAME.fullmatch(cfg.run_name):
+        raise ValueError(f"run_name={cfg.run_name!r}: use letters, digits, '.', '_' and '-' only, "
+                         "starting with a letter or digit")
+    if cfg.resume and cfg.run_name is None:
+        raise ValueError(f"resume={cfg.resume!r} needs run_name: the run directory to continue "
+                         "(runs_dir/run_name)")
+    if not cfg.task:
+        raise ValueError("task='': name a task, e.g. 'digits' or 'char-gpt'")
+    if cfg.preempt_signal is not None and cfg.preempt_signal not in PREEMPT_SIGNALS:
+        raise ValueError(f"preempt_signal={cfg.preempt_signal!r}: choose one of {', '.join(PREEMPT_SIGNALS)} "
+                         "(SIGTERM and SIGHUP are always handled)")
+    unknown = [name for name in cfg.resume_allow if name not in (*field_names, "global_batch_size")]
+    if unknown:
+        raise ValueError(f"resume_allow: unknown field(s) {', '.join(unknown_keys(unknown, field_names))}")
+
+def check_against_machine(cfg: RunConfig, hw: Hardware, task: Any = None) -> None:
+    """RunConfig.check: against this machine and the task (`task`, else the registry)."""
+    from .tasks import get_task  # tasks import config, so late
+
+    if cfg.device == "cuda" and not hw.has_cuda:
+        raise ValueError("device='cuda': no CUDA GPU is visible on this machine; use device='auto' or 'cpu'")
+    device = cfg.resolved_device(hw)
+    limit = hw.max_processes(device)
+    if cfg.num_processes > limit:
+        if device == "cpu" and cfg.oversubscribe:
+            warnings.warn(f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): the "
+                          "ranks share cores and run slower than they would on their own", stacklevel=2)
+        else:
+            what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
+            extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
+            raise ValueError(f"num_processes={cfg.num_processes}: this machine has {what}; "
+                             f"use num_processes={limit} or fewer{extra}")
+    if cfg.cpu_offload and device != "cuda":
+        raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
+                         "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
+    if cfg.grad_compression == "bf16" and device != "cuda" and cfg.num_processes > 1:
+        raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
+                         "use grad_compression='fp16' or 'powersgd' on CPU")
+    problem = hw.precision_problem(cfg.precision, device)
+    if problem:
+        raise ValueError(f"precision={cfg.precision!r} on {hw.describe(device)}: {problem}")
+    task = task or get_task(cfg.task)
+    task.check_options(cfg)
+    task.check_data(cfg)
+    from .layout import check_parallel_task
+
+    check_parallel_task(cfg, task)
+    if cfg.activation_checkpointing != "none":
+        _check_checkpoint_units(cfg, task)
+
+def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
+    """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device
+    (no memory, no data loaded into it)."""
+    import torch
+
+    from .blocks import checkpoint_units, shard_units
+
+    try:
+        with torch.device("meta"):
+            model = task.build_model(cfg)
+    except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
+        return
+    checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+
