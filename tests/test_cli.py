@@ -84,10 +84,11 @@ def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
 
     cfg = wb.RunConfig(task="digits", num_processes=2, device="cpu", max_steps=8, log_every=4,
                        task_options={"hidden": 64})
-    report = parallelism(cfg, json_path=tmp_path / "p.json")
+    report = parallelism(cfg, modes=("ddp", "zero1", "zero3", "hsdp", "tp"), json_path=tmp_path / "p.json")
     rows = {r.mode: r for r in report.rows}
-    assert [m for m, r in rows.items() if r.available] == ["ddp", "zero1", "zero2", "zero3"]
+    assert [m for m, r in rows.items() if r.available] == ["ddp", "zero1", "zero3"]
     assert "hsdp needs an even num_processes >= 4" in rows["hsdp"].reason
+    assert "has no tensor-parallel plan" in rows["tp"].reason
     ddp, zero3 = rows["ddp"], rows["zero3"]
     assert zero3.final_loss == pytest.approx(ddp.final_loss, rel=1e-5)
     assert max(zero3.params_bytes) < max(ddp.params_bytes) and sum(zero3.params_bytes) == ddp.params_bytes[0]
@@ -96,6 +97,21 @@ def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
     table = report.table()
     assert "zero3" in table and "unavailable: hsdp needs" in table
     assert (tmp_path / "p.json").stat().st_size > 100
+
+
+@pytest.mark.slow
+def test_bench_parallelism_has_the_model_parallel_layouts(tmp_path: Path) -> None:
+    """tp and pp over both ranks: each rank holds part of the model, and the losses are DDP's."""
+    from workbench.bench import parallelism
+
+    cfg = wb.RunConfig(task="char-gpt", num_processes=2, device="cpu", micro_batch_size=4, max_steps=6,
+                       log_every=3, eval_batches=1, task_options={"preset": "tiny", "block_size": 32,
+                                                                  "dropout": 0.0})
+    rows = {r.mode: r for r in parallelism(cfg, modes=("ddp", "tp", "pp")).rows}
+    assert all(r.available for r in rows.values()), [r.reason for r in rows.values()]
+    for mode in ("tp", "pp"):
+        assert rows[mode].final_loss == pytest.approx(rows["ddp"].final_loss, rel=1e-4), mode
+        assert max(rows[mode].params_bytes) < 0.8 * rows["ddp"].params_bytes[0], mode
 
 
 @pytest.mark.parametrize("setup,args,message", [

@@ -398,6 +398,15 @@ def test_the_rank_layout_picture_follows_the_sizes(runs_dir: Path) -> None:
     assert [(x["dp-replicate"], x["dp-shard"]) for x in cells()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     hues = re.findall(r"hsl\((\d+),", panel.layout_box.value)
     assert hues[0] == hues[1] != hues[2] == hues[3]
+    # pp 2 x ddp 2 on 4: a column per stage, each with the two replicas' ranks
+    c["grad_accum_steps"].value = 2
+    c["dp_shard"].value, c["parallelism"].value, c["pp"].value = 0, "ddp", 2
+    assert panel.state.problem == "", panel.state.problem
+    assert re.findall(r"data-(?:rank|pp|dp-replicate)='(\d+)'", panel.layout_box.value) == \
+        ["0", "0", "0", "1", "0", "1", "2", "1", "0", "3", "1", "1"]
+    assert panel.layout_box.value.count("wb-layout-stage") == 2 and "pp 2 × dp_replicate 2" in panel.layout_box.value
+    assert "2 pipeline stages" in panel.layout_box.value
+    c["pp"].value = 1
     # impossible: 3 does not divide 4; the picture says so instead of drawing a layout
     c["parallelism"].value, c["dp_shard"].value, c["tp"].value = "zero3", 0, 3
     assert "data-layout='impossible'" in panel.layout_box.value and "tp=3" in panel.layout_box.value

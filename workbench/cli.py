@@ -98,11 +98,12 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                     help="RunConfig YAML (default: char-gpt 'small' on one device, 50 steps)")
     pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pr.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    pa = bsub.add_parser("parallelism", help="the same run under every data-parallel mode, side by side")
+    pa = bsub.add_parser("parallelism", help="the same run under every parallel layout (data, tensor, pipeline), side "
+                               "by side")
     pa.add_argument("config", type=Path, nargs="?", default=None,
                     help="RunConfig YAML (default: char-gpt 'tiny' on 2 processes, 30 steps)")
     pa.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pa.add_argument("--modes", nargs="+", default=None, help="modes to run (default: ddp zero1 zero2 zero3 hsdp)")
+    pa.add_argument("--modes", nargs="+", default=None, help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp)")
     pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
     es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")

@@ -58,7 +58,8 @@ class RunConfig:
     """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
     The data-parallel size is num_processes / tp; above 1 it combines with zero2/zero3/hsdp only (FSDP x TP)."""
     pp: int = 1
-    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages); pure pipeline parallel only."""
+    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages). The data-parallel size
+    num_processes / pp gives replicas of the whole pipeline (parallelism='ddp'); tp must be 1 with pp > 1."""
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule over the step's grad_accum_steps micro-batches; '1f1b' needs grad_accum_steps >= pp."""
     activation_checkpointing: ActivationCheckpointing = "none"

@@ -63,6 +63,9 @@ def describe_launch(cfg: RunConfig) -> str:
         mode = "DDP" if cfg.parallelism == "ddp" else f"{cfg.parallelism} ({PARALLELISM_MODES[cfg.parallelism]})"
         if cfg.tp > 1:
             mode = f"tensor parallel tp={cfg.tp}" + (f" x {cfg.parallelism} (data-parallel {cfg.dp_size})" * (cfg.dp_size > 1))
+        if cfg.pp > 1:
+            mode = (f"pipeline parallel pp={cfg.pp} ({cfg.pp_schedule}, {cfg.grad_accum_steps} micro-batches a step)"
+                    + f" x {cfg.dp_size} replicas" * (cfg.dp_size > 1))
         how = f"{cfg.num_processes} {what}, {mode} over {backend}"
     extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
     extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")

@@ -3,7 +3,7 @@ refuse an impossible layout before anything launches (messages name the field, t
 
 The layout is a mesh of named dimensions, outermost first, as torchtitan names them:
 
-    pp            pipeline stages (pure pipeline parallel for now: tp = 1, data-parallel size 1)
+    pp            pipeline stages (tp = 1; the data-parallel ranks are replicas of the whole pipeline)
     dp_replicate  data-parallel replicas (ddp, zero1; hsdp's groups)
     dp_shard      data-parallel ranks that shard parameters (zero2, zero3/fsdp; hsdp's shard groups)
     tp            tensor-parallel ranks that split each matrix (Megatron style)
@@ -102,7 +102,8 @@ def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
 
 
 def _check_pipeline(cfg: RunConfig) -> None:
-    """pp > 1: pure pipeline parallel (every rank one stage), micro-batches enough for the schedule."""
+    """pp > 1: every rank one stage, replicated pipelines (ddp) for the rest; micro-batches enough for the
+    schedule."""
     pp, n, tp, accum = cfg.pp, cfg.num_processes, cfg.tp, cfg.grad_accum_steps
     if pp < 1:
         raise ValueError(f"pp={pp}: the number of pipeline stages must be at least 1 (1 turns pipelining off)")
@@ -112,9 +113,10 @@ def _check_pipeline(cfg: RunConfig) -> None:
     if tp > 1:
         raise ValueError(f"pp={pp} with tp={tp}: pipeline x tensor parallel is not supported yet; set tp=1 "
                          "(pipeline parallel alone), or pp=1")
-    if n // pp > 1:
-        raise ValueError(f"pp={pp} with num_processes={n} (data-parallel size {n // pp}): pipeline x data parallel "
-                         f"is not supported yet; set num_processes={pp} (pure pipeline parallel), or pp=1")
+    if n // pp > 1 and cfg.parallelism != "ddp":
+        raise ValueError(f"pp={pp} with parallelism={cfg.parallelism!r} on num_processes={n} (data-parallel size "
+                         f"{n // pp}): pipelines combine with replicated data parallelism only for now; set "
+                         f"parallelism='ddp' (replicated pipelines), or num_processes={pp} (pure pipeline parallel)")
     if cfg.pp_schedule == "1f1b" and accum < pp:
         raise ValueError(f"pp_schedule='1f1b' with pp={pp} and grad_accum_steps={accum}: 1F1B needs at least as "
                          f"many micro-batches per step (grad_accum_steps) as stages; set grad_accum_steps={pp} or "
@@ -124,7 +126,9 @@ def _check_pipeline(cfg: RunConfig) -> None:
                    "precision": (cfg.precision == "fp16", "use precision='bf16' or 'fp32'"),
                    "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
                    "activation_checkpointing": (cfg.activation_checkpointing != "none",
-                                                "set activation_checkpointing='none'")}
+                                                "set activation_checkpointing='none'"),
+                   # PyTorch's MemTracker refuses a module called once per micro-batch in one step
+                   "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")}
     for name, (bad, fix) in unsupported.items():
         if bad:
             raise ValueError(f"{name}={getattr(cfg, name)!r} with pp={pp}: not supported with pipeline parallelism "

@@ -1,4 +1,9 @@
-"""`workbench bench parallelism`: the same config in every data-parallel mode, side by side in one run.
+"""`workbench bench parallelism`: the same config in every parallel layout, side by side in one run.
+
+Layouts: the data-parallel modes (ddp, zero1, zero2, zero3, hsdp), tensor parallel over all ranks ('tp'),
+pipeline parallel over all ranks ('pp', 1F1B), and on 4+ ranks the hybrids 'zero3xtp' (FSDP x TP, tp=2) and
+'ppxddp' (pp=2 pipelines replicated). Model-parallel layouts have fewer data-parallel ranks, so they accumulate
+more micro-batches to keep DDP's global batch (and its losses).
 
 Per mode: median step time after warm-up and its ratio to DDP, the bytes each rank holds for parameters,
 gradients and optimizer state (measured from its shards), the step's tracked peak and the process peak, and
@@ -22,7 +27,7 @@ from ..launch import launch
 from ..units import fmt_bytes
 
 WARMUP_STEPS = 5
-MODES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+MODES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "zero3xtp", "ppxddp")
 
 PARALLELISM_BENCH = RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=30, lr=1e-3,
                               log_every=10, eval_batches=2, task_options={"preset": "tiny"})
@@ -55,11 +60,11 @@ class ParallelismReport:
         lines = [f"workbench bench parallelism on {self.device}: task {c['task']}, {c['num_processes']} ranks, "
                  f"micro-batch {c['micro_batch_size']} x {c['grad_accum_steps']}, {c['precision']}, "
                  f"{c['max_steps']} steps (median step after {WARMUP_STEPS} warm-up); bytes per rank (max over ranks)",
-                 f"  {'mode':6} {'ms/step':>8} {'vs ddp':>7} {'params':>10} {'grads':>10} {'optimizer':>10} "
+                 f"  {'layout':8} {'ms/step':>8} {'vs ddp':>7} {'params':>10} {'grads':>10} {'optimizer':>10} "
                  f"{'step peak':>10} {'RSS peak':>10} {'loss':>8} {'vs ddp':>9}"]
         for r in self.rows:
             if not r.available:
-                lines.append(f"  {r.mode:6} unavailable: {r.reason}")
+                lines.append(f"  {r.mode:8} unavailable: {r.reason}")
                 continue
             ratio = f"{r.step_ms / ddp.step_ms:.2f}x" if ddp and ddp.step_ms else "-"
             diff = f"{r.final_loss - ddp.final_loss:+.1e}" if ddp and ddp.final_loss is not None else "-"
@@ -67,19 +72,23 @@ class ParallelismReport:
             def kib(values: list[int]) -> str:
                 return f"{max(values) / 1024:,.1f} KiB" if values else "-"
 
-            lines.append(f"  {r.mode:6} {r.step_ms:8.2f} {ratio:>7} {kib(r.params_bytes):>10} {kib(r.grads_bytes):>10} "
+            lines.append(f"  {r.mode:8} {r.step_ms:8.2f} {ratio:>7} {kib(r.params_bytes):>10} {kib(r.grads_bytes):>10} "
                          f"{kib(r.optimizer_bytes):>10} {kib(r.tracked_peak_bytes):>10} "
                          f"{fmt_bytes(r.peak_memory_bytes, 'MiB'):>10} {r.final_loss:8.4f} {diff:>9}")
         return "\n".join(lines)
 
 
 def _layout(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
-    if mode != "hsdp":
-        return cfg.replace(parallelism=mode, dp_shard=0), ""
-    if cfg.num_processes < 4 or cfg.num_processes % 2:
-        return None, "hsdp needs an even num_processes >= 4 (2 shard groups of 2); try --set num_processes=4 " \
+    n, accum = cfg.num_processes, cfg.grad_accum_steps
+    if mode in ("hsdp", "zero3xtp", "ppxddp") and (n < 4 or n % 2):
+        return None, f"{mode} needs an even num_processes >= 4 (2 groups of 2); try --set num_processes=4 " \
                      "--set oversubscribe=true"
-    return cfg.replace(parallelism="hsdp", dp_shard=2), ""
+    layouts = {"hsdp": dict(parallelism="hsdp", dp_shard=2),
+               "tp": dict(parallelism="ddp", tp=n, grad_accum_steps=accum * n),
+               "pp": dict(parallelism="ddp", pp=n, grad_accum_steps=accum * n, pp_schedule="1f1b"),
+               "zero3xtp": dict(parallelism="zero3", tp=2, grad_accum_steps=accum * 2),
+               "ppxddp": dict(parallelism="ddp", pp=2, grad_accum_steps=accum * 2, pp_schedule="1f1b")}
+    return cfg.replace(**{"parallelism": mode, "dp_shard": 0, **layouts.get(mode, {})}), ""
 
 
 def parallelism(cfg: RunConfig, modes: tuple[str, ...] = MODES, json_path: Path | None = None) -> ParallelismReport:
@@ -88,7 +97,9 @@ def parallelism(cfg: RunConfig, modes: tuple[str, ...] = MODES, json_path: Path 
     rows = []
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for mode in modes:
-            layout, reason = _layout(cfg.replace(track_memory=True, runs_dir=tmp, run_name=mode), mode)
+            layout, reason = _layout(cfg.replace(runs_dir=tmp, run_name=mode), mode)
+            if layout is not None and layout.pp == 1:  # MemTracker can't follow a pipeline schedule
+                layout = layout.replace(track_memory=True)
             if layout is None:
                 rows.append(ModeRow(mode, False, reason))
                 continue

@@ -75,6 +75,10 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     machine). The trace runs here, on the CPU, without allocating the model."""
     from ..tasks import get_task
 
+    if cfg.pp > 1:
+        raise ValueError(f"pp={cfg.pp}: the estimate does not model pipeline parallelism yet (it traces the "
+                         "data-parallel modes only); estimate the same model with pp=1 and parallelism='zero3' for a "
+                         "bound")
     if cfg.tp > 1:
         raise ValueError(f"tp={cfg.tp}: the estimate does not model tensor parallelism yet (it traces the data-parallel "
                          "modes only); estimate the same model with tp=1 and parallelism='zero3' for a bound")

@@ -127,8 +127,8 @@ class Panel:
         self.error_box = _html("wb-error")
         self.dashboard_box = widgets.VBox([])
         c = self.controls
-        left = widgets.VBox([c["task"], widgets.HBox([c["num_processes"], limit]), c["parallelism"], c["dp_shard"], c["tp"],
-                             c["activation_checkpointing"], c["precision"], c["micro_batch_size"], c["grad_accum_steps"], c["max_steps"], c["lr"],
+        left = widgets.VBox([c["task"], widgets.HBox([c["num_processes"], limit]), c["parallelism"], c["dp_shard"],
+                             c["tp"], c["pp"], c["pp_schedule"], c["activation_checkpointing"], c["precision"], c["micro_batch_size"], c["grad_accum_steps"], c["max_steps"], c["lr"],
                              c["run_name"]])
         self.layout_box = _html("wb-layout-box")
         right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,

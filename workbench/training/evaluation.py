@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate.utils import send_to_device
+from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader, DistributedSampler
 
 if TYPE_CHECKING:
@@ -29,10 +29,13 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, accelerator: Accelerator,
              collate_fn: Any, forward_context: Callable[[], AbstractContextManager[Any]],
-             shard: tuple[int, int] | None = None) -> dict[str, float]:
+             shard: tuple[int, int] | None = None,
+             eval_loss: Callable[[Any], tuple[torch.Tensor, dict[str, Any]] | None] | None = None) -> dict[str, float]:
     """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}. `shard` is
     (data-parallel rank, size) when it differs from the process's (tensor parallel: a TP group evaluates
-    the same batches, and counts them once per rank in both the sums and the count)."""
+    the same batches, and counts them once per rank in both the sums and the count). `eval_loss` replaces
+    the task's loss on the whole model (pipeline parallel: only the last stage has a loss; the others get None
+    and count nothing)."""
     device = accelerator.device
     rank, world = shard or (accelerator.process_index, accelerator.num_processes)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
@@ -44,8 +47,14 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
         if cfg.eval_batches and i >= cfg.eval_batches:
             break
         batch = send_to_device(batch, device)
-        with forward_context():
-            loss, extras = split_loss(task.loss(model, batch))
+        if eval_loss is not None:
+            got = eval_loss(batch)
+            if got is None:
+                continue
+            loss, extras = got
+        else:
+            with forward_context():
+                loss, extras = split_loss(task.loss(model, batch))
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
         for name, value in {"loss": loss, **extras}.items():
             value = torch.as_tensor(value, device=device, dtype=torch.float64)
@@ -53,6 +62,9 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
         count += n
     model.train()
     names = sorted(totals)
-    stacked = torch.stack([totals[k] for k in names] + [count])
+    if eval_loss is not None:  # ranks without a loss must still reduce the same metrics, as zeros
+        names = sorted({name for part in gather_object([names]) for name in part})
+    zero = torch.zeros((), device=device, dtype=torch.float64)
+    stacked = torch.stack([totals.get(k, zero) for k in names] + [count])
     summed = accelerator.reduce(stacked, "sum").cpu()
     return {f"eval_{k}": float(summed[i] / summed[-1]) for i, k in enumerate(names)}

@@ -191,10 +191,11 @@ class Trainer:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
         # A preempted rank has a grace period to save its state: no eval then.
         evaluate_now = final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0)
-        if self.eval_ds is not None and evaluate_now and not verdict.signal and cfg.pp == 1:  # no PP eval yet
+        if self.eval_ds is not None and evaluate_now and not verdict.signal:
             self.guard.at(step, "evaluation")
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
-                                     self.parallel.forward_context, shard=(self.dp_rank, self.dp_world))
+                                     self.parallel.forward_context, shard=(self.dp_rank, self.dp_world),
+                                     eval_loss=getattr(self.parallel, "eval_loss", None))
             if self.main:
                 self.run.append_metrics({"step": step, **self.eval_row})
             self.metrics.restart_clock()
