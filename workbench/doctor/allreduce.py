@@ -3,13 +3,12 @@
 For each message size: warm-up iterations, then the mean time of one all-reduce (the slowest rank's), algbw =
 bytes / time and busbw = algbw x 2(n-1)/n, the bandwidth each link carries in a ring all-reduce, comparable
 across rank counts. Ranks are real processes with a real process group (NCCL on GPUs, gloo on CPU), started
-with multiprocessing under a deadline: a rank that hangs or dies is killed and reported, never waited on.
+with torch.multiprocessing under a deadline: a rank that hangs or dies is killed and reported, never waited on.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import queue as queue_module
 import socket
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ..units import fmt_bytes
 from .findings import Finding, Section
@@ -176,8 +176,17 @@ def _collect(result: SweepResult, procs: list[Any], results: Any, deadline: floa
         elif kind == "done":
             done.add(rank)
         else:
-            result.error = f"rank {rank} failed: {payload}"
+            result.error = _first_cause(procs, done, rank, f"rank {rank} failed: {payload}")
             return
+
+
+def _first_cause(procs: list[Any], done: set[int], rank: int, error: str) -> str:
+    """A rank that died without a word is the cause; its peers' 'connection reset' errors are the effect."""
+    time.sleep(0.2)  # let the exit of a rank that just died be seen
+    dead = [r for r, p in enumerate(procs) if r not in done and r != rank and p.exitcode not in (None, 0)]
+    if dead:
+        return f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without reporting (then {error})"
+    return error
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:

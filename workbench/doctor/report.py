@@ -4,6 +4,7 @@ the "what to fix" list from their findings; as text or JSON."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,7 +56,8 @@ class DoctorReport:
                 "fixes": [{"level": f.level, "text": f.text, "fix": f.fix} for f in self.fixes()]}
 
     def json(self) -> str:
-        return json.dumps(self.to_json(), indent=2, default=str)
+        """Strict JSON: a non-finite number (a rate over zero seconds) becomes null."""
+        return json.dumps(_finite(self.to_json()), indent=2, default=str, allow_nan=False)
 
     def text(self) -> str:
         out = ["workbench doctor" + (" (--quick)" if self.quick else "")]
@@ -71,6 +73,16 @@ class DoctorReport:
         if not fixes:
             out.append("  nothing: no known problems found")
         return "\n".join(out)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def default_ranks(device: str) -> int:

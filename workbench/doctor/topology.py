@@ -69,14 +69,14 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     """Parse the matrix `nvidia-smi topo -m` prints (tab- or space-separated, with or without the terminal's
     underline codes). Rows after the matrix (the legend, the NIC legend) are ignored."""
     lines = [_ANSI.sub("", line).rstrip() for line in text.splitlines()]
-    header = next((i for i, line in enumerate(lines) if "GPU0" in line.split() and not line.split()[0] == "GPU0"),
-                  None)
+    # The header names the devices; unlike every row of the matrix, it has no 'X' (self) cell.
+    header = next((i for i, line in enumerate(lines) if "GPU0" in line.split() and "X" not in line.split()), None)
     topo = TopoMatrix()
     if header is None:
         return topo
     names = lines[header].split()
     # Device columns come first; the header's words after them are 'CPU Affinity', 'NUMA Affinity', ...
-    topo.devices = [n for n in names[:_device_columns(names)]]
+    topo.devices = names[:_device_columns(names)]
     for line in lines[header + 1:]:
         cells = line.split()
         if not cells or cells[0] not in topo.devices:
