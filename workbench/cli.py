@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default=None, help="only cases of this profile (e.g. smoke, full)")
 
     _bench_parser(sub)
+    _doctor_parser(sub)
     return p
 
 
@@ -109,6 +110,25 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
 
 
+def _doctor_parser(sub: argparse._SubParsersAction) -> None:
+    dr = sub.add_parser("doctor", help="what this machine offers for distributed training (devices, links, "
+                                       "versions, environment, all-reduce bandwidth, input pipeline, data cache) "
+                                       "and what to fix")
+    dr.add_argument("--json", action="store_true", help="print the report as JSON")
+    dr.add_argument("--quick", action="store_true", help="fewer and smaller all-reduce sizes, shorter timings")
+    dr.add_argument("--task", default=None, help="task whose input pipeline to measure (default: digits, or the "
+                                                 "config's), e.g. char-gpt")
+    dr.add_argument("--config", type=Path, default=None, help="RunConfig YAML: its task, micro_batch_size, "
+                                                              "num_workers")
+    dr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    dr.add_argument("--ranks", type=int, default=None, help="all-reduce ranks (default: every GPU, or 2 on CPU)")
+    dr.add_argument("--timeout", type=float, default=120.0, help="seconds the all-reduce sweep may take before its "
+                                                                 "ranks are killed (default 120)")
+    dr.add_argument("--skip", action="append", default=[], metavar="SECTION",
+                    choices=["devices", "versions", "environment", "allreduce", "input_pipeline", "cache_read"],
+                    help="leave a section out (repeatable)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose)
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     handlers = {"train": _train, "check": _train, "estimate": _estimate, "status": _status, "demo": _demo, "data": _data,
-                "regress": _regress, "bench": _bench}
+                "regress": _regress, "bench": _bench, "doctor": _doctor}
     return handlers[args.command](args)
 
 
@@ -268,6 +288,17 @@ def _bench(args: argparse.Namespace) -> int:
                             json_path=args.json)
     print(report.table())
     return 0 if report.passed else 1
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .config import RunConfig
+    from .doctor import run_doctor
+
+    cfg = RunConfig.from_yaml(args.config) if args.config else RunConfig(task=args.task or "digits")
+    cfg = cfg.with_overrides(([f"task={args.task}"] if args.task else []) + args.overrides)
+    report = run_doctor(cfg, quick=args.quick, ranks=args.ranks, deadline_s=args.timeout, skip=tuple(args.skip))
+    print(report.json() if args.json else report.text())
+    return 0
 
 
 def _print_summary(summary: dict, run_dir: Path) -> None:
