@@ -144,6 +144,15 @@ class RunConfig:
     track_memory: bool = False
     """Trace the first step with PyTorch's memory tracker: bytes per rank by category (parameters, gradients,
     optimizer state, activations, temporaries) in the summary. That step runs slower."""
+    monitor_interval_s: float = 2.0
+    """Sample each rank's device every this many seconds in a background thread, into the metrics rows: on a GPU
+    utilisation, memory used, power and temperature (NVML, `pip install 'workbench[gpu]'`), and always the
+    process's CPU % and RSS. 0 turns monitoring off."""
+    idle_util_pct: float = 10.0
+    """GPU utilisation (%) under which a rank's GPU counts as idle, for idle_after_s."""
+    idle_after_s: float = 300.0
+    """A GPU under idle_util_pct this long gets one 'gpu_idle' warning event per episode (0: never warn).
+    GPU runs only: on CPU nobody pays for an accelerator standing still."""
     dist_timeout_s: int = 300
     """How long a collective may block before the run fails instead of hanging."""
     task_options: dict[str, Any] = field(default_factory=dict)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_WORKERS = 64
+MIN_MONITOR_INTERVAL_S = 0.05
 PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT", "SIGXCPU")
 
 
@@ -64,6 +65,20 @@ def check_numbers(cfg: RunConfig) -> None:
     if cfg.warmup_steps > cfg.max_steps:
         raise ValueError(f"warmup_steps={cfg.warmup_steps}: longer than max_steps={cfg.max_steps}; "
                          f"use at most {cfg.max_steps}")
+    check_monitor(cfg)
+
+
+def check_monitor(cfg: RunConfig) -> None:
+    """Device monitoring: a sampling interval that costs nothing, a percentage, a duration."""
+    interval = cfg.monitor_interval_s
+    if interval < 0 or 0 < interval < MIN_MONITOR_INTERVAL_S or interval > 3600:
+        raise ValueError(f"monitor_interval_s={interval!r}: use {MIN_MONITOR_INTERVAL_S} to 3600 seconds (1 to 10 "
+                         "is plenty; sampling faster only costs CPU), or 0 to turn device monitoring off")
+    if not 0 <= cfg.idle_util_pct <= 100:
+        raise ValueError(f"idle_util_pct={cfg.idle_util_pct!r}: a GPU utilisation percentage, 0 to 100 (e.g. 10)")
+    if cfg.idle_after_s < 0:
+        raise ValueError(f"idle_after_s={cfg.idle_after_s!r}: must be 0 or more seconds (e.g. 300), "
+                         "0 never warns about idle GPUs")
 
 def check_names(cfg: RunConfig, field_names: list[str]) -> None:
     """Names: run name, task, preempt signal, resume_allow."""

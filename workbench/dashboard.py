@@ -23,8 +23,8 @@ import traitlets
 
 from .kernel import in_kernel
 from .rundir import ENDED, RunDir, Status
-from .snapshot import (Reading, dashboard_html, run_average, session_start, smoothed_step_time, table,
-                       window_steps)
+from .snapshot import (Reading, dashboard_html, idle_warnings, monitor_items, run_average, session_start,
+                       smoothed_step_time, table, window_steps)
 from .units import fmt_bytes, fmt_duration
 
 log = logging.getLogger("workbench")
@@ -154,9 +154,11 @@ class Dashboard(widgets.VBox):
         draw=False leaves the figure as it is; force_draw=True draws it now, whatever figure_interval says.
         """
         with self._lock:
+            events = self.dir.events()
+            session_step = session_start(events)
             reading = Reading(rows=self.dir.metrics(), summary=self.dir.summary().to_dict(),
                               observed=tuple(str(x) for x in self.dir.observed_status()),
-                              session_step=session_start(self.dir.events()))
+                              session_step=session_step, warnings=idle_warnings(events, session_step))
             self._force_figure = force_draw
             self._hold_figure = not draw
             try:
@@ -220,7 +222,8 @@ class Dashboard(widgets.VBox):
         return f"step {step}{total}{pct} · {tail}"
 
     def stat_items(self, show_error: bool | None = None) -> list[tuple[str, str]]:
-        """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, error."""
+        """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, the device
+        monitor's latest window, warnings (idle GPUs), error."""
         train, evals = self.train_rows, self.eval_rows
         last, last_eval = (train[-1] if train else {}), (evals[-1] if evals else {})
         items: list[tuple[str, str]] = [("loss", _num(last.get("loss")))]
@@ -235,6 +238,8 @@ class Dashboard(widgets.VBox):
         elif last.get("peak_memory_bytes") is not None:
             items.append(("peak memory", f"{fmt_bytes(last['peak_memory_bytes'])} (max over ranks)"))
         items.append(("learning rate", _num(last.get("lr"), ".3g")))
+        items += monitor_items(last)
+        items += [("warning", line) for line in self.reading.warnings]
         if (self.show_error if show_error is None else show_error):
             items += self._ending_items()
         return items
@@ -276,11 +281,12 @@ class Dashboard(widgets.VBox):
                 return self._png
             from matplotlib.figure import Figure
 
-            from .plots import draw
+            from .plots import draw, monitor_kind
 
             started = time.monotonic()
             if self._figure is None:
                 self._figure = Figure(figsize=(9, 5.5), dpi=80)
+            self._figure.set_size_inches(9, 8 if monitor_kind(rows) else 5.5)  # a third row: the device monitor
             s = self.summary
             label = f"x{s.get('world_size', '?')} {s.get('precision', '')}".strip()
             draw(self._figure, [(label, rows)], title=self.run_dir.name, log_loss=self.log_loss,

@@ -1,4 +1,5 @@
-"""Figures of runs: loss (train and eval), throughput, memory, learning rate; several runs overlaid."""
+"""Figures of runs: loss (train and eval), throughput, memory, learning rate, and the device monitor's
+utilisation and memory per rank when the rows have them; several runs overlaid."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ LINESTYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P")
 """Overlaid runs differ in line style and marker as well as colour: printed in grey, or to a colour-blind
 reader, the runs stay apart."""
+MONITOR_PANELS: dict[str, tuple[tuple[str, str, float], ...]] = {
+    "gpu": (("gpu_util_pct_per_rank", "GPU utilisation (%, window mean)", 1.0),
+            ("gpu_mem_used_bytes_per_rank", "GPU memory used (GiB, window max)", 2.0**30)),
+    "cpu": (("cpu_pct_per_rank", "process CPU (%, window mean; 100 = one core)", 1.0),
+            ("rss_bytes_per_rank", "process resident memory (MiB, window max)", 2.0**20)),
+}
+"""The device monitor's two panels per kind of run: (row key, title, unit divisor)."""
 EMA_WEIGHT = 0.5
 """Weight of the past in the smoothed loss (per logged row): enough to calm the noise of small batches,
 little enough that a 20-row run still shows its shape."""
@@ -27,6 +35,37 @@ little enough that a 20-row run still shows its shape."""
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def monitor_kind(rows: Sequence[dict[str, Any]]) -> str | None:
+    """'gpu' or 'cpu' when the rows carry device monitoring (monitor.py), else None: the figure grows a row."""
+    if any(r.get("gpu_util_pct_per_rank") or r.get("gpu_mem_used_bytes_per_rank") for r in rows):
+        return "gpu"
+    return "cpu" if any(r.get("cpu_pct_per_rank") for r in rows) else None
+
+
+def _per_rank(rows: list[dict[str, Any]], key: str, rank: int, unit: float) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], r[key][rank] / unit) for r in rows
+           if isinstance(r.get(key), list) and rank < len(r[key]) and r[key][rank] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _draw_monitor(axes: Sequence[Axes], runs: Sequence[tuple[str, list[dict[str, Any]]]], kind: str) -> None:
+    """One line per rank (colour) and run (line style): which rank's device idles, fills up or runs hot."""
+    for ax, (key, title, unit) in zip(axes, MONITOR_PANELS[kind]):
+        for i, (label, rows) in enumerate(runs):
+            ranks = max((len(r[key]) for r in rows if isinstance(r.get(key), list)), default=0)
+            for rank in range(ranks):
+                name = f"rank {rank}" if len(runs) == 1 else f"{label} rank {rank}"
+                ax.plot(*_per_rank(rows, key, rank, unit), color=f"C{rank}", label=name,
+                        linestyle=LINESTYLES[i % len(LINESTYLES)], marker=".", markersize=3)
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        if ax.get_lines():
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "not measured" + (" (needs nvidia-ml-py)" if "util" in key else ""),
+                    ha="center", va="center", transform=ax.transAxes, color="#777")
 
 
 def ema(values: Sequence[float], weight: float = EMA_WEIGHT) -> list[float]:
@@ -100,7 +139,8 @@ def draw(fig: Figure, runs: Sequence[tuple[str, list[dict[str, Any]]]], title: s
     live or saved picture says how current it is.
     """
     fig.clear()
-    ax_loss, ax_tp, ax_mem, ax_lr = fig.subplots(2, 2).flat
+    kind = monitor_kind([r for _, rows in runs for r in rows])
+    ax_loss, ax_tp, ax_mem, ax_lr, *ax_monitor = fig.subplots(3 if kind else 2, 2).flat
     for i, (label, rows) in enumerate(runs):
         n = max(1, len(_series(rows, "loss")[0]))
         style = {"color": f"C{i}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
@@ -125,7 +165,9 @@ def draw(fig: Figure, runs: Sequence[tuple[str, list[dict[str, Any]]]], title: s
     ax_tp.set_title("throughput")
     ax_mem.set_title("peak memory (MiB, max over ranks)")
     ax_lr.set_title("learning rate")
-    for ax in (ax_loss, ax_tp, ax_mem, ax_lr):
+    if kind:
+        _draw_monitor(ax_monitor, runs, kind)
+    for ax in (ax_loss, ax_tp, ax_mem, ax_lr, *ax_monitor):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     if runs:
@@ -153,7 +195,7 @@ class RunFigure(Figure):
 def plot_runs(results: Sequence[RunResult], labels: Sequence[str] | None = None,
               path: str | Path | None = None, *, log_loss: bool = False) -> Figure:
     """One figure overlaying `results`; saved to `path` when given."""
-    fig = RunFigure(figsize=(10, 7))
+    fig = RunFigure(figsize=(10, 10 if any(monitor_kind(r.metrics) for r in results) else 7))
     draw(fig, [(_label(r, labels, i), r.metrics) for i, r in enumerate(results)],
          title=results[0].run_dir.name if len(results) == 1 else None, log_loss=log_loss)
     if path is not None:

@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .units import fmt_bytes
+
 if TYPE_CHECKING:
     from .dashboard import Dashboard
     from .panel import Panel
@@ -32,12 +34,39 @@ class Reading:
     observed: tuple[str, str] = ("starting", "")
     session_step: int = 0
     """The step this session of the run started from (0, or the checkpoint a resume loaded)."""
+    warnings: tuple[str, ...] = ()
+    """Warning lines from events.jsonl for the numbers table (a GPU left idle)."""
 
 
 def session_start(events: Sequence[dict[str, Any]]) -> int:
     """The step the latest session started at: its 'started' or 'resumed' event."""
     starts = [e for e in events if e.get("event") in ("started", "resumed")]
     return int(starts[-1].get("step") or 0) if starts else 0
+
+
+def idle_warnings(events: Sequence[dict[str, Any]], session_step: int = 0, limit: int = 3) -> tuple[str, ...]:
+    """The latest 'gpu_idle' events of this session as one line each (monitor.py writes them)."""
+    idle = [e for e in events if e.get("event") == "gpu_idle" and (e.get("step") or 0) >= session_step]
+    return tuple(f"rank {e.get('rank', '?')}: GPU at {e.get('util_pct', '?')}% for {e.get('seconds', '?')} s "
+                 f"(under {e.get('threshold_pct', '?')}%)" + (f" near step {e['step']}" if e.get("step") else "")
+                 + f": {e.get('advice', '')}" for e in idle[-limit:])
+
+
+def monitor_items(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """The device monitor's latest window per rank, for the numbers table (absent fields: no line)."""
+    def per_rank(key: str, fmt: Any) -> str | None:
+        values = row.get(key)
+        if not isinstance(values, list) or all(v is None for v in values):
+            return None
+        return ", ".join(f"rank {i}: {'–' if v is None else fmt(v)}" for i, v in enumerate(values))
+
+    lines = [("GPU utilisation", per_rank("gpu_util_pct_per_rank", lambda v: f"{v:.0f}%")),
+             ("GPU memory used", per_rank("gpu_mem_used_bytes_per_rank", fmt_bytes)),
+             ("GPU power", per_rank("gpu_power_w_per_rank", lambda v: f"{v:.0f} W")),
+             ("GPU temperature", per_rank("gpu_temp_c_per_rank", lambda v: f"{v:.0f} °C")),
+             ("process CPU", per_rank("cpu_pct_per_rank", lambda v: f"{v:.0f}%")),
+             ("process RSS", per_rank("rss_bytes_per_rank", fmt_bytes))]
+    return [(label, text) for label, text in lines if text is not None]
 
 
 def global_batch(summary: dict[str, Any], row: dict[str, Any]) -> float | None:

@@ -1,7 +1,7 @@
 """Metrics rows: the loss and throughput of each logging window, agreed over all ranks in one collective.
 
-Every `log_every` steps one all-gather carries each rank's window loss, peak memory, skipped steps and the
-bytes it holds; rank 0 writes the row to metrics.jsonl.
+Every `log_every` steps one all-gather carries each rank's window loss, peak memory, skipped steps, the
+bytes it holds and its device monitor's window (monitor.py); rank 0 writes the row to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..metrics import peak_memory_bytes
+from ..monitor import row_fields
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from ..config import RunConfig
+    from ..monitor import DeviceMonitor
     from ..rundir import RunDir
     from .state import TrainerState
 
@@ -30,7 +32,8 @@ class MetricsLogger:
 
     def __init__(self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, *, global_batch: int,
                  tokens_per_sample: int | None, mfu: Callable[[float], float | None],
-                 epoch_of: Callable[[int], int], held_bytes: Callable[[], dict[str, int]]) -> None:
+                 epoch_of: Callable[[int], int], held_bytes: Callable[[], dict[str, int]],
+                 monitor: DeviceMonitor | None = None) -> None:
         self.accelerator, self.run, self.cfg = accelerator, run, cfg
         self.device = accelerator.device
         self.main = accelerator.is_main_process
@@ -40,6 +43,8 @@ class MetricsLogger:
         self.steps = 0
         self.window_start = time.perf_counter()
         self.last_row: dict[str, Any] | None = None
+        self.monitor = monitor
+        """Its window rides in the same all-gather (a few more numbers per rank, no extra collective)."""
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         """A step ended with this mean loss over its micro-batches."""
@@ -59,7 +64,8 @@ class MetricsLogger:
         mean_loss = self.loss_sum / self.steps
         held = self.held_bytes()
         local = torch.tensor([mean_loss.item(), peak_memory_bytes(self.device), state.skipped_steps,
-                              *(held.get(k, 0) for k in HELD)],
+                              *(held.get(k, 0) for k in HELD),
+                              *(self.monitor.window_vector() if self.monitor is not None else ())],
                              device=self.device, dtype=torch.float64)
         everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
         step_time = (time.perf_counter() - self.window_start) / self.steps
@@ -78,6 +84,8 @@ class MetricsLogger:
             "elapsed_s": elapsed_s,
             "eta_s": step_time * (cfg.max_steps - state.step),
         }
+        if self.monitor is not None:
+            row.update(row_fields(everyone[:, 3 + len(HELD):]))
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
         if self.tokens_per_sample:

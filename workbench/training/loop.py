@@ -23,6 +23,7 @@ from .. import data
 from ..config import RunConfig
 from ..hardware import detect
 from ..metrics import peak_flops
+from .. import monitor
 from ..rundir import RunDir, Status, lock
 from ..tasks import Task
 from .accelerator import build_accelerator
@@ -91,20 +92,28 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
         self.agreement = Agreement(self.accelerator, self.run, self.guard)
+        # Started by fit(), stopped by close(): model building and data loading are not idle training time.
+        self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
                                      tokens_per_sample=self.tokens_per_sample, mfu=self.mfu,
-                                     epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes)
+                                     epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes,
+                                     monitor=self.monitor)
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         resumed_from = self._resume() if self.cfg.resume else None
         self._announce(resumed_from)
         start = (self.state.step, self.state.samples, self.state.tokens)
+        if self.monitor is not None:
+            self.monitor.start()
         status = self._train()
         return self._finish(status, *start)
 
     def close(self) -> None:
-        """Whatever happened: stop the heartbeat, restore signal handlers, give back a lock rank 0 took."""
+        """Whatever happened: stop the heartbeat and the device monitor, restore signal handlers, give back a
+        lock rank 0 took."""
+        if self.monitor is not None:
+            self.monitor.stop()
         self.guard.close()
         if self.lock_token is not None:
             lock.release(self.run, self.lock_token)

@@ -1,0 +1,274 @@
+"""Device monitoring: NVML sampling against a fake pynvml, the idle-GPU warning, the CPU path in a real run,
+the rows and the dashboard; the NVML path for real where there is a GPU."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fake_nvml import FakeNvml
+from matplotlib.figure import Figure
+
+import workbench as wb
+import workbench.monitor as monitor_mod
+from workbench import files, rundir
+from workbench.dashboard import Dashboard
+from workbench.monitor import FIELDS, DeviceMonitor, nvml_target, row_fields
+from workbench.plots import draw
+
+MB = 2**20
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `condition` until true; fail after `timeout` seconds (a busy 2-core box is slow, not hung)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def monitors() -> Iterator[list[DeviceMonitor]]:
+    """Monitors a test starts; stopped whatever the test did."""
+    started: list[DeviceMonitor] = []
+    yield started
+    for m in started:
+        m.stop(timeout=5)
+    assert not any(m.running for m in started)
+
+
+def run_monitor(monitors: list[DeviceMonitor], *args: Any, **kwargs: Any) -> DeviceMonitor:
+    m = DeviceMonitor(*args, **kwargs)
+    monitors.append(m)
+    m.start()
+    assert m.wait_ready(10)
+    return m
+
+
+# ---- sampling against the fake NVML --------------------------------------------------------------------------
+def test_scripted_nvml_readings_land_in_the_window_mean_for_rates_max_for_levels(monitors: list) -> None:
+    nvml = FakeNvml()
+    m = DeviceMonitor(1.0, gpu_index=1, nvml=nvml)
+    samplers = m._open()  # the thread's samplers, driven by hand: exact samples, no timing
+    try:
+        assert m.source == "nvml" and ("nvmlDeviceGetHandleByIndex", 1) in nvml.calls
+        nvml.set(1, util=80, mem_used=5 * 2**30, power_mw=200_000, temp_c=70)
+        m.sample_once(samplers)
+        nvml.set(1, util=40, mem_used=3 * 2**30, power_mw=100_000, temp_c=65)
+        m.sample_once(samplers)
+        window = m.take_window()
+        assert window["gpu_util_pct"] == 60 and window["gpu_power_w"] == 150  # means (power: mW -> W)
+        assert window["gpu_mem_used_bytes"] == 5 * 2**30 and window["gpu_temp_c"] == 70  # maxima
+        assert window["rss_bytes"] > 10 * MB and window["cpu_pct"] >= 0
+        # A window with no sample of its own repeats the latest sample rather than reporting a gap.
+        assert m.take_window()["gpu_util_pct"] == 40
+        nvml.set(1, power_mw=None)  # a board without power readings: NaN, then None in the row
+        m.sample_once(samplers)
+        assert m.take_window()["gpu_power_w"] == 100  # the last good reading stands in
+    finally:
+        for s in samplers:
+            s.close()
+    assert nvml.initialised == 0 and nvml.calls[-1] == ("nvmlShutdown",)
+
+
+def test_the_thread_samples_in_the_background_and_shuts_nvml_down(monitors: list) -> None:
+    nvml = FakeNvml()
+    nvml.set(0, util=77, temp_c=55)
+    m = run_monitor(monitors, 0.01, gpu_index=0, nvml=nvml)
+    wait_for(lambda: m.take_window()["gpu_util_pct"] == 77, what="a sample")
+    m.stop(timeout=5)
+    assert not m.running and nvml.initialised == 0
+
+
+def test_cuda_visible_devices_maps_the_torch_index_to_nvml(monitors: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert nvml_target(1, None) == 1 and nvml_target(1, "") == 1
+    assert nvml_target(1, "2,3") == 3
+    assert nvml_target(0, "GPU-00000002, 1") == "GPU-00000002"
+    with pytest.raises(LookupError, match="not among CUDA_VISIBLE_DEVICES='2'"):
+        nvml_target(1, "2")
+    nvml = FakeNvml()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    DeviceMonitor(1.0, gpu_index=1, nvml=nvml)._open()[1].close()
+    assert ("nvmlDeviceGetHandleByIndex", 3) in nvml.calls
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000002")  # by UUID (prefix), as CUDA accepts it
+    sampler = DeviceMonitor(1.0, gpu_index=0, nvml=nvml)._open()[1]
+    assert sampler.handle.index == 2
+    sampler.close()
+
+
+def test_without_pynvml_a_gpu_rank_warns_once_and_records_torch_memory(
+        monitors: list, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(monitor_mod, "load_nvml", lambda: None)
+    monkeypatch.setattr(monitor_mod, "_missing_warned", False)
+    with caplog.at_level(logging.WARNING, logger="workbench"):
+        for _ in range(2):
+            m = DeviceMonitor(1.0, gpu_index=0)
+            samplers = m._open()
+            m.sample_once(samplers)
+    assert m.source == "torch" and caplog.text.count("needs nvidia-ml-py") == 1
+    window = m.take_window()
+    assert window["gpu_mem_used_bytes"] == (torch.cuda.memory_reserved(0) if torch.cuda.is_available() else 0)
+    assert math.isnan(window["gpu_util_pct"])  # so no idle warning either
+
+
+# ---- the idle warning ---------------------------------------------------------------------------------------------
+def test_idle_gpu_warns_once_per_episode_and_rearms(monitors: list, caplog: pytest.LogCaptureFixture) -> None:
+    nvml, events = FakeNvml(), []
+    nvml.set(0, util=3)
+    with caplog.at_level(logging.WARNING, logger="workbench"):
+        m = run_monitor(monitors, 0.01, gpu_index=0, nvml=nvml, rank=1, idle_util_pct=10, idle_after_s=0.15,
+                        on_idle=events.append, step_of=lambda: 42)
+        wait_for(lambda: len(events) == 1, what="the first gpu_idle")
+    event = events[0]
+    assert event["rank"] == 1 and event["util_pct"] == 3 and event["seconds"] >= 0.15 and event["step"] == 42
+    assert "num_workers" in event["advice"] and "GPU under 10% utilisation" in caplog.text
+    time.sleep(0.3)  # still idle: the same episode, no second event
+    assert len(events) == 1
+    nvml.set(0, util=95)
+    wait_for(lambda: m._idle_since is None, what="the busy GPU to re-arm the warning")
+    nvml.set(0, util=1)
+    wait_for(lambda: len(events) == 2, what="the second episode's gpu_idle")
+    assert events[1]["util_pct"] == 1
+
+
+def test_a_busy_gpu_or_a_cpu_rank_never_warns(monitors: list) -> None:
+    nvml, events = FakeNvml(), []
+    nvml.set(0, util=95)
+    busy = run_monitor(monitors, 0.01, gpu_index=0, nvml=nvml, idle_after_s=0.05, on_idle=events.append)
+    cpu = run_monitor(monitors, 0.01, gpu_index=None, idle_after_s=0.05, on_idle=events.append)
+    time.sleep(0.4)  # eight idle_after_s: long enough for a wrong warning to show
+    assert events == [] and busy.running and cpu.running and cpu.source == "cpu"
+
+
+def test_for_rank_writes_gpu_idle_to_events_jsonl(monitors: list, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = FakeNvml()
+    nvml.set(0, util=0)
+    monkeypatch.setattr(monitor_mod, "load_nvml", lambda: nvml)
+    run = rundir.RunDir(tmp_path / "run")
+    run.path.mkdir()
+    cfg = wb.RunConfig(monitor_interval_s=0.05, idle_util_pct=5, idle_after_s=0.1)
+    m = monitor_mod.for_rank(cfg, torch.device("cuda", 0), 0, run.event, lambda: 7)
+    monitors.append(m.start())
+    wait_for(lambda: any(e["event"] == "gpu_idle" for e in run.events()), what="the event in events.jsonl")
+    (event,) = [e for e in run.events() if e["event"] == "gpu_idle"]
+    assert event["rank"] == 0 and event["util_pct"] == 0 and event["step"] == 7 and event["advice"]
+    assert monitor_mod.for_rank(cfg.replace(monitor_interval_s=0), torch.device("cpu"), 0, run.event,
+                                lambda: 0) is None
+
+
+# ---- rows, config -------------------------------------------------------------------------------------------------
+def test_row_fields_are_per_rank_lists_with_none_for_unmeasured() -> None:
+    nan = float("nan")
+    gathered = torch.tensor([[50.0, 2.0**30, nan, 61.0, 101.26, 300.0 * MB],
+                             [nan, 2.0**31, nan, 62.0, 99.0, 310.0 * MB]], dtype=torch.float64)
+    row = row_fields(gathered)
+    assert row == {"gpu_util_pct_per_rank": [50.0, None], "gpu_mem_used_bytes_per_rank": [2**30, 2**31],
+                   "gpu_temp_c_per_rank": [61.0, 62.0], "cpu_pct_per_rank": [101.3, 99.0],
+                   "rss_bytes_per_rank": [300 * MB, 310 * MB]}  # power: no rank measured it
+    assert len(FIELDS) == gathered.shape[1]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"monitor_interval_s": -1.0}, r"monitor_interval_s=-1.0: use 0.05 to 3600 seconds .* or 0 to turn"),
+    ({"monitor_interval_s": 0.001}, r"monitor_interval_s=0.001: use 0.05 to 3600"),
+    ({"idle_util_pct": 150.0}, r"idle_util_pct=150.0: a GPU utilisation percentage, 0 to 100"),
+    ({"idle_after_s": -5.0}, r"idle_after_s=-5.0: must be 0 or more seconds"),
+])
+def test_monitor_settings_are_validated(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wb.RunConfig(**fields)
+    assert wb.RunConfig(monitor_interval_s=0, idle_after_s=0).monitor_interval_s == 0
+
+
+# ---- the dashboard --------------------------------------------------------------------------------------------
+def monitored_rows(kind: str) -> list[dict[str, Any]]:
+    rows = []
+    for step in range(5, 45, 5):
+        row: dict[str, Any] = {"step": step, "loss": 2.0 / step, "lr": 1e-3, "samples_per_s": 500.0,
+                               "step_time_s": 0.1, "peak_memory_bytes": 300 * MB, "elapsed_s": step * 0.1,
+                               "cpu_pct_per_rank": [95.0, 101.0], "rss_bytes_per_rank": [400 * MB, 420 * MB]}
+        if kind == "gpu":
+            row.update(gpu_util_pct_per_rank=[93.0, 4.0 if step > 20 else 90.0],
+                       gpu_mem_used_bytes_per_rank=[12 * 2**30, 12 * 2**30], gpu_power_w_per_rank=[300.0, 90.0],
+                       gpu_temp_c_per_rank=[66.0, 50.0])
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["gpu", "cpu"])
+def test_dashboard_draws_the_monitor_and_shows_the_latest_values(tmp_path: Path, kind: str) -> None:
+    from test_dashboard import fake_run
+
+    run_dir = fake_run(tmp_path, monitored_rows(kind))
+    if kind == "gpu":
+        files.append_jsonl(run_dir / rundir.EVENTS, {"time": 1.0, "event": "gpu_idle", "rank": 1, "util_pct": 4.0,
+                                                     "seconds": 300.0, "threshold_pct": 10.0, "step": 30,
+                                                     "advice": "the GPU waits on something else"})
+    dash = Dashboard(run_dir)
+    png = dash.figure_png()
+    assert png.startswith(b"\x89PNG")
+    titles = [ax.get_title() for ax in dash._figure.axes]
+    assert len(titles) == 6
+    stats = dash.stats.value
+    if kind == "gpu":
+        assert "GPU utilisation (%, window mean)" in titles and "GPU memory used (GiB, window max)" in titles
+        assert "rank 0: 93%, rank 1: 4%" in stats and "rank 0: 300 W" in stats and "12.00 GiB" in stats
+        assert "wb-stat-warning" in stats and "rank 1: GPU at 4.0% for 300.0 s (under 10.0%) near step 30" in stats
+    else:
+        assert "process CPU (%, window mean; 100 = one core)" in titles
+        assert "rank 0: 95%, rank 1: 101%" in stats and "rank 1: 420 MiB" in stats
+        assert "GPU" not in stats and "warning" not in stats
+
+
+def test_rows_without_monitoring_keep_the_four_panels() -> None:
+    fig = Figure()
+    draw(fig, [("run", [{k: v for k, v in r.items() if not k.endswith("_per_rank")} for r in monitored_rows("cpu")])])
+    assert len(fig.axes) == 4
+    draw(fig, [("a", monitored_rows("gpu")), ("b", monitored_rows("gpu"))])  # overlaid: rank colour, run style
+    util = fig.axes[4]
+    assert [line.get_label() for line in util.get_lines()] == ["a rank 0", "a rank 1", "b rank 0", "b rank 1"]
+    assert list(util.get_lines()[1].get_ydata())[-1] == 4.0
+
+
+# ---- for real -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_cpu_run_records_process_cpu_and_rss_per_rank(runs_dir: Path) -> None:
+    # 100 steps: longer than one sampling interval (50 ms) even on a fast machine, so CPU % has a reading.
+    cfg = wb.RunConfig(task="digits", num_processes=2, max_steps=100, log_every=25, micro_batch_size=16,
+                       device="cpu", runs_dir=str(runs_dir), monitor_interval_s=0.05, eval_batches=1)
+    result = wb.launch(cfg)
+    rows = [r for r in result.metrics if r.get("loss") is not None]
+    assert result.summary["status"] == "completed" and len(rows) == 4
+    for row in rows[1:]:  # a sample as soon as the ranks start training (the first window: if the thread ran)
+        assert len(row["rss_bytes_per_rank"]) == 2 and "gpu_util_pct_per_rank" not in row
+        assert all(10 * MB < b < 64 * 2**30 for b in row["rss_bytes_per_rank"]), row["rss_bytes_per_rank"]
+    cpu = rows[-1]["cpu_pct_per_rank"]
+    assert len(cpu) == 2 and all(0 < p <= 100 * 64 for p in cpu), cpu  # training ranks use CPU
+    assert not [e for e in result.events if e["event"] == "gpu_idle"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("wb-monitor")]  # in the ranks, not here
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads a real GPU through NVML; this machine has none")
+def test_nvml_reads_this_gpu_for_real(monitors: list) -> None:
+    nvml = pytest.importorskip("pynvml", reason="the GPU path needs nvidia-ml-py: pip install 'workbench[gpu]'")
+    m = run_monitor(monitors, 0.05, gpu_index=0, nvml=nvml)
+    assert m.source == "nvml"
+    x = torch.randn(4096, 4096, device="cuda")
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # keep the GPU busy for a few samples
+        x = (x @ x).tanh_()
+    torch.cuda.synchronize()
+    window = m.take_window()
+    assert window["gpu_util_pct"] > 0 and window["gpu_mem_used_bytes"] >= x.numel() * 4
+    assert 10 < window["gpu_temp_c"] < 110
+    assert math.isnan(window["gpu_power_w"]) or 10 < window["gpu_power_w"] < 2000
