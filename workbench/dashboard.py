@@ -156,7 +156,8 @@ class Dashboard(widgets.VBox):
         with self._lock:
             reading = Reading(rows=self.dir.metrics(), summary=self.dir.summary().to_dict(),
                               observed=tuple(str(x) for x in self.dir.observed_status()),
-                              session_step=session_start(self.dir.events()))
+                              session_step=session_start(self.dir.events()),
+                              profiles=tuple(str(p) for p in self.dir.profile_traces()))
             self._force_figure = force_draw
             self._hold_figure = not draw
             try:
@@ -220,7 +221,8 @@ class Dashboard(widgets.VBox):
         return f"step {step}{total}{pct} · {tail}"
 
     def stat_items(self, show_error: bool | None = None) -> list[tuple[str, str]]:
-        """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, error."""
+        """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, profile
+        traces, error."""
         train, evals = self.train_rows, self.eval_rows
         last, last_eval = (train[-1] if train else {}), (evals[-1] if evals else {})
         items: list[tuple[str, str]] = [("loss", _num(last.get("loss")))]
@@ -235,6 +237,9 @@ class Dashboard(widgets.VBox):
         elif last.get("peak_memory_bytes") is not None:
             items.append(("peak memory", f"{fmt_bytes(last['peak_memory_bytes'])} (max over ranks)"))
         items.append(("learning rate", _num(last.get("lr"), ".3g")))
+        if self.reading.profiles:
+            items.append(("profile", ", ".join(self.reading.profiles) + " (Chrome traces: open in ui.perfetto.dev "
+                                                                        "or chrome://tracing)"))
         if (self.show_error if show_error is None else show_error):
             items += self._ending_items()
         return items

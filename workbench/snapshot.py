@@ -32,6 +32,8 @@ class Reading:
     observed: tuple[str, str] = ("starting", "")
     session_step: int = 0
     """The step this session of the run started from (0, or the checkpoint a resume loaded)."""
+    profiles: tuple[str, ...] = ()
+    """Profile traces written so far (profile_steps), in rank order."""
 
 
 def session_start(events: Sequence[dict[str, Any]]) -> int:

@@ -43,7 +43,7 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
     for i, batch in enumerate(loader):
         if cfg.eval_batches and i >= cfg.eval_batches:
             break
-        batch = send_to_device(batch, device)
+        batch = send_to_device(batch, device, non_blocking=True)
         with forward_context():
             loss, extras = split_loss(task.loss(model, batch))
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
