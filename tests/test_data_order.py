@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
@@ -41,8 +44,45 @@ def test_starting_mid_epoch_continues_the_same_order() -> None:
 
 
 def test_a_training_set_smaller_than_one_micro_batch_per_rank_is_refused() -> None:
-    import pytest
-
     with pytest.raises(ValueError, match=r"micro_batch_size=64: the training set has 100 samples, 50 per rank over "
                                          r"2 rank\(s\), fewer than one micro-batch"):
         ShardedBatches(DATA, wb.RunConfig(micro_batch_size=64), rank=0, world=2, collate_fn=None)
+
+
+# DataLoader settings change how batches are loaded, never which: workers, persistence, prefetch and pinning
+# (on CPU loader_options leaves pinning off, as PyTorch would) give the batches of the plain loader, across
+# epochs and from a mid-epoch start.
+LOADER_SETTINGS = [
+    {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 4, "pin_memory": True},
+    {"num_workers": 2, "persistent_workers": False, "prefetch_factor": 1},
+    {"num_workers": 1, "pin_memory": False},
+]
+
+
+@pytest.mark.parametrize("settings", LOADER_SETTINGS, ids=[str(s) for s in LOADER_SETTINGS])
+def test_loader_settings_give_the_same_batches(settings: dict) -> None:
+    cfg = wb.RunConfig(micro_batch_size=10, seed=7)
+    plain = ids(ShardedBatches(DATA, cfg, 0, 1, None).iterate(0), 25)
+    tuned = cfg.replace(**settings)
+    assert ids(ShardedBatches(DATA, tuned, 0, 1, None).iterate(0), 25) == plain
+    assert ids(ShardedBatches(DATA, tuned, 0, 1, None).iterate(13), 12) == plain[13:]
+    halves = [ids(ShardedBatches(DATA, tuned, r, 2, None).iterate(0), 8) for r in (0, 1)]
+    assert halves == [ids(ShardedBatches(DATA, cfg, r, 2, None).iterate(0), 8) for r in (0, 1)]
+
+
+class WorkerPids(torch.utils.data.Dataset):
+    """Each sample says which process loaded it."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, os.getpid()
+
+
+@pytest.mark.parametrize("persistent,expected", [(True, 2), (False, 6)])
+def test_persistent_workers_serve_every_epoch(persistent: bool, expected: int) -> None:
+    cfg = wb.RunConfig(micro_batch_size=5, seed=1, num_workers=2, persistent_workers=persistent)
+    batches = ShardedBatches(WorkerPids(), cfg, 0, 1, None).iterate(0)
+    pids = {pid for _ in range(12) for pid in next(batches)[1].tolist()}  # 3 epochs of 4 micro-batches
+    assert len(pids) == expected, "2 workers for the whole run, or 2 new ones each epoch"

@@ -15,6 +15,7 @@ from .config_checks import check_against_machine, check_names, check_numbers
 from .files import atomic_write_text, load_yaml, read_yaml
 from .hardware import Hardware, detect
 from .precision import Precision
+from .tracking import Tracker
 from .suggest import unknown_keys
 from .typecheck import check_type, plain
 
@@ -109,6 +110,11 @@ class RunConfig:
     """Cap on eval micro-batches per rank; 0 uses the whole eval set."""
     log_every: int = 10
     """Write a metrics row (and check for a stop request) every N steps."""
+    trackers: list[Tracker] | Literal["auto"] = "auto"
+    """Experiment trackers fed the metrics rows and the config (rank 0, files in the run directory):
+    'tensorboard' (<run>/tensorboard/), 'mlflow' (a local file store, <run>/mlflow); 'auto' is TensorBoard when
+    the tensorboard package is installed, else none; [] turns tracking off. A requested one that isn't
+    installed is refused before launch."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps; 0 saves only at the end (and on stop)."""
     keep_checkpoints: int = 2
@@ -139,6 +145,13 @@ class RunConfig:
     """fp16: this many consecutive steps skipped by the loss scaler (overflow) end the run as diverged."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
+    pin_memory: bool | Literal["auto"] = "auto"
+    """Page-locked host batches, so copies to the GPU can overlap compute; 'auto' pins on CUDA. No effect on CPU."""
+    prefetch_factor: int | None = None
+    """Batches each worker loads ahead (num_workers > 0 only); None keeps PyTorch's default, 2."""
+    persistent_workers: bool | Literal["auto"] = "auto"
+    """Keep the DataLoader workers alive from one epoch to the next (num_workers > 0 only); 'auto': on when
+    num_workers > 0."""
     oversubscribe: bool = False
     """CPU: allow more processes than cores (warned, slow); e.g. to try a 2 x 2 hsdp layout on a 2-core box."""
     track_memory: bool = False
@@ -153,6 +166,9 @@ class RunConfig:
     idle_after_s: float = 300.0
     """A GPU under idle_util_pct this long gets one 'gpu_idle' warning event per episode (0: never warn).
     GPU runs only: on CPU nobody pays for an accelerator standing still."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: record a torch.profiler trace of these optimizer steps (1-based, as in metrics.jsonl) on
+    every rank, to <run>/profile/rank_<r>.json (Chrome trace: chrome://tracing or ui.perfetto.dev); [] is off."""
     dist_timeout_s: int = 300
     """How long a collective may block before the run fails instead of hanging."""
     task_options: dict[str, Any] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from .suggest import unknown_keys
+from .tracking import missing, pip_command
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -66,6 +67,8 @@ def check_numbers(cfg: RunConfig) -> None:
         raise ValueError(f"warmup_steps={cfg.warmup_steps}: longer than max_steps={cfg.max_steps}; "
                          f"use at most {cfg.max_steps}")
     check_monitor(cfg)
+    check_loader(cfg)
+    check_profile_steps(cfg)
 
 
 def check_monitor(cfg: RunConfig) -> None:
@@ -80,6 +83,34 @@ def check_monitor(cfg: RunConfig) -> None:
         raise ValueError(f"idle_after_s={cfg.idle_after_s!r}: must be 0 or more seconds (e.g. 300), "
                          "0 never warns about idle GPUs")
 
+
+def check_loader(cfg: RunConfig) -> None:
+    """DataLoader settings that only mean something with worker processes."""
+    if cfg.prefetch_factor is not None and cfg.prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor={cfg.prefetch_factor}: must be at least 1 (batches each worker loads "
+                         "ahead), or None for PyTorch's default of 2")
+    if cfg.num_workers == 0:
+        if cfg.prefetch_factor is not None:
+            raise ValueError(f"prefetch_factor={cfg.prefetch_factor} with num_workers=0: only worker processes "
+                             "prefetch; set num_workers (e.g. 2) or prefetch_factor=None")
+        if cfg.persistent_workers is True:
+            raise ValueError("persistent_workers=True with num_workers=0: there are no workers to keep; set "
+                             "num_workers (e.g. 2) or persistent_workers='auto'")
+
+
+def check_profile_steps(cfg: RunConfig) -> None:
+    """profile_steps: [] or [first, last] with 1 <= first <= last <= max_steps."""
+    steps = cfg.profile_steps
+    if not steps:
+        return
+    if len(steps) != 2:
+        raise ValueError(f"profile_steps={steps!r}: give [first, last] (e.g. [3, 5]), or [] for no profile")
+    first, last = steps
+    if not 1 <= first <= last <= cfg.max_steps:
+        raise ValueError(f"profile_steps={steps!r}: need 1 <= first <= last <= max_steps={cfg.max_steps} (steps "
+                         f"count from 1, as in metrics.jsonl), e.g. [{min(3, cfg.max_steps)}, "
+                         f"{min(5, cfg.max_steps)}]")
+
 def check_names(cfg: RunConfig, field_names: list[str]) -> None:
     """Names: run name, task, preempt signal, resume_allow."""
     if cfg.run_name is not None and not _RUN_NAME.fullmatch(cfg.run_name):
@@ -93,6 +124,8 @@ def check_names(cfg: RunConfig, field_names: list[str]) -> None:
     if cfg.preempt_signal is not None and cfg.preempt_signal not in PREEMPT_SIGNALS:
         raise ValueError(f"preempt_signal={cfg.preempt_signal!r}: choose one of {', '.join(PREEMPT_SIGNALS)} "
                          "(SIGTERM and SIGHUP are always handled)")
+    if cfg.trackers != "auto" and len(set(cfg.trackers)) != len(cfg.trackers):
+        raise ValueError(f"trackers={cfg.trackers!r}: name each tracker once, e.g. {sorted(set(cfg.trackers))!r}")
     unknown = [name for name in cfg.resume_allow if name not in (*field_names, "global_batch_size")]
     if unknown:
         raise ValueError(f"resume_allow: unknown field(s) {', '.join(unknown_keys(unknown, field_names))}")
@@ -120,6 +153,7 @@ def check_against_machine(cfg: RunConfig, hw: Hardware, task: Any = None) -> Non
     if cfg.grad_compression == "bf16" and device != "cuda" and cfg.num_processes > 1:
         raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
                          "use grad_compression='fp16' or 'powersgd' on CPU")
+    check_tools(cfg, device)
     problem = hw.precision_problem(cfg.precision, device)
     if problem:
         raise ValueError(f"precision={cfg.precision!r} on {hw.describe(device)}: {problem}")
@@ -131,6 +165,19 @@ def check_against_machine(cfg: RunConfig, hw: Hardware, task: Any = None) -> Non
     check_parallel_task(cfg, task)
     if cfg.activation_checkpointing != "none":
         _check_checkpoint_units(cfg, task)
+
+
+def check_tools(cfg: RunConfig, device: str) -> None:
+    """Trackers that aren't installed are refused before launch (accelerate would drop them silently); pinned
+    memory on CPU is warned about, as it does nothing there."""
+    absent = missing(cfg.trackers)
+    if absent:
+        raise ValueError(f"trackers={cfg.trackers!r}: {', '.join(absent)} not installed here; "
+                         f"`{pip_command(absent)}`, or leave {' and '.join(absent)} out of trackers")
+    if cfg.pin_memory is True and device != "cuda":
+        warnings.warn("pin_memory=True on CPU: pinned memory only speeds up copies to a GPU; it is not used on "
+                      "this run (set pin_memory='auto' to silence this)", stacklevel=3)
+
 
 def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
     """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device

@@ -158,7 +158,8 @@ class Dashboard(widgets.VBox):
             session_step = session_start(events)
             reading = Reading(rows=self.dir.metrics(), summary=self.dir.summary().to_dict(),
                               observed=tuple(str(x) for x in self.dir.observed_status()),
-                              session_step=session_step, warnings=idle_warnings(events, session_step))
+                              session_step=session_step, warnings=idle_warnings(events, session_step),
+                              profiles=tuple(str(p) for p in self.dir.profile_traces()))
             self._force_figure = force_draw
             self._hold_figure = not draw
             try:
@@ -223,7 +224,7 @@ class Dashboard(widgets.VBox):
 
     def stat_items(self, show_error: bool | None = None) -> list[tuple[str, str]]:
         """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, the device
-        monitor's latest window, warnings (idle GPUs), error."""
+        monitor's latest window, warnings (idle GPUs), profile traces, error."""
         train, evals = self.train_rows, self.eval_rows
         last, last_eval = (train[-1] if train else {}), (evals[-1] if evals else {})
         items: list[tuple[str, str]] = [("loss", _num(last.get("loss")))]
@@ -240,6 +241,9 @@ class Dashboard(widgets.VBox):
         items.append(("learning rate", _num(last.get("lr"), ".3g")))
         items += monitor_items(last)
         items += [("warning", line) for line in self.reading.warnings]
+        if self.reading.profiles:
+            items.append(("profile", ", ".join(self.reading.profiles) + " (Chrome traces: open in ui.perfetto.dev "
+                                                                        "or chrome://tracing)"))
         if (self.show_error if show_error is None else show_error):
             items += self._ending_items()
         return items

@@ -36,6 +36,8 @@ class Reading:
     """The step this session of the run started from (0, or the checkpoint a resume loaded)."""
     warnings: tuple[str, ...] = ()
     """Warning lines from events.jsonl for the numbers table (a GPU left idle)."""
+    profiles: tuple[str, ...] = ()
+    """Profile traces written so far (profile_steps), in rank order."""
 
 
 def session_start(events: Sequence[dict[str, Any]]) -> int:

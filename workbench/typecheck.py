@@ -11,6 +11,8 @@ from typing import Any, Literal, get_args
 def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
+    if typing.get_origin(tp) is list and get_args(tp):
+        return f"a list of ({type_name(get_args(tp)[0])})"
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
 
 

@@ -2,9 +2,10 @@
 
 runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl, events.jsonl, summary.json, timings.json,
 model.safetensors, checkpoints/step_<N>/, errors/rank_<r>.json, ranks/rank_<r>.json (heartbeats),
-stacks/rank_<r>.txt, LOCK, STOP. JSON files are replaced atomically; JSONL files are appended a whole line
-at a time, and readers skip a torn last line, so a crash never leaves a file that can't be read. A write
-that fails (disk full, permissions) raises RunDirWriteError naming the run directory and the file.
+stacks/rank_<r>.txt, profile/rank_<r>.json (profile_steps), tensorboard/ and mlflow/ (trackers), LOCK, STOP.
+JSON files are replaced atomically; JSONL files are appended a whole line at a time, and readers skip a torn
+last line, so a crash never leaves a file that can't be read. A write that fails (disk full, permissions) raises
+RunDirWriteError naming the run directory and the file.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ RANK_VALUES = "rank_values"
 """ranks/rank_<r>.json: each rank's heartbeat (pid, host, step, phase), rewritten every few seconds."""
 STACKS = "stacks"
 """stacks/rank_<r>.txt: a rank's Python stacks, dumped when it hangs past the grace period."""
+PROFILE = "profile"
+"""profile/rank_<r>.json: each rank's torch.profiler Chrome trace of the steps RunConfig.profile_steps names."""
 WEIGHTS = "model.safetensors"
 """The full weights at the end of a run (any parallelism), loadable without torch.distributed."""
 COMPLETE_MARKER = "manifest.json"
@@ -81,6 +84,7 @@ class RunDir:
     ranks_path = property(lambda self: self.path / RANKS)
     stacks_path = property(lambda self: self.path / STACKS)
     rank_values_path = property(lambda self: self.path / RANK_VALUES)
+    profile_path = property(lambda self: self.path / PROFILE)
 
     @contextlib.contextmanager
     def writing(self, path: Path, what: str) -> Iterator[None]:
@@ -115,6 +119,12 @@ class RunDir:
 
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.events_path)
+
+    def profile_traces(self) -> list[Path]:
+        """The profile traces written so far (profile_steps), in rank order."""
+        found = [(int(m.group(1)), p) for p in self.profile_path.glob("rank_*.json")
+                 if (m := re.fullmatch(r"rank_(\d+)\.json", p.name))]
+        return [p for _, p in sorted(found)]
 
     def lock_owner(self) -> dict[str, Any] | None:
         return read_json(self.lock_path)

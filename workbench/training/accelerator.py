@@ -5,15 +5,18 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from ..distributed import FORKED_RANKS
 from ..hardware import detect
 from ..precision import accelerate_mixed_precision
+from ..tracking import TENSORBOARD_DIR, pip_command
+from ..tracking import resolve as resolve_trackers
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -21,8 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("workbench")
 
 
-def build_accelerator(cfg: RunConfig) -> Accelerator:
-    """An Accelerator that really is what cfg asks for.
+def build_accelerator(cfg: RunConfig, run_dir: Path | None = None) -> Accelerator:
+    """An Accelerator that really is what cfg asks for, with the config's trackers writing into `run_dir`.
 
     Two accelerate behaviours are corrected here: without cpu=True, forked CPU ranks never form a process
     group (N separate copies), and the precision is passed explicitly rather than through notebook_launcher,
@@ -38,11 +41,19 @@ def build_accelerator(cfg: RunConfig) -> Accelerator:
     elif device == "cpu":
         # N ranks x all cores of OpenMP threads would oversubscribe the machine: each gets its share.
         torch.set_num_threads(share)
+    trackers = resolve_trackers(cfg.trackers) if run_dir is not None else []
     accelerator = Accelerator(
         cpu=device == "cpu",
         mixed_precision=accelerate_mixed_precision(cfg.precision),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
+        # File-based trackers write under logging_dir/<project name>: <run>/tensorboard/<run name>/.
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / TENSORBOARD_DIR))
+        if run_dir is not None else None,
     )
+    if sorted(str(t) for t in accelerator.log_with) != sorted(trackers):  # accelerate drops what it can't import
+        raise RuntimeError(f"trackers {trackers}: accelerate could start only {accelerator.log_with}; "
+                           f"`{pip_command(trackers)}`")
     # A launcher that sets WORLD_SIZE (torchrun, elastic, multi-node) knows the real size; else it's ours.
     expected = int(os.environ.get("WORLD_SIZE", cfg.num_processes))
     if accelerator.num_processes != expected:

@@ -46,7 +46,7 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
     for i, batch in enumerate(loader):
         if cfg.eval_batches and i >= cfg.eval_batches:
             break
-        batch = send_to_device(batch, device)
+        batch = send_to_device(batch, device, non_blocking=True)
         if eval_loss is not None:
             got = eval_loss(batch)
             if got is None:

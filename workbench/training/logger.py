@@ -1,7 +1,8 @@
 """Metrics rows: the loss and throughput of each logging window, agreed over all ranks in one collective.
 
 Every `log_every` steps one all-gather carries each rank's window loss, peak memory, skipped steps, the
-bytes it holds and its device monitor's window (monitor.py); rank 0 writes the row to metrics.jsonl.
+bytes it holds and its device monitor's window (monitor.py); rank 0 writes the row to metrics.jsonl and to the
+run's trackers (TensorBoard, MLflow).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ..monitor import DeviceMonitor
     from ..rundir import RunDir
     from .state import TrainerState
+    from .trackers import RunTrackers
 
 HELD = ("params", "grads", "optimizer")
 """What each rank holds, in bytes, reported per rank in every row (what sharding saved)."""
@@ -33,7 +35,7 @@ class MetricsLogger:
     def __init__(self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, *, global_batch: int,
                  tokens_per_sample: int | None, mfu: Callable[[float], float | None],
                  epoch_of: Callable[[int], int], held_bytes: Callable[[], dict[str, int]],
-                 monitor: DeviceMonitor | None = None) -> None:
+                 monitor: DeviceMonitor | None = None, trackers: RunTrackers | None = None) -> None:
         self.accelerator, self.run, self.cfg = accelerator, run, cfg
         self.device = accelerator.device
         self.main = accelerator.is_main_process
@@ -45,6 +47,7 @@ class MetricsLogger:
         self.last_row: dict[str, Any] | None = None
         self.monitor = monitor
         """Its window rides in the same all-gather (a few more numbers per rank, no extra collective)."""
+        self.trackers = trackers
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         """A step ended with this mean loss over its micro-batches."""
@@ -54,6 +57,14 @@ class MetricsLogger:
     def restart_clock(self) -> None:
         """Time spent outside training steps (eval, checkpoints) is not step time."""
         self.window_start = time.perf_counter()
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Rank 0: one row (training or eval) to metrics.jsonl and the trackers, so they always hold the same."""
+        if not self.main:
+            return
+        self.run.append_metrics(row)
+        if self.trackers is not None:
+            self.trackers.log(row)
 
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.log_every == 0
@@ -93,8 +104,7 @@ class MetricsLogger:
         mfu = self.mfu(row["samples_per_s"])
         if mfu is not None:
             row["mfu"] = mfu
-        if self.main:
-            self.run.append_metrics(row)
+        self.write(row)
         self.loss_sum.zero_()
         self.steps = 0
         self.restart_clock()

@@ -37,10 +37,12 @@ from .logger import MetricsLogger
 from .memory import tracked
 from .optim import build_optimizer, set_lr
 from .parallel import parallelize
+from .profiling import StepProfiler
 from ..weights import save_rank_value
 from .report import export_weights, first_leaf_dtype, running_fields, summary_fields
 from .state import TrainerState
 from .step import accumulate
+from .trackers import RunTrackers
 
 _log = logging.getLogger("workbench")
 
@@ -55,7 +57,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, task: Task, run_dir: Path, *, progress: bool = False) -> None:
         self.cfg, self.task, self.run, self.progress = cfg, task, RunDir(run_dir), progress
-        self.accelerator = build_accelerator(cfg)
+        self.accelerator = build_accelerator(cfg, self.run.path)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share batches and seed,
@@ -86,7 +88,7 @@ class Trainer:
             self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.world, self.collate_fn)
         # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * self.dp_world
-        self.batches = ShardedBatches(train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn)
+        self.batches = ShardedBatches(train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type)
         # Dropout masks should differ between data-parallel ranks, yet be reproducible; the ranks of one TP group
         # must draw the same ones (their replicated parameters would drift apart otherwise).
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
@@ -94,15 +96,18 @@ class Trainer:
         self.agreement = Agreement(self.accelerator, self.run, self.guard)
         # Started by fit(), stopped by close(): model building and data loading are not idle training time.
         self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)
+        self.trackers = RunTrackers(self.accelerator, self.run)
+        self.profiler = StepProfiler(cfg, self.run, self.rank, self.device)
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
                                      tokens_per_sample=self.tokens_per_sample, mfu=self.mfu,
                                      epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes,
-                                     monitor=self.monitor)
+                                     monitor=self.monitor, trackers=self.trackers)
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         resumed_from = self._resume() if self.cfg.resume else None
         self._announce(resumed_from)
+        self.trackers.start(self.cfg, world_size=self.world, global_batch_size=self.global_batch)
         start = (self.state.step, self.state.samples, self.state.tokens)
         if self.monitor is not None:
             self.monitor.start()
@@ -110,11 +115,12 @@ class Trainer:
         return self._finish(status, *start)
 
     def close(self) -> None:
-        """Whatever happened: stop the heartbeat and the device monitor, restore signal handlers, give back a
-        lock rank 0 took."""
+        """Whatever happened: stop the heartbeat and the device monitor, restore signal handlers, close the trackers,
+        give back a lock rank 0 took."""
         if self.monitor is not None:
             self.monitor.stop()
         self.guard.close()
+        self.trackers.end()
         if self.lock_token is not None:
             lock.release(self.run, self.lock_token)
 
@@ -137,14 +143,9 @@ class Trainer:
         step_start = time.perf_counter()
         try:
             while self.state.step < self.cfg.max_steps:
-                if self._track_this_step():
-                    # Fetched outside the tracker: a batch sliced from an in-memory dataset would be counted
-                    # with the whole dataset's storage.
-                    micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
-                    (grad_norm, verdict), self.tracked_memory = tracked(self.parallel, lambda: self._step(iter(micro)),
-                                                                        tuple(micro))
-                else:
-                    grad_norm, verdict = self._step(batches)
+                with self.profiler.step(self.state.step + 1):
+                    grad_norm, verdict = self._tracked_step(batches) if self._track_this_step() else \
+                        self._step(batches)
                 if verdict.nonfinite:
                     return Status.DIVERGED
                 if bar is not None:
@@ -157,8 +158,16 @@ class Trainer:
                     return status
             return Status.COMPLETED
         finally:
+            self.profiler.close()  # a run that ends inside profile_steps keeps the steps it recorded
             if bar is not None:
                 bar.close()
+
+    def _tracked_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, Verdict]:
+        """track_memory's step: fetched outside the tracker, as a batch sliced from an in-memory dataset would be
+        counted with the whole dataset's storage."""
+        micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
+        result, self.tracked_memory = tracked(self.parallel, lambda: self._step(iter(micro)), tuple(micro))
+        return result
 
     def _step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, Verdict]:
         """One optimizer step: accumulate micro-batches, clip, agree, update. The update of a step whose loss
@@ -205,8 +214,7 @@ class Trainer:
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
                                      self.parallel.forward_context, shard=(self.dp_rank, self.dp_world),
                                      eval_loss=getattr(self.parallel, "eval_loss", None))
-            if self.main:
-                self.run.append_metrics({"step": step, **self.eval_row})
+            self.metrics.write({"step": step, **self.eval_row})
             self.metrics.restart_clock()
         if self.checkpoints.due(step, final, verdict.stop or bool(verdict.signal)):
             self.guard.at(step, "checkpoint")

@@ -58,7 +58,8 @@ def rank_info(t: Trainer) -> list[dict[str, Any]]:
             "peak_memory_bytes": peak_memory_bytes(t.device),
             "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
             **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
-            "weights_sha256": t.parallel.weights_digest(), "tracked_memory": t.tracked_memory}
+            "weights_sha256": t.parallel.weights_digest(), "tracked_memory": t.tracked_memory,
+            "profile_trace": str(t.profiler.trace) if t.profiler.trace else None}
     return gather_object([mine]) if t.world > 1 else [mine]
 
 

@@ -30,7 +30,9 @@ def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: in
         last = micro == accum - 1
         if at is not None:
             at("data")
-        batch = send_to_device(next(batches), device)
+        # Asynchronous from pinned batches (pin_memory): the copy overlaps the previous work; the stream still
+        # orders it before the forward that reads it.
+        batch = send_to_device(next(batches), device, non_blocking=True)
         if at is not None:
             at("forward/backward (Task.loss)")
         with strategy.sync_gradients(last):

@@ -128,7 +128,7 @@ class PipelineParallel(Strategy):
         """The step's micro-batches through the schedule; the replica's mean micro-batch loss on its every rank."""
         if at is not None:
             at("data")
-        micro = [send_to_device(next(batches), self.device) for _ in range(accum)]
+        micro = [send_to_device(next(batches), self.device, non_blocking=True) for _ in range(accum)]
         inputs = torch.cat([m[0] for m in micro])
         target = torch.cat([m[1] for m in micro])
         if at is not None:
