@@ -32,6 +32,16 @@ def offline_data(monkeypatch: pytest.MonkeyPatch, data_cache: Path) -> None:
         monkeypatch.setenv("WORKBENCH_DATA_MIRROR", str(mirror))
 
 
+@pytest.fixture(autouse=True)
+def no_default_trackers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trackers='auto' (the default) loads TensorBoard on rank 0 of every run, half a second each over the suite's
+    many launches; here it resolves to none. Runs that name trackers get them (tests/test_trackers.py), and
+    tracking.resolve's own 'auto' rule is tested there. Forked ranks inherit the patch."""
+    from workbench.training import accelerator
+
+    monkeypatch.setattr(accelerator, "resolve_trackers", lambda setting: [] if setting == "auto" else list(setting))
+
+
 @pytest.fixture
 def runs_dir(tmp_path: Path) -> Path:
     path = tmp_path / "runs"
