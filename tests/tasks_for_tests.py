@@ -1,4 +1,4 @@
-"""Tasks used by the tests: tiny, deterministic, and able to fail or count all-reduces on request.
+"""Tasks used by the tests: tiny, deterministic, and able to fail, hang or be slow on request.
 
 Behaviour is driven by task_options so it also works in `workbench train` subprocesses
 (task: "tasks_for_tests:TinyRegression" with this directory on PYTHONPATH).
@@ -6,7 +6,6 @@ Behaviour is driven by task_options so it also works in `workbench train` subpro
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,31 @@ from torch.utils.data import TensorDataset
 import workbench as wb
 
 
+class SlowSamples(torch.utils.data.Dataset):
+    """A dataset that takes `delay_s` to produce each sample, as a slow disk or decoder would."""
+
+    def __init__(self, inner: TensorDataset, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        import time
+
+        time.sleep(self.delay_s)
+        return self.inner[i]
+
+
 class TinyRegression(wb.Task):
     name = "tiny-regression"
     default_options: dict[str, Any] = {
         "n": 512, "dropout": 0.0,
         "fail_rank": None, "fail_at_call": 0,   # raise in loss() on that rank at that call (1-based)
         "kill_rank": None,                      # ... or SIGKILL that rank there, as the OOM killer would
-        "comm_log": None,                       # directory: count DDP all-reduce hook calls per rank
         "slow_s": 0.0,                          # sleep per loss call, to make a run long enough to stop
+        "slow_rank": None,                      # ... on that rank only (a straggler)
+        "slow_data_s": 0.0,                     # sleep per training sample fetched (an input-bound run)
         "nan_rank": None, "nan_at_call": 0,     # that rank's loss becomes NaN at that call
         "hang_rank": None, "hang_at_call": 0,   # that rank sleeps forever in that call, as a stuck user step would
         "crash_marker": None,                   # with fail_rank/fail_at_call: fail only while this file is absent
@@ -32,7 +48,6 @@ class TinyRegression(wb.Task):
 
     def __init__(self) -> None:
         self.calls = 0
-        self.comm_calls = 0
 
     def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
         o = self.options(cfg)
@@ -43,7 +58,9 @@ class TinyRegression(wb.Task):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(self.options(cfg)["n"], 8, generator=g)
         y = (x * torch.linspace(-1, 1, 8)).sum(1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
-        return TensorDataset(x, y), TensorDataset(x[:64], y[:64])
+        train = TensorDataset(x, y)
+        slow = self.options(cfg)["slow_data_s"]
+        return (SlowSamples(train, slow) if slow else train), TensorDataset(x[:64], y[:64])
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         self.calls += 1
@@ -61,9 +78,7 @@ class TinyRegression(wb.Task):
             time.sleep(10**6)
         if o["kill_rank"] == rank and self.calls == o["fail_at_call"]:
             os.kill(os.getpid(), 9)
-        if o["comm_log"] and self.calls == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model.register_comm_hook(Path(o["comm_log"]) / f"rank_{rank}.json", self._counting_allreduce)
-        if o["slow_s"]:
+        if o["slow_s"] and o["slow_rank"] in (None, rank):
             import time
 
             time.sleep(o["slow_s"])
@@ -72,13 +87,6 @@ class TinyRegression(wb.Task):
         if o["nan_rank"] == rank and self.calls == o["nan_at_call"]:
             loss = loss * float("nan")
         return loss
-
-    def _counting_allreduce(self, path, bucket):  # noqa: ANN001  (DDP rejects hooks with string annotations)
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        self.comm_calls += 1
-        path.write_text(json.dumps({"allreduce_calls": self.comm_calls, "loss_calls": self.calls}))
-        return allreduce_hook(None, bucket)
 
     def options(self, cfg: wb.RunConfig) -> dict[str, Any]:
         self.options_cache = super().options(cfg)

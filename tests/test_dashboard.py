@@ -247,3 +247,26 @@ def test_runs_are_recorded_under_their_label(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(ValueError, match="label='32 x 1'"):
         with rec.recorded_as("32 x 1"):
             pass
+
+
+def test_the_step_time_breakdown_is_a_bar_per_rank_with_the_slowest_marked(tmp_path: Path) -> None:
+    rows = trainer_rows([0.1] * 10, log_every=5)
+    rows[-1].update({"data_ms_per_rank": [1.0, 1.0], "compute_ms_per_rank": [10.0, 40.0],
+                     "comm_ms_per_rank": [30.0, 1.0], "optimizer_ms_per_rank": [2.0, 2.0],
+                     "other_ms_per_rank": [1.0, 1.0], "comm_measured": True, "slowest_rank": 1,
+                     "verdicts": ["rank 1 is 238% slower than the others: they wait for it every step"]})
+    dash = Dashboard(fake_run(tmp_path, rows))
+    dash.refresh(draw=False)
+    bars = re.findall(r"<div class='wb-breakdown-rank' data-rank='(\d)'.*?</span></div>", dash.breakdown.value)
+    assert bars == ["0", "1"]
+    rank1 = dash.breakdown.value.split("data-rank='1'")[1]
+    assert "◀ slowest" in rank1 and "◀ slowest" not in dash.breakdown.value.split("data-rank='1'")[0]
+    # widths are shares of the longest step (45 ms): rank 1's compute is 40/45 of the bar
+    assert re.search(r"wb-breakdown-compute' title='forward\+backward: 40.00 ms \(89%\)' style='width:88.89%", rank1)
+    assert "⚠ rank 1 is 238% slower" in dash.breakdown.value
+    snapshot = wb.snapshot.dashboard_html(dash)
+    assert "where the step time goes" in snapshot and "◀ slowest" in snapshot
+    # a row without a breakdown (an old run directory) shows none
+    old = Dashboard(fake_run(tmp_path / "old", trainer_rows([0.1] * 10, log_every=5)))
+    old.refresh(draw=False)
+    assert old.train_rows and old.breakdown.value == ""

@@ -21,6 +21,7 @@ from typing import Any
 import ipywidgets as widgets
 import traitlets
 
+from .breakdown_view import breakdown_html
 from .kernel import in_kernel
 from .rundir import ENDED, RunDir, Status
 from .snapshot import (Reading, dashboard_html, idle_warnings, monitor_items, run_average, session_start,
@@ -80,8 +81,8 @@ class Dashboard(widgets.VBox):
             box.add_class(css_class)
             return box
 
-        self.title, self.progress_text, self.stats = (html_box(c) for c in
-                                                      ("wb-dash-title", "wb-progress-text", "wb-stats"))
+        self.title, self.progress_text, self.stats, self.breakdown = (
+            html_box(c) for c in ("wb-dash-title", "wb-progress-text", "wb-stats", "wb-breakdown-box"))
         self.placeholder = html_box("wb-figure-placeholder")
         self.progress = widgets.IntProgress(value=0, min=0, max=max(1, self._max_steps or 1), bar_style="info",
                                             layout=widgets.Layout(width="320px"))
@@ -90,7 +91,7 @@ class Dashboard(widgets.VBox):
         self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="900px", display="none"))
         self.image.add_class("wb-figure")
         self.children = [self.title, widgets.HBox([self.progress, self.progress_text]), self.stats,
-                         self.placeholder, self.image]
+                         self.breakdown, self.placeholder, self.image]
         self.add_class("wb-dashboard")
 
     @property
@@ -183,6 +184,7 @@ class Dashboard(widgets.VBox):
                                 f"<span class='wb-run-status'>{html.escape(self.status)}</span>")
             self.progress_text.value = html.escape(self.progress_line())
             self.stats.value = table(self.stat_items(), "wb-stat-")
+            self.breakdown.value = breakdown_html(self.train_rows[-1] if self.train_rows else None)
             redraw = self._force_figure or (change is not None and change["name"] == "log_loss")
             if self.rows and not self._hold_figure and (redraw or self._figure_due()):
                 png = self.figure_png()

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .breakdown_view import breakdown_html
 from .units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -157,7 +158,8 @@ def dashboard_html(dash: Dashboard, *, show_error: bool = True, figure: bool = T
     return (f"<div class='wb-snapshot wb-snapshot-dashboard'>"
             f"<div><b>{html.escape(dash.run_dir.name)}</b> &nbsp; {html.escape(dash.status)}</div>"
             f"<div>{html.escape(dash.progress_line())}</div>"
-            f"{table(dash.stat_items(show_error=show_error), 'wb-snapshot-stat-')}{figure_html}</div>")
+            f"{table(dash.stat_items(show_error=show_error), 'wb-snapshot-stat-')}"
+            f"{breakdown_html(dash.train_rows[-1] if dash.train_rows else None)}{figure_html}</div>")
 
 
 def panel_html(panel: Panel) -> str:

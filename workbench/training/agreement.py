@@ -1,11 +1,13 @@
 """Once a step, before the update: do all ranks agree to go on? One tiny all-reduce carries rank 0's stop
 request, any rank's preemption signal and whether any rank's loss was NaN or inf; it is started before the
-last backward and waited for before the update, so it travels with the gradient all-reduce instead of adding
-a round trip. Every rank stops on the same step, and a diverged step is never applied. A non-finite gradient
+last backward and waited for before the update. On DDP the flags ride in the gradient all-reduce itself
+(carrier.py); elsewhere they travel beside it, so neither adds a round trip. The vote is a sum: each rank
+writes only its own slots (1 + 2 x world numbers), so a sum tells every rank's signal and loss apart. Every rank stops on the same step, and a diverged step is never applied. A non-finite gradient
 norm needs no vote: after the all-reduce (or the sharded norm's own) it is the same number on every rank."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from ..rundir import RunDir
+    from .carrier import GradientCarrier
     from .guard import Guard
 
 
@@ -46,27 +49,54 @@ class Verdict:
 
 
 class Agreement:
-    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard) -> None:
-        self.accelerator, self.run, self.guard = accelerator, run, guard
-        self.rank = accelerator.process_index
-        self.flags = torch.zeros(3, device=accelerator.device)
+    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard, carrier: GradientCarrier | None = None
+                 ) -> None:
+        self.accelerator, self.run, self.guard, self.carrier = accelerator, run, guard, carrier
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        # [stop (rank 0), signal per rank..., non-finite loss per rank...]
+        self.flags = torch.zeros(1 + 2 * self.world, device=accelerator.device)
         self._pending: Any = None
+        self._carried = False
 
     def start(self, step_loss: torch.Tensor) -> None:
         """Collective (every rank, once per step): this rank's flags go out, asynchronously."""
-        flags = self.flags
-        flags[0] = float(self.accelerator.is_main_process and self.run.stop_requested())
-        flags[1] = float(self.guard.signal)
-        flags[2] = (~torch.isfinite(step_loss)).float() * (self.rank + 1)
-        if self.accelerator.num_processes > 1:
-            self._pending = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        votes = [0.0] * len(self.flags)
+        if self.accelerator.is_main_process and self.run.stop_requested():
+            votes[0] = 1.0
+        if self.guard.signal:
+            votes[1 + self.rank] = float(self.guard.signal)
+        bad = 1 + self.world + self.rank
+        if step_loss.device.type == "cpu":  # a handful of Python floats, one tensor: cheaper than indexing one
+            votes[bad] = float(not math.isfinite(step_loss.item()))
+            flags = self.flags = torch.tensor(votes)
+        else:  # no host sync on a GPU: the loss check stays on the device
+            flags = self.flags
+            flags.copy_(torch.tensor(votes), non_blocking=True)
+            flags[bad] = (~torch.isfinite(step_loss)).float()
+        if self.world == 1:
+            return
+        if self.carrier is not None:
+            self.carrier.carry(flags)
+            self._carried = True
+        else:
+            self._pending = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
 
     def finish(self, grad_norm: torch.Tensor | None) -> Verdict:
         """Wait for everyone's flags; `grad_norm` (None with fp16 scaling, whose overflows aren't divergence)."""
-        if self._pending is not None:
+        votes = self.flags
+        if self._carried:
+            self._carried = False
+            carried = self.carrier.carried() if self.carrier is not None else None
+            if carried is None:
+                raise RuntimeError("the gradient all-reduce did not carry the agreement flags (no backward through "
+                                   "DDP this step?)")
+            votes = carried
+        elif self._pending is not None:
             self._pending.wait()
             self._pending = None
-        stop, signal, bad_loss = self.flags.tolist()
-        bad_grad = grad_norm is not None and not bool(torch.isfinite(grad_norm))
-        return Verdict(stop=stop > 0, signal=int(signal), bad_loss_rank=int(bad_loss) - 1 if bad_loss else None,
-                       bad_grad_norm=bad_grad)
+        values = votes.tolist()
+        signals, bad = values[1:1 + self.world], values[1 + self.world:]
+        bad_ranks = [r for r, v in enumerate(bad) if v > 0.5]
+        bad_grad = grad_norm is not None and not math.isfinite(grad_norm.item())
+        return Verdict(stop=values[0] > 0.5, signal=int(max(signals, default=0)),
+                       bad_loss_rank=bad_ranks[-1] if bad_ranks else None, bad_grad_norm=bad_grad)

@@ -15,6 +15,7 @@ import torch
 
 from ..metrics import peak_memory_bytes
 from ..monitor import row_fields
+from ..verdicts import PHASES, busy, diagnose, per_rank
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from ..monitor import DeviceMonitor
     from ..rundir import RunDir
     from .state import TrainerState
+    from .breakdown import StepBreakdown
     from .trackers import RunTrackers
 
 HELD = ("params", "grads", "optimizer")
@@ -35,7 +37,8 @@ class MetricsLogger:
     def __init__(self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, *, global_batch: int,
                  tokens_per_sample: int | None, mfu: Callable[[float], float | None],
                  epoch_of: Callable[[int], int], held_bytes: Callable[[], dict[str, int]],
-                 monitor: DeviceMonitor | None = None, trackers: RunTrackers | None = None) -> None:
+                 monitor: DeviceMonitor | None = None, trackers: RunTrackers | None = None,
+                 breakdown: StepBreakdown | None = None) -> None:
         self.accelerator, self.run, self.cfg = accelerator, run, cfg
         self.device = accelerator.device
         self.main = accelerator.is_main_process
@@ -48,6 +51,8 @@ class MetricsLogger:
         self.monitor = monitor
         """Its window rides in the same all-gather (a few more numbers per rank, no extra collective)."""
         self.trackers = trackers
+        self.breakdown = breakdown
+        """Each rank's step-time breakdown rides in the same all-gather; rank 0 turns it into verdicts."""
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         """A step ended with this mean loss over its micro-batches."""
@@ -57,6 +62,8 @@ class MetricsLogger:
     def restart_clock(self) -> None:
         """Time spent outside training steps (eval, checkpoints) is not step time."""
         self.window_start = time.perf_counter()
+        if self.breakdown is not None:
+            self.breakdown.restart()
 
     def write(self, row: dict[str, Any]) -> None:
         """Rank 0: one row (training or eval) to metrics.jsonl and the trackers, so they always hold the same."""
@@ -66,6 +73,17 @@ class MetricsLogger:
         if self.trackers is not None:
             self.trackers.log(row)
 
+    def _breakdown_fields(self, columns: torch.Tensor) -> dict[str, Any]:
+        """Per phase, each rank's mean ms per step; the slowest rank; the verdicts they add up to."""
+        assert self.breakdown is not None
+        fields: dict[str, Any] = {f"{name}_ms_per_rank": [round(1e3 * float(v), 4) for v in columns[:, i]]
+                                  for i, name in enumerate(PHASES)}
+        fields["comm_measured"] = self.breakdown.comm_measured
+        work = busy(per_rank(fields) or {})
+        fields["slowest_rank"] = max(range(len(work)), key=work.__getitem__)
+        fields["verdicts"] = diagnose(fields, self.cfg.num_workers, self.device.type, self.breakdown.comm_measured)
+        return fields
+
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.log_every == 0
 
@@ -74,12 +92,14 @@ class MetricsLogger:
         cfg = self.cfg
         mean_loss = self.loss_sum / self.steps
         held = self.held_bytes()
+        own_step_time = (time.perf_counter() - self.window_start) / self.steps
+        parts = self.breakdown.window() if self.breakdown is not None else {}
         local = torch.tensor([mean_loss.item(), peak_memory_bytes(self.device), state.skipped_steps,
-                              *(held.get(k, 0) for k in HELD),
+                              *(held.get(k, 0) for k in HELD), own_step_time, *parts.values(),
                               *(self.monitor.window_vector() if self.monitor is not None else ())],
                              device=self.device, dtype=torch.float64)
         everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
-        step_time = (time.perf_counter() - self.window_start) / self.steps
+        step_time = (time.perf_counter() - self.window_start) / self.steps  # the gather counts, as it always did
         row: dict[str, Any] = {
             "step": state.step,
             "epoch": self.epoch_of(max(0, state.micro_batches - 1)),
@@ -95,8 +115,12 @@ class MetricsLogger:
             "elapsed_s": elapsed_s,
             "eta_s": step_time * (cfg.max_steps - state.step),
         }
+        extra = 3 + len(HELD)
+        row["step_time_ms_per_rank"] = [1e3 * float(v) for v in everyone[:, extra]]
+        if parts:
+            row.update(self._breakdown_fields(everyone[:, extra + 1:extra + 1 + len(parts)]))
         if self.monitor is not None:
-            row.update(row_fields(everyone[:, 3 + len(HELD):]))
+            row.update(row_fields(everyone[:, extra + 1 + len(parts):]))
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
         if self.tokens_per_sample:

@@ -30,6 +30,7 @@ from .accelerator import build_accelerator
 from . import autobatch
 from .agreement import Agreement, Verdict
 from .batches import ShardedBatches
+from .breakdown import StepBreakdown, phase_of
 from .checkpoint import Checkpointer
 from .evaluation import evaluate
 from .guard import Guard
@@ -93,15 +94,16 @@ class Trainer:
         # must draw the same ones (their replicated parameters would drift apart otherwise).
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
-        self.agreement = Agreement(self.accelerator, self.run, self.guard)
+        self.agreement = Agreement(self.accelerator, self.run, self.guard, getattr(self.parallel, "carrier", None))
         # Started by fit(), stopped by close(): model building and data loading are not idle training time.
+        self.breakdown = StepBreakdown(self.device, self.parallel.comm_timer)
         self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)
         self.trackers = RunTrackers(self.accelerator, self.run)
         self.profiler = StepProfiler(cfg, self.run, self.rank, self.device)
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
                                      tokens_per_sample=self.tokens_per_sample, mfu=self.mfu,
                                      epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes,
-                                     monitor=self.monitor, trackers=self.trackers)
+                                     monitor=self.monitor, trackers=self.trackers, breakdown=self.breakdown)
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -140,12 +142,14 @@ class Trainer:
         batches = self.batches.iterate(self.state.micro_batches)
         self.model.train()
         bar = self._progress_bar()
+        self.metrics.restart_clock()  # the first window starts with the first step, not when the logger was made
         step_start = time.perf_counter()
         try:
             while self.state.step < self.cfg.max_steps:
                 with self.profiler.step(self.state.step + 1):
                     grad_norm, verdict = self._tracked_step(batches) if self._track_this_step() else \
                         self._step(batches)
+                self.breakdown.step_done()
                 if verdict.nonfinite:
                     return Status.DIVERGED
                 if bar is not None:
@@ -162,9 +166,15 @@ class Trainer:
             if bar is not None:
                 bar.close()
 
+    def _at(self, step: int, where: str) -> None:
+        """Where the rank is: for the hang watchdog, and the step-time breakdown's phase."""
+        self.guard.at(step, where)
+        self.breakdown.mark(phase_of(where))
+
     def _tracked_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, Verdict]:
         """track_memory's step: fetched outside the tracker, as a batch sliced from an in-memory dataset would be
         counted with the whole dataset's storage."""
+        self.breakdown.mark("data")
         micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
         result, self.tracked_memory = tracked(self.parallel, lambda: self._step(iter(micro)), tuple(micro))
         return result
@@ -175,8 +185,8 @@ class Trainer:
         cfg, parallel, step = self.cfg, self.parallel, self.state.step
         self.lr = set_lr(parallel.optimizer, self.task.lr_scale(step, cfg))
         step_loss = accumulate(parallel, self.task, batches, cfg.grad_accum_steps, self.device,
-                               at=lambda phase: self.guard.at(step, phase), before_last_backward=self.agreement.start)
-        self.guard.at(step, "optimizer")
+                               at=lambda where: self._at(step, where), before_last_backward=self.agreement.start)
+        self._at(step, "optimizer")
         grad_norm = parallel.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
         # With fp16 loss scaling an inf gradient is an overflow the scaler skips, not divergence.
         verdict = self.agreement.finish(grad_norm if parallel.scaler is None else None)
@@ -210,14 +220,14 @@ class Trainer:
         # A preempted rank has a grace period to save its state: no eval then.
         evaluate_now = final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0)
         if self.eval_ds is not None and evaluate_now and not verdict.signal:
-            self.guard.at(step, "evaluation")
+            self._at(step, "evaluation")
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
                                      self.parallel.forward_context, shard=(self.dp_rank, self.dp_world),
                                      eval_loss=getattr(self.parallel, "eval_loss", None))
             self.metrics.write({"step": step, **self.eval_row})
             self.metrics.restart_clock()
         if self.checkpoints.due(step, final, verdict.stop or bool(verdict.signal)):
-            self.guard.at(step, "checkpoint")
+            self._at(step, "checkpoint")
             self.state.train_time_s = self.elapsed_s()
             self.checkpoints.save(self.state)
             self.metrics.restart_clock()
@@ -246,7 +256,7 @@ class Trainer:
             self.run.event("diverged", **self.ending)
 
     def _finish(self, status: Status, steps0: int, samples0: int, tokens0: int) -> dict[str, Any]:
-        self.guard.at(self.state.step, "finishing")
+        self._at(self.state.step, "finishing")
         session_time = sum(self.step_times) or 1e-9
         tokens = self.state.tokens - tokens0
         fields = summary_fields(self, samples_per_s=(self.state.samples - samples0) / session_time,

@@ -1,0 +1,73 @@
+"""Verdicts in words from a metrics row's step-time breakdown (training/breakdown.py): input-bound,
+communication-bound, a straggler rank. Rank 0 writes them into each row; the dashboard shows the latest.
+
+Synchronous data parallelism runs at the pace of its slowest rank, so a straggler is named first: the other
+ranks' exposed communication is then mostly waiting for it, not the network, and calling that run
+communication-bound would send the user after the wrong fix.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+PHASES = ("data", "compute", "comm", "optimizer", "other")
+"""The breakdown's parts (training/breakdown.py measures them), in the order the dashboard stacks them."""
+INPUT_BOUND_SHARE = 0.2
+"""Ranks waiting this share of the step for data are input-bound."""
+COMM_BOUND_SHARE = 0.3
+"""This share of the step in exposed communication is communication-bound."""
+STRAGGLER_RATIO = 1.15
+"""A rank busy this much longer per step than the median of the others is a straggler..."""
+STRAGGLER_MIN_S = 1e-3
+"""... and by at least this much (a few percent of a 1 ms step is noise)."""
+
+
+def per_rank(row: dict[str, Any]) -> dict[str, list[float]] | None:
+    """{phase: [seconds per step, per rank]} from a metrics row, or None when it has no breakdown."""
+    if f"{PHASES[0]}_ms_per_rank" not in row:
+        return None
+    return {name: [v / 1e3 for v in row[f"{name}_ms_per_rank"]] for name in PHASES}
+
+
+def busy(parts: dict[str, list[float]]) -> list[float]:
+    """Per rank, the time spent on its own work (everything but waiting for the others in communication)."""
+    return [parts["data"][r] + parts["compute"][r] + parts["optimizer"][r] for r in range(len(parts["data"]))]
+
+
+def straggler(parts: dict[str, list[float]]) -> tuple[int, float] | None:
+    """(rank, how much slower than the median of the others) when one rank holds everyone back."""
+    work = busy(parts)
+    if len(work) < 2:
+        return None
+    rank = max(range(len(work)), key=work.__getitem__)
+    others = statistics.median(w for r, w in enumerate(work) if r != rank)
+    if others > 0 and work[rank] >= STRAGGLER_RATIO * others and work[rank] - others >= STRAGGLER_MIN_S:
+        return rank, work[rank] / others - 1
+    return None
+
+
+def diagnose(row: dict[str, Any], num_workers: int, device: str, comm_measured: bool = True) -> list[str]:
+    """What limits the step, in words with the fix; [] when nothing stands out (or no breakdown)."""
+    parts = per_rank(row)
+    if parts is None:
+        return []
+    steps = [sum(parts[name][r] for name in PHASES) for r in range(len(parts["data"]))]
+    if not all(s > 0 for s in steps):
+        return []
+    verdicts = []
+    slow = straggler(parts)
+    if slow is not None:
+        rank, slower = slow
+        verdicts.append(f"rank {rank} is {slower:.0%} slower than the others: they wait for it every step "
+                        "(look for a slower or throttled device, a busier host, or uneven batches)")
+    data_share = statistics.mean(d / s for d, s in zip(parts["data"], steps))
+    if data_share >= INPUT_BOUND_SHARE:
+        fixes = f"raise num_workers (now {num_workers})" + (" or pin memory" if device == "cuda" else "")
+        verdicts.append(f"input-bound: ranks wait {data_share:.0%} of each step for data; {fixes}")
+    comm_share = statistics.mean(c / s for c, s in zip(parts["comm"], steps))
+    if comm_measured and slow is None and comm_share >= COMM_BOUND_SHARE:
+        verdicts.append(f"communication-bound: {comm_share:.0%} of the step in gradient all-reduce not hidden by "
+                        "compute; try gradient accumulation (fewer all-reduces per sample), bf16 compression "
+                        "(grad_compression) or zero2")
+    return verdicts
