@@ -80,12 +80,12 @@ def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
     from .files import atomic_write_bytes
 
     buffer = io.BytesIO()
-    torch.save(value, buffer)
     try:
+        torch.save(value, buffer)  # may already fail: pickle can't store everything (bound hooks, lambdas)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:  # noqa: BLE001  (pickle's errors vary by what it met)
         raise TypeError(f"rank_value returned a {type(value).__name__} that can't be loaded safely "
-                        f"(torch.load(weights_only=True): {str(e).splitlines()[0]}); return tensors, numbers, "
+                        f"(saved and read back with torch.load(weights_only=True): {str(e).splitlines()[0]}); return tensors, numbers, "
                         "strings, and lists/tuples/dicts of them") from e
     atomic_write_bytes(run.rank_values_path / f"rank_{rank}.pt", buffer.getvalue())
 

@@ -196,6 +196,11 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             assert "below" in _text(page, ".wb-figure-placeholder")
             assert "(run average)" in _text(page, ".wb-snapshot-dashboard")
             page.locator(".wb-snapshot-dashboard").screenshot(path=str(artifacts / "quickstart-final.png"))
+            # Where the step time went: a bar per rank, the slowest marked, in the saved snapshot too.
+            assert page.locator(".wb-snapshot-dashboard .wb-breakdown-rank").count() == 2
+            assert page.locator(".wb-snapshot-dashboard .wb-slowest").count() == 1
+            page.locator(".wb-snapshot-dashboard .wb-breakdown").screenshot(
+                path=str(artifacts / "dashboard-breakdown.png"))
             first_run = _text(page, ".wb-dash-title b")
             assert first_run.startswith("digits-")
 
