@@ -108,6 +108,8 @@ class EstimateBox:
         self.widget = widgets.VBox([widgets.HBox([self.target, self.gpus, self.nodes]), self.html])
         self.state.observe(lambda change: setattr(self.html, "value", render(self.state)))
         self._timer: threading.Timer | None = None
+        self._working: set[threading.Thread] = set()
+        """Threads inside _work (a superseded request's may still run beside the newest)."""
         self._generation = 0
         self._lock = threading.Lock()
 
@@ -126,16 +128,43 @@ class EstimateBox:
             self._timer.daemon = True
             self._timer.start()
 
-    def cancel(self) -> None:
-        """Drop a pending request (a run is starting: its ranks get the cores)."""
+    def cancel(self, timeout: float = 30.0) -> None:
+        """Drop a pending request and end one in flight (a run is starting: its ranks get the cores). Returns once
+        the estimate's thread is done: forking the run while that thread builds batches or forks its trace child
+        would hand the run's processes locks held mid-use (a hang at their start)."""
+        from ..estimate.trace import abort_trace
+
         with self._lock:
             self._generation += 1
             if self._timer is not None:
                 self._timer.cancel()
-            if self.state.status == "estimating":
-                self.state.status = "idle"
+            # Superseded requests' threads may still be estimating: every one of them is waited for.
+            threads = [t for t in (self._timer, *self._working) if t is not None and t.is_alive()
+                       and t is not threading.current_thread()]
+        if threads:
+            abort_trace()
+        for thread in threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("the panel's estimate did not end within %.0f s of the launch", timeout)
+        if self.state.status == "estimating":
+            self.state.status = "idle"
 
     def _work(self, generation: int, cfg: RunConfig, task: Task | None) -> None:
+        from ..estimate.trace import allow_traces
+
+        with self._lock:
+            if generation != self._generation:  # cancelled (a launch) or superseded before it began
+                return
+            self._working.add(threading.current_thread())
+        allow_traces()  # a launch that cancelled an earlier estimate has waited for it: traces may run again
+        try:
+            self._estimate(generation, cfg, task)
+        finally:
+            with self._lock:
+                self._working.discard(threading.current_thread())
+
+    def _estimate(self, generation: int, cfg: RunConfig, task: Task | None) -> None:
         from ..estimate import estimate
         from ..estimate.alternatives import alternatives
         from ..tasks import get_task
