@@ -105,7 +105,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     pa.add_argument("config", type=Path, nargs="?", default=None,
                     help="RunConfig YAML (default: char-gpt 'tiny' on 2 processes, 30 steps)")
     pa.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pa.add_argument("--modes", nargs="+", default=None, help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp)")
+    pa.add_argument("--modes", nargs="+", default=None,
+                    help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp)")
     pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
     es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")

@@ -85,7 +85,8 @@ def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:  # noqa: BLE001  (pickle's errors vary by what it met)
         raise TypeError(f"rank_value returned a {type(value).__name__} that can't be loaded safely "
-                        f"(saved and read back with torch.load(weights_only=True): {str(e).splitlines()[0]}); return tensors, numbers, "
+                        f"(saved and read back with torch.load(weights_only=True): {str(e).splitlines()[0]}); "
+                        "return tensors, numbers, "
                         "strings, and lists/tuples/dicts of them") from e
     atomic_write_bytes(run.rank_values_path / f"rank_{rank}.pt", buffer.getvalue())
 

@@ -1,7 +1,7 @@
 """`workbench bench overhead`: the trainer against a hand-written Accelerate loop, side by side in one run.
 
 Both train the same model on the same data with the same seed, on the same number of forked ranks, and
-are interleaved (A B A B ...) so machine noise hits both alike. Reported: median step time of each after
+are interleaved in pairs, which goes first alternating (A B, B A, ...), so machine noise hits both alike. Reported: median step time of each after
 warm-up, the ratio, the overhead per step (the median over the back-to-back pairs of their difference, so a
 machine that speeds up or slows down between pairs doesn't count), and whether the final weights are bitwise
 equal.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import multiprocessing
 import statistics
 import tempfile
@@ -31,6 +32,7 @@ from ..tasks import Task, get_task
 from ..schedule import lr_at
 from ..training.optim import build_optimizer
 
+log = logging.getLogger("workbench")
 WARMUP_STEPS = 10
 
 BENCH = RunConfig(task="digits", num_processes=2, device="cpu", precision="fp32", micro_batch_size=64,
@@ -146,15 +148,21 @@ def overhead(steps: int = 200, repeats: int = 5, num_processes: int = 2, cfg: Ru
     equal = True
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for i in range(repeats):
-            result = launch(cfg.replace(runs_dir=tmp, run_name=f"trainer-{i}"))
-            timings = read_json(result.dir.timings_path)["step_time_s"]
-            trainer_times += timings[WARMUP_STEPS:]
-            hand_dir = Path(tmp, f"hand-{i}")
-            hand_dir.mkdir()
-            hand = _run_hand_loop(cfg, str(hand_dir))
+            # Alternate which goes first: the second of a pair may find the machine warmer (or busier).
+            order = ("trainer", "hand") if i % 2 == 0 else ("hand", "trainer")
+            for which in order:
+                if which == "trainer":
+                    result = launch(cfg.replace(runs_dir=tmp, run_name=f"trainer-{i}"))
+                    timings = read_json(result.dir.timings_path)["step_time_s"][WARMUP_STEPS:]
+                else:
+                    hand_dir = Path(tmp, f"hand-{i}")
+                    hand_dir.mkdir()
+                    hand = _run_hand_loop(cfg, str(hand_dir))
+            trainer_times += timings
             hand_times += hand["step_time_s"][WARMUP_STEPS:]
             # Each pair ran back to back: their difference is free of the machine's drift between pairs.
-            paired.append(statistics.median(timings[WARMUP_STEPS:]) - statistics.median(hand["step_time_s"][WARMUP_STEPS:]))
+            paired.append(statistics.median(timings) - statistics.median(hand["step_time_s"][WARMUP_STEPS:]))
+            log.debug("pair %d (%s first): %+.3f ms", i, order[0], 1e3 * paired[-1])
             digests = {r["weights_sha256"] for r in result.summary["ranks"]} | {hand["weights_sha256"]}
             equal = equal and len(digests) == 1
     t, h = statistics.median(trainer_times), statistics.median(hand_times)

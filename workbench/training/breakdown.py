@@ -9,8 +9,9 @@ also records a CUDA event on the current stream, so the phases are GPU time, rea
 Exposed communication is the part of the gradient all-reduce that compute did not hide: DDP calls a comm hook
 as each bucket's gradients are ready, and the hook notes the time. After the last bucket, backward only waits
 for the all-reduces to finish (and copies their result into the gradients), so the time from the last hook call
-to the end of backward is time the rank sat idle in communication; it is carved out of the compute phase. Modes whose collectives run inside forward/backward
-without a hook (FSDP2, tensor and pipeline parallel) report them as compute (`comm_measured` False).
+to the end of backward is time the rank sat idle in communication; it is carved out of the compute phase.
+Modes whose collectives run inside forward/backward without a hook (FSDP2, tensor and pipeline parallel)
+report them as compute (`comm_measured` False).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from typing import Any
 import torch
 
 from ..verdicts import PHASES
-
-
 
 NOT_STEP_TIME = ("evaluation", "checkpoint", "finishing")
 
