@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+
+from workbench.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,3 +58,13 @@ def needs_mirror() -> Path:
     if mirror is None:
         pytest.skip("no dataset mirror: set WORKBENCH_TEST_MIRROR or provide ../shared/data beside the repo")
     return mirror
+
+
+def copy_for_resume(saved: RunDir, target: RunDir, step: int) -> None:
+    """A new run directory `target` holding `saved`'s records and its checkpoint of `step` only: what a resume
+    under another layout starts from."""
+    target.path.mkdir()
+    for item in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json"):
+        (target.path / item).write_bytes((saved.path / item).read_bytes())
+    target.checkpoints_path.mkdir()
+    shutil.copytree(dict(saved.checkpoints())[step], target.checkpoints_path / f"step_{step}")

@@ -7,13 +7,14 @@ between the first and the last stage); each rank reports the blocks it holds.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from conftest import copy_for_resume
 
 from workbench.rundir import RunDir
 
@@ -130,18 +131,9 @@ def test_too_many_stages_for_char_gpt(tmp_path: Path) -> None:
         cfg.check()
 
 
-def _resume_copy(runs_dir: Path, saved: RunDir, name: str) -> None:
-    target = RunDir(runs_dir / name)
-    target.path.mkdir()
-    for item in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json"):
-        (target.path / item).write_bytes((saved.path / item).read_bytes())
-    target.checkpoints_path.mkdir()
-    shutil.copytree(dict(saved.checkpoints())[SAVED_AT], target.checkpoints_path / f"step_{SAVED_AT}")
-
-
 def test_pp_checkpoint_resumes_on_one_process(runs: dict[str, wb.RunResult]) -> None:
     runs_dir, expected = runs["single"].dir.path.parent, losses(runs["single"])[SAVED_AT:]
-    _resume_copy(runs_dir, RunDir(runs["1f1b"].dir.path), "pp-to-single")
+    copy_for_resume(RunDir(runs["1f1b"].dir.path), RunDir(runs_dir / "pp-to-single"), SAVED_AT)
     resumed = wb.launch(cfg_for(runs_dir, run_name="pp-to-single", parallelism="none", resume=True,
                                 resume_allow=["pp", "pp_schedule"]))
     assert resumed.summary["steps_this_session"] == STEPS - SAVED_AT
@@ -152,7 +144,7 @@ def test_pp_checkpoint_resumes_on_one_process(runs: dict[str, wb.RunResult]) -> 
 def test_one_process_checkpoint_resumes_under_pp(runs: dict[str, wb.RunResult]) -> None:
     runs_dir, expected = runs["single"].dir.path.parent, losses(runs["single"])[SAVED_AT:]
     wb.launch(cfg_for(runs_dir, run_name="single-saved", parallelism="none", checkpoint_every=SAVED_AT))
-    _resume_copy(runs_dir, RunDir(runs_dir / "single-saved"), "single-to-pp")
+    copy_for_resume(RunDir(runs_dir / "single-saved"), RunDir(runs_dir / "single-to-pp"), SAVED_AT)
     back = wb.launch(cfg_for(runs_dir, run_name="single-to-pp", num_processes=2, pp=2, resume=True))
     assert back.status == "completed", back.summary
     got = losses(back)[SAVED_AT:]

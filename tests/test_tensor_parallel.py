@@ -7,16 +7,17 @@ holds, and a run that quietly replicated the model would report none.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import copy_for_resume
 from tasks_for_tests import TinyBlocks
 
 import workbench as wb
+
 from workbench.rundir import RunDir
 from workbench.tasks.char_gpt import GPT
 
@@ -111,21 +112,12 @@ def test_fsdp_x_tp_on_2x2_trains_like_one_process(runs: dict[str, wb.RunResult])
         assert rank["tp_params"]["tok.weight"]["mesh"] == ["dp_shard"], "the root's params are FSDP-sharded only"
 
 
-def _resume_copy(runs_dir: Path, saved: RunDir, name: str, step: int) -> None:
-    target = RunDir(runs_dir / name)
-    target.path.mkdir()
-    for item in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json"):
-        (target.path / item).write_bytes((saved.path / item).read_bytes())
-    target.checkpoints_path.mkdir()
-    shutil.copytree(dict(saved.checkpoints())[step], target.checkpoints_path / f"step_{step}")
-
-
 def test_tp2_checkpoint_resumes_under_zero3_and_on_one_process(runs: dict[str, wb.RunResult], runs_dir: Path) -> None:
     expected = losses(runs["single"])[5:]
     saved = RunDir(runs["tp2"].dir.path)
     for name, fields in {"to-zero3": dict(parallelism="zero3", num_processes=2, micro_batch_size=4),
                          "to-single": {}}.items():
-        _resume_copy(runs_dir, saved, name, 5)
+        copy_for_resume(saved, RunDir(runs_dir / name), 5)
         resumed = wb.launch(cfg_for(runs_dir, run_name=name, resume=True, resume_allow=["tp"], **fields))
         assert resumed.summary["steps_this_session"] == 5
         assert worst_relative(losses(resumed)[5:], expected) < 1e-5, name
@@ -134,7 +126,7 @@ def test_tp2_checkpoint_resumes_under_zero3_and_on_one_process(runs: dict[str, w
 def test_zero3_checkpoint_resumes_under_tp2(runs: dict[str, wb.RunResult], runs_dir: Path) -> None:
     wb.launch(cfg_for(runs_dir, parallelism="zero3", num_processes=2, micro_batch_size=4, checkpoint_every=5,
                       run_name="zero3"))
-    _resume_copy(runs_dir, RunDir(runs_dir / "zero3"), "zero3-to-tp2", 5)
+    copy_for_resume(RunDir(runs_dir / "zero3"), RunDir(runs_dir / "zero3-to-tp2"), 5)
     resumed = wb.launch(cfg_for(runs_dir, num_processes=2, tp=2, run_name="zero3-to-tp2", resume=True))
     assert resumed.summary["ranks"][0]["tp_params"], "the resumed run really is tensor parallel"
     assert worst_relative(losses(resumed)[5:], losses(runs["single"])[5:]) < 1e-5

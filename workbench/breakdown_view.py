@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .verdicts import PHASES, busy, per_rank
+from .verdicts import PHASES, per_rank
 
 COLOURS = {"data": "#e6a700", "compute": "#3b7dd8", "comm": "#d9534f", "optimizer": "#5cb85c", "other": "#999999"}
 LABELS = {"data": "waiting for data", "compute": "forward+backward", "comm": "exposed communication",
@@ -35,8 +35,7 @@ def breakdown_html(row: dict[str, Any] | None) -> str:
     ranks = len(parts["data"])
     steps = [sum(parts[name][r] for name in PHASES) for r in range(ranks)]
     scale = max(steps) or 1.0
-    work = busy(parts)
-    slowest = max(range(ranks), key=work.__getitem__) if ranks > 1 else -1
+    slowest = row.get("slowest_rank", -1) if ranks > 1 else -1
     bars = "".join(_bar(r, {name: parts[name][r] for name in PHASES}, scale, r == slowest) for r in range(ranks))
     legend = " ".join(f"<span style='color:{COLOURS[name]}'>■</span> {LABELS[name]}" for name in PHASES)
     if not row.get("comm_measured", True):

@@ -89,13 +89,7 @@ def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
     if p == "hsdp":
         raise ValueError(f"parallelism='hsdp' with tp={tp}: hsdp x tp (a 3-D mesh) is not supported yet; use "
                          f"parallelism='zero3' (FSDP x TP over data-parallel size {dp}), or tp=1")
-    unsupported = {"grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
-                   "cpu_offload": (cfg.cpu_offload, "set cpu_offload=False"),
-                   "precision": (cfg.precision == "fp16", "use precision='bf16' or 'fp32'")}
-    for name, (bad, fix) in unsupported.items():
-        if bad:
-            raise ValueError(f"{name}={getattr(cfg, name)!r} with tp={tp}: not supported with tensor parallelism "
-                             f"yet; {fix}, or tp=1")
+    _refuse_unsupported(cfg, f"tp={tp}", "tensor parallelism", "tp=1", _common_unsupported(cfg))
     if cfg.micro_batch_size == "auto":
         raise ValueError(f"micro_batch_size='auto' with tp={tp}: the automatic micro-batch search does not handle "
                          "tensor parallelism yet; set micro_batch_size to a number")
@@ -121,18 +115,27 @@ def _check_pipeline(cfg: RunConfig) -> None:
         raise ValueError(f"pp_schedule='1f1b' with pp={pp} and grad_accum_steps={accum}: 1F1B needs at least as "
                          f"many micro-batches per step (grad_accum_steps) as stages; set grad_accum_steps={pp} or "
                          "more, or pp_schedule='gpipe'")
-    unsupported = {"grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
-                   "cpu_offload": (cfg.cpu_offload, "set cpu_offload=False"),
-                   "precision": (cfg.precision == "fp16", "use precision='bf16' or 'fp32'"),
-                   "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
-                   "activation_checkpointing": (cfg.activation_checkpointing != "none",
-                                                "set activation_checkpointing='none'"),
-                   # PyTorch's MemTracker refuses a module called once per micro-batch in one step
-                   "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")}
-    for name, (bad, fix) in unsupported.items():
+    _refuse_unsupported(cfg, f"pp={pp}", "pipeline parallelism", "pp=1", {
+        **_common_unsupported(cfg),
+        "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
+        "activation_checkpointing": (cfg.activation_checkpointing != "none", "set activation_checkpointing='none'"),
+        # PyTorch's MemTracker refuses a module called once per micro-batch in one step
+        "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")})
+
+
+def _common_unsupported(cfg: RunConfig) -> dict[str, tuple[bool, str]]:
+    """Settings tensor and pipeline parallelism don't take yet: {field: (set to something refused, the fix)}."""
+    return {"grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
+            "cpu_offload": (cfg.cpu_offload, "set cpu_offload=False"),
+            "precision": (cfg.precision == "fp16", "use precision='bf16' or 'fp32'")}
+
+
+def _refuse_unsupported(cfg: RunConfig, setting: str, mode: str, off: str,
+                        checks: dict[str, tuple[bool, str]]) -> None:
+    for name, (bad, fix) in checks.items():
         if bad:
-            raise ValueError(f"{name}={getattr(cfg, name)!r} with pp={pp}: not supported with pipeline parallelism "
-                             f"yet; {fix}, or pp=1")
+            raise ValueError(f"{name}={getattr(cfg, name)!r} with {setting}: not supported with {mode} yet; {fix}, "
+                             f"or {off}")
 
 
 def check_parallel_task(cfg: RunConfig, task: Any) -> None:

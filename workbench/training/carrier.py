@@ -21,6 +21,7 @@ class GradientCarrier:
         self._outgoing: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
         self._sizes: dict[int, int] = {}
+        """This step's bucket sizes so far (index: elements); the last step's when its first bucket comes."""
         self._carrier = 0
 
     def carry(self, flags: torch.Tensor) -> None:
@@ -37,6 +38,7 @@ class GradientCarrier:
         index = bucket.index()
         if index == 0 and self._sizes:  # a new step: carry in the smallest bucket of the last one
             self._carrier = min(self._sizes, key=lambda i: (self._sizes[i], i))
+            self._sizes = {}
         self._sizes[index] = bucket.buffer().numel()
         flags = self._outgoing
         # The last bucket takes them if the chosen one doesn't come (the buckets were just rebuilt).

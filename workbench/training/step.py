@@ -38,7 +38,7 @@ def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: in
         with strategy.sync_gradients(last):
             with strategy.forward_context():
                 loss, _ = split_loss(task.loss(strategy.model, batch))
-            step_loss = step_loss + loss.detach().float() / accum if accum > 1 else loss.detach().float()
+            step_loss += loss.detach().float() / accum
             if last and before_last_backward is not None:
                 before_last_backward(step_loss)
             strategy.backward(loss / accum)
