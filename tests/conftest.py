@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,24 +26,30 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
-@pytest.fixture(autouse=True)
-def offline_data(monkeypatch: pytest.MonkeyPatch, data_cache: Path) -> None:
-    """Every test resolves data offline: a private cache, the shared mirror, never a URL."""
-    monkeypatch.setenv("WORKBENCH_DATA_DIR", str(data_cache))
-    monkeypatch.setenv("WORKBENCH_OFFLINE", "1")
-    mirror = shared_mirror()
-    if mirror is not None:
-        monkeypatch.setenv("WORKBENCH_DATA_MIRROR", str(mirror))
+@pytest.fixture(scope="session", autouse=True)
+def offline_data(data_cache: Path) -> Iterator[None]:
+    """Every test resolves data offline: a private cache, the shared mirror, never a URL. Session-wide, so
+    module-scoped fixtures that launch runs (set up before any per-test fixture) get it too; a test that
+    changes these variables through monkeypatch gets them back afterwards."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WORKBENCH_DATA_DIR", str(data_cache))
+        env.setenv("WORKBENCH_OFFLINE", "1")
+        mirror = shared_mirror()
+        if mirror is not None:
+            env.setenv("WORKBENCH_DATA_MIRROR", str(mirror))
+        yield
 
 
-@pytest.fixture(autouse=True)
-def no_default_trackers(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def no_default_trackers() -> Iterator[None]:
     """trackers='auto' (the default) loads TensorBoard on rank 0 of every run, half a second each over the suite's
     many launches; here it resolves to none. Runs that name trackers get them (tests/test_trackers.py), and
     tracking.resolve's own 'auto' rule is tested there. Forked ranks inherit the patch."""
     from workbench.training import accelerator
 
-    monkeypatch.setattr(accelerator, "resolve_trackers", lambda setting: [] if setting == "auto" else list(setting))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(accelerator, "resolve_trackers", lambda setting: [] if setting == "auto" else list(setting))
+        yield
 
 
 @pytest.fixture

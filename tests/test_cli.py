@@ -79,6 +79,19 @@ def test_bench_precision_runs_each_supported_precision_side_by_side(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_bench_overhead_trains_bit_for_bit_what_the_hand_loop_trains(tmp_path: Path) -> None:
+    """Timing is the benchmark's business; a test can hold it to the numerics: the trainer, with everything it
+    adds to a step (breakdown, agreement, monitor, metrics), ends on the hand loop's weights bit for bit."""
+    from workbench.bench import overhead
+
+    report = overhead(steps=14, repeats=1, json_path=tmp_path / "o.json")
+    assert report.weights_equal, report.table()
+    assert report.trainer_median_s > 0 and report.hand_median_s > 0 and report.log_every == 10
+    assert "weights bitwise equal: True" in report.table()
+    assert files.read_json(tmp_path / "o.json")["weights_equal"] is True
+
+
+@pytest.mark.slow
 def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
     from workbench.bench import parallelism
 

@@ -4,11 +4,13 @@ NaN injected, a rank put to sleep), and every test that starts processes kills t
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,9 +181,12 @@ def test_every_damaged_checkpoint_means_a_loud_failure_not_a_fresh_start(runs_di
 
 
 # ---- divergence -------------------------------------------------------------------------------------------
-def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(runs_dir: Path) -> None:
-    cfg = cfg_for(runs_dir, run_name="nan", max_steps=20, checkpoint_every=4, task_options={"nan_rank": 1,
-                                                                                            "nan_at_call": 7})
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0], ids=["told-by-the-gradient-norm", "voted-every-step"])
+def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(runs_dir: Path, grad_clip: float) -> None:
+    # Clipped: rank 1's NaN loss poisons its gradients, the all-reduce spreads them, the agreed norm is NaN and
+    # one extra all-reduce names the rank. Unclipped: every step votes, the loss flags in the vote.
+    cfg = cfg_for(runs_dir, run_name="nan", max_steps=20, checkpoint_every=4, grad_clip=grad_clip,
+                  task_options={"nan_rank": 1, "nan_at_call": 7})
     message = r"diverged at step 7: the loss was not finite \(NaN or inf\) on rank 1; last good checkpoint: .*step_4"
     with pytest.raises(wb.RunDivergedError, match=message) as info:
         wb.launch(cfg, task=TinyRegression())
@@ -191,6 +196,11 @@ def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(runs_dir: Path) -> No
     assert summary.status == "diverged" and summary.steps == 6, "the diverged step is never applied"
     assert [s for s, _ in run.checkpoints()] == [4], "nothing is checkpointed after the divergence"
     assert max(losses(run)) == 6 and all(v == v for v in losses(run).values())
+    votes = [r["agreement_votes"] for r in summary.ranks]
+    if grad_clip:  # stop and signals wait for a vote about every 0.5 s; these steps take milliseconds
+        assert votes[0] == votes[1] < 7, votes
+    else:
+        assert votes == [7, 7]
 
 
 # ---- hangs ------------------------------------------------------------------------------------------------
@@ -208,6 +218,37 @@ def test_a_rank_stuck_in_its_step_is_named_with_its_stack(runs_dir: Path) -> Non
     others = wb.RunResult.load(info.value.run_dir).summary["error"]["other_ranks"]
     assert [o["rank"] for o in others] == [0], "rank 0 only timed out waiting for rank 1"
 
+
+class CallersDeadline(Exception):
+    """What a caller's own deadline raises in the thread blocked in launch() (pytest-timeout's Failed, say)."""
+
+
+def test_an_exception_that_ends_the_blocking_launch_kills_the_run(runs_dir: Path) -> None:
+    cfg = cfg_for(runs_dir, run_name="abandoned", max_steps=100_000, task_options={"slow_s": 0.02})
+    run = RunDir(runs_dir / "abandoned")
+
+    def deadline(signum: int, frame: Any) -> None:
+        raise CallersDeadline
+
+    def interrupt_once_training() -> None:
+        limit = time.time() + 120
+        while time.time() < limit and not losses(run):
+            time.sleep(0.1)
+        _thread.interrupt_main(signal.SIGUSR2)  # runs `deadline` in the main thread, inside launch()
+
+    previous = signal.signal(signal.SIGUSR2, deadline)
+    watcher = threading.Thread(target=interrupt_once_training, daemon=True)
+    try:
+        watcher.start()
+        with pytest.raises(CallersDeadline):
+            wb.launch(cfg, task=TinyRegression())
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        watcher.join(130)
+    assert losses(run), "the run was interrupted before it trained: the test proves nothing"
+    pids = run_pids(run)
+    assert len(pids) == 2 and alive(pids) == [], "a run abandoned by its caller must not keep training unseen"
+    assert wb.RunResult.load(run.path).status == "failed"
 
 # ---- resume safety ----------------------------------------------------------------------------------------
 def test_a_resume_that_changes_the_trajectory_is_refused_with_the_differences(runs_dir: Path) -> None:

@@ -166,8 +166,8 @@ def test_more_processes_than_cores_is_refused_unless_asked_for(runs_dir: Path) -
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_activation_checkpointing_keeps_the_losses_and_saves_activation_memory(runs_dir: Path, mode: str) -> None:
-    # 256 samples: the activations must be what sets the peak (at 64 the end of backward - gradients, optimizer
-    # state and the agreement's copy of DDP's bucket - is as high)
+    # 256 samples: the activations must be what sets the peak (at 64 the end of backward - gradients and
+    # optimizer state - is as high)
     common = dict(parallelism=mode, max_steps=4, micro_batch_size=256, grad_accum_steps=1, track_memory=True,
                   task_options={"width": 64, "blocks": 4})
     plain = wb.launch(cfg_for(runs_dir, **common), task=TinyBlocks())

@@ -31,7 +31,8 @@ def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
     """char-gpt tiny (2 blocks), 32-character windows, 2 micro-batches of 4 per step."""
     base = dict(task="char-gpt", num_processes=1, device="cpu", micro_batch_size=4, grad_accum_steps=2,
                 max_steps=STEPS, log_every=1, lr=3e-3, grad_clip=0.5, runs_dir=str(runs_dir), seed=3,
-                oversubscribe=True, task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
+                oversubscribe=True, dist_timeout_s=120,
+                task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
     return wb.RunConfig(**{**base, **fields})
 
 

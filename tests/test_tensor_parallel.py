@@ -32,7 +32,8 @@ def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
     """char-gpt tiny (2 layers, 2 heads, 64 wide), 32-character windows; global batch 16 in every layout."""
     base = dict(task="char-gpt", num_processes=1, device="cpu", micro_batch_size=8,
                 grad_accum_steps=2, max_steps=STEPS, log_every=1, lr=3e-3, grad_clip=0.5, runs_dir=str(runs_dir),
-                seed=3, oversubscribe=True, task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
+                seed=3, oversubscribe=True, dist_timeout_s=120,
+                task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
     return wb.RunConfig(**{**base, **fields})
 
 

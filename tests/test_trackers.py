@@ -11,7 +11,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import shared_mirror
 
 import workbench as wb
 from workbench import tracking
@@ -117,16 +116,11 @@ def run_to_end(cfg: wb.RunConfig, deadline_s: float = 120) -> wb.RunResult:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str, wb.RunResult]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, wb.RunResult]:
     """Two 2-rank runs of the same training: one plain, one with both trackers, a profile of steps 2-3 and the
     DataLoader settings; launched once for the tests below."""
     runs_dir = tmp_path_factory.mktemp("runs")
-    # Set up before the per-test offline_data fixture runs: the same offline data settings, by hand.
-    with pytest.MonkeyPatch.context() as env, warnings.catch_warnings():
-        env.setenv("WORKBENCH_DATA_DIR", str(data_cache))
-        env.setenv("WORKBENCH_OFFLINE", "1")
-        if shared_mirror() is not None:
-            env.setenv("WORKBENCH_DATA_MIRROR", str(shared_mirror()))
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pin_memory=True on CPU is warned about (tested above)
         # Both trackers are in the test extra; without one, the tests that read it back skip, the others still run.
         trackers = [name for name in tracking.TRACKERS if tracking.installed(name)]

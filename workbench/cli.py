@@ -91,7 +91,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     bsub = b.add_subparsers(dest="bench_command", required=True)
     o = bsub.add_parser("overhead", help="trainer against a hand-written Accelerate loop, side by side")
     o.add_argument("--steps", type=int, default=200)
-    o.add_argument("--repeats", type=int, default=5,
+    o.add_argument("--repeats", type=int, default=9,
                    help="back-to-back pairs of runs (the overhead is the median of their differences)")
     o.add_argument("--num-processes", type=int, default=2)
     o.add_argument("--json", type=Path, default=None, help="also write the result as JSON")

@@ -379,7 +379,15 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode:
         warnings.warn("launch(cfg, wait=False) is deprecated: use wb.start(cfg), which returns the Run handle",
                       DeprecationWarning, stacklevel=2)
         return start(cfg, task, mode=mode, progress=progress)
-    return start(cfg, task, mode=mode, progress=progress).wait()
+    run = start(cfg, task, mode=mode, progress=progress)
+    try:
+        return run.wait()
+    except BaseException:
+        # wait() itself stops the run on an interrupt; any other exception that ends the blocking call while
+        # the run is still going (a caller's deadline, say) would otherwise leave its ranks running unseen.
+        if not run.done():
+            run.kill()
+        raise
 
 
 RunResult.launcher = launch  # result.resume() launches through here

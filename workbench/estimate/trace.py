@@ -265,23 +265,6 @@ def _real_batches(cfg: RunConfig, task: Task, world: int, rank: int) -> list[Any
     return [next(batches) for _ in range(cfg.grad_accum_steps)]
 
 
-def _carrier_copy_elements(cfg: RunConfig, model: torch.nn.Module, world: int) -> int:
-    """Elements of the transient copy of DDP's smallest gradient bucket that carries the trainer's per-step
-    agreement (training/carrier.py). DDP fills buckets from the last parameters: 1 MiB first, 25 MiB after."""
-    if world < 2 or cfg.parallelism not in ("ddp", "zero1") or cfg.grad_compression != "none":
-        return 0
-    caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
-    buckets, size, elements = [], 0, 0
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        size, elements = size + p.numel() * p.element_size(), elements + p.numel()
-        if size >= caps[min(len(buckets), 1)]:
-            buckets.append(elements)
-            size, elements = 0, 0
-    if elements:
-        buckets.append(elements)
-    return min(buckets) + 1 + 2 * world
-
-
 def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: int, gpu_target: bool,
                 gpus_per_node: int | None) -> StepTrace:
     from torch.utils.flop_counter import FlopCounterMode
@@ -308,12 +291,8 @@ def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
             fake_batches = [tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b)
                             for b in real]
 
-            carried = _carrier_copy_elements(cfg, model, world)
-
             def step() -> None:
                 accumulate(strategy, task, iter(fake_batches), cfg.grad_accum_steps, device)
-                if carried:  # the trainer's DDP hook sends its agreement in a copy of the first bucket
-                    torch.empty(carried, device=device)
                 if cfg.grad_clip > 0:
                     strategy.clip_grad_norm(cfg.grad_clip)
                 strategy.step()

@@ -1,13 +1,24 @@
-"""Once a step, before the update: do all ranks agree to go on? One tiny all-reduce carries rank 0's stop
-request, any rank's preemption signal and whether any rank's loss was NaN or inf; it is started before the
-last backward and waited for before the update. On DDP the flags ride in the gradient all-reduce itself
-(carrier.py); elsewhere they travel beside it, so neither adds a round trip. The vote is a sum: each rank
-writes only its own slots (1 + 2 x world numbers), so a sum tells every rank's signal and loss apart. Every rank stops on the same step, and a diverged step is never applied. A non-finite gradient
-norm needs no vote: after the all-reduce (or the sharded norm's own) it is the same number on every rank."""
+"""Do all ranks agree to go on? Rank 0's stop request and any rank's preemption signal must end the run on the
+same step everywhere, and a step whose loss or gradients are not finite must be applied nowhere.
+
+Where the gradient norm is computed after the gradients are reduced (clipping on, no fp16 loss scaling, no
+pipeline), it stands in for a per-step vote: it is the same number on every rank, and a rank whose loss is
+not finite poisons its own gradients (the loss times NaN), so the reduction carries the news to everyone. Only
+a non-finite norm, which ends the run, takes one more all-reduce, to name the rank whose loss it was. Stop
+requests and signals wait for a vote every few steps, about every VOTE_EVERY_S seconds (the interval is rank
+0's, carried in the vote so every rank counts the same steps): a per-step collective, even a tiny
+asynchronous one, cost this trainer more than all its other bookkeeping together.
+
+Elsewhere (fp16 scaling, whose infinite gradients are overflows to skip; no clipping; the pipeline, whose loss
+is known only after its backward) every step votes, with the non-finite loss flags in the vote. A vote is one
+all-reduce, started before the last backward and waited for before the update. It is a sum: each rank writes
+only its own slots, so a sum tells every rank's signal and loss apart.
+"""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +28,20 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from ..config import RunConfig
     from ..rundir import RunDir
-    from .carrier import GradientCarrier
     from .guard import Guard
+    from .parallel import Strategy
+
+VOTE_EVERY_S = 0.5
+"""How long a stop request or a signal may wait for the next vote, roughly (at least one step)."""
+MAX_VOTE_INTERVAL = 1000
+
+
+def votes_every_step(cfg: RunConfig, strategy: Strategy) -> bool:
+    """False where the gradient norm tells divergence: taken after the reduction (clipping on, no pipeline), and
+    an inf in it isn't an fp16 overflow."""
+    return cfg.grad_clip <= 0 or strategy.scaler is not None or getattr(strategy, "pipelined", False)
 
 
 @dataclass(frozen=True)
@@ -49,54 +71,96 @@ class Verdict:
 
 
 class Agreement:
-    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard, carrier: GradientCarrier | None = None
-                 ) -> None:
-        self.accelerator, self.run, self.guard, self.carrier = accelerator, run, guard, carrier
-        self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        # [stop (rank 0), signal per rank..., non-finite loss per rank...]
-        self.flags = torch.zeros(1 + 2 * self.world, device=accelerator.device)
-        self._pending: Any = None
-        self._carried = False
+    """`every_step`: vote on every step, the loss flags included (see the module docstring for when)."""
 
-    def start(self, step_loss: torch.Tensor) -> None:
-        """Collective (every rank, once per step): this rank's flags go out, asynchronously."""
-        votes = [0.0] * len(self.flags)
-        if self.accelerator.is_main_process and self.run.stop_requested():
-            votes[0] = 1.0
-        if self.guard.signal:
-            votes[1 + self.rank] = float(self.guard.signal)
-        bad = 1 + self.world + self.rank
-        if step_loss.device.type == "cpu":  # a handful of Python floats, one tensor: cheaper than indexing one
-            votes[bad] = float(not math.isfinite(step_loss.item()))
-            flags = self.flags = torch.tensor(votes)
-        else:  # no host sync on a GPU: the loss check stays on the device
-            flags = self.flags
-            flags.copy_(torch.tensor(votes), non_blocking=True)
-            flags[bad] = (~torch.isfinite(step_loss)).float()
-        if self.world == 1:
-            return
-        if self.carrier is not None:
-            self.carrier.carry(flags)
-            self._carried = True
+    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard, *, every_step: bool) -> None:
+        self.accelerator, self.run, self.guard, self.every_step = accelerator, run, guard, every_step
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.device = accelerator.device
+        # [stop (rank 0), next vote interval (rank 0), signal per rank..., non-finite loss per rank (every_step)...]
+        self.flags = torch.zeros(2 + (2 if every_step else 1) * self.world, device=self.device)
+        self._pending: Any = None
+        self._voting = False
+        self._bad_loss: Any = False
+        """This rank's loss this step was not finite: a bool on CPU, a device tensor on a GPU (no host sync)."""
+        self._until_vote = 0
+        self._last_vote: tuple[float, int] | None = None  # rank 0: (time, step count) of the last vote
+        self._steps = 0
+        self.votes = 0
+        """Votes taken (in this session)."""
+
+    def start(self, step_loss: torch.Tensor) -> torch.Tensor | None:
+        """Collective (every rank, once per step, before the last backward). Returns what to multiply the last
+        micro-batch's loss by (NaN poisons a non-finite step's gradients), or None to leave it."""
+        self._steps += 1
+        poison = None
+        if step_loss.device.type == "cpu":
+            self._bad_loss = not math.isfinite(step_loss.item())
+            if self._bad_loss and not self.every_step:
+                poison = torch.tensor(math.nan)
         else:
-            self._pending = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
+            self._bad_loss = ~torch.isfinite(step_loss)
+            if not self.every_step:
+                poison = torch.where(self._bad_loss, math.nan, 1.0)
+        if self.every_step or self._until_vote == 0:
+            flags = self._votes()
+            self._voting, self.votes = True, self.votes + 1
+            if self.world > 1:
+                self._pending = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
+        return poison
+
+    def _votes(self) -> torch.Tensor:
+        votes = [0.0] * len(self.flags)
+        if self.accelerator.is_main_process:
+            votes[0] = float(self.run.stop_requested())
+            votes[1] = float(self._next_interval())
+        if self.guard.signal:
+            votes[2 + self.rank] = float(self.guard.signal)
+        if not self.every_step:
+            self.flags = torch.tensor(votes, device=self.device)
+            return self.flags
+        bad = 2 + self.world + self.rank
+        if self.device.type == "cpu":  # a handful of Python floats, one tensor: cheaper than indexing one
+            votes[bad] = float(self._bad_loss)
+            self.flags = torch.tensor(votes)
+        else:  # no host sync on a GPU: the loss check stays on the device
+            self.flags.copy_(torch.tensor(votes), non_blocking=True)
+            self.flags[bad] = self._bad_loss.float()
+        return self.flags
+
+    def _next_interval(self) -> int:
+        """Rank 0: steps until the next vote, from the time steps took since the last one."""
+        now = time.perf_counter()
+        last, self._last_vote = self._last_vote, (now, self._steps)
+        if last is None or self._steps == last[1]:
+            return 1
+        per_step = (now - last[0]) / (self._steps - last[1])
+        return max(1, min(MAX_VOTE_INTERVAL, int(VOTE_EVERY_S / max(per_step, 1e-9))))
 
     def finish(self, grad_norm: torch.Tensor | None) -> Verdict:
         """Wait for everyone's flags; `grad_norm` (None with fp16 scaling, whose overflows aren't divergence)."""
-        votes = self.flags
-        if self._carried:
-            self._carried = False
-            carried = self.carrier.carried() if self.carrier is not None else None
-            if carried is None:
-                raise RuntimeError("the gradient all-reduce did not carry the agreement flags (no backward through "
-                                   "DDP this step?)")
-            votes = carried
-        elif self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-        values = votes.tolist()
-        signals, bad = values[1:1 + self.world], values[1 + self.world:]
-        bad_ranks = [r for r, v in enumerate(bad) if v > 0.5]
+        signal, stop, bad_ranks = 0, False, []
+        if self._voting:
+            if self._pending is not None:
+                self._pending.wait()
+            self._pending, self._voting = None, False
+            values = self.flags.tolist()
+            stop, self._until_vote = values[0] > 0.5, int(values[1]) - 1
+            signal = int(max(values[2:2 + self.world], default=0))
+            bad_ranks = [r for r, v in enumerate(values[2 + self.world:]) if v > 0.5]
+        else:
+            self._until_vote = max(0, self._until_vote - 1)
+        if self.world == 1:
+            bad_ranks = [0] if bool(self._bad_loss) else []
         bad_grad = grad_norm is not None and not math.isfinite(grad_norm.item())
-        return Verdict(stop=values[0] > 0.5, signal=int(max(signals, default=0)),
-                       bad_loss_rank=bad_ranks[-1] if bad_ranks else None, bad_grad_norm=bad_grad)
+        if bad_grad and not self.every_step and self.world > 1:
+            bad_ranks = self._bad_loss_ranks()
+        return Verdict(stop=stop, signal=signal, bad_loss_rank=bad_ranks[-1] if bad_ranks else None,
+                       bad_grad_norm=bad_grad)
+
+    def _bad_loss_ranks(self) -> list[int]:
+        """Collective, only when the (agreed) gradient norm is not finite: whose loss was it?"""
+        flags = torch.zeros(self.world, device=self.device)
+        flags[self.rank] = float(bool(self._bad_loss))
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        return [r for r, v in enumerate(flags.tolist()) if v > 0.5]

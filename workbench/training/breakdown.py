@@ -6,19 +6,16 @@ step belongs to exactly one phase, so the phases add up to the step. Eval and ch
 are not counted (the metrics window leaves them out too). On CPU a mark is one perf_counter() call; on a GPU it
 also records a CUDA event on the current stream, so the phases are GPU time, read once per logging window.
 
-Exposed communication is the part of the gradient all-reduce that compute did not hide: DDP calls a comm hook
-as each bucket's gradients are ready, and the hook notes the time. After the last bucket, backward only waits
-for the all-reduces to finish (and copies their result into the gradients), so the time from the last hook call
-to the end of backward is time the rank sat idle in communication; it is carved out of the compute phase.
-Modes whose collectives run inside forward/backward without a hook (FSDP2, tensor and pipeline parallel)
-report them as compute (`comm_measured` False).
+Exposed communication is the part of the gradient all-reduce that compute did not hide: the time from the
+moment backward's last gradients were ready to the end of the last all-reduce, which DDP measures in C++
+(DDPCommStats); once a window it is carved out of the compute phase. Modes whose collectives run inside
+forward/backward where no timer sees them (FSDP2, tensor and pipeline parallel) report them as compute
+(`comm_measured` False).
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,31 +37,38 @@ def phase_of(where: str) -> str | None:
     return "compute"
 
 
-class CommTimer:
-    """Wraps a DDP comm hook to note when it was last called: the moment the last bucket's gradients were
-    ready, after which backward only waits for the all-reduces (and copies their result into the gradients).
-    A time stamp per bucket and no completion callback: a Python callback per bucket costs more than the
-    measurement is worth."""
+class DDPCommStats:
+    """Exposed communication as DDP measures it itself: with runtime stats sampled every iteration, DDP's C++
+    reducer notes when backward's compute ended and when its last all-reduce did (CPU clocks, or CUDA events on
+    GPUs) and keeps their running means. No Python runs in the backward for it: a Python comm hook, called once
+    per bucket, cost more than the budget for all the measuring. DDP records an iteration's times when the next
+    one starts, so a window's figures lag it by one step."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.calls = 0
-        """Gradient all-reduces started (one per bucket on each step's last micro-batch)."""
-        self._called: Any = None
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        self.ddp = ddp
+        ddp._set_ddp_runtime_logging_sample_rate(1)
+        self._seen = self._totals()
 
-    def wrap(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        @functools.wraps(hook)  # DDP reports the hook by its qualified name, and checks its annotations
-        def timed(state, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-            self.calls += 1
-            self._called = stamp(self.cuda)
-            return hook(state, bucket)
+    def _totals(self) -> tuple[int, float]:
+        """(iterations recorded, their exposed communication in seconds, summed)."""
+        data = self.ddp._get_ddp_logging_data()
+        n = int(data.get("iteration", 0))
+        # Means over n iterations; exposed = all-reduce time minus its overlap with backward's compute.
+        exposed_ns = (data.get("avg_backward_comm_time", 0) - data.get("avg_backward_compute_comm_overlap_time", 0))
+        return n, max(0.0, exposed_ns) * n / 1e9
 
-        return timed
+    def exposed_s(self) -> tuple[int, float]:
+        """Backward passes that all-reduced since the last call, and their exposed communication (seconds)."""
+        now = self._totals()
+        (n0, s0), self._seen = self._seen, now
+        return now[0] - n0, max(0.0, now[1] - s0)
 
-    def exposed_until(self, end: Any) -> float:
-        """Seconds from the last bucket's hook call to `end` (a stamp taken after backward), then forgets it."""
-        called, self._called = self._called, None
-        return 0.0 if called is None else max(0.0, elapsed(called, end, self.cuda))
+    @property
+    def syncs(self) -> int:
+        """Forward passes that prepared a gradient all-reduce so far (outside no_sync). DDP records the count
+        at each such forward, of those before it, from its second on: one run of a single step reads 0."""
+        n = self._totals()[0]
+        return n + 1 if n else 0
 
 
 def stamp(cuda: bool) -> Any:
@@ -86,7 +90,7 @@ def elapsed(start: Any, end: Any, cuda: bool) -> float:
 class StepBreakdown:
     """Per-phase time of this rank over the current logging window."""
 
-    def __init__(self, device: torch.device, comm: CommTimer | None = None) -> None:
+    def __init__(self, device: torch.device, comm: DDPCommStats | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.comm = comm
         self.totals = dict.fromkeys(PHASES, 0.0)
@@ -102,12 +106,7 @@ class StepBreakdown:
         """From now on the rank is in `phase` (None: not step time, e.g. eval or a checkpoint)."""
         now = stamp(self.cuda)
         if self.phase is not None:
-            spent = elapsed(self.since, now, self.cuda)
-            if self.phase == "compute" and self.comm is not None:
-                exposed = min(spent, self.comm.exposed_until(now))
-                spent -= exposed
-                self.totals["comm"] += exposed
-            self.totals[self.phase] += spent
+            self.totals[self.phase] += elapsed(self.since, now, self.cuda)
         self.phase, self.since = phase, now
 
     def step_done(self) -> None:
@@ -119,11 +118,17 @@ class StepBreakdown:
         window drops it."""
         self.phase, self.since = "other", stamp(self.cuda)  # the loop is back in step time
         if self.comm is not None:
-            self.comm.exposed_until(self.since)
+            self.comm.exposed_s()
 
     def window(self) -> dict[str, float]:
         """Mean seconds per step of each phase since the last window; starts the next window."""
         self.mark(self.phase)
+        if self.comm is not None:
+            # DDP's figures lag one step behind the window: its mean per all-reduce, times the window's steps.
+            syncs, seconds = self.comm.exposed_s()
+            exposed = min(seconds / syncs * self.steps if syncs else 0.0, self.totals["compute"])
+            self.totals["compute"] -= exposed
+            self.totals["comm"] += exposed
         steps = max(1, self.steps)
         means = {name: total / steps for name, total in self.totals.items()}
         self.totals = dict.fromkeys(PHASES, 0.0)

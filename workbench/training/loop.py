@@ -28,7 +28,7 @@ from ..rundir import RunDir, Status, lock
 from ..tasks import Task
 from .accelerator import build_accelerator
 from . import autobatch
-from .agreement import Agreement, Verdict
+from .agreement import Agreement, Verdict, votes_every_step
 from .batches import ShardedBatches
 from .breakdown import StepBreakdown, phase_of
 from .checkpoint import Checkpointer
@@ -94,9 +94,10 @@ class Trainer:
         # must draw the same ones (their replicated parameters would drift apart otherwise).
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
-        self.agreement = Agreement(self.accelerator, self.run, self.guard, getattr(self.parallel, "carrier", None))
+        self.agreement = Agreement(self.accelerator, self.run, self.guard,
+                                   every_step=votes_every_step(cfg, self.parallel))
         # Started by fit(), stopped by close(): model building and data loading are not idle training time.
-        self.breakdown = StepBreakdown(self.device, self.parallel.comm_timer)
+        self.breakdown = StepBreakdown(self.device, self.parallel.comm_stats)
         self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)
         self.trackers = RunTrackers(self.accelerator, self.run)
         self.profiler = StepProfiler(cfg, self.run, self.rank, self.device)

@@ -57,6 +57,7 @@ def rank_info(t: Trainer) -> list[dict[str, Any]]:
             "world_size": t.world, "torch_threads": torch.get_num_threads(),
             "peak_memory_bytes": peak_memory_bytes(t.device),
             "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
+            "agreement_votes": t.agreement.votes,
             **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
             "weights_sha256": t.parallel.weights_digest(), "tracked_memory": t.tracked_memory,
             "profile_trace": str(t.profiler.trace) if t.profiler.trace else None}

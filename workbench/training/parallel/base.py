@@ -29,7 +29,7 @@ from ...metrics import state_digest
 
 
 if TYPE_CHECKING:
-    from ..breakdown import CommTimer
+    from ..breakdown import DDPCommStats
     from accelerate import Accelerator
 
     from ...config import RunConfig
@@ -68,8 +68,8 @@ class Strategy:
         self.scaler: Any = None
         self.held_bytes: dict[str, int] = {}
         """Parameter, gradient and optimizer-state bytes this rank holds, measured at the first update."""
-        self.comm_timer: CommTimer | None = None
-        """Times the gradient all-reduce not hidden by compute, where a comm hook can see it (DDP)."""
+        self.comm_stats: DDPCommStats | None = None
+        """The gradient all-reduce not hidden by compute, where DDP measures it."""
 
     # ---- the step -------------------------------------------------------------------------------------
     def forward_context(self) -> AbstractContextManager[Any]:

@@ -124,7 +124,8 @@ class PipelineParallel(Strategy):
         return self.stage_index == self.stages - 1
 
     def pipeline_step(self, batches: Iterator[Any], accum: int, at: Callable[[str], None] | None = None,
-                      before_last_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                      before_last_backward: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                      ) -> torch.Tensor:
         """The step's micro-batches through the schedule; the replica's mean micro-batch loss on its every rank."""
         if at is not None:
             at("data")

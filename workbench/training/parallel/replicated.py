@@ -14,8 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
 from ...distributed import single_process_dcp
-from ..breakdown import CommTimer
-from ..carrier import GradientCarrier
+from ..breakdown import DDPCommStats
 from .base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
@@ -36,30 +35,25 @@ class Replicated(Strategy):
         super().__init__(cfg, accelerator)
         self.module = on_device(model, accelerator)
         self.model = self.module
-        self.carrier: GradientCarrier | None = None
-        """DDP's plain all-reduce, carrying the trainer's per-step agreement (carrier.py)."""
         # A traced estimate leaves DDP out: its buckets live in C++, out of the trace's sight; the estimate
         # adds them (one copy of the gradients) and their all-reduce from their known size.
         if accelerator.num_processes > 1 and not getattr(accelerator, "tracing", False):
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.module, device_ids=ids)
-            self.comm_timer = CommTimer(self.device.type == "cuda")
-            self._register_hook(cfg)
+            self.comm_stats = DDPCommStats(self.model)
+            if cfg.grad_compression != "none":
+                self._register_hook(cfg)
         self.optimizer = make_optimizer(self.module)
         if cfg.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
 
     def _register_hook(self, cfg: RunConfig) -> None:
-        """DDP's gradient all-reduce (or the compression asked for) as a comm hook, timed (breakdown.py)."""
+        """The gradient compression asked for, as a comm hook (without one, DDP all-reduces in C++)."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        assert self.comm_timer is not None
         state: Any = None
-        hook: Any = default_hooks.allreduce_hook
-        if cfg.grad_compression == "none":
-            self.carrier = GradientCarrier(self.accelerator.num_processes)
-            hook = self.carrier.hook
-        elif cfg.grad_compression == "fp16":
+        hook: Any = None
+        if cfg.grad_compression == "fp16":
             hook = default_hooks.fp16_compress_hook
         elif cfg.grad_compression == "bf16":
             hook = default_hooks.bf16_compress_hook
@@ -70,14 +64,14 @@ class Replicated(Strategy):
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                                 start_powerSGD_iter=start)
             hook = powerSGD_hook.powerSGD_hook
-        self.model.register_comm_hook(state, self.comm_timer.wrap(hook))
+        self.model.register_comm_hook(state, hook)
 
     def facts(self) -> dict[str, Any]:
         if not isinstance(self.model, DistributedDataParallel):
             return {}
         # DDP's own record of the hook it calls, not just the one we asked for.
-        return {"comm_hook": self.model._get_ddp_logging_data().get("comm_hook") or "allreduce_hook",
-                "allreduce_calls": self.comm_timer.calls if self.comm_timer is not None else None}
+        return {"comm_hook": self.model._get_ddp_logging_data().get("comm_hook") or "builtin allreduce",
+                "gradient_syncs": self.comm_stats.syncs if self.comm_stats is not None else None}
 
     def save(self, path: Path) -> None:
         """Every rank holds the same weights and optimizer state: rank 0 writes them alone, without DCP's
