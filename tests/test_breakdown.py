@@ -56,8 +56,11 @@ def test_a_rank_that_sleeps_is_named_as_the_straggler(runs: dict[str, wb.RunResu
     rows = train_rows(runs["straggler"])
     for row in rows:
         assert row["slowest_rank"] == 1, row
-        # rank 0 sits in the all-reduce while rank 1 sleeps in its forward: it is exposed communication
-        assert row["comm_ms_per_rank"][0] >= 20 > row["comm_ms_per_rank"][1], row
+        # rank 0 sits in the all-reduce while rank 1 sleeps 30 ms in its forward: that wait is exposed
+        # communication, most of it (DDP times from backward's last gradient to the all-reduce's end; on a loaded
+        # 2-core box some of the wait lands before that, in rank 0's backward: 20 ms of 30 seen in CI)
+        waiting, sleeping = row["comm_ms_per_rank"]
+        assert waiting >= 15 and waiting > sleeping + 10, row
         assert any(v.startswith("rank 1 is") and "slower than the others" in v for v in row["verdicts"]), row
         assert not any(v.startswith("communication-bound") for v in row["verdicts"]), row["verdicts"]
 

@@ -76,6 +76,42 @@ def test_grad_accumulation_all_reduces_only_on_the_last_micro_batch(runs_dir: Pa
     assert [r["gradient_syncs"] for r in result.summary["ranks"]] == [3, 3], result.summary["ranks"]
 
 
+def _passed_the_barrier(out: Path, i: int) -> None:
+    from workbench import rank
+
+    rank.wait_for_forked_siblings(timeout_s=60)
+    (out / f"sibling_{i}").write_text(repr(time.monotonic()))
+
+
+def test_forked_ranks_wait_for_every_sibling_before_going_on(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """No rank reaches the process-group store while a later sibling is still to be forked (rank.py says why):
+    the early siblings pass the barrier only after the last fork, however long it comes after them."""
+    import multiprocessing
+
+    from workbench import rank
+
+    monkeypatch.setattr(rank, "_forked_siblings", None)
+    rank.expect_forked_ranks(3)
+    ctx = multiprocessing.get_context("fork")
+    children = [ctx.Process(target=_passed_the_barrier, args=(tmp_path, i)) for i in range(3)]
+    try:
+        children[0].start()
+        children[1].start()
+        time.sleep(1.0)  # the first two are well up and waiting by now
+        last_fork = time.monotonic()
+        children[2].start()
+        for child in children:
+            child.join(90)
+        assert [c.exitcode for c in children] == [0, 0, 0]
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.kill()
+    passed = [float((tmp_path / f"sibling_{i}").read_text()) for i in range(3)]
+    assert min(passed) >= last_fork, (passed, last_fork)
+
+
 @pytest.mark.parametrize("precision,dtype", [("fp32", "float32"), ("bf16", "bfloat16")])
 def test_precision_is_applied_in_every_worker(runs_dir: Path, precision: str, dtype: str) -> None:
     result = wb.launch(cfg_for(runs_dir, precision=precision, max_steps=4), task=TinyRegression())

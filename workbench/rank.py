@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .distributed import FORKED_RANKS
 from .rundir import RunDir
@@ -31,6 +33,29 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+_forked_siblings: Any = None
+"""A barrier for the ranks the fork-mode supervisor is about to fork (expect_forked_ranks), None elsewhere."""
+SIBLINGS_TIMEOUT_S = 60.0
+
+
+def expect_forked_ranks(n: int) -> None:
+    """In the fork-mode supervisor, before it forks `n` ranks: none of them talks to the process-group store
+    until all `n` exist (wait_for_forked_siblings). torch elastic serves that store from a libuv thread of the
+    supervisor (pt_tcpstore_uv); a rank forked while that thread serves an earlier rank's requests inherits
+    whatever lock the thread held at that instant, and can block for good before it joins the group. Seen in
+    CI twice on 4 ranks over 2 cores: rank 3 never set its store key, the others timed out waiting for it."""
+    global _forked_siblings
+    _forked_siblings = multiprocessing.get_context("fork").Barrier(n) if n > 1 else None
+
+
+def wait_for_forked_siblings(timeout_s: float = SIBLINGS_TIMEOUT_S) -> None:
+    """In a forked rank: return once every rank of the launch has been forked (at most `timeout_s`)."""
+    if _forked_siblings is None:
+        return
+    with contextlib.suppress(threading.BrokenBarrierError):  # one never came: the process group says which
+        _forked_siblings.wait(timeout_s)
 
 
 def record_exception(run_dir: Path, rank: int, exc: BaseException) -> None:
@@ -93,6 +118,7 @@ def rank_stdout(rank: int) -> Iterator[None]:
 def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
     """Entry point of every rank: run the trainer; on any exception, write it where the caller will find it."""
     die_with_parent()
+    wait_for_forked_siblings()
     rank = int(os.environ.get("RANK", "0"))
     if os.environ.get(FORKED_RANKS):
         import torch

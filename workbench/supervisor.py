@@ -18,7 +18,7 @@ from .distributed import FORKED_RANKS
 from .hardware import detect
 from .postmortem import finalize, record_signal_deaths
 from .precision import accelerate_mixed_precision
-from .rank import die_with_parent, rank_main
+from .rank import die_with_parent, expect_forked_ranks, rank_main
 from .rundir import RunDir
 from .signals import elastic_signals
 
@@ -67,6 +67,7 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
     run = RunDir(run_dir)
+    expect_forked_ranks(cfg.num_processes)
     error: BaseException | None = None
     try:
         # notebook_launcher prints its own "Launching training on N CUDAs/CPUs" line; ours (logged by the
