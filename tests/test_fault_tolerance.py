@@ -250,6 +250,7 @@ def test_an_exception_that_ends_the_blocking_launch_kills_the_run(runs_dir: Path
     assert len(pids) == 2 and alive(pids) == [], "a run abandoned by its caller must not keep training unseen"
     assert wb.RunResult.load(run.path).status == "failed"
 
+
 # ---- resume safety ----------------------------------------------------------------------------------------
 def test_a_resume_that_changes_the_trajectory_is_refused_with_the_differences(runs_dir: Path) -> None:
     first = wb.launch(cfg_for(runs_dir, run_name="safe", max_steps=4), task=TinyRegression())
