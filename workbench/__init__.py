@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import data
-from .config import RunConfig
-from .estimate import estimate
-from .launch import Run, launch, start
-from .recording import record
-from .rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, RunResult, Status
-from .tasks import Task, register_task
-from .version import __version__
+from workbench import data
+from workbench.config import RunConfig
+from workbench.estimate import estimate
+from workbench.launch import Run, launch, start
+from workbench.recording import record
+from workbench.rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, RunResult, Status
+from workbench.tasks import Task, register_task
+from workbench.version import __version__
 
 __all__ = ["RunConfig", "Run", "RunDirLocked", "RunDivergedError", "RunFailedError", "RunPreemptedError", "RunResult",
            "Status", "Task", "Panel", "__version__", "data",
@@ -21,7 +21,7 @@ __all__ = ["RunConfig", "Run", "RunDirLocked", "RunDivergedError", "RunFailedErr
 def __getattr__(name: str) -> Any:
     # ipywidgets loads only when a panel is wanted.
     if name == "Panel":
-        from .panel import Panel
+        from workbench.panel import Panel
 
         return Panel
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")

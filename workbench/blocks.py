@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .tasks import Task
+    from workbench.tasks import Task
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .verdicts import PHASES, per_rank
+from workbench.verdicts import PHASES, per_rank
 
 COLOURS = {"data": "#e6a700", "compute": "#3b7dd8", "comm": "#d9534f", "optimizer": "#5cb85c", "other": "#999999"}
 LABELS = {"data": "waiting for data", "compute": "forward+backward", "comm": "exposed communication",

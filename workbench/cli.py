@@ -134,9 +134,9 @@ def _doctor_parser(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose)
-    from .data import DataUnavailableError
+    from workbench.data import DataUnavailableError
 
-    from .rundir import RunDirWriteError
+    from workbench.rundir import RunDirWriteError
 
     try:
         return _dispatch(args)
@@ -155,28 +155,28 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import RunConfig
+    from workbench.config import RunConfig
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
     if args.command == "check":
-        from .launch import describe_launch
+        from workbench.launch import describe_launch
 
         cfg.check()
         print(describe_launch(cfg))
         return 0
-    from .launch import check_launch
+    from workbench.launch import check_launch
 
     cfg, _ = check_launch(cfg, None, args.mode)  # --prepare-only too: the same checks as a launch
     if args.prepare_only:
-        from .rundir import lock, prepare
+        from workbench.rundir import lock, prepare
 
         _, run, token = prepare(cfg)
         lock.release(run, token)  # rank 0 takes it when the ranks start
         print(run.path)
         return 0
-    from .launch import launch
-    from .rundir import RunFailedError, RunPreemptedError
-    from .signals import EXIT_PREEMPTED
+    from workbench.launch import launch
+    from workbench.rundir import RunFailedError, RunPreemptedError
+    from workbench.signals import EXIT_PREEMPTED
 
     _take_signals(cfg)
     try:
@@ -198,7 +198,7 @@ def _take_signals(cfg: Any) -> None:
     process before they have checkpointed (the launch delivers it here again when they are done)."""
     import signal
 
-    from .signals import preempt_signals
+    from workbench.signals import preempt_signals
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in preempt_signals(cfg):
@@ -207,10 +207,10 @@ def _take_signals(cfg: Any) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .config import RunConfig
-    from .estimate import estimate
-    from .estimate.alternatives import alternatives, compare, compare_table
-    from .tasks import get_task
+    from workbench.config import RunConfig
+    from workbench.estimate import estimate
+    from workbench.estimate.alternatives import alternatives, compare, compare_table
+    from workbench.tasks import get_task
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
     task = get_task(cfg.task)
@@ -228,7 +228,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .status import describe_run
+    from workbench.status import describe_run
 
     text, code = describe_run(args.run_dir)
     print(text)
@@ -236,13 +236,13 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from workbench.demo import run_demo
 
     return run_demo(runs_dir=args.runs_dir, num_processes=args.num_processes, steps=args.steps)
 
 
 def _data(args: argparse.Namespace) -> int:
-    from . import data
+    from workbench import data
 
     if args.data_command == "list":
         manifests = data.list_manifests()
@@ -264,15 +264,15 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _regress(args: argparse.Namespace) -> int:
-    from .regress.runner import run
+    from workbench.regress.runner import run
 
     return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
                update_baselines=args.update_baselines, junit=args.junit, profile=args.profile)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
-    from .config import RunConfig
+    from workbench import bench
+    from workbench.config import RunConfig
 
     if args.bench_command == "estimate":
         print(bench.estimate_accuracy(json_path=args.json).table())
@@ -293,8 +293,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .config import RunConfig
-    from .doctor import run_doctor
+    from workbench.config import RunConfig
+    from workbench.doctor import run_doctor
 
     cfg = RunConfig.from_yaml(args.config) if args.config else RunConfig(task=args.task or "digits")
     cfg = cfg.with_overrides(([f"task={args.task}"] if args.task else []) + args.overrides)

@@ -11,13 +11,13 @@ from typing import Any, Literal
 
 import yaml
 
-from .config_checks import check_against_machine, check_names, check_numbers
-from .files import atomic_write_text, load_yaml, read_yaml
-from .hardware import Hardware, detect
-from .precision import Precision
-from .tracking import Tracker
-from .suggest import unknown_keys
-from .typecheck import check_type, plain
+from workbench.config_checks import check_against_machine, check_names, check_numbers
+from workbench.files import atomic_write_text, load_yaml, read_yaml
+from workbench.hardware import Hardware, detect
+from workbench.precision import Precision
+from workbench.tracking import Tracker
+from workbench.suggest import unknown_keys
+from workbench.typecheck import check_type, plain
 
 Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -187,7 +187,7 @@ class RunConfig:
     @property
     def mesh(self) -> dict[str, int]:
         """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'tp'; see layout.py)."""
-        from .layout import mesh_sizes
+        from workbench.layout import mesh_sizes
 
         return mesh_sizes(self)
 
@@ -228,7 +228,7 @@ class RunConfig:
         check_names(self, _field_names())
 
     def _check_parallelism(self) -> None:
-        from .layout import check_layout
+        from workbench.layout import check_layout
 
         check_layout(self)
 

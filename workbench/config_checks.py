@@ -9,12 +9,12 @@ import warnings
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from .suggest import unknown_keys
-from .tracking import missing, pip_command
+from workbench.suggest import unknown_keys
+from workbench.tracking import missing, pip_command
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .hardware import Hardware
+    from workbench.config import RunConfig
+    from workbench.hardware import Hardware
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_WORKERS = 64
@@ -132,7 +132,7 @@ def check_names(cfg: RunConfig, field_names: list[str]) -> None:
 
 def check_against_machine(cfg: RunConfig, hw: Hardware, task: Any = None) -> None:
     """RunConfig.check: against this machine and the task (`task`, else the registry)."""
-    from .tasks import get_task  # tasks import config, so late
+    from workbench.tasks import get_task  # tasks import config, so late
 
     if cfg.device == "cuda" and not hw.has_cuda:
         raise ValueError("device='cuda': no CUDA GPU is visible on this machine; use device='auto' or 'cpu'")
@@ -160,7 +160,7 @@ def check_against_machine(cfg: RunConfig, hw: Hardware, task: Any = None) -> Non
     task = task or get_task(cfg.task)
     task.check_options(cfg)
     task.check_data(cfg)
-    from .layout import check_parallel_task
+    from workbench.layout import check_parallel_task
 
     check_parallel_task(cfg, task)
     if cfg.activation_checkpointing != "none":
@@ -184,7 +184,7 @@ def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
     (no memory, no data loaded into it)."""
     import torch
 
-    from .blocks import checkpoint_units, shard_units
+    from workbench.blocks import checkpoint_units, shard_units
 
     try:
         with torch.device("meta"):

@@ -21,12 +21,12 @@ from typing import Any
 import ipywidgets as widgets
 import traitlets
 
-from .breakdown_view import breakdown_html
-from .kernel import in_kernel
-from .rundir import ENDED, RunDir, Status
-from .snapshot import (Reading, dashboard_html, idle_warnings, monitor_items, run_average, session_start,
+from workbench.breakdown_view import breakdown_html
+from workbench.kernel import in_kernel
+from workbench.rundir import ENDED, RunDir, Status
+from workbench.snapshot import (Reading, dashboard_html, idle_warnings, monitor_items, run_average, session_start,
                        smoothed_step_time, table, window_steps)
-from .units import fmt_bytes, fmt_duration
+from workbench.units import fmt_bytes, fmt_duration
 
 log = logging.getLogger("workbench")
 
@@ -287,7 +287,7 @@ class Dashboard(widgets.VBox):
                 return self._png
             from matplotlib.figure import Figure
 
-            from .plots import draw, monitor_kind
+            from workbench.plots import draw, monitor_kind
 
             started = time.monotonic()
             if self._figure is None:

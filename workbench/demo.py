@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from .config import RunConfig
-from .launch import launch
-from .rundir import Status
-from .units import fmt_bytes
+from workbench.config import RunConfig
+from workbench.launch import launch
+from workbench.rundir import Status
+from workbench.units import fmt_bytes
 
 log = logging.getLogger("workbench")
 

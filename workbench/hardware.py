@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .units import MiB
+from workbench.units import MiB
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,16 +29,16 @@ from typing import Any, Literal, overload
 
 import psutil
 
-from .config import PARALLELISM_MODES, RunConfig
-from .hardware import detect
-from .postmortem import finalize
-from .precision import accelerate_mixed_precision
-from .rundir import (RunDir, RunDivergedError, RunFailedError, RunFiles, RunPreemptedError, RunResult, Status, lock,
+from workbench.config import PARALLELISM_MODES, RunConfig
+from workbench.hardware import detect
+from workbench.postmortem import finalize
+from workbench.precision import accelerate_mixed_precision
+from workbench.rundir import (RunDir, RunDivergedError, RunFailedError, RunFiles, RunPreemptedError, RunResult, Status, lock,
                      prepare)
-from .rundir.liveness import heartbeats, is_alive, this_process
-from .signals import elastic_signals, preempt_signals
-from .spawn import SpawnedRanks, StartPlan, plan_start, write_task
-from .tasks import Task, get_task
+from workbench.rundir.liveness import heartbeats, is_alive, this_process
+from workbench.signals import elastic_signals, preempt_signals
+from workbench.spawn import SpawnedRanks, StartPlan, plan_start, write_task
+from workbench.tasks import Task, get_task
 
 log = logging.getLogger("workbench")
 
@@ -225,7 +225,7 @@ class Run(RunFiles):
             self._result = RunResult(self.run_dir, self.config, self._task)
             lock.release(self.dir, self._token)
             if self._result.status in (Status.COMPLETED, Status.STOPPED):
-                from .recording import record_run
+                from workbench.recording import record_run
 
                 record_run(self._result)  # in a notebook: the regression suite reads these back (no-op elsewhere)
             if self._signalled:
@@ -313,7 +313,7 @@ def _spawn(cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: Sta
     if plan.method != "subprocess":
         log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
     if plan.method == "fork":
-        from .supervisor import supervise
+        from workbench.supervisor import supervise
 
         ctx = multiprocessing.get_context("fork")
         process: Any = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token),
@@ -347,8 +347,8 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
     cfg, run_dir, token = prepare(cfg)
     try:
         if cfg.micro_batch_size == "auto":
-            from .estimate.microbatch import propose
-            from .files import write_json
+            from workbench.estimate.microbatch import propose
+            from workbench.files import write_json
 
             write_json(run_dir.path / "autobatch.json", propose(cfg, task))
         process = _spawn(cfg, task, run_dir, token, plan, progress)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from workbench.config import RunConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 SHARDED_MODES = ("zero2", "zero3", "fsdp", "hsdp")

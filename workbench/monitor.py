@@ -29,7 +29,7 @@ import psutil
 if TYPE_CHECKING:
     import torch
 
-    from .config import RunConfig
+    from workbench.config import RunConfig
 
 log = logging.getLogger("workbench")
 

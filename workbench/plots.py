@@ -13,7 +13,7 @@ from matplotlib.ticker import Formatter, LogFormatter
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from .rundir import RunResult
+    from workbench.rundir import RunResult
 
 PANELS = ("loss", "throughput", "memory", "lr")
 LINESTYLES = ("-", "--", "-.", ":")

@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import Any
 
-from .rundir import RunDir, Status, is_fallout
+from workbench.rundir import RunDir, Status, is_fallout
 
 
 def record_signal_deaths(run: RunDir, exc: BaseException) -> None:

@@ -20,12 +20,12 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .distributed import FORKED_RANKS
-from .rundir import RunDir
+from workbench.distributed import FORKED_RANKS
+from workbench.rundir import RunDir
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 
 def die_with_parent() -> None:
@@ -130,7 +130,7 @@ def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
         torch.set_num_threads(1)
     with rank_stdout(rank):
         try:
-            from .training import train
+            from workbench.training import train
 
             train(cfg, task, Path(run_dir), progress=progress)
         except BaseException as exc:

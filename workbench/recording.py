@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import kernel
-from .regress.rules import parse_rule
-from .units import fmt_bytes
+from workbench import kernel
+from workbench.regress.rules import parse_rule
+from workbench.units import fmt_bytes
 
 if TYPE_CHECKING:
     import nbformat
 
-    from .rundir import RunResult
+    from workbench.rundir import RunResult
 
 log = logging.getLogger("workbench")
 

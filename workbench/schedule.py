@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from workbench.config import RunConfig
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:

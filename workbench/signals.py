@@ -6,7 +6,7 @@ import signal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from workbench.config import RunConfig
 
 EXIT_PREEMPTED = 75
 """`workbench train`'s exit code for a preempted run (sysexits' EX_TEMPFAIL: try again, e.g. resubmit it)."""

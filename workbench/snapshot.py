@@ -14,12 +14,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .breakdown_view import breakdown_html
-from .units import fmt_bytes
+from workbench.breakdown_view import breakdown_html
+from workbench.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from .dashboard import Dashboard
-    from .panel import Panel
+    from workbench.dashboard import Dashboard
+    from workbench.panel import Panel
 
 ETA_WINDOWS = 5
 """The ETA uses the median step time of this many recent logged windows: one slow window (an eval, a

@@ -30,11 +30,11 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .files import atomic_write_bytes
+from workbench.files import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 Method = Literal["fork", "spawn", "subprocess"]
 
@@ -155,7 +155,7 @@ def _refusal(task: Task, error: Exception, cuda: str | None) -> Exception:
 def write_task(run_dir: Path, payload: bytes) -> dict[str, str]:
     """Write the pickled task into the run directory; returns the environment that lets the ranks load it."""
     # Not at the top: `python -m workbench.worker` must not find the worker imported already by the package.
-    from .worker import TASK_DIGEST_ENV, TASK_FILE
+    from workbench.worker import TASK_DIGEST_ENV, TASK_FILE
 
     atomic_write_bytes(run_dir / TASK_FILE, payload)
     return {TASK_DIGEST_ENV: hashlib.sha256(payload).hexdigest()}

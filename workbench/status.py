@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .rundir import RunDir, Status
-from .signals import EXIT_PREEMPTED
-from .units import fmt_duration
+from workbench.rundir import RunDir, Status
+from workbench.signals import EXIT_PREEMPTED
+from workbench.units import fmt_duration
 
 
 def describe_run(path: Path) -> tuple[str, int]:

@@ -14,17 +14,17 @@ import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from .distributed import FORKED_RANKS
-from .hardware import detect
-from .postmortem import finalize, record_signal_deaths
-from .precision import accelerate_mixed_precision
-from .rank import die_with_parent, expect_forked_ranks, rank_main
-from .rundir import RunDir
-from .signals import elastic_signals
+from workbench.distributed import FORKED_RANKS
+from workbench.hardware import detect
+from workbench.postmortem import finalize, record_signal_deaths
+from workbench.precision import accelerate_mixed_precision
+from workbench.rank import die_with_parent, expect_forked_ranks, rank_main
+from workbench.rundir import RunDir
+from workbench.signals import elastic_signals
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 
 class DropLines(io.TextIOBase):

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .distributed import single_process_dcp
-from .metrics import state_digest
+from workbench.distributed import single_process_dcp
+from workbench.metrics import state_digest
 
 if TYPE_CHECKING:
-    from .config import RunConfig
-    from .rundir import RunDir
-    from .tasks import Task
+    from workbench.config import RunConfig
+    from workbench.rundir import RunDir
+    from workbench.tasks import Task
 
 log = logging.getLogger("workbench")
 
@@ -77,7 +77,7 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
 
 def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
     """Store what a rank's Task.rank_value returned, refusing what the caller couldn't load safely."""
-    from .files import atomic_write_bytes
+    from workbench.files import atomic_write_bytes
 
     buffer = io.BytesIO()
     try:

@@ -3,10 +3,10 @@ estimate`."""
 
 from __future__ import annotations
 
-from .estimate import EstimateReport, estimate_accuracy
-from .overhead import BENCH, OverheadReport, overhead
-from .parallelism import MODES, PARALLELISM_BENCH, ParallelismReport, parallelism
-from .precision import PRECISION_BENCH, PrecisionReport, precision
+from workbench.bench.estimate import EstimateReport, estimate_accuracy
+from workbench.bench.overhead import BENCH, OverheadReport, overhead
+from workbench.bench.parallelism import MODES, PARALLELISM_BENCH, ParallelismReport, parallelism
+from workbench.bench.precision import PRECISION_BENCH, PrecisionReport, precision
 
 __all__ = ["BENCH", "MODES", "EstimateReport", "estimate_accuracy", "PARALLELISM_BENCH", "PRECISION_BENCH", "OverheadReport", "ParallelismReport",
            "PrecisionReport", "overhead", "parallelism", "precision"]

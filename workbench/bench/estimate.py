@@ -13,10 +13,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..config import RunConfig
-from ..hardware import detect
-from ..launch import launch
-from ..units import fmt_bytes
+from workbench.config import RunConfig
+from workbench.hardware import detect
+from workbench.launch import launch
+from workbench.units import fmt_bytes
 
 SHAPES = {
     "digits MLP (hidden 512)": RunConfig(task="digits", num_processes=2, micro_batch_size=64, max_steps=4,
@@ -58,7 +58,7 @@ class EstimateReport:
 def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, modes: tuple[str, ...] = MODES,
                       json_path: Path | None = None) -> EstimateReport:
     """Run each shape under each mode for real (memory tracked) and estimate it; compare per rank."""
-    from ..estimate import estimate
+    from workbench.estimate import estimate
 
     hw = detect()
     rows = []

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig
-from ..files import read_json
-from ..hardware import detect
-from ..launch import free_port, launch
-from ..metrics import weights_digest
-from ..precision import accelerate_mixed_precision
-from ..tasks import Task, get_task
-from ..schedule import lr_at
-from ..training.optim import build_optimizer
+from workbench.config import RunConfig
+from workbench.files import read_json
+from workbench.hardware import detect
+from workbench.launch import free_port, launch
+from workbench.metrics import weights_digest
+from workbench.precision import accelerate_mixed_precision
+from workbench.tasks import Task, get_task
+from workbench.schedule import lr_at
+from workbench.training.optim import build_optimizer
 
 log = logging.getLogger("workbench")
 WARMUP_STEPS = 10

@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig
-from ..files import read_json
-from ..hardware import detect
-from ..launch import launch
-from ..units import fmt_bytes
+from workbench.config import RunConfig
+from workbench.files import read_json
+from workbench.hardware import detect
+from workbench.launch import launch
+from workbench.units import fmt_bytes
 
 WARMUP_STEPS = 5
 MODES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "zero3xtp", "ppxddp")

@@ -7,10 +7,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..config import RunConfig
-from ..hardware import detect
-from ..launch import launch
-from ..units import fmt_bytes
+from workbench.config import RunConfig
+from workbench.hardware import detect
+from workbench.launch import launch
+from workbench.units import fmt_bytes
 
 PRECISION_BENCH = RunConfig(task="char-gpt", num_processes=1, micro_batch_size=32, max_steps=50, lr=1e-3,
                             log_every=10, eval_batches=4, task_options={"preset": "small"})

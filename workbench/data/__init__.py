@@ -28,10 +28,10 @@ from ``workbench.data`` itself.
 
 from __future__ import annotations
 
-from .cache import cache_dir
-from .errors import DataUnavailableError, IntegrityError, ManifestError, UnsafeArchiveError
-from .generators import GENERATORS, Generator, register_generator
-from .manifest import (
+from workbench.data.cache import cache_dir
+from workbench.data.errors import DataUnavailableError, IntegrityError, ManifestError, UnsafeArchiveError
+from workbench.data.generators import GENERATORS, Generator, register_generator
+from workbench.data.manifest import (
                        MANIFEST_DIR,
                        SCHEMA_VERSION,
                        SOURCES,
@@ -42,8 +42,8 @@ from .manifest import (
                        load_manifest,
                        manifest_dirs,
 )
-from .resolution import ResolvedData, fetch, reset_used_datasets, resolve, used_datasets
-from .verification import FileCheck, verify
+from workbench.data.resolution import ResolvedData, fetch, reset_used_datasets, resolve, used_datasets
+from workbench.data.verification import FileCheck, verify
 
 __all__ = [
     "SCHEMA_VERSION", "SOURCES", "MANIFEST_DIR", "PathLike",

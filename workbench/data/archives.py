@@ -11,9 +11,9 @@ import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from .cache import _TMP_PREFIX
-from .errors import ManifestError, UnsafeArchiveError
-from .manifest import Manifest, _is_absolute
+from workbench.data.cache import _TMP_PREFIX
+from workbench.data.errors import ManifestError, UnsafeArchiveError
+from workbench.data.manifest import Manifest, _is_absolute
 
 
 def _refuse(archive: Path, member: str, why: str) -> UnsafeArchiveError:

@@ -11,9 +11,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Mapping, Sequence, Union
 
 
-from ..files import read_yaml
-from .errors import ManifestError, _one_line
-from .generators import GENERATORS, Generator
+from workbench.files import read_yaml
+from workbench.data.errors import ManifestError, _one_line
+from workbench.data.generators import GENERATORS, Generator
 
 log = logging.getLogger("workbench")
 

@@ -15,12 +15,12 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
-from ..files import mkstemp_like_open
-from .archives import _extract_archive
-from .cache import _TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file, cache_dir
-from .errors import DataUnavailableError, IntegrityError, ManifestError, _one_line
-from .generators import GENERATORS
-from .manifest import FileSpec, Manifest, PathLike, _env_paths, _paths, _relative_path, load_manifest
+from workbench.files import mkstemp_like_open
+from workbench.data.archives import _extract_archive
+from workbench.data.cache import _TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file, cache_dir
+from workbench.data.errors import DataUnavailableError, IntegrityError, ManifestError, _one_line
+from workbench.data.generators import GENERATORS
+from workbench.data.manifest import FileSpec, Manifest, PathLike, _env_paths, _paths, _relative_path, load_manifest
 
 log = logging.getLogger("workbench")
 

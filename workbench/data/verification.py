@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
-from .cache import _sha256_file, cache_dir
-from .manifest import PathLike, list_manifests, load_manifest
-from .resolution import _Resolver
+from workbench.data.cache import _sha256_file, cache_dir
+from workbench.data.manifest import PathLike, list_manifests, load_manifest
+from workbench.data.resolution import _Resolver
 
 
 def _short(digest: str | None) -> str:

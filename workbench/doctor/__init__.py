@@ -8,11 +8,11 @@ variables and their pitfalls (``environment``), an all-reduce bandwidth sweep ov
 
 from __future__ import annotations
 
-from .allreduce import SweepResult, bus_factor, run_sweep
-from .environment import env_pitfalls, relevant_env
-from .findings import Finding, Section
-from .report import SECTIONS, DoctorReport, run_doctor
-from .topology import TopoMatrix, parse_topo_matrix
+from workbench.doctor.allreduce import SweepResult, bus_factor, run_sweep
+from workbench.doctor.environment import env_pitfalls, relevant_env
+from workbench.doctor.findings import Finding, Section
+from workbench.doctor.report import SECTIONS, DoctorReport, run_doctor
+from workbench.doctor.topology import TopoMatrix, parse_topo_matrix
 
 __all__ = ["SECTIONS", "DoctorReport", "Finding", "Section", "SweepResult", "TopoMatrix", "bus_factor",
            "env_pitfalls", "parse_topo_matrix", "relevant_env", "run_doctor", "run_sweep"]

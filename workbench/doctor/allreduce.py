@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..units import fmt_bytes
-from .findings import Finding, Section
+from workbench.units import fmt_bytes
+from workbench.doctor.findings import Finding, Section
 
 log = logging.getLogger("workbench")
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import cache_dir
-from ..units import MiB
-from .findings import Finding, Section
+from workbench.data import cache_dir
+from workbench.units import MiB
+from workbench.doctor.findings import Finding, Section
 
 _CHUNK = 4 * MiB
 _TMP_PREFIX = ".wb-tmp-doctor-"  # the data cache's temp prefix: leftovers of a killed process are recognised

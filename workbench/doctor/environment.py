@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .findings import Finding, Section
+from workbench.doctor.findings import Finding, Section
 
 PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "OMP_", "MKL_", "CUDA_", "PYTORCH_", "ACCELERATE_", "WORKBENCH_")
 NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",

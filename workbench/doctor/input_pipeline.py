@@ -15,14 +15,14 @@ import torch
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 
-from .. import data
-from ..hardware import detect
-from ..tasks import get_task
-from .findings import Finding, Section
+from workbench import data
+from workbench.hardware import detect
+from workbench.tasks import get_task
+from workbench.doctor.findings import Finding, Section
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 
 @dataclass(frozen=True)

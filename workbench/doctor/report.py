@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
-from .allreduce import build_allreduce
-from .cache_read import build_cache_read
-from .environment import build_environment
-from .findings import Finding, Section, guarded
-from .input_pipeline import build_input_pipeline
-from .topology import build_devices, cpu_counts
-from .versions import build_versions
+from workbench.config import RunConfig
+from workbench.doctor.allreduce import build_allreduce
+from workbench.doctor.cache_read import build_cache_read
+from workbench.doctor.environment import build_environment
+from workbench.doctor.findings import Finding, Section, guarded
+from workbench.doctor.input_pipeline import build_input_pipeline
+from workbench.doctor.topology import build_devices, cpu_counts
+from workbench.doctor.versions import build_versions
 
 SECTIONS = {
     "devices": "Devices and topology",

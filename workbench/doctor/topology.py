@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..units import fmt_bytes
-from .findings import Finding, Section
+from workbench.units import fmt_bytes
+from workbench.doctor.findings import Finding, Section
 
 NODE_DIR = Path("/sys/devices/system/node")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines the header row when writing to a terminal

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .findings import Section
-from .topology import nvidia_smi
+from workbench.doctor.findings import Section
+from workbench.doctor.topology import nvidia_smi
 
 
 def versions() -> dict[str, Any]:

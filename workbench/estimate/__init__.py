@@ -12,14 +12,14 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .catalog import NETWORKS, THIS_MACHINE, Accelerator, load_catalog, lookup
-from .model import (CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, Estimate, RankEstimate, calibrated_efficiency,
+from workbench.estimate.catalog import NETWORKS, THIS_MACHINE, Accelerator, load_catalog, lookup
+from workbench.estimate.model import (CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, Estimate, RankEstimate, calibrated_efficiency,
                     comm_time)
-from .trace import StepTrace, trace_step
+from workbench.estimate.trace import StepTrace, trace_step
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 __all__ = ["THIS_MACHINE", "Accelerator", "Estimate", "RankEstimate", "estimate", "load_catalog", "lookup"]
 
@@ -73,7 +73,7 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
              runs_dir: str | Path | None = None) -> Estimate:
     """Estimate `cfg` per rank on `gpus` x `nodes` of accelerator `gpu` (a catalog name; default: this
     machine). The trace runs here, on the CPU, without allocating the model."""
-    from ..tasks import get_task
+    from workbench.tasks import get_task
 
     if cfg.pp > 1:
         raise ValueError(f"pp={cfg.pp}: the estimate does not model pipeline parallelism yet (it traces the "
@@ -108,7 +108,7 @@ def price(cfg: RunConfig, task: Task, trace: StepTrace, target: Accelerator, gpu
     buckets = grads if replicated else 0
     extra_comm: dict[str, dict[str, Any]] = {}
     if replicated:
-        from .trace import wire_bytes
+        from workbench.estimate.trace import wire_bytes
 
         volume = grads * factor
         extra_comm["all_reduce@ddp"] = {"count": 1, "bytes": volume, "group": world, "spans_nodes": nodes > 1,

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .catalog import load_catalog
+from workbench.estimate.catalog import load_catalog
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..tasks import Task
-    from .model import Estimate
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
+    from workbench.estimate.model import Estimate
 
 LIMIT = 5
 
@@ -52,8 +52,8 @@ def alternatives(cfg: RunConfig, est: Estimate, task: Task, *, network: str = "i
     """Changes that make a run fit, each with its own estimate, cheapest first (cost, else GPU-time)."""
     import torch
 
-    from ..blocks import shard_units
-    from . import estimate
+    from workbench.blocks import shard_units
+    from workbench.estimate import estimate
 
     with torch.device("meta"):
         has_blocks = bool(shard_units(task.build_model(cfg), task))
@@ -74,8 +74,8 @@ def compare(cfg: RunConfig, task: Task, *, gpus: int, nodes: int = 1, network: s
             catalog: str | Path | None = None, runs_dir: str | Path | None = None) -> list[Estimate]:
     """The same run priced on every catalog accelerator (one trace: the step is the same, only the device
     differs), the ones that fit first, cheapest first."""
-    from . import price
-    from .trace import trace_step
+    from workbench.estimate import price
+    from workbench.estimate.trace import trace_step
 
     world = gpus * nodes
     run = cfg.replace(num_processes=world, oversubscribe=True, device="cuda", track_memory=False)
@@ -90,7 +90,7 @@ def compare(cfg: RunConfig, task: Task, *, gpus: int, nodes: int = 1, network: s
 
 
 def compare_table(rows: list[Estimate]) -> str:
-    from ..units import fmt_bytes, fmt_duration
+    from workbench.units import fmt_bytes, fmt_duration
 
     lines = [f"  {'accelerator':16} {'fits':>5} {'peak/rank':>10} {'capacity':>9} {'step':>9} {'run':>12} {'cost':>10}"]
     for e in rows:

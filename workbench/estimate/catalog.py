@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..files import read_yaml
-from ..suggest import did_you_mean
+from workbench.files import read_yaml
+from workbench.suggest import did_you_mean
 
 BUILTIN = Path(__file__).with_name("accelerators.yaml")
 THIS_MACHINE = "this-machine"
@@ -92,7 +92,7 @@ def lookup(name: str, catalog: dict[str, Accelerator] | None = None) -> Accelera
     catalog = catalog if catalog is not None else load_catalog()
     if name not in catalog:
         # A GPU's marketing name ('NVIDIA H100 80GB HBM3') finds its entry by model.
-        from ..hardware import gpu_model
+        from workbench.hardware import gpu_model
 
         model = gpu_model(name)
         matches = [a for a in catalog.values() if a.name.upper().startswith(model.upper())]
@@ -121,7 +121,7 @@ def _cpu_matmul_flops(dtype_name: str) -> float:
 
 def this_machine() -> Accelerator:
     """This machine: its GPUs from the catalog (by model), or its CPU with a measured matmul peak."""
-    from ..hardware import detect
+    from workbench.hardware import detect
 
     hw = detect()
     if hw.gpus:

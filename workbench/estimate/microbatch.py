@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 MARGIN = 0.1
 
@@ -15,7 +15,7 @@ MARGIN = 0.1
 def _limit(cfg: RunConfig) -> int:
     import psutil
 
-    from ..hardware import detect
+    from workbench.hardware import detect
 
     hw = detect()
     if cfg.resolved_device(hw) == "cuda":
@@ -28,7 +28,7 @@ def _limit(cfg: RunConfig) -> int:
 def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
     """Estimates at micro-batch 1 and 2 give the bytes per sample; the largest size under the limit is checked
     with a third estimate and stepped down until it fits."""
-    from . import estimate
+    from workbench.estimate import estimate
 
     limit = _limit(cfg)
     usable = limit * (1 - MARGIN)

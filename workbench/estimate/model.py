@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..units import GiB, fmt_bytes, fmt_duration, fmt_seconds
-from .catalog import NETWORKS, Accelerator
-from .trace import StepTrace
+from workbench.units import GiB, fmt_bytes, fmt_duration, fmt_seconds
+from workbench.estimate.catalog import NETWORKS, Accelerator
+from workbench.estimate.trace import StepTrace
 
 GPU_OVERHEAD_BYTES = int(0.75 * GiB)
 """CUDA context, cuBLAS/NCCL workspaces: about 0.5-1 GiB per GPU that no tensor accounts for."""
@@ -170,8 +170,8 @@ class Estimate:
 
 def calibrated_efficiency(target: Accelerator, runs_dir: Path) -> tuple[float, str]:
     """The median MFU of completed runs on the same device class in runs_dir, or the default, saying which."""
-    from ..hardware import gpu_model
-    from ..rundir import RunDir
+    from workbench.hardware import gpu_model
+    from workbench.rundir import RunDir
 
     wanted = f"cuda-{gpu_model(target.name)}" if target.kind == "cuda" else "cpu"
     mfus = []

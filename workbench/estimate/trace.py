@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 TRACE_LOCK = threading.Lock()
 """One trace at a time per process (each forks a child that holds the fake process group)."""
@@ -258,7 +258,7 @@ def _trace_child(writer: Any, *args: Any) -> None:
 
 def _real_batches(cfg: RunConfig, task: Task, world: int, rank: int) -> list[Any]:
     """The micro-batches rank `rank` would see first: their shapes and dtypes are what the trace needs."""
-    from ..training.batches import ShardedBatches
+    from workbench.training.batches import ShardedBatches
 
     train_ds, _ = task.build_datasets(cfg)
     batches = ShardedBatches(train_ds, cfg, rank, world, task.collate_fn(cfg)).iterate(0)
@@ -269,12 +269,12 @@ def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
                 gpus_per_node: int | None) -> StepTrace:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..config import SHARDED
-    from ..training.parallel import parallelize
-    from ..training.parallel.sharded import data_parallel_mesh
-    from ..training.memory import tracked
-    from ..training.step import accumulate
-    from .flops import EXTRA_FLOP_FORMULAS
+    from workbench.config import SHARDED
+    from workbench.training.parallel import parallelize
+    from workbench.training.parallel.sharded import data_parallel_mesh
+    from workbench.training.memory import tracked
+    from workbench.training.step import accumulate
+    from workbench.estimate.flops import EXTRA_FLOP_FORMULAS
 
     started = time.perf_counter()
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
@@ -315,7 +315,7 @@ def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
 
 
 def _optimizer(model: torch.nn.Module, cfg: RunConfig, task: Task, foreach: bool | None) -> torch.optim.Optimizer:
-    from ..training.optim import build_optimizer
+    from workbench.training.optim import build_optimizer
 
     optimizer = build_optimizer(model, cfg, task)
     if foreach is not None and "foreach" in optimizer.defaults:
@@ -333,7 +333,7 @@ def _zero_partition(strategy: Any) -> list[tuple[int, int]]:
 
 
 def _units_of(task: Task, cfg: RunConfig) -> Iterator[torch.nn.Module]:
-    from ..blocks import shard_units
+    from workbench.blocks import shard_units
 
     with torch.device("meta"):
         model = task.build_model(cfg)

@@ -6,7 +6,7 @@ widgets for RunConfig fields and their labels).
 
 from __future__ import annotations
 
-from .panel import Panel
-from .state import ACTIVE, PanelState
+from workbench.panel.panel import Panel
+from workbench.panel.state import ACTIVE, PanelState
 
 __all__ = ["ACTIVE", "Panel", "PanelState"]

@@ -7,10 +7,10 @@ from typing import Any, get_args
 
 import ipywidgets as widgets
 
-from ..config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
-from ..hardware import detect
-from ..precision import Precision
-from ..tasks import Task, available
+from workbench.config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
+from workbench.hardware import detect
+from workbench.precision import Precision
+from workbench.tasks import Task, available
 
 PARALLELISM_LABELS = {mode: f"{mode}: {text}" for mode, text in PARALLELISM_MODES.items()}
 """Every mode, with its one-line explanation."""

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import ipywidgets as widgets
 import traitlets
 
-from ..estimate.catalog import THIS_MACHINE, load_catalog
-from ..units import fmt_bytes, fmt_duration, fmt_seconds
+from workbench.estimate.catalog import THIS_MACHINE, load_catalog
+from workbench.units import fmt_bytes, fmt_duration, fmt_seconds
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..estimate import Estimate
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.estimate import Estimate
+    from workbench.tasks import Task
 
 log = logging.getLogger("workbench")
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
@@ -132,7 +132,7 @@ class EstimateBox:
         """Drop a pending request and end one in flight (a run is starting: its ranks get the cores). Returns once
         the estimate's thread is done: forking the run while that thread builds batches or forks its trace child
         would hand the run's processes locks held mid-use (a hang at their start)."""
-        from ..estimate.trace import abort_trace
+        from workbench.estimate.trace import abort_trace
 
         with self._lock:
             self._generation += 1
@@ -151,7 +151,7 @@ class EstimateBox:
             self.state.status = "idle"
 
     def _work(self, generation: int, cfg: RunConfig, task: Task | None) -> None:
-        from ..estimate.trace import allow_traces
+        from workbench.estimate.trace import allow_traces
 
         with self._lock:
             if generation != self._generation:  # cancelled (a launch) or superseded before it began
@@ -165,9 +165,9 @@ class EstimateBox:
                 self._working.discard(threading.current_thread())
 
     def _estimate(self, generation: int, cfg: RunConfig, task: Task | None) -> None:
-        from ..estimate import estimate
-        from ..estimate.alternatives import alternatives
-        from ..tasks import get_task
+        from workbench.estimate import estimate
+        from workbench.estimate.alternatives import alternatives
+        from workbench.tasks import get_task
 
         self.state.status = "estimating"
         try:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from ..layout import rank_coordinates
+from workbench.layout import rank_coordinates
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
 REPLICA_HUES = (210, 30, 140, 280, 0, 90, 180, 330)
 """One hue per model replica (dp_replicate index); shards of one replica get lighter shades of it."""

@@ -18,19 +18,19 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from ..config import RunConfig
-from ..dashboard import Dashboard
-from ..hardware import detect
-from ..kernel import in_kernel
-from ..launch import Run, describe_launch, start
-from ..rundir import ENDED, RunFailedError, RunResult, Status
-from ..rundir.result import resume_config
-from ..tasks import Task
-from .controls import build_controls, read_micro_batch, task_options
-from .estimates import EstimateBox
-from .layout_view import layout_html
-from .state import ACTIVE, PanelState
-from .view import RESUMABLE, error_html, save_yaml, status_html
+from workbench.config import RunConfig
+from workbench.dashboard import Dashboard
+from workbench.hardware import detect
+from workbench.kernel import in_kernel
+from workbench.launch import Run, describe_launch, start
+from workbench.rundir import ENDED, RunFailedError, RunResult, Status
+from workbench.rundir.result import resume_config
+from workbench.tasks import Task
+from workbench.panel.controls import build_controls, read_micro_batch, task_options
+from workbench.panel.estimates import EstimateBox
+from workbench.panel.layout_view import layout_html
+from workbench.panel.state import ACTIVE, PanelState
+from workbench.panel.view import RESUMABLE, error_html, save_yaml, status_html
 
 log = logging.getLogger("workbench")
 
@@ -389,7 +389,7 @@ class Panel:
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         """The live widget, plus a static snapshot for frontends without a kernel (papermill output, nbconvert)."""
-        from ..snapshot import panel_html
+        from workbench.snapshot import panel_html
 
         bundle = self.widget._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = repr(self)

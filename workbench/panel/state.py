@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import traitlets
 
-from ..config import RunConfig
-from ..rundir import Status
+from workbench.config import RunConfig
+from workbench.rundir import Status
 
 ACTIVE = ("launching", "resuming", Status.RUNNING.value, "stopping")
 """Statuses during which the settings are frozen and Launch is off."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from ..config import RunConfig
-from ..rundir import Status
-from .state import PanelState
+from workbench.config import RunConfig
+from workbench.rundir import Status
+from workbench.panel.state import PanelState
 
 RESUMABLE = (Status.COMPLETED.value, Status.STOPPED.value, Status.PREEMPTED.value, Status.FAILED.value, Status.DIVERGED.value)
 """Endings after which Resume continues the run from its newest checkpoint (when it has one)."""

@@ -8,13 +8,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..files import atomic_write_text
-from ..recording import encode_value
-from ..version import __version__
-from .suite import Case
+from workbench.files import atomic_write_text
+from workbench.recording import encode_value
+from workbench.version import __version__
+from workbench.regress.suite import Case
 
 if TYPE_CHECKING:
-    from .judging import MetricResult
+    from workbench.regress.judging import MetricResult
 
 
 def baseline_path(case: Case, device_class: str) -> Path:

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..recording import RecordedMetric, Records, decode_value
-from .execution import CaseError
-from .rules import Rule, median
-from .suite import Case
+from workbench.recording import RecordedMetric, Records, decode_value
+from workbench.regress.execution import CaseError
+from workbench.regress.rules import Rule, median
+from workbench.regress.suite import Case
 
 # Case statuses, worst first; exit code 2 for 'error', 1 for 'failed'.
 ERROR, FAILED, NEW, PASSED, UPDATED, SKIPPED = "error", "failed", "new", "passed", "updated", "skipped"

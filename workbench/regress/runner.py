@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..hardware import detect
-from ..recording import decode_value, read_records
-from .baselines import baseline_path, load_baseline, write_baseline
-from .execution import CaseError, execute
-from .judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, compare, exit_code
-from .report import write_junit, write_report
-from .suite import Case, load_targets, parse_parameters, select_profile
+from workbench.hardware import detect
+from workbench.recording import decode_value, read_records
+from workbench.regress.baselines import baseline_path, load_baseline, write_baseline
+from workbench.regress.execution import CaseError, execute
+from workbench.regress.judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, compare, exit_code
+from workbench.regress.report import write_junit, write_report
+from workbench.regress.suite import Case, load_targets, parse_parameters, select_profile
 
 log = logging.getLogger("workbench")
 

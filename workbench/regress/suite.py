@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 
-from ..files import load_yaml, read_yaml
-from ..suggest import reject_unknown
-from .rules import Rule, default_rule, parse_rule
+from workbench.files import load_yaml, read_yaml
+from workbench.suggest import reject_unknown
+from workbench.regress.rules import Rule, default_rule, parse_rule
 
 DEFAULT_TIMEOUT_S = 3600.0
 _SUITE_KEYS = ("name", "description", "baselines", "defaults", "cases")

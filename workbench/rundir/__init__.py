@@ -8,12 +8,12 @@ tells whether a run's processes are still there; `RunResult` (result.py) is a ru
 
 from __future__ import annotations
 
-from .layout import (CHECKPOINTS, COMPLETE_MARKER, CONFIG, ERRORS, EVENTS, METRICS, STOP_REQUEST, SUMMARY, TIMINGS,
+from workbench.rundir.layout import (CHECKPOINTS, COMPLETE_MARKER, CONFIG, ERRORS, EVENTS, METRICS, STOP_REQUEST, SUMMARY, TIMINGS,
                      RunDir, RunDirWriteError, is_fallout, new_run_name)
-from .lock import RunDirLocked
-from .prepare import prepare
-from .result import RunDivergedError, RunFailedError, RunFiles, RunPreemptedError, RunResult
-from .summary import ENDED, RESUMABLE, SCHEMA_VERSION, Status, Summary
+from workbench.rundir.lock import RunDirLocked
+from workbench.rundir.prepare import prepare
+from workbench.rundir.result import RunDivergedError, RunFailedError, RunFiles, RunPreemptedError, RunResult
+from workbench.rundir.summary import ENDED, RESUMABLE, SCHEMA_VERSION, Status, Summary
 
 __all__ = ["CHECKPOINTS", "COMPLETE_MARKER", "CONFIG", "ENDED", "ERRORS", "EVENTS", "METRICS", "RESUMABLE",
            "SCHEMA_VERSION", "STOP_REQUEST", "SUMMARY", "TIMINGS", "RunDir", "RunDirLocked", "RunDirWriteError",

@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..files import append_jsonl, atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
-from .lock import LOCK
-from .summary import Status, Summary
+from workbench.files import append_jsonl, atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
+from workbench.rundir.lock import LOCK
+from workbench.rundir.summary import Status, Summary
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from .liveness import Observation
+    from workbench.config import RunConfig
+    from workbench.rundir.liveness import Observation
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -106,7 +106,7 @@ class RunDir:
 
     def config(self) -> RunConfig | None:
         """The RunConfig of the latest attempt, or None before one is written."""
-        from ..config import RunConfig
+        from workbench.config import RunConfig
 
         paths = self.config_paths()
         return RunConfig.from_yaml(paths[-1]) if paths else None
@@ -131,7 +131,7 @@ class RunDir:
 
     def observe(self) -> Observation:
         """Whether the run's processes are still there (heartbeats, recorded pids)."""
-        from .liveness import observe
+        from workbench.rundir.liveness import observe
 
         return observe(self)
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from ..files import read_json
+from workbench.files import read_json
 
 if TYPE_CHECKING:
-    from .layout import RunDir
+    from workbench.rundir.layout import RunDir
 
 HEARTBEAT_EVERY_S = 2.0
 STALE_AFTER_S = 60.0

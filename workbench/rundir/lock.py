@@ -13,11 +13,11 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..files import read_json, write_json
-from .liveness import STALE_AFTER_S, heartbeats, is_alive, this_process
+from workbench.files import read_json, write_json
+from workbench.rundir.liveness import STALE_AFTER_S, heartbeats, is_alive, this_process
 
 if TYPE_CHECKING:
-    from .layout import RunDir
+    from workbench.rundir.layout import RunDir
 
 LOCK = "LOCK"
 

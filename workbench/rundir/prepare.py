@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..files import read_json
-from . import lock
-from .layout import RunDir, new_run_name
-from .summary import Status
+from workbench.files import read_json
+from workbench.rundir import lock
+from workbench.rundir.layout import RunDir, new_run_name
+from workbench.rundir.summary import Status
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
 TRAJECTORY = ("task", "task_options", "seed", "precision", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
               "beta1", "beta2", "eps", "grad_clip", "max_steps")
@@ -42,7 +42,7 @@ def config_changes(saved: RunConfig, new: RunConfig, step: int) -> list[str]:
 def _check_resume(cfg: RunConfig, run: RunDir) -> None:
     ckpt = run.latest_checkpoint()
     assert ckpt is not None
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
     saved_path = ckpt / "config.yaml"
     saved = RunConfig.from_yaml(saved_path) if saved_path.exists() else run.config()

@@ -8,12 +8,12 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .layout import RunDir
-from .summary import Status
+from workbench.rundir.layout import RunDir
+from workbench.rundir.summary import Status
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 
 class RunFailedError(RuntimeError):
@@ -97,7 +97,7 @@ class RunResult(RunFiles):
     """The task object the run was launched with (a notebook's own); else the one cfg.task names."""
 
     def _task(self) -> Task:
-        from ..tasks import get_task
+        from workbench.tasks import get_task
 
         return self.task if self.task is not None else get_task(self._config().task)
 
@@ -110,14 +110,14 @@ class RunResult(RunFiles):
     def load_model(self, step: int | None = None, device: str | Any = "cpu") -> Any:
         """The task's model with this run's final weights (or those of the checkpoint at `step`), on
         `device`, in eval mode, whatever parallelism trained it."""
-        from ..weights import load_model
+        from workbench.weights import load_model
 
         return load_model(self.dir, self._config(), self._task(), step=step, device=device)
 
     @property
     def rank_values(self) -> list[Any]:
         """What Task.rank_value returned on every rank at the end of the run, in rank order."""
-        from ..weights import rank_values
+        from workbench.weights import rank_values
 
         return rank_values(self.dir)
 
@@ -134,7 +134,7 @@ class RunResult(RunFiles):
 
     def plot(self, *others: RunResult, **kwargs: Any) -> Any:
         """Loss, throughput and memory; pass other results to overlay them (e.g. fp32 against bf16)."""
-        from ..plots import plot_runs
+        from workbench.plots import plot_runs
 
         return plot_runs([self, *others], **kwargs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Task
-from .registry import available, get_task, register_task
+from workbench.tasks.base import Task
+from workbench.tasks.registry import available, get_task, register_task
 
 __all__ = ["Task", "available", "get_task", "register_task"]

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..suggest import did_you_mean
+from workbench.suggest import did_you_mean
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
 log = logging.getLogger("workbench")
 _TRAIN_SIZES: dict[tuple[type, str], int | None] = {}
@@ -83,7 +83,7 @@ class Task:
         """Learning-rate multiplier at optimizer step `step` (0-based), applied to every param group's peak lr:
         linear warm-up over cfg.warmup_steps, then cosine down to cfg.min_lr_ratio. Override it for your own
         schedule (return 1.0 for a constant lr)."""
-        from ..schedule import lr_at
+        from workbench.schedule import lr_at
 
         return lr_at(step, cfg) / cfg.lr
 
@@ -115,7 +115,7 @@ class Task:
     def check_data(self, cfg: RunConfig) -> None:
         """Before launch: the datasets are available offline and one step's micro-batches fit in the training
         set (each data-parallel rank draws micro_batch_size samples of its 1/dp_size share)."""
-        from .. import data
+        from workbench import data
 
         for name in self.datasets(cfg):
             try:

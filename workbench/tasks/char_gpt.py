@@ -14,10 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from .base import Task
+from workbench.tasks.base import Task
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
@@ -160,7 +160,7 @@ class CharGPTTask(Task):
     def _text(self, cfg: RunConfig) -> str:
         dataset = self.options(cfg)["dataset"]
         if self._text_cache is None or self._text_cache[0] != dataset:
-            from .. import data
+            from workbench import data
 
             resolved = data.resolve(dataset, progress=False)
             path = next(iter(resolved.files.values()))
@@ -218,7 +218,7 @@ class CharGPTTask(Task):
     def pipeline_stages(self, model: nn.Module, cfg: RunConfig, stage: int, stages: int) -> nn.Module:
         """Blocks balanced by parameter count over the stages (embeddings on the first, ln_f and the tied head on
         the last); each stage keeps the full model's parameter names."""
-        from ..pipeline import balanced_split
+        from workbench.pipeline import balanced_split
 
         assert isinstance(model, GPT)
         costs = [float(sum(p.numel() for p in b.parameters())) for b in model.blocks]

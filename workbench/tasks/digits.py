@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .base import Task
+from workbench.tasks.base import Task
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
 # The split must not move with cfg.seed, or eval numbers of different seeds would not be comparable.
 _SPLIT_SEED = 1234
@@ -21,7 +21,7 @@ _SPLIT_SEED = 1234
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """(images scaled to [0, 1] as float32 of shape (n, 64), labels as int64), via the digits manifest."""
-    from .. import data
+    from workbench import data
 
     resolved = data.resolve("digits", progress=False)
     path = next(iter(resolved.files.values()))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..suggest import did_you_mean
-from .base import Task
+from workbench.suggest import did_you_mean
+from workbench.tasks.base import Task
 
 BUILTIN: dict[str, str] = {
     "digits": "workbench.tasks.digits:DigitsTask",

@@ -7,9 +7,9 @@ schedule), accelerator.py (process group and device), report.py (summary fields)
 
 from __future__ import annotations
 
-from .batches import ShardedBatches
-from .loop import Trainer, train
-from ..schedule import lr_at
-from .state import TrainerState
+from workbench.training.batches import ShardedBatches
+from workbench.training.loop import Trainer, train
+from workbench.schedule import lr_at
+from workbench.training.state import TrainerState
 
 __all__ = ["ShardedBatches", "Trainer", "TrainerState", "lr_at", "train"]

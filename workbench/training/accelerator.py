@@ -12,14 +12,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
-from ..distributed import FORKED_RANKS
-from ..hardware import detect
-from ..precision import accelerate_mixed_precision
-from ..tracking import TENSORBOARD_DIR, pip_command
-from ..tracking import resolve as resolve_trackers
+from workbench.distributed import FORKED_RANKS
+from workbench.hardware import detect
+from workbench.precision import accelerate_mixed_precision
+from workbench.tracking import TENSORBOARD_DIR, pip_command
+from workbench.tracking import resolve as resolve_trackers
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
 log = logging.getLogger("workbench")
 

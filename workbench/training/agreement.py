@@ -28,10 +28,10 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ..config import RunConfig
-    from ..rundir import RunDir
-    from .guard import Guard
-    from .parallel import Strategy
+    from workbench.config import RunConfig
+    from workbench.rundir import RunDir
+    from workbench.training.guard import Guard
+    from workbench.training.parallel import Strategy
 
 VOTE_EVERY_S = 0.5
 """How long a stop request or a signal may wait for the next vote, roughly (at least one step)."""

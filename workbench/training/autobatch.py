@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ..files import read_json, write_json
-from .memory import tracked
+from workbench.files import read_json, write_json
+from workbench.training.memory import tracked
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..rundir import RunDir
-    from ..tasks import Task
-    from .parallel import Strategy
+    from workbench.config import RunConfig
+    from workbench.rundir import RunDir
+    from workbench.tasks import Task
+    from workbench.training.parallel import Strategy
 
 log = logging.getLogger("workbench")
 AUTOBATCH = "autobatch.json"
@@ -50,7 +50,7 @@ def _trial_peak(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, m:
     """Peak bytes of one forward and backward with `m` samples; inf when the device runs out of memory."""
     from accelerate.utils import send_to_device
 
-    from .evaluation import split_loss
+    from workbench.training.evaluation import split_loss
 
     device = strategy.device
     batch = send_to_device(next(iter(DataLoader(dataset, batch_size=m, collate_fn=collate))), device)

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from workbench.config import RunConfig
 
 
 def loader_options(cfg: RunConfig, device_type: str) -> dict[str, Any]:

@@ -28,15 +28,15 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from ..files import write_json
-from ..rundir import COMPLETE_MARKER, RunDir
-from .state import TrainerState
+from workbench.files import write_json
+from workbench.rundir import COMPLETE_MARKER, RunDir
+from workbench.training.state import TrainerState
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ..config import RunConfig
-    from .parallel import Strategy
+    from workbench.config import RunConfig
+    from workbench.training.parallel import Strategy
 
 log = logging.getLogger("workbench")
 STATE = "trainer_state.json"

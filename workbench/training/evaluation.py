@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ..config import RunConfig
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 
 def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:

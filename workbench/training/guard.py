@@ -20,11 +20,11 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from ..rundir.liveness import HEARTBEAT_EVERY_S, this_process
+from workbench.rundir.liveness import HEARTBEAT_EVERY_S, this_process
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..rundir import RunDir
+    from workbench.config import RunConfig
+    from workbench.rundir import RunDir
 
 log = logging.getLogger("workbench")
 EXIT_HUNG = 3

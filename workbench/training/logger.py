@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..metrics import peak_memory_bytes
-from ..monitor import row_fields
-from ..verdicts import PHASES, busy, diagnose, per_rank
+from workbench.metrics import peak_memory_bytes
+from workbench.monitor import row_fields
+from workbench.verdicts import PHASES, busy, diagnose, per_rank
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ..config import RunConfig
-    from ..monitor import DeviceMonitor
-    from ..rundir import RunDir
-    from .state import TrainerState
-    from .breakdown import StepBreakdown
-    from .trackers import RunTrackers
+    from workbench.config import RunConfig
+    from workbench.monitor import DeviceMonitor
+    from workbench.rundir import RunDir
+    from workbench.training.state import TrainerState
+    from workbench.training.breakdown import StepBreakdown
+    from workbench.training.trackers import RunTrackers
 
 HELD = ("params", "grads", "optimizer")
 """What each rank holds, in bytes, reported per rank in every row (what sharding saved)."""

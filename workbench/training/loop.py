@@ -19,31 +19,31 @@ from typing import Any
 import torch
 from accelerate.utils import set_seed
 
-from .. import data
-from ..config import RunConfig
-from ..hardware import detect
-from ..metrics import peak_flops
-from .. import monitor
-from ..rundir import RunDir, Status, lock
-from ..tasks import Task
-from .accelerator import build_accelerator
-from . import autobatch
-from .agreement import Agreement, Verdict, votes_every_step
-from .batches import ShardedBatches
-from .breakdown import StepBreakdown, phase_of
-from .checkpoint import Checkpointer
-from .evaluation import evaluate
-from .guard import Guard
-from .logger import MetricsLogger
-from .memory import tracked
-from .optim import build_optimizer, set_lr
-from .parallel import parallelize
-from .profiling import StepProfiler
-from ..weights import save_rank_value
-from .report import export_weights, first_leaf_dtype, running_fields, summary_fields
-from .state import TrainerState
-from .step import accumulate
-from .trackers import RunTrackers
+from workbench import data
+from workbench.config import RunConfig
+from workbench.hardware import detect
+from workbench.metrics import peak_flops
+from workbench import monitor
+from workbench.rundir import RunDir, Status, lock
+from workbench.tasks import Task
+from workbench.training.accelerator import build_accelerator
+from workbench.training import autobatch
+from workbench.training.agreement import Agreement, Verdict, votes_every_step
+from workbench.training.batches import ShardedBatches
+from workbench.training.breakdown import StepBreakdown, phase_of
+from workbench.training.checkpoint import Checkpointer
+from workbench.training.evaluation import evaluate
+from workbench.training.guard import Guard
+from workbench.training.logger import MetricsLogger
+from workbench.training.memory import tracked
+from workbench.training.optim import build_optimizer, set_lr
+from workbench.training.parallel import parallelize
+from workbench.training.profiling import StepProfiler
+from workbench.weights import save_rank_value
+from workbench.training.report import export_weights, first_leaf_dtype, running_fields, summary_fields
+from workbench.training.state import TrainerState
+from workbench.training.step import accumulate
+from workbench.training.trackers import RunTrackers
 
 _log = logging.getLogger("workbench")
 

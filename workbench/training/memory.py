@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from .parallel import Strategy
+    from workbench.training.parallel import Strategy
 
 T = TypeVar("T")
 _ACTIVE: list[Any] = []

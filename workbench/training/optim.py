@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 log = logging.getLogger("workbench")
 

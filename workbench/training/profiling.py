@@ -13,8 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..rundir import RunDir
+    from workbench.config import RunConfig
+    from workbench.rundir import RunDir
 
 log = logging.getLogger("workbench")
 

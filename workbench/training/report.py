@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate.utils import gather_object
 
-from .. import data
-from ..files import atomic_write_bytes
-from ..hardware import detect
-from ..metrics import peak_memory_bytes, state_digest
+from workbench import data
+from workbench.files import atomic_write_bytes
+from workbench.hardware import detect
+from workbench.metrics import peak_memory_bytes, state_digest
 
 if TYPE_CHECKING:
-    from .loop import Trainer
+    from workbench.training.loop import Trainer
 
 
 def first_leaf_dtype(model: torch.nn.Module) -> dict[str, str]:

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate.utils import send_to_device
 
-from .evaluation import split_loss
-from .memory import next_micro_batch
+from workbench.training.evaluation import split_loss
+from workbench.training.memory import next_micro_batch
 
 if TYPE_CHECKING:
-    from ..tasks import Task
-    from .parallel import Strategy
+    from workbench.tasks import Task
+    from workbench.training.parallel import Strategy
 
 
 def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: int, device: torch.device,

@@ -16,13 +16,13 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..tracking import MLFLOW_ENV, mlflow_uri
+from workbench.tracking import MLFLOW_ENV, mlflow_uri
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ..config import RunConfig
-    from ..rundir import RunDir
+    from workbench.config import RunConfig
+    from workbench.rundir import RunDir
 
 log = logging.getLogger("workbench")
 

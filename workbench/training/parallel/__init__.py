@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...blocks import checkpoint_units, shard_units
-from ...config import SHARDED
-from .base import Strategy
-from .pipeline import PipelineParallel
-from .replicated import Replicated, ZeroOne
-from .sharded import Sharded
-from .tensor import TensorParallel
+from workbench.blocks import checkpoint_units, shard_units
+from workbench.config import SHARDED
+from workbench.training.parallel.base import Strategy
+from workbench.training.parallel.pipeline import PipelineParallel
+from workbench.training.parallel.replicated import Replicated, ZeroOne
+from workbench.training.parallel.sharded import Sharded
+from workbench.training.parallel.tensor import TensorParallel
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ...config import RunConfig
-    from ...tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 __all__ = ["Strategy", "parallelize"]
 

@@ -23,16 +23,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ...distributed import single_process_dcp
-from ...metrics import state_digest
+from workbench.distributed import single_process_dcp
+from workbench.metrics import state_digest
 
 
 
 if TYPE_CHECKING:
-    from ..breakdown import DDPCommStats
+    from workbench.training.breakdown import DDPCommStats
     from accelerate import Accelerator
 
-    from ...config import RunConfig
+    from workbench.config import RunConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

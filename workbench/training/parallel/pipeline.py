@@ -32,15 +32,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from ..evaluation import split_loss
-from ...distributed import single_process_dcp
-from .base import DTYPES, Strategy, on_device
+from workbench.training.evaluation import split_loss
+from workbench.distributed import single_process_dcp
+from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ...config import RunConfig
-    from ...tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -13,16 +13,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
-from ...distributed import single_process_dcp
-from ..breakdown import DDPCommStats
-from .base import DTYPES, Strategy, on_device
+from workbench.distributed import single_process_dcp
+from workbench.training.breakdown import DDPCommStats
+from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from accelerate import Accelerator
 
-    from ...config import RunConfig
+    from workbench.config import RunConfig
 
 
 class Replicated(Strategy):

@@ -18,12 +18,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .base import DTYPES, Strategy, on_device
+from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ...config import RunConfig
+    from workbench.config import RunConfig
 
 
 def data_parallel_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:

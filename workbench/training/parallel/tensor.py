@@ -27,15 +27,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ...blocks import checkpoint_units, shard_units
-from ...distributed import single_process_dcp
-from .base import DTYPES, Strategy, on_device
+from workbench.blocks import checkpoint_units, shard_units
+from workbench.distributed import single_process_dcp
+from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from ...config import RunConfig
-    from ...tasks import Task
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
 
 
 def tensor_parallel_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
