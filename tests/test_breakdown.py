@@ -9,7 +9,7 @@ import pytest
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from workbench.verdicts import PHASES, diagnose
+from workbench.training.verdicts import PHASES, diagnose
 
 pytestmark = pytest.mark.slow
 

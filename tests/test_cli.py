@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import workbench as wb
-from workbench import files
+from workbench.utils import files
 from workbench.cli import main
 
 
@@ -66,7 +66,7 @@ def test_demo_is_a_real_two_rank_run_with_a_plot(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_precision_runs_each_supported_precision_side_by_side(tmp_path: Path) -> None:
-    from workbench.bench import precision
+    from workbench.commands.bench import precision
 
     cfg = wb.RunConfig(task="digits", num_processes=1, device="cpu", max_steps=8, log_every=4)
     report = precision(cfg, json_path=tmp_path / "p.json")
@@ -82,7 +82,7 @@ def test_bench_precision_runs_each_supported_precision_side_by_side(tmp_path: Pa
 def test_bench_overhead_trains_bit_for_bit_what_the_hand_loop_trains(tmp_path: Path) -> None:
     """Timing is the benchmark's business; a test can hold it to the numerics: the trainer, with everything it
     adds to a step (breakdown, agreement, monitor, metrics), ends on the hand loop's weights bit for bit."""
-    from workbench.bench import overhead
+    from workbench.commands.bench import overhead
 
     report = overhead(steps=14, repeats=1, json_path=tmp_path / "o.json")
     assert report.weights_equal, report.table()
@@ -93,7 +93,7 @@ def test_bench_overhead_trains_bit_for_bit_what_the_hand_loop_trains(tmp_path: P
 
 @pytest.mark.slow
 def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
-    from workbench.bench import parallelism
+    from workbench.commands.bench import parallelism
 
     cfg = wb.RunConfig(task="digits", num_processes=2, device="cpu", max_steps=8, log_every=4,
                        task_options={"hidden": 64})
@@ -115,7 +115,7 @@ def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_parallelism_has_the_model_parallel_layouts(tmp_path: Path) -> None:
     """tp and pp over both ranks: each rank holds part of the model, and the losses are DDP's."""
-    from workbench.bench import parallelism
+    from workbench.commands.bench import parallelism
 
     cfg = wb.RunConfig(task="char-gpt", num_processes=2, device="cpu", micro_batch_size=4, max_steps=6,
                        log_every=3, eval_batches=1, task_options={"preset": "tiny", "block_size": 32,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.hardware import GPU, Hardware
+from workbench.utils.hardware import GPU, Hardware
 from workbench.training import lr_at
 
 CPU2 = Hardware(cpu_count=2)

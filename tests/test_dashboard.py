@@ -12,12 +12,14 @@ from IPython.core.formatters import DisplayFormatter
 from matplotlib.figure import Figure
 
 import workbench as wb
-import workbench.dashboard as dashboard_mod
-import workbench.recording as rec
-from workbench import files, rundir
-from workbench.dashboard import Dashboard
-from workbench.plots import draw, ema, sci
-from workbench.snapshot import Reading, run_average
+import workbench.notebook.dashboard as dashboard_mod
+import workbench.regress.recording as rec
+from workbench import rundir
+from workbench.utils import files
+from workbench.notebook.dashboard import Dashboard
+from workbench.notebook.plots import draw, ema, sci
+from workbench.notebook.snapshot import Reading, run_average
+import workbench.notebook.snapshot as snapshot_mod
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 BATCH = 64
@@ -264,7 +266,7 @@ def test_the_step_time_breakdown_is_a_bar_per_rank_with_the_slowest_marked(tmp_p
     # widths are shares of the longest step (45 ms): rank 1's compute is 40/45 of the bar
     assert re.search(r"wb-breakdown-compute' title='forward\+backward: 40.00 ms \(89%\)' style='width:88.89%", rank1)
     assert "⚠ rank 1 is 238% slower" in dash.breakdown.value
-    snapshot = wb.snapshot.dashboard_html(dash)
+    snapshot = snapshot_mod.dashboard_html(dash)
     assert "where the step time goes" in snapshot and "◀ slowest" in snapshot
     # a row without a breakdown (an old run directory) shows none
     old = Dashboard(fake_run(tmp_path / "old", trainer_rows([0.1] * 10, log_every=5)))

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import workbench.doctor.allreduce as allreduce
-import workbench.doctor.report as report_module
+import workbench.commands.doctor.allreduce as allreduce
+import workbench.commands.doctor.checkup as report_module
 from workbench.cli import main
 from workbench.config import RunConfig
-from workbench.doctor import SECTIONS, Finding, bus_factor, env_pitfalls, parse_topo_matrix, run_doctor, run_sweep
-from workbench.doctor.findings import Section
-from workbench.doctor.topology import add_topology, describe_link
+from workbench.commands.doctor import SECTIONS, Finding, bus_factor, env_pitfalls, parse_topo_matrix, run_doctor, run_sweep
+from workbench.commands.doctor.findings import Section
+from workbench.commands.doctor.topology import add_topology, describe_link
 
 FIXTURE = Path(__file__).parent / "fixtures" / "doctor" / "nvidia-smi-topo-4x-a100-nvlink.txt"
 KiB = 1024

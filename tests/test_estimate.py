@@ -14,7 +14,7 @@ import pytest
 
 import workbench as wb
 from tasks_for_tests import TinyBlocks
-from workbench.estimate import estimate, lookup
+from workbench.estimator import estimate, lookup
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parent
@@ -62,7 +62,7 @@ def test_the_peak_tracks_the_choice_of_mode(measured: dict) -> None:
 
 
 def test_a_1_5b_parameter_zero3_estimate_never_allocates_the_model(needs_mirror: Path) -> None:
-    code = ("import json, time, workbench as wb\nfrom workbench.estimate import estimate\nstarted = time.time()\n"
+    code = ("import json, time, workbench as wb\nfrom workbench.estimator import estimate\nstarted = time.time()\n"
             "cfg = wb.RunConfig(task='char-gpt', num_processes=8, micro_batch_size=1, parallelism='zero3', "
             "precision='bf16', task_options={'n_layer': 48, 'n_embd': 1600, 'n_head': 25, 'block_size': 1024})\n"
             "e = estimate(cfg, gpu='H100-SXM-80GB', gpus=8)\n"

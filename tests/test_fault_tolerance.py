@@ -21,7 +21,7 @@ import pytest
 
 import workbench as wb
 from tasks_for_tests import TinyRegression
-from workbench import files
+from workbench.utils import files
 from workbench.rundir import RunDir
 
 pytestmark = pytest.mark.slow

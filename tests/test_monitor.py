@@ -17,11 +17,12 @@ from fake_nvml import FakeNvml
 from matplotlib.figure import Figure
 
 import workbench as wb
-import workbench.monitor as monitor_mod
-from workbench import files, rundir
-from workbench.dashboard import Dashboard
-from workbench.monitor import FIELDS, DeviceMonitor, nvml_target, row_fields
-from workbench.plots import draw
+import workbench.training.monitor as monitor_mod
+from workbench import rundir
+from workbench.utils import files
+from workbench.notebook.dashboard import Dashboard
+from workbench.training.monitor import FIELDS, DeviceMonitor, nvml_target, row_fields
+from workbench.notebook.plots import draw
 
 MB = 2**20
 

@@ -12,12 +12,13 @@ from typing import Any, get_args
 import pytest
 
 import workbench as wb
-from workbench import files, rundir
+from workbench import rundir
+from workbench.utils import files
 from workbench.config import Precision
-from workbench.dashboard import Dashboard
-from workbench.hardware import GPU, Hardware, detect
-from workbench.launch import describe_launch
-from workbench.panel import controls as panel_mod
+from workbench.notebook.dashboard import Dashboard
+from workbench.utils.hardware import GPU, Hardware, detect
+from workbench.launcher.api import describe_launch
+from workbench.notebook.panel import controls as panel_mod
 from workbench.rundir import RunDir
 from workbench.tasks.digits import DigitsTask
 

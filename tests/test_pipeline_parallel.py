@@ -19,7 +19,7 @@ from conftest import copy_for_resume
 from workbench.rundir import RunDir
 
 import workbench as wb
-from workbench.pipeline import balanced_split
+from workbench.tasks.stages import balanced_split
 
 pytestmark = pytest.mark.slow
 

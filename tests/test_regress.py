@@ -20,15 +20,15 @@ import pytest
 import yaml
 
 import workbench
-import workbench.kernel
-import workbench.recording as rec
-from workbench.hardware import Hardware
+import workbench.utils.kernel
+import workbench.regress.recording as rec
+from workbench.utils.hardware import Hardware
 from workbench.regress.baselines import baseline_path, load_baseline
 from workbench.regress.judging import compare
 from workbench.regress.rules import DEFAULT_REL, Rule, median, parse_rule
 from workbench.regress.runner import run as run_suite
 from workbench.regress.suite import Case, load_targets, parse_parameters, select_profile
-from workbench.rundir import RunResult
+from workbench.launcher.result import RunResult
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
@@ -38,7 +38,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
 def cpu_machine(monkeypatch: pytest.MonkeyPatch) -> Hardware:
     """The same device class ('cpu') on every machine, so baselines written by tests are found by them."""
     hw = Hardware(cpu_count=2)
-    monkeypatch.setattr("workbench.hardware.detect", lambda: hw)
+    monkeypatch.setattr("workbench.utils.hardware.detect", lambda: hw)
     return hw
 
 
@@ -244,7 +244,7 @@ class _FakeKernelShell:
 def fake_kernel(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Pretend to be inside a Jupyter kernel; collect what would be displayed."""
     shown: list[dict[str, Any]] = []
-    monkeypatch.setattr(workbench.kernel, "kernel_shell", lambda: _FakeKernelShell())
+    monkeypatch.setattr(workbench.utils.kernel, "kernel_shell", lambda: _FakeKernelShell())
     monkeypatch.setattr(rec, "_display", shown.append)
     monkeypatch.setattr(rec, "_prefix_counts", {})
     monkeypatch.setattr(rec, "_run_names", {})
@@ -291,7 +291,7 @@ def test_record_run_names_runs_in_launch_order_and_reads_back(tmp_path: Path,
 def test_record_outside_a_kernel_is_a_quiet_no_op(tmp_path: Path) -> None:
     assert rec.record_run(fake_result(tmp_path / "a", 1.0)) is None
     workbench.record("val_loss", 1.0, direction="lower")
-    workbench.record("val_loss", 2.0)  # still the function after workbench.recording was imported
+    workbench.record("val_loss", 2.0)  # still the function after workbench.regress.recording was imported
     rec.record_curve("loss", [[1, 2.0]])
 
 

@@ -9,7 +9,7 @@ import pytest
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from workbench import files
+from workbench.utils import files
 from workbench.rundir import ENDED, SCHEMA_VERSION, RunDir, Status, Summary
 
 

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from conftest import REPO
 
-from workbench.hardware import detect
+from workbench.utils.hardware import detect
 from workbench.regress.runner import run as run_suite
 
 pytestmark = pytest.mark.slow

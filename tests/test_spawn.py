@@ -27,7 +27,7 @@ import torch
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from workbench import spawn
+from workbench.launcher import spawn
 from workbench.worker import TASK_DIGEST_ENV, TASK_FILE, load_task
 
 CELL = '''

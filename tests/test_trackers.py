@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench import tracking
-from workbench.hardware import Hardware
+from workbench.config import trackers as tracking
+from workbench.utils.hardware import Hardware
 from workbench.training.batches import loader_options
 from workbench.training.profiling import STEP_LABEL
-from workbench.training.trackers import hyperparameters, scalars
+from workbench.training.tracker_log import hyperparameters, scalars
 
 CPU2 = Hardware(cpu_count=2)
 
@@ -205,7 +205,7 @@ def test_every_rank_writes_a_chrome_trace_of_the_profiled_steps(runs: dict) -> N
                                                                          for r, p in enumerate(paths)]
     assert result.summary["ranks"][0].get("profile_trace") and runs["plain"].summary["ranks"][0]["profile_trace"] is None
 
-    from workbench.dashboard import Dashboard
+    from workbench.notebook.dashboard import Dashboard
 
     dash = Dashboard(result)
     assert f"{paths[0]}, {paths[1]} (Chrome traces" in dict(dash.stat_items())["profile"]

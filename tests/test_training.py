@@ -12,7 +12,7 @@ import torch
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from workbench import files
+from workbench.utils import files
 from workbench.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def test_grad_accumulation_all_reduces_only_on_the_last_micro_batch(runs_dir: Pa
 
 
 def _passed_the_barrier(out: Path, i: int) -> None:
-    from workbench import rank
+    from workbench.training import rank
 
     rank.wait_for_forked_siblings(timeout_s=60)
     (out / f"sibling_{i}").write_text(repr(time.monotonic()))
@@ -89,7 +89,7 @@ def test_forked_ranks_wait_for_every_sibling_before_going_on(tmp_path: Path,
     the early siblings pass the barrier only after the last fork, however long it comes after them."""
     import multiprocessing
 
-    from workbench import rank
+    from workbench.training import rank
 
     monkeypatch.setattr(rank, "_forked_siblings", None)
     rank.expect_forked_ranks(3)
@@ -332,7 +332,7 @@ def test_multi_node_recipe_two_torchrun_nodes_form_one_job(runs_dir: Path, tmp_p
     import subprocess
     import sys
 
-    from workbench.launch import free_port
+    from workbench.launcher.api import free_port
 
     path = tmp_path / "run.yaml"
     cfg_for(runs_dir, task="tasks_for_tests:TinyRegression", num_processes=1, max_steps=6, run_name="nodes").to_yaml(path)

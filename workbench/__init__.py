@@ -1,27 +1,63 @@
-"""workbench: train PyTorch models on many processes from a notebook cell or the shell."""
+"""workbench: train PyTorch models on many processes from a notebook cell or the shell.
+
+`import workbench` loads nothing but this file and the version: each public name below is imported from
+where it lives on first use (PEP 562), so a rank that imports `workbench.worker` never loads the caller's
+launcher or the notebook side, and `wb.Panel` alone brings in ipywidgets.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from workbench import data
-from workbench.config import RunConfig
-from workbench.estimate import estimate
-from workbench.launch import Run, launch, start
-from workbench.recording import record
-from workbench.rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, RunResult, Status
-from workbench.tasks import Task, register_task
 from workbench.version import __version__
 
-__all__ = ["RunConfig", "Run", "RunDirLocked", "RunDivergedError", "RunFailedError", "RunPreemptedError", "RunResult",
-           "Status", "Task", "Panel", "__version__", "data",
-           "estimate", "launch", "record", "register_task", "start"]
+if TYPE_CHECKING:
+    from workbench import data, tasks
+    from workbench.config import RunConfig
+    from workbench.estimator.api import estimate
+    from workbench.launcher.api import Run, launch, start
+    from workbench.launcher.result import RunResult
+    from workbench.notebook.panel import Panel
+    from workbench.regress.recording import record
+    from workbench.rundir import (RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError,
+                                  Status)
+    from workbench.tasks import Task, register_task
+
+_HOMES = {
+    "RunConfig": "workbench.config",
+    "estimate": "workbench.estimator.api",
+    "Run": "workbench.launcher.api",
+    "launch": "workbench.launcher.api",
+    "start": "workbench.launcher.api",
+    "RunResult": "workbench.launcher.result",
+    "Panel": "workbench.notebook.panel",
+    "record": "workbench.regress.recording",
+    "RunDirLocked": "workbench.rundir",
+    "RunDivergedError": "workbench.rundir",
+    "RunFailedError": "workbench.rundir",
+    "RunPreemptedError": "workbench.rundir",
+    "Status": "workbench.rundir",
+    "Task": "workbench.tasks",
+    "register_task": "workbench.tasks",
+}
+"""Each public name and the module it lives in."""
+_PACKAGES = ("data", "tasks")
+"""Subpackages that are public as they are (wb.data.resolve, wb.tasks.available)."""
+
+__all__ = sorted([*_HOMES, *_PACKAGES, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
-    # ipywidgets loads only when a panel is wanted.
-    if name == "Panel":
-        from workbench.panel import Panel
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    elif name in _PACKAGES:
+        value = importlib.import_module(f"workbench.{name}")
+    else:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    globals()[name] = value  # looked up once
+    return value
 
-        return Panel
-    raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -159,12 +159,12 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
     if args.command == "check":
-        from workbench.launch import describe_launch
+        from workbench.launcher.api import describe_launch
 
         cfg.check()
         print(describe_launch(cfg))
         return 0
-    from workbench.launch import check_launch
+    from workbench.launcher.api import check_launch
 
     cfg, _ = check_launch(cfg, None, args.mode)  # --prepare-only too: the same checks as a launch
     if args.prepare_only:
@@ -174,9 +174,9 @@ def _train(args: argparse.Namespace) -> int:
         lock.release(run, token)  # rank 0 takes it when the ranks start
         print(run.path)
         return 0
-    from workbench.launch import launch
+    from workbench.launcher.api import launch
     from workbench.rundir import RunFailedError, RunPreemptedError
-    from workbench.signals import EXIT_PREEMPTED
+    from workbench.launcher.signals import EXIT_PREEMPTED
 
     _take_signals(cfg)
     try:
@@ -198,7 +198,7 @@ def _take_signals(cfg: Any) -> None:
     process before they have checkpointed (the launch delivers it here again when they are done)."""
     import signal
 
-    from workbench.signals import preempt_signals
+    from workbench.launcher.signals import preempt_signals
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in preempt_signals(cfg):
@@ -208,8 +208,8 @@ def _take_signals(cfg: Any) -> None:
 
 def _estimate(args: argparse.Namespace) -> int:
     from workbench.config import RunConfig
-    from workbench.estimate import estimate
-    from workbench.estimate.alternatives import alternatives, compare, compare_table
+    from workbench.estimator import estimate
+    from workbench.estimator.alternatives import alternatives, compare, compare_table
     from workbench.tasks import get_task
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
@@ -228,7 +228,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from workbench.status import describe_run
+    from workbench.commands.status import describe_run
 
     text, code = describe_run(args.run_dir)
     print(text)
@@ -236,7 +236,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from workbench.demo import run_demo
+    from workbench.commands.demo import run_demo
 
     return run_demo(runs_dir=args.runs_dir, num_processes=args.num_processes, steps=args.steps)
 
@@ -271,7 +271,7 @@ def _regress(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from workbench import bench
+    from workbench.commands import bench
     from workbench.config import RunConfig
 
     if args.bench_command == "estimate":
@@ -294,7 +294,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from workbench.config import RunConfig
-    from workbench.doctor import run_doctor
+    from workbench.commands.doctor import run_doctor
 
     cfg = RunConfig.from_yaml(args.config) if args.config else RunConfig(task=args.task or "digits")
     cfg = cfg.with_overrides(([f"task={args.task}"] if args.task else []) + args.overrides)

@@ -16,7 +16,7 @@ import pickle
 import sys
 from pathlib import Path
 
-from workbench.rank import rank_main, record_exception
+from workbench.training.rank import rank_main, record_exception
 from workbench.rundir import RunDir
 from workbench.tasks import Task, get_task
 

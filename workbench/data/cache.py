@@ -16,7 +16,7 @@ import filelock
 import platformdirs
 from tqdm import tqdm
 
-from workbench.files import mkstemp_like_open
+from workbench.utils.files import mkstemp_like_open
 log = logging.getLogger("workbench")
 
 _CHUNK = 1 << 20

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Mapping, Sequence, Union
 
 
-from workbench.files import read_yaml
+from workbench.utils.files import read_yaml
 from workbench.data.errors import ManifestError, _one_line
 from workbench.data.generators import GENERATORS, Generator
 

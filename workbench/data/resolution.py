@@ -15,7 +15,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
-from workbench.files import mkstemp_like_open
+from workbench.utils.files import mkstemp_like_open
 from workbench.data.archives import _extract_archive
 from workbench.data.cache import _TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file, cache_dir
 from workbench.data.errors import DataUnavailableError, IntegrityError, ManifestError, _one_line

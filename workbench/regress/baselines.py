@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.files import atomic_write_text
-from workbench.recording import encode_value
+from workbench.utils.files import atomic_write_text
+from workbench.regress.recording import encode_value
 from workbench.version import __version__
 from workbench.regress.suite import Case
 

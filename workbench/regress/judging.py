@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.recording import RecordedMetric, Records, decode_value
+from workbench.regress.recording import RecordedMetric, Records, decode_value
 from workbench.regress.execution import CaseError
 from workbench.regress.rules import Rule, median
 from workbench.regress.suite import Case

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.suggest import did_you_mean
-from workbench.units import fmt_bytes
+from workbench.utils.suggest import did_you_mean
+from workbench.utils.units import fmt_bytes
 
 DEFAULT_REL = 0.05
 MODES = ("abs", "rel", "higher_is_better", "lower_is_better", "exact", "info")

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from workbench.hardware import detect
-from workbench.recording import decode_value, read_records
+from workbench.utils.hardware import detect
+from workbench.regress.recording import decode_value, read_records
 from workbench.regress.baselines import baseline_path, load_baseline, write_baseline
 from workbench.regress.execution import CaseError, execute
 from workbench.regress.judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, compare, exit_code

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 
-from workbench.files import load_yaml, read_yaml
-from workbench.suggest import reject_unknown
+from workbench.utils.files import load_yaml, read_yaml
+from workbench.utils.suggest import reject_unknown
 from workbench.regress.rules import Rule, default_rule, parse_rule
 
 DEFAULT_TIMEOUT_S = 3600.0

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from workbench.files import read_json
+from workbench.utils.files import read_json
 
 if TYPE_CHECKING:
-    from workbench.rundir.layout import RunDir
+    from workbench.rundir.run_dir import RunDir
 
 HEARTBEAT_EVERY_S = 2.0
 STALE_AFTER_S = 60.0

@@ -13,11 +13,11 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from workbench.files import read_json, write_json
+from workbench.utils.files import read_json, write_json
 from workbench.rundir.liveness import STALE_AFTER_S, heartbeats, is_alive, this_process
 
 if TYPE_CHECKING:
-    from workbench.rundir.layout import RunDir
+    from workbench.rundir.run_dir import RunDir
 
 LOCK = "LOCK"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from workbench.files import read_json
+from workbench.utils.files import read_json
 from workbench.rundir import lock
-from workbench.rundir.layout import RunDir, new_run_name
+from workbench.rundir.run_dir import RunDir, new_run_name
 from workbench.rundir.summary import Status
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from workbench.suggest import did_you_mean
+from workbench.utils.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -83,7 +83,7 @@ class Task:
         """Learning-rate multiplier at optimizer step `step` (0-based), applied to every param group's peak lr:
         linear warm-up over cfg.warmup_steps, then cosine down to cfg.min_lr_ratio. Override it for your own
         schedule (return 1.0 for a constant lr)."""
-        from workbench.schedule import lr_at
+        from workbench.tasks.schedule import lr_at
 
         return lr_at(step, cfg) / cfg.lr
 

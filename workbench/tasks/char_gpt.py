@@ -218,7 +218,7 @@ class CharGPTTask(Task):
     def pipeline_stages(self, model: nn.Module, cfg: RunConfig, stage: int, stages: int) -> nn.Module:
         """Blocks balanced by parameter count over the stages (embeddings on the first, ln_f and the tied head on
         the last); each stage keeps the full model's parameter names."""
-        from workbench.pipeline import balanced_split
+        from workbench.tasks.stages import balanced_split
 
         assert isinstance(model, GPT)
         costs = [float(sum(p.numel() for p in b.parameters())) for b in model.blocks]

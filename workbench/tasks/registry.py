@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from workbench.suggest import did_you_mean
+from workbench.utils.suggest import did_you_mean
 from workbench.tasks.base import Task
 
 BUILTIN: dict[str, str] = {

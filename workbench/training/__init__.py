@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from workbench.training.batches import ShardedBatches
 from workbench.training.loop import Trainer, train
-from workbench.schedule import lr_at
-from workbench.training.state import TrainerState
+from workbench.tasks.schedule import lr_at
+from workbench.training.train_state import TrainerState
 
 __all__ = ["ShardedBatches", "Trainer", "TrainerState", "lr_at", "train"]

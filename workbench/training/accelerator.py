@@ -12,11 +12,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
-from workbench.distributed import FORKED_RANKS
-from workbench.hardware import detect
-from workbench.precision import accelerate_mixed_precision
-from workbench.tracking import TENSORBOARD_DIR, pip_command
-from workbench.tracking import resolve as resolve_trackers
+from workbench.utils.distributed import FORKED_RANKS
+from workbench.utils.hardware import detect
+from workbench.config.precision import accelerate_mixed_precision
+from workbench.config.trackers import TENSORBOARD_DIR, pip_command
+from workbench.config.trackers import resolve as resolve_trackers
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from workbench.files import read_json, write_json
+from workbench.utils.files import read_json, write_json
 from workbench.training.memory import tracked
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from workbench.verdicts import PHASES
+from workbench.training.verdicts import PHASES
 
 NOT_STEP_TIME = ("evaluation", "checkpoint", "finishing")
 

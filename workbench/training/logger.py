@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.metrics import peak_memory_bytes
-from workbench.monitor import row_fields
-from workbench.verdicts import PHASES, busy, diagnose, per_rank
+from workbench.training.measures import peak_memory_bytes
+from workbench.training.monitor import row_fields
+from workbench.training.verdicts import PHASES, busy, diagnose, per_rank
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from workbench.config import RunConfig
-    from workbench.monitor import DeviceMonitor
+    from workbench.training.monitor import DeviceMonitor
     from workbench.rundir import RunDir
-    from workbench.training.state import TrainerState
+    from workbench.training.train_state import TrainerState
     from workbench.training.breakdown import StepBreakdown
-    from workbench.training.trackers import RunTrackers
+    from workbench.training.tracker_log import RunTrackers
 
 HELD = ("params", "grads", "optimizer")
 """What each rank holds, in bytes, reported per rank in every row (what sharding saved)."""

@@ -21,9 +21,9 @@ from accelerate.utils import set_seed
 
 from workbench import data
 from workbench.config import RunConfig
-from workbench.hardware import detect
-from workbench.metrics import peak_flops
-from workbench import monitor
+from workbench.utils.hardware import detect
+from workbench.training.measures import peak_flops
+from workbench.training import monitor
 from workbench.rundir import RunDir, Status, lock
 from workbench.tasks import Task
 from workbench.training.accelerator import build_accelerator
@@ -39,11 +39,11 @@ from workbench.training.memory import tracked
 from workbench.training.optim import build_optimizer, set_lr
 from workbench.training.parallel import parallelize
 from workbench.training.profiling import StepProfiler
-from workbench.weights import save_rank_value
-from workbench.training.report import export_weights, first_leaf_dtype, running_fields, summary_fields
-from workbench.training.state import TrainerState
+from workbench.training.weights import save_rank_value
+from workbench.training.outcome import export_weights, first_leaf_dtype, running_fields, summary_fields
+from workbench.training.train_state import TrainerState
 from workbench.training.step import accumulate
-from workbench.training.trackers import RunTrackers
+from workbench.training.tracker_log import RunTrackers
 
 _log = logging.getLogger("workbench")
 

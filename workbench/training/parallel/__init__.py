@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.blocks import checkpoint_units, shard_units
+from workbench.tasks.blocks import checkpoint_units, shard_units
 from workbench.config import SHARDED
 from workbench.training.parallel.base import Strategy
 from workbench.training.parallel.pipeline import PipelineParallel

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from workbench.distributed import single_process_dcp
-from workbench.metrics import state_digest
+from workbench.utils.distributed import single_process_dcp
+from workbench.training.measures import state_digest
 
 
 

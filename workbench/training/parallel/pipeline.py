@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from workbench.training.evaluation import split_loss
-from workbench.distributed import single_process_dcp
+from workbench.utils.distributed import single_process_dcp
 from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:

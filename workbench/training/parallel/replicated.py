@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
-from workbench.distributed import single_process_dcp
+from workbench.utils.distributed import single_process_dcp
 from workbench.training.breakdown import DDPCommStats
 from workbench.training.parallel.base import DTYPES, Strategy, on_device
 

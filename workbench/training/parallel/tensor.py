@@ -27,8 +27,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from workbench.blocks import checkpoint_units, shard_units
-from workbench.distributed import single_process_dcp
+from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.utils.distributed import single_process_dcp
 from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:

@@ -1,0 +1,45 @@
+"""`workbench status RUN_DIR`: how a run stands, read from its directory, for people and for scripts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from workbench.rundir import RunDir, Status
+from workbench.launcher.signals import EXIT_PREEMPTED
+from workbench.utils.units import fmt_duration
+
+
+def describe_run(path: Path) -> tuple[str, int]:
+    """The report, and an exit code: 0 running or ended well, 1 failed/diverged/gone, 75 preempted, 2 not a run.
+
+    A summary that says 'running' for a run whose processes are all gone is reported as failed, with why.
+    """
+    run = RunDir(Path(path).expanduser())
+    if not run.summary_path.exists():
+        raise ValueError(f"{run.path}: not a run directory (no summary.json)")
+    summary = run.summary()
+    status, why = run.observed_status()
+    rows = [r for r in run.metrics() if r.get("loss") is not None]
+    cfg = run.config()
+    lines = [f"{run.name}: {status.value}" + (f" ({why})" if why else "")]
+    if rows:
+        last = rows[-1]
+        total = f"/{cfg.max_steps}" if cfg else ""
+        lines.append(f"  step {last['step']}{total}, loss {last['loss']:.4g}, "
+                     f"{last.get('samples_per_s', 0):,.0f} samples/s (last window)")
+    if status in (Status.RUNNING, Status.STARTING):
+        seen = run.observe()
+        lines.append(f"  processes: {seen.reason}")
+    if summary.ending:
+        lines.append(f"  ending: {summary.ending.get('message') or summary.ending}")
+    if summary.error and status is Status.FAILED:
+        where = f"rank {summary.error['rank']}" if summary.error.get("rank") is not None else "the launcher"
+        lines.append(f"  error: {where}: {summary.error.get('type')}: {summary.error.get('message')}")
+    checkpoints = run.checkpoints()
+    if checkpoints:
+        lines.append(f"  newest checkpoint: step {checkpoints[-1][0]} ({checkpoints[-1][1]})")
+    if summary.started_at:
+        lines.append(f"  started {fmt_duration(time.time() - summary.started_at)} ago, attempt {summary.attempt or 1}")
+    code = {Status.FAILED: 1, Status.DIVERGED: 1, Status.PREEMPTED: EXIT_PREEMPTED}.get(status, 0)
+    return "\n".join(lines), code

@@ -1,0 +1,195 @@
+"""RunConfig's validation: ranges and names (on construction), and the checks against this machine and the task
+(RunConfig.check). Every error names the field, the value and what would work."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from workbench.utils.suggest import unknown_keys
+from workbench.config.trackers import missing, pip_command
+
+if TYPE_CHECKING:
+    from workbench.config.run_config import RunConfig
+    from workbench.utils.hardware import Hardware
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_WORKERS = 64
+MIN_MONITOR_INTERVAL_S = 0.05
+PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT", "SIGXCPU")
+
+
+def check_numbers(cfg: RunConfig) -> None:
+    """Ranges of the numeric fields."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name}={value!r}: must be a finite number")
+    positive = ("num_processes", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints",
+                "dist_timeout_s", "max_skipped_steps", *(("micro_batch_size",) * (cfg.micro_batch_size != "auto")))
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: must be at least 1")
+    for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "num_workers", "seed",
+                 "max_restarts", "restart_backoff_s", "target_global_batch", "memory_budget_gb"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: must be 0 or more")
+    if cfg.seed > 2**32 - 1:
+        raise ValueError(f"seed={cfg.seed}: must be between 0 and 2**32-1 (4294967295)")
+    if cfg.num_workers > MAX_WORKERS:
+        raise ValueError(f"num_workers={cfg.num_workers}: more DataLoader workers per rank than any machine "
+                         f"can feed; use at most {MAX_WORKERS} (typically 2 to 8)")
+    if cfg.target_global_batch and cfg.micro_batch_size != "auto":
+        raise ValueError(f"target_global_batch={cfg.target_global_batch}: only micro_batch_size='auto' uses it; "
+                         "with a fixed micro-batch set grad_accum_steps, or set micro_batch_size='auto'")
+    if cfg.target_global_batch and cfg.target_global_batch % cfg.num_processes:
+        raise ValueError(f"target_global_batch={cfg.target_global_batch}: must be a multiple of "
+                         f"num_processes={cfg.num_processes}, e.g. {cfg.num_processes * 32}")
+    if not 1 <= cfg.preempt_grace_s <= 3600:
+        raise ValueError(f"preempt_grace_s={cfg.preempt_grace_s!r}: use 1 to 3600 seconds (25 by default)")
+    if not cfg.lr > 0 or cfg.lr > 10:
+        raise ValueError(f"lr={cfg.lr!r}: must be a positive learning rate (typically 1e-5 to 1e-2)")
+    if cfg.weight_decay < 0:
+        raise ValueError(f"weight_decay={cfg.weight_decay!r}: must be 0 or more (0.1 is typical)")
+    if cfg.grad_clip < 0:
+        raise ValueError(f"grad_clip={cfg.grad_clip!r}: must be positive, or 0 to disable clipping")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: must be in [0, 1), e.g. 0.9 for beta1, 0.999 for beta2")
+    if not 0 < cfg.eps < 1:
+        raise ValueError(f"eps={cfg.eps!r}: must be a small positive number, e.g. 1e-8")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio={cfg.min_lr_ratio!r}: must be between 0 and 1")
+    if cfg.warmup_steps > cfg.max_steps:
+        raise ValueError(f"warmup_steps={cfg.warmup_steps}: longer than max_steps={cfg.max_steps}; "
+                         f"use at most {cfg.max_steps}")
+    check_monitor(cfg)
+    check_loader(cfg)
+    check_profile_steps(cfg)
+
+
+def check_monitor(cfg: RunConfig) -> None:
+    """Device monitoring: a sampling interval that costs nothing, a percentage, a duration."""
+    interval = cfg.monitor_interval_s
+    if interval < 0 or 0 < interval < MIN_MONITOR_INTERVAL_S or interval > 3600:
+        raise ValueError(f"monitor_interval_s={interval!r}: use {MIN_MONITOR_INTERVAL_S} to 3600 seconds (1 to 10 "
+                         "is plenty; sampling faster only costs CPU), or 0 to turn device monitoring off")
+    if not 0 <= cfg.idle_util_pct <= 100:
+        raise ValueError(f"idle_util_pct={cfg.idle_util_pct!r}: a GPU utilisation percentage, 0 to 100 (e.g. 10)")
+    if cfg.idle_after_s < 0:
+        raise ValueError(f"idle_after_s={cfg.idle_after_s!r}: must be 0 or more seconds (e.g. 300), "
+                         "0 never warns about idle GPUs")
+
+
+def check_loader(cfg: RunConfig) -> None:
+    """DataLoader settings that only mean something with worker processes."""
+    if cfg.prefetch_factor is not None and cfg.prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor={cfg.prefetch_factor}: must be at least 1 (batches each worker loads "
+                         "ahead), or None for PyTorch's default of 2")
+    if cfg.num_workers == 0:
+        if cfg.prefetch_factor is not None:
+            raise ValueError(f"prefetch_factor={cfg.prefetch_factor} with num_workers=0: only worker processes "
+                             "prefetch; set num_workers (e.g. 2) or prefetch_factor=None")
+        if cfg.persistent_workers is True:
+            raise ValueError("persistent_workers=True with num_workers=0: there are no workers to keep; set "
+                             "num_workers (e.g. 2) or persistent_workers='auto'")
+
+
+def check_profile_steps(cfg: RunConfig) -> None:
+    """profile_steps: [] or [first, last] with 1 <= first <= last <= max_steps."""
+    steps = cfg.profile_steps
+    if not steps:
+        return
+    if len(steps) != 2:
+        raise ValueError(f"profile_steps={steps!r}: give [first, last] (e.g. [3, 5]), or [] for no profile")
+    first, last = steps
+    if not 1 <= first <= last <= cfg.max_steps:
+        raise ValueError(f"profile_steps={steps!r}: need 1 <= first <= last <= max_steps={cfg.max_steps} (steps "
+                         f"count from 1, as in metrics.jsonl), e.g. [{min(3, cfg.max_steps)}, "
+                         f"{min(5, cfg.max_steps)}]")
+
+def check_names(cfg: RunConfig, field_names: list[str]) -> None:
+    """Names: run name, task, preempt signal, resume_allow."""
+    if cfg.run_name is not None and not _RUN_NAME.fullmatch(cfg.run_name):
+        raise ValueError(f"run_name={cfg.run_name!r}: use letters, digits, '.', '_' and '-' only, "
+                         "starting with a letter or digit")
+    if cfg.resume and cfg.run_name is None:
+        raise ValueError(f"resume={cfg.resume!r} needs run_name: the run directory to continue "
+                         "(runs_dir/run_name)")
+    if not cfg.task:
+        raise ValueError("task='': name a task, e.g. 'digits' or 'char-gpt'")
+    if cfg.preempt_signal is not None and cfg.preempt_signal not in PREEMPT_SIGNALS:
+        raise ValueError(f"preempt_signal={cfg.preempt_signal!r}: choose one of {', '.join(PREEMPT_SIGNALS)} "
+                         "(SIGTERM and SIGHUP are always handled)")
+    if cfg.trackers != "auto" and len(set(cfg.trackers)) != len(cfg.trackers):
+        raise ValueError(f"trackers={cfg.trackers!r}: name each tracker once, e.g. {sorted(set(cfg.trackers))!r}")
+    unknown = [name for name in cfg.resume_allow if name not in (*field_names, "global_batch_size")]
+    if unknown:
+        raise ValueError(f"resume_allow: unknown field(s) {', '.join(unknown_keys(unknown, field_names))}")
+
+def check_against_machine(cfg: RunConfig, hw: Hardware, task: Any = None) -> None:
+    """RunConfig.check: against this machine and the task (`task`, else the registry)."""
+    from workbench.tasks import get_task  # tasks import config, so late
+
+    if cfg.device == "cuda" and not hw.has_cuda:
+        raise ValueError("device='cuda': no CUDA GPU is visible on this machine; use device='auto' or 'cpu'")
+    device = cfg.resolved_device(hw)
+    limit = hw.max_processes(device)
+    if cfg.num_processes > limit:
+        if device == "cpu" and cfg.oversubscribe:
+            warnings.warn(f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): the "
+                          "ranks share cores and run slower than they would on their own", stacklevel=2)
+        else:
+            what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
+            extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
+            raise ValueError(f"num_processes={cfg.num_processes}: this machine has {what}; "
+                             f"use num_processes={limit} or fewer{extra}")
+    if cfg.cpu_offload and device != "cuda":
+        raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
+                         "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
+    if cfg.grad_compression == "bf16" and device != "cuda" and cfg.num_processes > 1:
+        raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
+                         "use grad_compression='fp16' or 'powersgd' on CPU")
+    check_tools(cfg, device)
+    problem = hw.precision_problem(cfg.precision, device)
+    if problem:
+        raise ValueError(f"precision={cfg.precision!r} on {hw.describe(device)}: {problem}")
+    task = task or get_task(cfg.task)
+    task.check_options(cfg)
+    task.check_data(cfg)
+    from workbench.config.mesh import check_parallel_task
+
+    check_parallel_task(cfg, task)
+    if cfg.activation_checkpointing != "none":
+        _check_checkpoint_units(cfg, task)
+
+
+def check_tools(cfg: RunConfig, device: str) -> None:
+    """Trackers that aren't installed are refused before launch (accelerate would drop them silently); pinned
+    memory on CPU is warned about, as it does nothing there."""
+    absent = missing(cfg.trackers)
+    if absent:
+        raise ValueError(f"trackers={cfg.trackers!r}: {', '.join(absent)} not installed here; "
+                         f"`{pip_command(absent)}`, or leave {' and '.join(absent)} out of trackers")
+    if cfg.pin_memory is True and device != "cuda":
+        warnings.warn("pin_memory=True on CPU: pinned memory only speeds up copies to a GPU; it is not used on "
+                      "this run (set pin_memory='auto' to silence this)", stacklevel=3)
+
+
+def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
+    """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device
+    (no memory, no data loaded into it)."""
+    import torch
+
+    from workbench.tasks.blocks import checkpoint_units, shard_units
+
+    try:
+        with torch.device("meta"):
+            model = task.build_model(cfg)
+    except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
+        return
+    checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+

@@ -1,0 +1,317 @@
+"""RunConfig: the one description of a run that the panel, CLI, papermill and run directory share."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from workbench.config.checks import check_against_machine, check_names, check_numbers
+from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
+from workbench.utils.hardware import Hardware, detect
+from workbench.config.precision import Precision
+from workbench.config.trackers import Tracker
+from workbench.utils.suggest import unknown_keys
+from workbench.config.typecheck import check_type, plain
+
+Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+GradCompression = Literal["none", "fp16", "bf16", "powersgd"]
+
+PARALLELISM_MODES: dict[str, str] = {
+    "none": "one plain process",
+    "ddp": "full replica per rank, gradients all-reduced (DDP)",
+    "zero1": "replicas, optimizer state sharded over ranks (ZeRO-1)",
+    "zero2": "gradients and optimizer state sharded; parameters gathered from forward to backward (FSDP2)",
+    "zero3": "parameters, gradients and optimizer state sharded (FSDP2)",
+    "fsdp": "same as zero3: parameters, gradients and optimizer state sharded (FSDP2)",
+    "hsdp": "sharded within groups of dp_shard ranks, replicated across groups (FSDP2, 2-D mesh)",
+}
+"""One line per parallelism mode, as the panel and `workbench check` show them."""
+
+SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
+"""Modes that shard parameters and gradients (FSDP2); 'zero1' shards only the optimizer state."""
+Device = Literal["auto", "cpu", "cuda"]
+
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """Everything that determines a run. Validated on construction; `check()` adds this machine's limits."""
+
+    task: str = "digits"
+    """Registered task name (see `workbench.tasks.available()`) or an import path 'package.module:ClassName'."""
+    num_processes: int = 1
+    """Ranks to start on this machine: one per GPU, or CPU processes talking over gloo."""
+    parallelism: Parallelism = "ddp"
+    """'ddp' replicates the model and all-reduces gradients; 'zero1' also shards the optimizer state;
+    'zero2' shards optimizer state and gradients (FSDP2, parameters kept gathered from forward to backward);
+    'zero3' (alias 'fsdp') shards parameters too; 'hsdp' shards within groups of dp_shard ranks and
+    replicates across groups; 'none' is a single plain process."""
+    dp_shard: int = 0
+    """hsdp: ranks in one shard group (a divisor of the data-parallel size, the rest replicate); 0 otherwise."""
+    tp: int = 1
+    """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
+    The data-parallel size is num_processes / tp; above 1 it combines with zero2/zero3/hsdp only (FSDP x TP)."""
+    pp: int = 1
+    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages). The data-parallel size
+    num_processes / pp gives replicas of the whole pipeline (parallelism='ddp'); tp must be 1 with pp > 1."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Pipeline schedule over the step's grad_accum_steps micro-batches; '1f1b' needs grad_accum_steps >= pp."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute activations in backward, per shard unit: 'full' keeps only each block's input, 'selective'
+    also keeps matmul and attention outputs. Less memory, more compute; same losses."""
+    cpu_offload: bool = False
+    """zero3/hsdp on GPUs: keep sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
+    grad_compression: GradCompression = "none"
+    """ddp/zero1: compress gradients for the all-reduce ('fp16', 'bf16' on NCCL, 'powersgd' low rank)."""
+    precision: Precision = "fp32"
+    """Compute precision: 'bf16'/'fp16' autocast (fp16 with dynamic loss scaling); 'fp8' is rejected for now."""
+    device: Device = "auto"
+    """'auto' picks CUDA when present, else CPU."""
+    start_method: Literal["auto", "fork", "spawn"] = "auto"
+    """How a launch from Python starts its ranks: 'fork' (tasks as they are, fast), or 'spawn' (fresh
+    interpreters, the task pickled with cloudpickle); 'auto' forks unless CUDA is already initialised in this
+    process and the run uses CUDA, then spawns. `workbench train` always starts fresh interpreters."""
+    micro_batch_size: int | Literal["auto"] = 32
+    """Samples per rank per forward/backward; 'auto' picks the largest that fits (see target_global_batch)."""
+    target_global_batch: int = 0
+    """With micro_batch_size='auto': choose grad_accum_steps so the global batch is this (0: keep it)."""
+    memory_budget_gb: float = 0.0
+    """With micro_batch_size='auto' on CPU: memory a rank may use (0: an equal share of this machine's)."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step; gradients are all-reduced only on the last one."""
+    max_steps: int = 100
+    """Optimizer steps to train for."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio on the last step."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, applied to matrices only (not biases or norms)."""
+    beta1: float = 0.9
+    """AdamW's first-moment decay (the default optimizer; a Task's configure_optimizers may read it too)."""
+    beta2: float = 0.999
+    """AdamW's second-moment decay; 0.95-0.99 is common for transformers (nanoGPT: 0.99 on small data)."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the denominator."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    eval_every: int = 0
+    """Evaluate every N steps (and at the end); 0 evaluates at the end only."""
+    eval_batches: int = 0
+    """Cap on eval micro-batches per rank; 0 uses the whole eval set."""
+    log_every: int = 10
+    """Write a metrics row (and check for a stop request) every N steps."""
+    trackers: list[Tracker] | Literal["auto"] = "auto"
+    """Experiment trackers fed the metrics rows and the config (rank 0, files in the run directory):
+    'tensorboard' (<run>/tensorboard/), 'mlflow' (a local file store, <run>/mlflow); 'auto' is TensorBoard when
+    the tensorboard package is installed, else none; [] turns tracking off. A requested one that isn't
+    installed is refused before launch."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps; 0 saves only at the end (and on stop)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    seed: int = 0
+    """Seeds model init, data order and dropout; same seed, same run."""
+    runs_dir: str = "runs"
+    """Directory holding run directories."""
+    run_name: str | None = None
+    """Run directory name under runs_dir; None makes '<task>-<timestamp>'."""
+    resume: bool | Literal["auto"] = False
+    """Continue the run named run_name from its newest complete checkpoint that verifies; 'auto' resumes when
+    there is one and starts fresh otherwise, so a scheduler can resubmit the same command line."""
+    resume_allow: list[str] = field(default_factory=list)
+    """Fields a resume may change although they change the training trajectory (e.g. ['lr', 'max_steps']);
+    others that differ from the checkpoint's config are refused, listed."""
+    max_restarts: int = 0
+    """Restart a failed or preempted run from its newest checkpoint up to this many times."""
+    restart_backoff_s: float = 10.0
+    """Seconds to wait before the first restart; doubled for each further one."""
+    preempt_signal: str | None = None
+    """A signal besides SIGTERM and SIGHUP that means 'checkpoint and exit now', e.g. 'SIGUSR1' for Slurm's
+    --signal=USR1@120."""
+    preempt_grace_s: float = 25.0
+    """After a preemption signal, how long a rank may take to reach a step, checkpoint and exit before it is
+    reported as hung (with its stack) and ends; torch elastic kills ranks 30 s after forwarding a signal."""
+    max_skipped_steps: int = 20
+    """fp16: this many consecutive steps skipped by the loss scaler (overflow) end the run as diverged."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    pin_memory: bool | Literal["auto"] = "auto"
+    """Page-locked host batches, so copies to the GPU can overlap compute; 'auto' pins on CUDA. No effect on CPU."""
+    prefetch_factor: int | None = None
+    """Batches each worker loads ahead (num_workers > 0 only); None keeps PyTorch's default, 2."""
+    persistent_workers: bool | Literal["auto"] = "auto"
+    """Keep the DataLoader workers alive from one epoch to the next (num_workers > 0 only); 'auto': on when
+    num_workers > 0."""
+    oversubscribe: bool = False
+    """CPU: allow more processes than cores (warned, slow); e.g. to try a 2 x 2 hsdp layout on a 2-core box."""
+    track_memory: bool = False
+    """Trace the first step with PyTorch's memory tracker: bytes per rank by category (parameters, gradients,
+    optimizer state, activations, temporaries) in the summary. That step runs slower."""
+    monitor_interval_s: float = 2.0
+    """Sample each rank's device every this many seconds in a background thread, into the metrics rows: on a GPU
+    utilisation, memory used, power and temperature (NVML, `pip install 'workbench[gpu]'`), and always the
+    process's CPU % and RSS. 0 turns monitoring off."""
+    idle_util_pct: float = 10.0
+    """GPU utilisation (%) under which a rank's GPU counts as idle, for idle_after_s."""
+    idle_after_s: float = 300.0
+    """A GPU under idle_util_pct this long gets one 'gpu_idle' warning event per episode (0: never warn).
+    GPU runs only: on CPU nobody pays for an accelerator standing still."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: record a torch.profiler trace of these optimizer steps (1-based, as in metrics.jsonl) on
+    every rank, to <run>/profile/rank_<r>.json (Chrome trace: chrome://tracing or ui.perfetto.dev); [] is off."""
+    dist_timeout_s: int = 300
+    """How long a collective may block before the run fails instead of hanging."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """Task-specific settings, e.g. model size for char-gpt; unknown keys are rejected by the task."""
+
+    # ---- derived -------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.num_processes
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: ranks that see different batches (num_processes / (tp * pp))."""
+        return self.num_processes // (self.tp * self.pp)
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'tp'; see layout.py)."""
+        from workbench.config.mesh import mesh_sizes
+
+        return mesh_sizes(self)
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks: micro_batch_size x grad_accum_steps x data-parallel size
+        (with an 'auto' micro-batch: target_global_batch, or None until the ranks have chosen)."""
+        if self.micro_batch_size == "auto":
+            return self.target_global_batch or None
+        return self.micro_batch_size * self.grad_accum_steps * self.dp_size
+
+    @property
+    def runs_dir_path(self) -> Path:
+        """runs_dir with '~' expanded."""
+        return Path(self.runs_dir).expanduser()
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.runs_dir_path / self.run_name if self.run_name else None
+
+    def resolved_device(self, hardware: Hardware | None = None) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if (hardware or detect()).has_cuda else "cpu"
+
+    # ---- validation ----------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_type(f.name, getattr(self, f.name), _field_types()[f.name])
+        self._check_numbers()
+        self._check_parallelism()
+        self._check_names()
+
+    def _check_numbers(self) -> None:
+        check_numbers(self)
+
+    def _check_names(self) -> None:
+        check_names(self, _field_names())
+
+    def _check_parallelism(self) -> None:
+        from workbench.config.mesh import check_layout
+
+        check_layout(self)
+
+    def check(self, hardware: Hardware | None = None, task: Any = None) -> None:
+        """Validate against this machine and the task (`task`, else the registry); ValueError before anything runs."""
+        check_against_machine(self, hardware or detect(), task)
+
+    # ---- copies and files ----------------------------------------------------------------------------
+    def replace(self, **changes: Any) -> RunConfig:
+        """A validated copy with `changes` applied; unknown field names are rejected."""
+        _reject_unknown(changes, "RunConfig.replace()")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of RunConfig fields, got {type(data).__name__}")
+        _reject_unknown(data, source)
+        return cls(**data)
+
+    def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The config as YAML; written atomically to `path` when given."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            atomic_write_text(Path(path), text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> RunConfig:
+        """Load from YAML; unknown keys are rejected and listed, with the closest field names."""
+        return cls.from_dict(read_yaml(Path(path).expanduser()) or {}, source=str(path))
+
+    def with_overrides(self, assignments: list[str]) -> RunConfig:
+        """Apply CLI-style 'key=value' strings (values parsed as YAML; 'task_options.n_layer=4' nests)."""
+        data = self.to_dict()
+        for item in assignments:
+            key, sep, raw = item.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_steps=200")
+            value = _coerce(key, load_yaml(raw, f"--set {item!r}") if raw.strip() else None)
+            if "." in key:
+                head, _, sub = key.partition(".")
+                if head != "task_options":
+                    raise ValueError(f"--set {item!r}: only task_options.<name> can be nested")
+                data["task_options"] = {**data["task_options"], sub: value}
+            else:
+                _reject_unknown({key: value}, "--set")
+                data[key] = value
+        return RunConfig.from_dict(data, source="--set")
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+_TYPES: dict[str, Any] | None = None
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in fields(RunConfig)]
+
+
+def _field_types() -> dict[str, Any]:
+    global _TYPES
+    if _TYPES is None:
+        _TYPES = typing.get_type_hints(RunConfig)
+    return _TYPES
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """YAML reads '3e-4' as a string; CLI users mean a number when the field is a float."""
+    tp = _field_types().get(key)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _reject_unknown(data: dict[str, Any], source: str) -> None:
+    known = [f.name for f in fields(RunConfig)]
+    unknown = unknown_keys(data, known)
+    if unknown:
+        raise ValueError(f"{source}: unknown RunConfig key(s): {', '.join(unknown)}. Known keys: {', '.join(known)}")

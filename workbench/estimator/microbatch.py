@@ -1,0 +1,54 @@
+"""The launcher's proposal for micro_batch_size='auto': the largest micro-batch the estimate says fits each
+rank of this machine (the ranks then confirm it on their devices; see training/autobatch.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
+
+MARGIN = 0.1
+
+
+def _limit(cfg: RunConfig) -> int:
+    import psutil
+
+    from workbench.utils.hardware import detect
+
+    hw = detect()
+    if cfg.resolved_device(hw) == "cuda":
+        return min(g.memory_bytes for g in hw.gpus)
+    if cfg.memory_budget_gb:
+        return int(cfg.memory_budget_gb * 2**30)
+    return int(psutil.virtual_memory().available / cfg.num_processes)
+
+
+def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
+    """Estimates at micro-batch 1 and 2 give the bytes per sample; the largest size under the limit is checked
+    with a third estimate and stepped down until it fits."""
+    from workbench.estimator import estimate
+
+    limit = _limit(cfg)
+    usable = limit * (1 - MARGIN)
+    accum = 1 if cfg.target_global_batch else cfg.grad_accum_steps
+
+    def peak(m: int) -> int:
+        est = estimate(cfg.replace(micro_batch_size=m, grad_accum_steps=accum, target_global_batch=0), task=task)
+        return max(r.tensors for r in est.ranks)
+
+    train, _ = task.build_datasets(cfg)
+    most = max(1, len(train) // cfg.num_processes)  # samples each rank has
+    one, two = peak(1), peak(2)
+    per_sample = max(1, two - one)
+    m = max(1, min(most, int((usable - one) // per_sample) + 1))
+    tries = [{"micro_batch": 1, "estimated_peak_bytes": one}, {"micro_batch": 2, "estimated_peak_bytes": two}]
+    while m > 2:
+        p = peak(m)
+        tries.append({"micro_batch": m, "estimated_peak_bytes": p})
+        if p <= usable:
+            break
+        m = max(2, int(m * usable / p))
+    return {"proposed": m, "limit_bytes": limit, "per_sample_bytes": per_sample, "estimates": tries,
+            "how": "estimated peak per rank (tensors) at micro-batch 1 and 2, extrapolated, then checked"}

@@ -1,0 +1,84 @@
+"""The fork-mode supervisor: one process per run, between the caller's kernel and the ranks.
+
+It calls accelerate's notebook_launcher and records how the run ended. Keeping the launcher out of the
+caller's process is what makes a kernel able to launch again and again: torch elastic's signal handlers,
+accelerate's singletons and any failure stay in the supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+from workbench.utils.distributed import FORKED_RANKS
+from workbench.utils.hardware import detect
+from workbench.launcher.postmortem import finalize, record_signal_deaths
+from workbench.config.precision import accelerate_mixed_precision
+from workbench.training.rank import die_with_parent, expect_forked_ranks, rank_main
+from workbench.rundir import RunDir
+from workbench.launcher.signals import elastic_signals
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
+
+
+class DropLines(io.TextIOBase):
+    """A text stream that passes on everything but the lines starting with one of `prefixes`."""
+
+    def __init__(self, target: TextIO, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.target, self.prefixes = target, prefixes
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        kept = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(self.prefixes))
+        if kept:
+            self.target.write(kept)
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int, token: str) -> None:
+    """Body of the supervisor process: run notebook_launcher, then record a failure the ranks couldn't."""
+    die_with_parent()
+    os.setpgrp()  # the parent can end the supervisor and all its ranks with one killpg
+    os.environ["WORKBENCH_LOCK_TOKEN"] = token  # the ranks find the run directory locked by their launcher
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = elastic_signals(cfg)
+    from accelerate import notebook_launcher
+    from accelerate.state import AcceleratorState, PartialState
+
+    # An Accelerator made in the user's kernel was copied into this fork; the ranks must start clean.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+    # Elastic logs every rank failure as a wall of text; the run directory and RunFailedError carry it cleanly.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+    os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (rank.py)
+    if cfg.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
+        os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
+    run = RunDir(run_dir)
+    expect_forked_ranks(cfg.num_processes)
+    error: BaseException | None = None
+    try:
+        # notebook_launcher prints its own "Launching training on N CUDAs/CPUs" line; ours (logged by the
+        # caller) says what really runs, so accelerate's is dropped. Everything else, the ranks' print()
+        # included (they are forked inside this redirect), passes.
+        with contextlib.redirect_stdout(DropLines(sys.stdout, ("Launching training on",))):
+            notebook_launcher(rank_main, args=(cfg, task, run_dir, progress), num_processes=cfg.num_processes,
+                              mixed_precision=accelerate_mixed_precision(cfg.precision), use_port=str(port),
+                              monitor_interval=0.05)
+    except BaseException as exc:  # noqa: BLE001  (recorded in the run directory, then reported by exit code)
+        error = exc
+        record_signal_deaths(run, exc)
+    finalize(run, error)
+    os._exit(0 if error is None else 1)

@@ -1,0 +1,45 @@
+"""The step-time breakdown as HTML: a stacked bar per rank (data, compute, exposed communication, optimizer, the
+rest), the slowest rank marked, and the verdicts in words. Shared by the live dashboard and its static
+snapshot; plain HTML so it shows in any frontend, papermill output included."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from workbench.training.verdicts import PHASES, per_rank
+
+COLOURS = {"data": "#e6a700", "compute": "#3b7dd8", "comm": "#d9534f", "optimizer": "#5cb85c", "other": "#999999"}
+LABELS = {"data": "waiting for data", "compute": "forward+backward", "comm": "exposed communication",
+          "optimizer": "optimizer", "other": "the rest"}
+
+
+def _bar(rank: int, parts: dict[str, float], scale: float, slowest: bool) -> str:
+    total = sum(parts.values())
+    segments = "".join(
+        f"<div class='wb-breakdown-{name}' title='{LABELS[name]}: {1e3 * s:.2f} ms ({s / total:.0%})' "
+        f"style='width:{100 * s / scale:.2f}%;background:{COLOURS[name]}'></div>"
+        for name, s in parts.items() if s > 0)
+    mark = " <b class='wb-slowest'>◀ slowest</b>" if slowest else ""
+    return (f"<div class='wb-breakdown-rank' data-rank='{rank}' style='display:flex;align-items:center;gap:6px;"
+            f"margin:2px 0'><span style='width:4em;font-family:monospace'>rank {rank}</span>"
+            f"<div style='display:flex;width:320px;height:14px;background:#f2f2f2'>{segments}</div>"
+            f"<span style='font-family:monospace;font-size:90%'>{1e3 * total:.1f} ms{mark}</span></div>")
+
+
+def breakdown_html(row: dict[str, Any] | None) -> str:
+    """The latest window's breakdown, or '' when the row has none."""
+    parts = per_rank(row or {})
+    if row is None or parts is None:
+        return ""
+    ranks = len(parts["data"])
+    steps = [sum(parts[name][r] for name in PHASES) for r in range(ranks)]
+    scale = max(steps) or 1.0
+    slowest = row.get("slowest_rank", -1) if ranks > 1 else -1
+    bars = "".join(_bar(r, {name: parts[name][r] for name in PHASES}, scale, r == slowest) for r in range(ranks))
+    legend = " ".join(f"<span style='color:{COLOURS[name]}'>■</span> {LABELS[name]}" for name in PHASES)
+    if not row.get("comm_measured", True):
+        legend += " (communication runs inside forward+backward in this mode and is counted there)"
+    verdicts = "".join(f"<div class='wb-verdict'>⚠ {html.escape(v)}</div>" for v in row.get("verdicts") or [])
+    return (f"<div class='wb-breakdown'><b>where the step time goes</b> <small>(step {row.get('step')}, mean per "
+            f"step of the last window)</small>{bars}<small>{legend}</small>{verdicts}</div>")

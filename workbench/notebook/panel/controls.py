@@ -1,0 +1,93 @@
+"""The panel's controls: one widget per RunConfig field the panel edits, and their labels."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, get_args
+
+import ipywidgets as widgets
+
+from workbench.config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
+from workbench.utils.hardware import detect
+from workbench.config.precision import Precision
+from workbench.tasks import Task, available
+
+PARALLELISM_LABELS = {mode: f"{mode}: {text}" for mode, text in PARALLELISM_MODES.items()}
+"""Every mode, with its one-line explanation."""
+
+STYLE = {"description_width": "140px"}
+
+
+def short_reason(precision: str, problem: str) -> str:
+    """'fp16 needs a CUDA GPU: on CPU, ...' -> 'needs a CUDA GPU': short enough for a dropdown label."""
+    reason = problem.removeprefix(f"{precision} ")
+    return re.split(r"[:;]", reason, maxsplit=1)[0].strip()
+
+
+def precision_options(device: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(label, value) pairs for the precision dropdown, and the full reason for each unavailable one."""
+    hw = detect()
+    options, reasons = [], {}
+    for precision in get_args(Precision):
+        problem = hw.precision_problem(precision, device)
+        if problem:
+            reasons[precision] = problem
+            options.append((f"{precision} (unavailable: {short_reason(precision, problem)})", precision))
+        else:
+            options.append((precision, precision))
+    return options, reasons
+
+
+def build_controls(device: str, task_options: list[tuple[str, str]]
+                   ) -> tuple[dict[str, widgets.ValueWidget], dict[str, str]]:
+    """The controls, keyed by RunConfig field, and the reasons unavailable precisions are unavailable."""
+    wide = widgets.Layout(width="380px")
+    precisions, reasons = precision_options(device)
+    controls: dict[str, Any] = {
+        "task": widgets.Dropdown(options=task_options, description="task", style=STYLE, layout=wide),
+        # Plain number boxes, no bounds: a bounded widget clamps what the user typed without a word; here
+        # RunConfig refuses it and the panel says why (num_processes=3: this machine has 2 CPU cores...).
+        "num_processes": widgets.IntText(description="processes", style=STYLE, layout=wide),
+        "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
+                                        description="parallelism", style=STYLE, layout=wide),
+        "dp_shard": widgets.IntText(description="hsdp shard group", style=STYLE,
+                                           layout=wide, tooltip="hsdp only: ranks that shard one copy of the model"),
+        "tp": widgets.IntText(description="tensor parallel", style=STYLE, layout=wide,
+                              tooltip="ranks that split each matrix of the task's plan (1: off)"),
+        "pp": widgets.IntText(description="pipeline stages", style=STYLE, layout=wide,
+                              tooltip="ranks that each run a slice of the model's blocks (1: off)"),
+        "pp_schedule": widgets.Dropdown(options=["1f1b", "gpipe"], description="pipeline schedule", style=STYLE,
+                                        layout=wide, tooltip="1F1B needs grad accumulation >= stages"),
+        "activation_checkpointing": widgets.Dropdown(options=list(get_args(ActivationCheckpointing)),
+                                                     description="activation ckpt", style=STYLE, layout=wide),
+        "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=wide,
+                                      tooltip="; ".join(reasons.values()) or None),
+        # Text, not a number box: 'auto' (the largest that fits, chosen by the ranks) is a value too.
+        "micro_batch_size": widgets.Combobox(options=["auto"], ensure_option=False, placeholder="a number, or auto",
+                                             description="micro-batch size", style=STYLE, layout=wide),
+        "grad_accum_steps": widgets.IntText(description="grad accumulation", style=STYLE, layout=wide),
+        "max_steps": widgets.IntText(description="steps", style=STYLE, layout=wide),
+        "lr": widgets.FloatText(description="learning rate", style=STYLE, layout=wide),
+        "run_name": widgets.Text(description="run name", placeholder="automatic: <task>-<time>", style=STYLE,
+                                 layout=wide),
+    }
+    for name, control in controls.items():
+        control.add_class(f"wb-{name.replace('_', '-')}")
+    return controls, reasons
+
+
+def task_options(user_task: Task | None, selected: str) -> list[tuple[str, str]]:
+    """(label, name) pairs for the task dropdown: the user's own task first, then the registry's."""
+    options = [(name, name) for name in available() if not (user_task and name == user_task.name)]
+    if user_task is not None:
+        options.insert(0, (f"{user_task.name} (your task)", user_task.name))
+    if selected not in [value for _, value in options]:
+        options.append((selected, selected))  # an import path 'module:Class' from a YAML file
+    return options
+
+
+def read_micro_batch(text: str) -> int | str:
+    """The micro-batch box's text as RunConfig takes it: a whole number, or the text itself ('auto', or what
+    RunConfig will refuse by name)."""
+    text = str(text).strip()
+    return int(text) if text.lstrip("+-").isdigit() else text

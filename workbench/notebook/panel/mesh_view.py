@@ -1,0 +1,58 @@
+"""The rank layout as a picture: one cell per rank, a row per data-parallel index (the ranks of a row see the
+same batches and form one tensor-parallel group), coloured by model replica and shaded by shard; with pipeline
+parallelism, one column of rows per stage, left to right as the activations flow."""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+from workbench.config.mesh import rank_coordinates
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+
+REPLICA_HUES = (210, 30, 140, 280, 0, 90, 180, 330)
+"""One hue per model replica (dp_replicate index); shards of one replica get lighter shades of it."""
+
+
+def _cell(rank: int, coords: dict[str, int], shards: int) -> str:
+    hue = REPLICA_HUES[coords["dp_replicate"] % len(REPLICA_HUES)]
+    light = 45 + (30 * coords["dp_shard"] // max(1, shards - 1) if shards > 1 else 0)
+    title = ", ".join(f"{name} {index}" for name, index in coords.items())
+    attrs = " ".join(f"data-{name.replace('_', '-')}='{index}'" for name, index in coords.items())
+    return (f"<div class='wb-layout-rank' data-rank='{rank}' {attrs} title='rank {rank}: {html.escape(title)}' "
+            f"style='width:3.2em;padding:0.3em 0;text-align:center;border-radius:4px;color:white;font-size:85%;"
+            f"background:hsl({hue},65%,{light}%)'>r{rank}</div>")
+
+
+def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
+    """The picture for `cfg`, or why there is none (the config's own refusal, first line)."""
+    if cfg is None or problem:
+        why = html.escape((problem or "the settings don't form a config").splitlines()[0])
+        return f"<div class='wb-layout' data-layout='impossible'><b>rank layout</b>: none as set: {why}</div>"
+    sizes = cfg.mesh
+    tp, shards, stages = sizes["tp"], sizes["dp_shard"], sizes["pp"]
+    per_stage = cfg.num_processes // (tp * stages)
+    columns = []
+    for stage in range(stages):
+        rows = []
+        for dp_index in range(stage * per_stage, (stage + 1) * per_stage):
+            ranks = range(dp_index * tp, (dp_index + 1) * tp)
+            cells = "".join(_cell(r, rank_coordinates(r, sizes), shards) for r in ranks)
+            rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px;margin:2px 0'>{cells}</div>")
+        title = f"<small>stage {stage}</small>" if stages > 1 else ""
+        columns.append(f"<div class='wb-layout-stage' data-stage='{stage}'>{title}{''.join(rows)}</div>")
+    arrow = "<div style='align-self:center'>→</div>"
+    body = f"<div style='display:flex;gap:8px'>{arrow.join(columns)}</div>"
+    shape = " × ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "one process"
+    legend = ["a row: ranks that see the same batches" + (f" and split each planned matrix {tp} ways" if tp > 1 else "")]
+    if stages > 1:
+        legend.append(f"columns: {stages} pipeline stages, each a slice of the model's blocks (activations flow "
+                      "left to right, micro-batch by micro-batch)")
+    if sizes["dp_replicate"] > 1:
+        legend.append(f"colours: {sizes['dp_replicate']} model replicas (gradients all-reduced between them)")
+    if shards > 1:
+        legend.append(f"shades: {shards} shards of one replica (parameters/gradients/optimizer state split)")
+    return (f"<div class='wb-layout' data-layout='{html.escape(shape)}'><b>rank layout</b>: {html.escape(shape)}"
+            f"{body}<small>{html.escape('; '.join(legend))}</small></div>")

@@ -1,0 +1,57 @@
+"""The panel's status and error lines: HTML derived from the state alone."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from workbench.config import RunConfig
+from workbench.rundir import Status
+from workbench.notebook.panel.panel_state import PanelState
+
+RESUMABLE = (Status.COMPLETED.value, Status.STOPPED.value, Status.PREEMPTED.value, Status.FAILED.value, Status.DIVERGED.value)
+"""Endings after which Resume continues the run from its newest checkpoint (when it has one)."""
+
+
+def status_html(s: PanelState, run_name: str, *, resumable: bool) -> str:
+    name = html.escape(run_name)
+    resume = "Resume continues it from its last checkpoint, " if resumable else ""
+    text = {
+        "ready": "ready: pick the settings, then Launch",
+        "launching": "launching…",
+        "resuming": f"resuming <b>{name}</b> from its last checkpoint…",
+        Status.RUNNING: f"running <b>{name}</b>: Stop makes the ranks save a checkpoint and exit",
+        "stopping": f"stopping <b>{name}</b>: the ranks finish a step, save a checkpoint and exit…",
+        Status.COMPLETED: f"completed <b>{name}</b>; change the settings and Launch again to compare, or raise "
+                          "the steps and Resume",
+        Status.STOPPED: f"stopped <b>{name}</b> (checkpoint saved); {resume}Launch starts a new run",
+        Status.PREEMPTED: f"preempted <b>{name}</b> (a signal; checkpoint saved); {resume}Launch starts a new run",
+        Status.DIVERGED: f"diverged <b>{name}</b>: the loss became NaN/inf; the error says where. {resume}"
+                         "(lower the learning rate first)",
+        Status.FAILED: f"failed: the error is below; {resume}or fix it and Launch again",
+    }.get(s.status, html.escape(s.status))
+    note = f"<br><small>{html.escape(s.message)}</small>" if s.message else ""
+    return f"<span class='wb-status' data-status='{html.escape(s.status)}'>{text}</span>{note}"
+
+
+def error_html(error: str) -> str:
+    if not error:
+        return ""
+    first, _, rest = error.partition("\n")
+    detail = (f"<pre style='max-height:16em;overflow:auto;font-size:85%'>{html.escape(rest)}</pre>"
+              if rest.strip() else "")
+    return f"<div style='color:#b00020'><b>{html.escape(first)}</b>{detail}</div>"
+
+
+def save_yaml(cfg: RunConfig, path: str, *, own_task: bool) -> tuple[Path, str]:
+    """Write `cfg` to `path` for `workbench train`; returns the file and what to tell the user."""
+    raw = path.strip()
+    if not raw:
+        raise ValueError("YAML file: the path is empty; type a file name such as run.yaml")
+    target = Path(raw).expanduser()
+    cfg.to_yaml(target)
+    note = ""
+    if own_task:
+        note = (f" (task {cfg.task!r} lives in this notebook: for the shell, register it in an importable "
+                "module or set task to 'module:ClassName')")
+    return target, f"saved {target}; train it from a shell with: workbench train {raw}{note}"

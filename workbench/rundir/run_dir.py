@@ -1,0 +1,265 @@
+"""RunDir: the files of one run directory, and the only code that writes them.
+
+runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl, events.jsonl, summary.json, timings.json,
+model.safetensors, checkpoints/step_<N>/, errors/rank_<r>.json, ranks/rank_<r>.json (heartbeats),
+stacks/rank_<r>.txt, profile/rank_<r>.json (profile_steps), tensorboard/ and mlflow/ (trackers), LOCK, STOP.
+JSON files are replaced atomically; JSONL files are appended a whole line at a time, and readers skip a torn
+last line, so a crash never leaves a file that can't be read. A write that fails (disk full, permissions) raises
+RunDirWriteError naming the run directory and the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from workbench.utils.files import append_jsonl, atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
+from workbench.rundir.lock import LOCK
+from workbench.rundir.summary import Status, Summary
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+    from workbench.rundir.liveness import Observation
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+SUMMARY = "summary.json"
+TIMINGS = "timings.json"
+CHECKPOINTS = "checkpoints"
+ERRORS = "errors"
+STOP_REQUEST = "STOP"
+RANKS = "ranks"
+RANK_VALUES = "rank_values"
+
+"""ranks/rank_<r>.json: each rank's heartbeat (pid, host, step, phase), rewritten every few seconds."""
+STACKS = "stacks"
+"""stacks/rank_<r>.txt: a rank's Python stacks, dumped when it hangs past the grace period."""
+PROFILE = "profile"
+"""profile/rank_<r>.json: each rank's torch.profiler Chrome trace of the steps RunConfig.profile_steps names."""
+WEIGHTS = "model.safetensors"
+"""The full weights at the end of a run (any parallelism), loadable without torch.distributed."""
+COMPLETE_MARKER = "manifest.json"
+"""Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not complete."""
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_ATTEMPT = re.compile(r"^config\.attempt-(\d+)\.yaml$")
+
+
+class RunDirWriteError(OSError):
+    """A file of the run directory could not be written; says which, where, and why."""
+
+
+class RunDir:
+    """One run directory. Cheap to make; every read goes to the files, so it always shows the latest state."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # ---- paths ----------------------------------------------------------------------------------------
+    config_path = property(lambda self: self.path / CONFIG)
+    metrics_path = property(lambda self: self.path / METRICS)
+    events_path = property(lambda self: self.path / EVENTS)
+    summary_path = property(lambda self: self.path / SUMMARY)
+    timings_path = property(lambda self: self.path / TIMINGS)
+    checkpoints_path = property(lambda self: self.path / CHECKPOINTS)
+    errors_path = property(lambda self: self.path / ERRORS)
+    stop_path = property(lambda self: self.path / STOP_REQUEST)
+    weights_path = property(lambda self: self.path / WEIGHTS)
+    lock_path = property(lambda self: self.path / LOCK)
+    ranks_path = property(lambda self: self.path / RANKS)
+    stacks_path = property(lambda self: self.path / STACKS)
+    rank_values_path = property(lambda self: self.path / RANK_VALUES)
+    profile_path = property(lambda self: self.path / PROFILE)
+
+    @contextlib.contextmanager
+    def writing(self, path: Path, what: str) -> Iterator[None]:
+        """Turn an OSError while writing `path` into one that names the run directory and the file."""
+        try:
+            yield
+        except RunDirWriteError:
+            raise
+        except OSError as e:
+            raise RunDirWriteError(e.errno, f"could not write {what} ({path}) in run directory {self.path}: "
+                                            f"{e.strerror or e}") from e
+
+    # ---- reading --------------------------------------------------------------------------------------
+    def config_paths(self) -> list[Path]:
+        """The config of every attempt, first to last: config.yaml, then config.attempt-2.yaml, ..."""
+        attempts = sorted((int(m.group(1)), p) for p in self.path.glob("config.attempt-*.yaml")
+                          if (m := _ATTEMPT.match(p.name)))
+        return ([self.config_path] if self.config_path.exists() else []) + [p for _, p in attempts]
+
+    def config(self) -> RunConfig | None:
+        """The RunConfig of the latest attempt, or None before one is written."""
+        from workbench.config import RunConfig
+
+        paths = self.config_paths()
+        return RunConfig.from_yaml(paths[-1]) if paths else None
+
+    def summary(self) -> Summary:
+        return Summary.from_dict(read_json(self.summary_path))
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics_path)
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.events_path)
+
+    def profile_traces(self) -> list[Path]:
+        """The profile traces written so far (profile_steps), in rank order."""
+        found = [(int(m.group(1)), p) for p in self.profile_path.glob("rank_*.json")
+                 if (m := re.fullmatch(r"rank_(\d+)\.json", p.name))]
+        return [p for _, p in sorted(found)]
+
+    def lock_owner(self) -> dict[str, Any] | None:
+        return read_json(self.lock_path)
+
+    def observe(self) -> Observation:
+        """Whether the run's processes are still there (heartbeats, recorded pids)."""
+        from workbench.rundir.liveness import observe
+
+        return observe(self)
+
+    def observed_status(self) -> tuple[Status, str]:
+        """The status, corrected for a run whose processes are all gone without recording an ending."""
+        status = self.summary().status
+        if status in (Status.STARTING, Status.RUNNING):
+            seen = self.observe()
+            if seen.alive is False:
+                return Status.FAILED, (f"status says {status.value}, but {seen.reason} (last heartbeat at step "
+                                       f"{seen.last_step}); resume it from its newest checkpoint")
+        return status, ""
+
+    # ---- writing --------------------------------------------------------------------------------------
+    def write_config(self, cfg: RunConfig) -> Path:
+        """Store the config of a new attempt; earlier attempts' configs are kept, never overwritten."""
+        n = len(self.config_paths()) + 1
+        path = self.config_path if n == 1 else self.path / f"config.attempt-{n}.yaml"
+        with self.writing(path, "the run's config"):
+            cfg.to_yaml(path)
+        return path
+
+    def set_status(self, status: Status | str, **fields: Any) -> Summary:
+        """Change the run's status (and any other summary fields): the one writer of summary.json.
+
+        Fields not given keep their values; a status other than 'failed' clears an old error, and other than
+        'preempted'/'diverged' an old ending (a resumed run). wall_time_s runs from started_at to now unless given.
+        """
+        status = Status(status)
+        current = self.summary()
+        if status is not Status.FAILED:
+            current.error = None
+        if status not in (Status.PREEMPTED, Status.DIVERGED):
+            current.ending = None
+        updated = current.replace(status=status, **fields)
+        if updated.started_at is None:
+            updated.started_at = time.time()
+        if "wall_time_s" not in fields:
+            updated.wall_time_s = time.time() - updated.started_at
+        with self.writing(self.summary_path, "the run summary"):
+            write_json(self.summary_path, updated.to_dict())
+        return updated
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        with self.writing(self.metrics_path, "a metrics row"):
+            append_jsonl(self.metrics_path, row)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        with self.writing(self.events_path, f"the {kind!r} event"):
+            append_jsonl(self.events_path, {"time": time.time(), "event": kind, **fields})
+
+    def write_timings(self, step_times: list[float]) -> None:
+        with self.writing(self.timings_path, "step timings"):
+            write_json(self.timings_path, {"step_time_s": step_times})
+
+    def write_heartbeat(self, rank: int, beat: dict[str, Any]) -> None:
+        path = self.ranks_path / f"rank_{rank}.json"
+        with self.writing(path, f"rank {rank}'s heartbeat"):
+            write_json(path, {"rank": rank, "time": time.time(), **beat})
+
+    def set_aside_metrics_after(self, step: int) -> Path | None:
+        """On resume from `step`: move later rows (the lost session's) to metrics.after-step-<step>.jsonl.
+
+        The resumed run logs those steps again; keeping both in metrics.jsonl would draw two curves in one.
+        """
+        rows = self.metrics()
+        later = [r for r in rows if r.get("step", 0) > step]
+        if not later:
+            return None
+        aside = self.path / f"metrics.after-step-{step}.jsonl"
+        with self.writing(aside, "the earlier session's metrics"):
+            write_jsonl(aside, later)
+            write_jsonl(self.metrics_path, [r for r in rows if r.get("step", 0) <= step])
+        return aside
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints (with their manifest), oldest first; resume still verifies their contents."""
+        found = []
+        for p in self.checkpoints_path.glob("step_*"):
+            m = _STEP_DIR.match(p.name)
+            if m and (p / COMPLETE_MARKER).is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest_checkpoint(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1][1] if found else None
+
+    # ---- stop requests --------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        with self.writing(self.stop_path, "the stop request"):
+            atomic_write_text(self.stop_path, f"{time.time()}\n")
+
+    def stop_requested(self) -> bool:
+        return self.stop_path.exists()
+
+    def clear_stop(self) -> None:
+        self.stop_path.unlink(missing_ok=True)
+
+    # ---- rank errors ----------------------------------------------------------------------------------
+    def write_rank_error(self, rank: int, error: dict[str, Any]) -> None:
+        write_json(self.errors_path / f"rank_{rank}.json", {"rank": rank, "time": time.time(), **error})
+
+    def has_rank_error(self, rank: int) -> bool:
+        return (self.errors_path / f"rank_{rank}.json").exists()
+
+    def clear_rank_errors(self) -> None:
+        for old in self.errors_path.glob("rank_*.json"):
+            old.unlink()
+
+    def rank_errors(self) -> list[dict[str, Any]]:
+        """Errors of failed ranks, the likely cause first: real errors before fallout, then earliest first."""
+        errors = [e for p in self.errors_path.glob("rank_*.json") if (e := read_json(p))]
+        return sorted(errors, key=lambda e: (is_fallout(e), e.get("time", 0)))
+
+
+_FALLOUT = ("connection reset by peer", "connection closed by peer", "broken pipe", "nccl communicator was aborted",
+            "processgroupnccl", "got signal: 15", "timed out", "timeout", "pair closure")
+
+
+def is_fallout(error: dict[str, Any]) -> bool:
+    """An error caused by another rank's death or hang: a collective that lost its peer or timed out, or the
+    launcher's SIGTERM."""
+    message = error.get("message", "").lower()
+    return error.get("type") == "SignalException" or any(s in message for s in _FALLOUT)
+
+
+def new_run_name(cfg: RunConfig) -> str:
+    task = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rpartition(":")[2] or cfg.task).strip("-._") or "run"
+    return f"{task}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"

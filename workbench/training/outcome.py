@@ -1,0 +1,106 @@
+"""What a rank reports about the run: summary fields, and per-rank facts that prove what really ran."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import gather_object
+
+from workbench import data
+from workbench.utils.files import atomic_write_bytes
+from workbench.utils.hardware import detect
+from workbench.training.measures import peak_memory_bytes, state_digest
+
+if TYPE_CHECKING:
+    from workbench.training.loop import Trainer
+
+
+def first_leaf_dtype(model: torch.nn.Module) -> dict[str, str]:
+    """Record the dtype the first Linear/Conv actually computes in: proof that autocast is on.
+
+    Returns a dict that a forward hook fills with 'dtype' on the first forward pass.
+    """
+    seen: dict[str, str] = {}
+    leaf = next((m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d))),
+                None)
+    if leaf is None:
+        return seen
+
+    def hook(_m: Any, _i: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and "dtype" not in seen:
+            seen["dtype"] = str(out.dtype).removeprefix("torch.")
+            handle.remove()
+
+    handle = leaf.register_forward_hook(hook)
+    return seen
+
+
+def running_fields(t: Trainer) -> dict[str, Any]:
+    """Summary fields known once the ranks are up: what runs where."""
+    hw = detect()
+    cuda = t.device.type == "cuda"
+    return {"run_name": t.cfg.run_name, "task": t.cfg.task, "world_size": t.world,
+            "parallelism": t.cfg.parallelism, "tp": t.cfg.tp, "mesh": t.cfg.mesh, "precision": t.cfg.precision, "device": hw.describe(t.device.type),
+            "device_class": hw.device_class if cuda else "cpu", "global_batch_size": t.global_batch,
+            "micro_batch_size": t.cfg.micro_batch_size, "grad_accum_steps": t.cfg.grad_accum_steps,
+            "n_params": t.n_params, "data": data.used_datasets()}
+
+
+def rank_info(t: Trainer) -> list[dict[str, Any]]:
+    """Every rank's pid, device, compute dtype, threads, peak memory and weights digest, in rank order."""
+    mine = {"rank": t.rank, "pid": os.getpid(), "device": str(t.device),
+            "compute_dtype": t.compute_dtype.get("dtype"),
+            "mixed_precision": t.accelerator.mixed_precision,
+            "distributed_type": str(t.accelerator.distributed_type).split(".")[-1],
+            "world_size": t.world, "torch_threads": torch.get_num_threads(),
+            "peak_memory_bytes": peak_memory_bytes(t.device),
+            "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
+            "agreement_votes": t.agreement.votes,
+            **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
+            "weights_sha256": t.parallel.weights_digest(), "tracked_memory": t.tracked_memory,
+            "profile_trace": str(t.profiler.trace) if t.profiler.trace else None}
+    return gather_object([mine]) if t.world > 1 else [mine]
+
+
+def summary_fields(t: Trainer, *, samples_per_s: float, tokens_per_s: float | None, steps_run: int) -> dict[str, Any]:
+    """Summary fields at the end of a session (collective: every rank calls it)."""
+    ranks = rank_info(t)
+    last_row = t.metrics.last_row
+    fields: dict[str, Any] = {
+        "steps": t.state.step,
+        "steps_this_session": steps_run,
+        "final_loss": last_row["loss"] if last_row else None,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": tokens_per_s,
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
+        "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in ranks],
+        "skipped_steps": t.state.skipped_steps,
+        "train_time_s": t.elapsed_s(),
+        "ranks": ranks,
+        "eval": dict(t.eval_row or {}),
+        "mfu": t.mfu(samples_per_s),
+    }
+    return fields
+
+
+def export_weights(t: Trainer) -> str | None:
+    """Write the full weights once, as model.safetensors (loadable without torch.distributed), whatever the
+    parallelism; returns their sha256 on rank 0. Collective: every rank calls it."""
+    from safetensors.torch import save
+
+    full = t.parallel.full_weights()
+    if not t.main:
+        return None
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in full.items():
+        tensor = tensor.detach().cpu().contiguous()
+        # safetensors refuses tensors that share memory (tied weights): the copy keeps each name loadable.
+        tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
+    metadata = {"task": str(t.cfg.task), "step": str(t.state.step), "parallelism": t.cfg.parallelism,
+                "world_size": str(t.world)}
+    atomic_write_bytes(t.run.weights_path, save(tensors, metadata=metadata))
+    return state_digest(tensors)

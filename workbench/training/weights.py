@@ -1,0 +1,101 @@
+"""The trained model back in the caller's process: weights from a run directory, whatever trained them.
+
+The final weights are model.safetensors (written once by rank 0 from the full state, for every mode), and a
+chosen step's are the model part of its DCP checkpoint, resharded on load into one process. Neither path
+unpickles anything from the run directory but DCP's own metadata; rank values are read with
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from workbench.utils.distributed import single_process_dcp
+from workbench.training.measures import state_digest
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+    from workbench.rundir import RunDir
+    from workbench.tasks import Task
+
+log = logging.getLogger("workbench")
+
+
+def load_model(run: RunDir, cfg: RunConfig, task: Task, *, step: int | None = None,
+               device: str | torch.device = "cpu") -> torch.nn.Module:
+    """`task`'s model with the run's final weights (step=None) or those of the checkpoint at `step`, on
+    `device`, in eval mode."""
+    model = task.build_model(cfg)
+    state = model.state_dict()
+    if step is None and run.weights_path.exists():
+        _load_final(run, state)
+    else:
+        _load_checkpoint(run, state, step)
+    return model.to(device).eval()
+
+
+def _load_final(run: RunDir, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    saved = load_file(str(run.weights_path))
+    missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
+    if missing or unexpected:
+        raise ValueError(f"{run.weights_path} doesn't match the task's model: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}; was the run trained with other task_options?")
+    want = run.summary().to_dict().get("weights_sha256")
+    if want and state_digest(saved) != want:
+        raise ValueError(f"{run.weights_path} does not match the sha256 in summary.json (damaged or replaced); "
+                         "load a checkpoint instead: load_model(step=N)")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            tensor.copy_(saved[name])
+
+
+def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    found = dict(run.checkpoints())
+    if not found:
+        raise FileNotFoundError(f"{run.path} has neither {run.weights_path.name} nor a complete checkpoint: the run "
+                                "ended before saving any weights")
+    if step is None:
+        step = max(found)
+        log.warning("%s has no %s; loading the newest checkpoint (step %d)", run.name, run.weights_path.name, step)
+    if step not in found:
+        raise ValueError(f"step={step}: {run.name} has complete checkpoints at steps {sorted(found)} only "
+                         f"(keep_checkpoints keeps the newest few)")
+    # DCP loads in place into the tensors of `state` (the model's own), resharding whatever layout saved them;
+    # without a process group it loads in this one process, which is what is meant here.
+    with single_process_dcp():
+        dcp.load({"model": state}, checkpoint_id=str(found[step] / "model"))
+
+
+def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
+    """Store what a rank's Task.rank_value returned, refusing what the caller couldn't load safely."""
+    from workbench.utils.files import atomic_write_bytes
+
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)  # may already fail: pickle can't store everything (bound hooks, lambdas)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001  (pickle's errors vary by what it met)
+        raise TypeError(f"rank_value returned a {type(value).__name__} that can't be loaded safely "
+                        f"(saved and read back with torch.load(weights_only=True): {str(e).splitlines()[0]}); "
+                        "return tensors, numbers, "
+                        "strings, and lists/tuples/dicts of them") from e
+    atomic_write_bytes(run.rank_values_path / f"rank_{rank}.pt", buffer.getvalue())
+
+
+def rank_values(run: RunDir) -> list[Any]:
+    """Every rank's value in rank order (None for a rank that returned none)."""
+    world = int(run.summary().to_dict().get("world_size") or 0)
+    values = []
+    for rank in range(world):
+        path = Path(run.rank_values_path) / f"rank_{rank}.pt"
+        values.append(torch.load(path, weights_only=True) if path.exists() else None)
+    return values
