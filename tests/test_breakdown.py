@@ -9,6 +9,7 @@ import pytest
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
+from workbench.rundir import MetricsRow
 from workbench.training.verdicts import PHASES, diagnose
 
 pytestmark = pytest.mark.slow
@@ -66,9 +67,10 @@ def test_a_rank_that_sleeps_is_named_as_the_straggler(runs: dict[str, wb.RunResu
 
 
 def test_verdicts_from_numbers() -> None:
-    def row(**ms: list[float]) -> dict:
-        base = {f"{p}_ms_per_rank": [0.0, 0.0] for p in PHASES}
-        return {**base, **{f"{k}_ms_per_rank": v for k, v in ms.items()}}
+    def row(**ms: list[float]) -> MetricsRow:
+        typed = MetricsRow(step=10)
+        typed.set_phases_ms({**{p: [0.0, 0.0] for p in PHASES}, **ms})
+        return typed
 
     balanced = row(data=[1, 1], compute=[8, 8], comm=[1, 1], optimizer=[1, 1])
     assert diagnose(balanced, num_workers=2, device="cuda") == []
@@ -83,4 +85,4 @@ def test_verdicts_from_numbers() -> None:
     slow = row(data=[1, 1], compute=[5, 7], comm=[3, 1], optimizer=[1, 1])
     assert diagnose(slow, 2, "cpu") == ["rank 1 is 29% slower than the others: they wait for it every step (look "
                                         "for a slower or throttled device, a busier host, or uneven batches)"]
-    assert diagnose({"loss": 1.0}, 2, "cpu") == []
+    assert diagnose(MetricsRow(step=10, loss=1.0), 2, "cpu") == []

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import workbench as wb
-from workbench.utils import files
 from workbench.cli import main
+from workbench.utils import files
 
 
 def test_data_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.utils.hardware import GPU, Hardware
-from workbench.training import lr_at
+from workbench.config.preflight import preflight
+from workbench.tasks.schedule import lr_at
+from workbench.utils.hardware import GPU, Hardware, resolve_device
 
 CPU2 = Hardware(cpu_count=2)
 V100x2 = Hardware(cpu_count=16, gpus=(GPU(name="Tesla V100", compute_capability=(7, 0), memory_bytes=16 << 30),) * 2)
@@ -78,7 +79,7 @@ BAD_FOR_MACHINE = [
 def test_config_impossible_on_this_machine_is_rejected(hw: Hardware, fields: dict, message: str) -> None:
     cfg = wb.RunConfig(**fields)
     with pytest.raises(ValueError, match=message):
-        cfg.check(hardware=hw)
+        preflight(cfg, hardware=hw)
 
 
 @pytest.mark.parametrize("hw,fields,device", [
@@ -88,8 +89,8 @@ def test_config_impossible_on_this_machine_is_rejected(hw: Hardware, fields: dic
 ])
 def test_good_configs_pass_the_machine_check(hw: Hardware, fields: dict, device: str) -> None:
     cfg = wb.RunConfig(**fields)
-    assert cfg.check(hardware=hw) is None  # raises ValueError when the machine can't run it
-    assert cfg.resolved_device(hw) == device
+    assert preflight(cfg, hardware=hw) is None  # raises ValueError when the machine can't run it
+    assert resolve_device(cfg, hw) == device
 
 
 def test_global_batch_is_micro_times_accum_times_world() -> None:

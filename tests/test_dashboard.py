@@ -15,11 +15,10 @@ import workbench as wb
 import workbench.notebook.dashboard as dashboard_mod
 import workbench.regress.recording as rec
 from workbench import rundir
-from workbench.utils import files
 from workbench.notebook.dashboard import Dashboard
 from workbench.notebook.plots import draw, ema, sci
-from workbench.notebook.snapshot import Reading, run_average
-import workbench.notebook.snapshot as snapshot_mod
+from workbench.notebook.reading import Reading, run_average
+from workbench.utils import files
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 BATCH = 64
@@ -67,7 +66,7 @@ def test_run_average_matches_the_summary_of_a_real_run(runs_dir: Path) -> None:
     cfg = wb.RunConfig(task="digits", num_processes=2, max_steps=20, log_every=5, micro_batch_size=16,
                        device="cpu", runs_dir=str(runs_dir))
     result = wb.launch(cfg)
-    summary, rows = result.summary, result.metrics
+    summary, rows = result.summary, result.dir.metrics_rows()
     timings = files.read_json(result.run_dir / "timings.json")["step_time_s"]
     batch = summary["global_batch_size"]
     # What summary.json's samples_per_s is: this session's samples over its step times.
@@ -78,9 +77,10 @@ def test_run_average_matches_the_summary_of_a_real_run(runs_dir: Path) -> None:
     assert f"{summary['samples_per_s']:,.0f} (run average)" in dash.stats.value
     assert "(last 5 steps)" in dash.stats.value
     # While it ran, the same definition over the steps its rows had timed: every row agrees with timings.json.
-    for row in (r for r in rows if r.get("loss") is not None):
-        live = Reading(rows=[r for r in rows if r["step"] <= row["step"]], summary={"global_batch_size": batch})
-        k = row["step"]
+    for row in (r for r in rows if r.is_train):
+        live = Reading(rows=[r for r in rows if r.step <= row.step],
+                       summary={"global_batch_size": batch})
+        k = row.step
         assert run_average(live, ended=False) == pytest.approx((k - 1) * batch / sum(timings[:k - 1]), rel=1e-9)
 
 
@@ -173,25 +173,6 @@ def test_a_failed_run_ends_with_one_figure_and_one_error(tmp_path: Path, monkeyp
     assert dash.final_shown and dash.image.layout.display == "none" and "below" in dash.placeholder.value
 
 
-def test_watch_updates_its_own_output_at_the_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    class Handle:
-        updates: list[Any] = []
-
-        def update(self, obj: Any) -> None:
-            self.updates.append(obj._repr_mimebundle_())
-
-    shown: list[Any] = []
-    monkeypatch.setattr(dashboard_mod, "in_kernel", lambda: True)
-    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(kw) or Handle())
-    run_dir = fake_run(tmp_path, trainer_rows([0.1] * 20, log_every=5), status="completed", steps=20)
-    dash = dashboard_mod.watch(run_dir, interval=0.05)
-    dash.stop(timeout=10)
-    dash.show_final()
-    assert shown == [{"display_id": True}]  # no second output: the first one now holds the final snapshot
-    assert len(Handle.updates) == 1 and "completed" in Handle.updates[0]["text/html"]
-    assert Handle.updates[0]["text/html"].count("<img") == 1 and WIDGET_VIEW in Handle.updates[0]
-
-
 # ---- static snapshot in the display bundle --------------------------------------------------------------------
 def test_dashboard_bundle_has_the_widget_and_a_static_snapshot(tmp_path: Path) -> None:
     dash = Dashboard(fake_run(tmp_path, trainer_rows([0.1] * 20, log_every=5)))
@@ -266,7 +247,7 @@ def test_the_step_time_breakdown_is_a_bar_per_rank_with_the_slowest_marked(tmp_p
     # widths are shares of the longest step (45 ms): rank 1's compute is 40/45 of the bar
     assert re.search(r"wb-breakdown-compute' title='forward\+backward: 40.00 ms \(89%\)' style='width:88.89%", rank1)
     assert "⚠ rank 1 is 238% slower" in dash.breakdown.value
-    snapshot = snapshot_mod.dashboard_html(dash)
+    snapshot = dash.snapshot_html()
     assert "where the step time goes" in snapshot and "◀ slowest" in snapshot
     # a row without a breakdown (an old run directory) shows none
     old = Dashboard(fake_run(tmp_path / "old", trainer_rows([0.1] * 10, log_every=5)))

@@ -6,7 +6,9 @@ All offline: the tinyshakespeare mirror is ../shared/data beside the repository
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -584,3 +586,51 @@ def test_manifest_usage_is_shown_and_must_be_text(tmp_path: Path) -> None:
     bad.write_text(re.sub(r"usage: >-\n(  .*\n)+", "usage: [1, 2]\n", text))
     with pytest.raises(data.ManifestError, match=r"badusage.yaml:\n  - usage must be a string, got \[1, 2\]"):
         data.load_manifest("badusage", extra_dirs=[tmp_path])
+
+
+DATA_PACKAGE = REPO / "workbench" / "data"
+
+
+def data_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of each ``from workbench.data... import name`` in a module of workbench/data.
+
+    Relative imports count too: in workbench/data, ``from .cache import x`` is workbench.data.cache.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if node.level:
+            anchor = ["workbench", "data"][:3 - node.level]
+            module = ".".join(anchor + ([module] if module else []))
+        if module == "workbench.data" or module.startswith("workbench.data."):
+            found += [(module, alias.name) for alias in node.names]
+    return found
+
+
+def private_imports(package: Path) -> list[str]:
+    return [f"{p.name}: from {module} import {name}" for p in sorted(package.glob("*.py"))
+            for module, name in data_imports(p) if name.startswith("_")]
+
+
+def test_the_private_import_check_can_fail(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from workbench.data.cache import (\n    cache_dir,\n    _lock,\n)\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .errors import _one_line\n")
+    assert private_imports(tmp_path) == ["a.py: from workbench.data.cache import _lock",
+                                         "b.py: from workbench.data.errors import _one_line"]
+
+
+def test_data_modules_use_only_each_others_public_interface() -> None:
+    modules = sorted(DATA_PACKAGE.glob("*.py"))
+    assert len(modules) >= 8
+    assert private_imports(DATA_PACKAGE) == []
+    # Each module declares its interface in __all__: public names it defines, and nothing
+    # a sibling imports from it is left out.
+    for path in modules:
+        name = "workbench.data" if path.stem == "__init__" else f"workbench.data.{path.stem}"
+        module = importlib.import_module(name)
+        assert [n for n in module.__all__ if n.startswith("_") or not hasattr(module, n)] == [], name
+    undeclared = [f"{p.name}: from {m} import {n}" for p in modules for m, n in data_imports(p)
+                  if n not in importlib.import_module(m).__all__]
+    assert undeclared == []

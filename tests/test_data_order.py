@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import workbench as wb
-from workbench.training import ShardedBatches
+from workbench.training.batches import ShardedBatches
 
 DATA = TensorDataset(torch.arange(100))
 

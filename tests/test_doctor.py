@@ -14,10 +14,18 @@ import pytest
 import workbench.commands.doctor.allreduce as allreduce
 import workbench.commands.doctor.checkup as report_module
 from workbench.cli import main
-from workbench.config import RunConfig
-from workbench.commands.doctor import SECTIONS, Finding, bus_factor, env_pitfalls, parse_topo_matrix, run_doctor, run_sweep
+from workbench.commands.doctor import (
+    SECTIONS,
+    Finding,
+    bus_factor,
+    env_pitfalls,
+    parse_topo_matrix,
+    run_doctor,
+    run_sweep,
+)
 from workbench.commands.doctor.findings import Section
 from workbench.commands.doctor.topology import add_topology, describe_link
+from workbench.config import RunConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "doctor" / "nvidia-smi-topo-4x-a100-nvlink.txt"
 KiB = 1024

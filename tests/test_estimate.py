@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tasks_for_tests import TinyBlocks
 
 import workbench as wb
-from tasks_for_tests import TinyBlocks
 from workbench.estimator import estimate, lookup
 
 pytestmark = pytest.mark.slow

@@ -18,11 +18,11 @@ from typing import Any
 
 import psutil
 import pytest
+from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from tasks_for_tests import TinyRegression
-from workbench.utils import files
 from workbench.rundir import RunDir
+from workbench.utils import files
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parent

@@ -19,10 +19,10 @@ from matplotlib.figure import Figure
 import workbench as wb
 import workbench.training.monitor as monitor_mod
 from workbench import rundir
-from workbench.utils import files
 from workbench.notebook.dashboard import Dashboard
-from workbench.training.monitor import FIELDS, DeviceMonitor, nvml_target, row_fields
 from workbench.notebook.plots import draw
+from workbench.training.monitor import FIELDS, DeviceMonitor, nvml_target, row_fields
+from workbench.utils import files
 
 MB = 2**20
 

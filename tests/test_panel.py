@@ -13,14 +13,15 @@ import pytest
 
 import workbench as wb
 from workbench import rundir
-from workbench.utils import files
 from workbench.config import Precision
+from workbench.config.preflight import preflight
+from workbench.launcher.processes import describe_launch
 from workbench.notebook.dashboard import Dashboard
-from workbench.utils.hardware import GPU, Hardware, detect
-from workbench.launcher.api import describe_launch
 from workbench.notebook.panel import controls as panel_mod
 from workbench.rundir import RunDir
 from workbench.tasks.digits import DigitsTask
+from workbench.utils import files
+from workbench.utils.hardware import GPU, Hardware, detect
 
 
 def until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
@@ -92,14 +93,14 @@ def test_invalid_combination_shows_runconfig_message_and_disables_launch(runs_di
 
     # A config RunConfig accepts but this machine can't run: check()'s message, and Save stays on.
     panel.controls["precision"].value = "fp8"
-    assert panel.state.problem == expected_error(lambda: tiny(runs_dir, precision="fp8").check())
+    assert panel.state.problem == expected_error(lambda: preflight(tiny(runs_dir, precision="fp8")))
     assert panel.launch_button.disabled and not panel.save_button.disabled
 
 
 def test_task_options_problem_is_shown(runs_dir: Path) -> None:
     cfg = tiny(runs_dir, task_options={"hiden": 64})
     panel = wb.Panel(cfg, estimate=False)
-    assert panel.state.problem == expected_error(cfg.check)
+    assert panel.state.problem == expected_error(lambda: preflight(cfg))
     assert "hiden" in panel.state.problem and panel.launch_button.disabled
 
 

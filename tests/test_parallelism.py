@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from tasks_for_tests import TinyBlocks
 
 import workbench as wb
+from workbench.config.preflight import preflight
 from workbench.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -159,9 +160,9 @@ def test_more_processes_than_cores_is_refused_unless_asked_for(runs_dir: Path) -
 
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match=rf"num_processes={cores + 1}: .*or set oversubscribe=True"):
-        cfg_for(runs_dir, num_processes=cores + 1, oversubscribe=False).check(task=TinyBlocks())
+        preflight(cfg_for(runs_dir, num_processes=cores + 1, oversubscribe=False), task=TinyBlocks())
     with pytest.warns(UserWarning, match="oversubscribe=True"):
-        cfg_for(runs_dir, num_processes=cores + 1).check(task=TinyBlocks())
+        preflight(cfg_for(runs_dir, num_processes=cores + 1), task=TinyBlocks())
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])

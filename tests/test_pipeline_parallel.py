@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import copy_for_resume
 from safetensors.torch import load_file
 
-from conftest import copy_for_resume
-
-from workbench.rundir import RunDir
-
 import workbench as wb
+from workbench.config.preflight import preflight
+from workbench.rundir import RunDir
 from workbench.tasks.stages import balanced_split
 
 pytestmark = pytest.mark.slow
@@ -123,13 +122,13 @@ def test_task_without_stages_is_refused(tmp_path: Path) -> None:
 
     cfg = cfg_for(tmp_path, task="char-gpt", num_processes=2, pp=2, grad_accum_steps=2, task_options={})
     with pytest.raises(ValueError, match=r"can't be split into pipeline stages"):
-        cfg.check(task=TinyBlocks())
+        preflight(cfg, task=TinyBlocks())
 
 
 def test_too_many_stages_for_char_gpt(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path, num_processes=4, pp=4, grad_accum_steps=4, oversubscribe=True)
     with pytest.raises(ValueError, match=r"n_layer=2 blocks, fewer than the pipeline stages"):
-        cfg.check()
+        preflight(cfg)
 
 
 def test_pp_checkpoint_resumes_on_one_process(runs: dict[str, wb.RunResult]) -> None:

@@ -20,15 +20,15 @@ import pytest
 import yaml
 
 import workbench
-import workbench.utils.kernel
 import workbench.regress.recording as rec
-from workbench.utils.hardware import Hardware
+import workbench.utils.kernel
+from workbench.launcher.result import RunResult
 from workbench.regress.baselines import baseline_path, load_baseline
 from workbench.regress.judging import compare
 from workbench.regress.rules import DEFAULT_REL, Rule, median, parse_rule
 from workbench.regress.runner import run as run_suite
 from workbench.regress.suite import Case, load_targets, parse_parameters, select_profile
-from workbench.launcher.result import RunResult
+from workbench.utils.hardware import Hardware
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"

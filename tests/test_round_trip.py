@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tasks_for_tests import TinyBlocks, TinyRegression
 
 import workbench as wb
-from tasks_for_tests import TinyBlocks, TinyRegression
+from workbench.config.preflight import preflight
 from workbench.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -187,7 +188,7 @@ def test_data_that_isnt_available_offline_is_refused_before_launch(runs_dir: Pat
     monkeypatch.setenv("WORKBENCH_DATA_MIRROR", str(tmp_path / "empty-mirror"))
     with pytest.raises(ValueError, match=r"task 'char-gpt': dataset 'tinyshakespeare' is not available offline .*"
                                          r"`workbench data fetch tinyshakespeare`"):
-        cfg_for(runs_dir, task="char-gpt").check()
+        preflight(cfg_for(runs_dir, task="char-gpt"))
     panel = wb.Panel(cfg_for(runs_dir, task="char-gpt"), estimate=False)
     assert panel.launch_button.disabled and "not available offline" in panel.state.problem
     assert "launching" not in panel.launch_info.value  # the implied launch doesn't contradict the refusal

@@ -9,8 +9,8 @@ import nbformat
 import pytest
 from conftest import REPO
 
-from workbench.utils.hardware import detect
 from workbench.regress.runner import run as run_suite
+from workbench.utils.hardware import detect
 
 pytestmark = pytest.mark.slow
 

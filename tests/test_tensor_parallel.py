@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from conftest import copy_for_resume
+from safetensors.torch import load_file
 from tasks_for_tests import TinyBlocks
 
 import workbench as wb
-
 from workbench.rundir import RunDir
 from workbench.tasks.char_gpt import GPT
 

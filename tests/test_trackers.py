@@ -14,10 +14,11 @@ import pytest
 
 import workbench as wb
 from workbench.config import trackers as tracking
-from workbench.utils.hardware import Hardware
+from workbench.config.preflight import preflight
 from workbench.training.batches import loader_options
 from workbench.training.profiling import STEP_LABEL
 from workbench.training.tracker_log import hyperparameters, scalars
+from workbench.utils.hardware import Hardware
 
 CPU2 = Hardware(cpu_count=2)
 
@@ -53,7 +54,7 @@ def test_a_requested_tracker_that_is_not_installed_is_refused_with_the_pip_comma
     cfg = wb.RunConfig(task="digits", device="cpu", trackers=["tensorboard", "mlflow"])
     with pytest.raises(ValueError, match=r"trackers=\['tensorboard', 'mlflow'\]: mlflow not installed here; "
                                          r"`pip install mlflow-skinny`, or leave mlflow out of trackers"):
-        cfg.check(CPU2)
+        preflight(cfg, hardware=CPU2)
 
 
 def test_auto_means_tensorboard_when_installed_else_none(monkeypatch) -> None:
@@ -61,16 +62,16 @@ def test_auto_means_tensorboard_when_installed_else_none(monkeypatch) -> None:
     assert tracking.resolve("auto") == ["tensorboard"]
     monkeypatch.setattr(tracking, "installed", lambda name: False)
     assert tracking.resolve("auto") == [] and tracking.missing("auto") == []
-    wb.RunConfig(task="digits", device="cpu").check(CPU2)  # 'auto' without tensorboard is no error
+    preflight(wb.RunConfig(task="digits", device="cpu"), hardware=CPU2)  # 'auto' without tensorboard is no error
     assert tracking.resolve(["mlflow"]) == ["mlflow"] and tracking.missing(["mlflow"]) == ["mlflow"]
 
 
 def test_pin_memory_on_cpu_is_warned_about_not_silently_dropped() -> None:
     with pytest.warns(UserWarning, match=r"pin_memory=True on CPU: .*not used on this run"):
-        wb.RunConfig(task="digits", device="cpu", pin_memory=True).check(CPU2)
+        preflight(wb.RunConfig(task="digits", device="cpu", pin_memory=True), hardware=CPU2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        wb.RunConfig(task="digits", device="cpu").check(CPU2)  # 'auto' says nothing on CPU
+        preflight(wb.RunConfig(task="digits", device="cpu"), hardware=CPU2)  # 'auto' says nothing on CPU
 
 
 def test_loader_options_resolve_auto_per_device_and_workers() -> None:

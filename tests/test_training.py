@@ -12,8 +12,8 @@ import torch
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from workbench.utils import files
 from workbench.rundir import RunDir
+from workbench.utils import files
 
 pytestmark = pytest.mark.slow
 
@@ -332,7 +332,7 @@ def test_multi_node_recipe_two_torchrun_nodes_form_one_job(runs_dir: Path, tmp_p
     import subprocess
     import sys
 
-    from workbench.launcher.api import free_port
+    from workbench.launcher.processes import free_port
 
     path = tmp_path / "run.yaml"
     cfg_for(runs_dir, task="tasks_for_tests:TinyRegression", num_processes=1, max_steps=6, run_name="nodes").to_yaml(path)

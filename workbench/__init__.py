@@ -15,21 +15,20 @@ from workbench.version import __version__
 if TYPE_CHECKING:
     from workbench import data, tasks
     from workbench.config import RunConfig
-    from workbench.estimator.api import estimate
-    from workbench.launcher.api import Run, launch, start
+    from workbench.estimator.estimation import estimate
+    from workbench.launcher.launch import Run, launch, start
     from workbench.launcher.result import RunResult
     from workbench.notebook.panel import Panel
     from workbench.regress.recording import record
-    from workbench.rundir import (RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError,
-                                  Status)
+    from workbench.rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, Status
     from workbench.tasks import Task, register_task
 
 _HOMES = {
     "RunConfig": "workbench.config",
-    "estimate": "workbench.estimator.api",
-    "Run": "workbench.launcher.api",
-    "launch": "workbench.launcher.api",
-    "start": "workbench.launcher.api",
+    "estimate": "workbench.estimator.estimation",
+    "Run": "workbench.launcher.launch",
+    "launch": "workbench.launcher.launch",
+    "start": "workbench.launcher.launch",
     "RunResult": "workbench.launcher.result",
     "Panel": "workbench.notebook.panel",
     "record": "workbench.regress.recording",

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workbench.config.preflight import preflight
+
 log = logging.getLogger("workbench")
 
 
@@ -108,6 +110,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     pa.add_argument("--modes", nargs="+", default=None,
                     help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp)")
     pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    im = bsub.add_parser("imports", help="importing the rank side against `import torch, accelerate`, in fresh "
+                                         "interpreters side by side")
+    im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")
+    im.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
     es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
 
@@ -135,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose)
     from workbench.data import DataUnavailableError
-
     from workbench.rundir import RunDirWriteError
 
     try:
@@ -149,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    handlers = {"train": _train, "check": _train, "estimate": _estimate, "status": _status, "demo": _demo, "data": _data,
-                "regress": _regress, "bench": _bench, "doctor": _doctor}
+    handlers = {"train": _train, "check": _train, "estimate": _estimate, "status": _status, "demo": _demo,
+                "data": _data, "regress": _regress, "bench": _bench, "doctor": _doctor}
     return handlers[args.command](args)
 
 
@@ -159,12 +164,12 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
     if args.command == "check":
-        from workbench.launcher.api import describe_launch
+        from workbench.launcher.processes import describe_launch
 
-        cfg.check()
+        preflight(cfg)
         print(describe_launch(cfg))
         return 0
-    from workbench.launcher.api import check_launch
+    from workbench.launcher.launch import check_launch
 
     cfg, _ = check_launch(cfg, None, args.mode)  # --prepare-only too: the same checks as a launch
     if args.prepare_only:
@@ -174,9 +179,9 @@ def _train(args: argparse.Namespace) -> int:
         lock.release(run, token)  # rank 0 takes it when the ranks start
         print(run.path)
         return 0
-    from workbench.launcher.api import launch
-    from workbench.rundir import RunFailedError, RunPreemptedError
+    from workbench.launcher.launch import launch
     from workbench.launcher.signals import EXIT_PREEMPTED
+    from workbench.rundir import RunFailedError, RunPreemptedError
 
     _take_signals(cfg)
     try:
@@ -274,6 +279,10 @@ def _bench(args: argparse.Namespace) -> int:
     from workbench.commands import bench
     from workbench.config import RunConfig
 
+    if args.bench_command == "imports":
+        report = bench.imports(repeats=args.repeats, json_path=args.json)
+        print(report.table())
+        return 0 if report.passed else 1
     if args.bench_command == "estimate":
         print(bench.estimate_accuracy(json_path=args.json).table())
         return 0
@@ -293,8 +302,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from workbench.config import RunConfig
     from workbench.commands.doctor import run_doctor
+    from workbench.config import RunConfig
 
     cfg = RunConfig.from_yaml(args.config) if args.config else RunConfig(task=args.task or "digits")
     cfg = cfg.with_overrides(([f"task={args.task}"] if args.task else []) + args.overrides)

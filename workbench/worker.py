@@ -16,9 +16,9 @@ import pickle
 import sys
 from pathlib import Path
 
-from workbench.training.rank import rank_main, record_exception
 from workbench.rundir import RunDir
 from workbench.tasks import Task, get_task
+from workbench.training.rank import rank_main, record_exception
 
 TASK_FILE = "task.pkl"
 """The pickled task of a spawned launch, in the run directory: (the caller's sys.path, cloudpickle bytes)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from workbench.config import RunConfig
-from workbench.launcher.api import launch
+from workbench.launcher.launch import launch
 from workbench.rundir import Status
 from workbench.utils.units import fmt_bytes
 

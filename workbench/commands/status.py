@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from workbench.rundir import RunDir, Status
 from workbench.launcher.signals import EXIT_PREEMPTED
+from workbench.rundir import RunDir, Status
 from workbench.utils.units import fmt_duration
 
 
@@ -20,14 +20,14 @@ def describe_run(path: Path) -> tuple[str, int]:
         raise ValueError(f"{run.path}: not a run directory (no summary.json)")
     summary = run.summary()
     status, why = run.observed_status()
-    rows = [r for r in run.metrics() if r.get("loss") is not None]
+    rows = [r for r in run.metrics_rows() if r.is_train]
     cfg = run.config()
     lines = [f"{run.name}: {status.value}" + (f" ({why})" if why else "")]
     if rows:
         last = rows[-1]
         total = f"/{cfg.max_steps}" if cfg else ""
-        lines.append(f"  step {last['step']}{total}, loss {last['loss']:.4g}, "
-                     f"{last.get('samples_per_s', 0):,.0f} samples/s (last window)")
+        lines.append(f"  step {last.step}{total}, loss {last.loss:.4g}, "
+                     f"{last.samples_per_s or 0:,.0f} samples/s (last window)")
     if status in (Status.RUNNING, Status.STARTING):
         seen = run.observe()
         lines.append(f"  processes: {seen.reason}")

@@ -8,7 +8,8 @@ against a field's type hint. Nothing here imports a task, the trainer or the mac
 
 from __future__ import annotations
 
-from workbench.config.run_config import (PARALLELISM_MODES, SHARDED, ActivationCheckpointing, Parallelism,
-                                         Precision, RunConfig)
+from workbench.config.mesh import SHARDED, ParallelDims
+from workbench.config.run_config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism, Precision, RunConfig
 
-__all__ = ["PARALLELISM_MODES", "SHARDED", "ActivationCheckpointing", "Parallelism", "Precision", "RunConfig"]
+__all__ = ["PARALLELISM_MODES", "SHARDED", "ActivationCheckpointing", "ParallelDims", "Parallelism", "Precision",
+           "RunConfig"]

@@ -1,20 +1,18 @@
-"""RunConfig's validation: ranges and names (on construction), and the checks against this machine and the task
-(RunConfig.check). Every error names the field, the value and what would work."""
+"""RunConfig's validation on construction: types aside (typecheck.py), the ranges of numbers and the names
+of runs, signals, trackers and fields. Every error names the field, the value and what would work. Checks
+that need the task or this machine are preflight.py's."""
 
 from __future__ import annotations
 
 import math
 import re
-import warnings
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from workbench.utils.suggest import unknown_keys
-from workbench.config.trackers import missing, pip_command
 
 if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
-    from workbench.utils.hardware import Hardware
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_WORKERS = 64
@@ -129,67 +127,3 @@ def check_names(cfg: RunConfig, field_names: list[str]) -> None:
     unknown = [name for name in cfg.resume_allow if name not in (*field_names, "global_batch_size")]
     if unknown:
         raise ValueError(f"resume_allow: unknown field(s) {', '.join(unknown_keys(unknown, field_names))}")
-
-def check_against_machine(cfg: RunConfig, hw: Hardware, task: Any = None) -> None:
-    """RunConfig.check: against this machine and the task (`task`, else the registry)."""
-    from workbench.tasks import get_task  # tasks import config, so late
-
-    if cfg.device == "cuda" and not hw.has_cuda:
-        raise ValueError("device='cuda': no CUDA GPU is visible on this machine; use device='auto' or 'cpu'")
-    device = cfg.resolved_device(hw)
-    limit = hw.max_processes(device)
-    if cfg.num_processes > limit:
-        if device == "cpu" and cfg.oversubscribe:
-            warnings.warn(f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): the "
-                          "ranks share cores and run slower than they would on their own", stacklevel=2)
-        else:
-            what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
-            extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
-            raise ValueError(f"num_processes={cfg.num_processes}: this machine has {what}; "
-                             f"use num_processes={limit} or fewer{extra}")
-    if cfg.cpu_offload and device != "cuda":
-        raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
-                         "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
-    if cfg.grad_compression == "bf16" and device != "cuda" and cfg.num_processes > 1:
-        raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
-                         "use grad_compression='fp16' or 'powersgd' on CPU")
-    check_tools(cfg, device)
-    problem = hw.precision_problem(cfg.precision, device)
-    if problem:
-        raise ValueError(f"precision={cfg.precision!r} on {hw.describe(device)}: {problem}")
-    task = task or get_task(cfg.task)
-    task.check_options(cfg)
-    task.check_data(cfg)
-    from workbench.config.mesh import check_parallel_task
-
-    check_parallel_task(cfg, task)
-    if cfg.activation_checkpointing != "none":
-        _check_checkpoint_units(cfg, task)
-
-
-def check_tools(cfg: RunConfig, device: str) -> None:
-    """Trackers that aren't installed are refused before launch (accelerate would drop them silently); pinned
-    memory on CPU is warned about, as it does nothing there."""
-    absent = missing(cfg.trackers)
-    if absent:
-        raise ValueError(f"trackers={cfg.trackers!r}: {', '.join(absent)} not installed here; "
-                         f"`{pip_command(absent)}`, or leave {' and '.join(absent)} out of trackers")
-    if cfg.pin_memory is True and device != "cuda":
-        warnings.warn("pin_memory=True on CPU: pinned memory only speeds up copies to a GPU; it is not used on "
-                      "this run (set pin_memory='auto' to silence this)", stacklevel=3)
-
-
-def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
-    """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device
-    (no memory, no data loaded into it)."""
-    import torch
-
-    from workbench.tasks.blocks import checkpoint_units, shard_units
-
-    try:
-        with torch.device("meta"):
-            model = task.build_model(cfg)
-    except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
-        return
-    checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
-

@@ -1,188 +1,94 @@
-"""The rank layout: how a run's ranks split into data-parallel and tensor-parallel groups, and the checks that
-refuse an impossible layout before anything launches (messages name the field, the value and sizes that work).
+"""The rank layout's one owner: how a run's ranks split over the mesh dimensions, and everything derived
+from that (data-parallel size, world size, global batch, which modes shard, a rank's coordinates). Every
+other module asks `ParallelDims` (torchtitan keeps the same arithmetic in a class of that name).
 
 The layout is a mesh of named dimensions, outermost first, as torchtitan names them:
 
-    pp            pipeline stages (tp = 1; the data-parallel ranks are replicas of the whole pipeline)
+    pp            pipeline stages (the data-parallel ranks are replicas of the whole pipeline)
     dp_replicate  data-parallel replicas (ddp, zero1; hsdp's groups)
     dp_shard      data-parallel ranks that shard parameters (zero2, zero3/fsdp; hsdp's shard groups)
     tp            tensor-parallel ranks that split each matrix (Megatron style)
 
 A rank's coordinates follow row-major order, so rank = dp_index * tp + tp_index: the ranks of one TP group
-are neighbours, see the same batches and share a torch seed.
+are neighbours, see the same batches and share a torch seed. mesh_checks.py refuses impossible layouts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-SHARDED_MODES = ("zero2", "zero3", "fsdp", "hsdp")
+SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
+"""Parallelism modes that shard parameters over the dp_shard dimension (FSDP2)."""
 
 
-def mesh_sizes(cfg: RunConfig) -> dict[str, int]:
-    """{'pp', 'dp_replicate', 'dp_shard', 'tp'} sizes whose product is num_processes."""
-    dp = cfg.num_processes // (cfg.tp * cfg.pp)
-    if cfg.parallelism == "hsdp" and cfg.dp_shard:
-        replicate, shard = dp // cfg.dp_shard, cfg.dp_shard
-    elif cfg.parallelism in SHARDED_MODES:
-        replicate, shard = 1, dp
-    else:
-        replicate, shard = dp, 1
-    return {"pp": cfg.pp, "dp_replicate": replicate, "dp_shard": shard, "tp": cfg.tp}
+def shards(parallelism: str) -> bool:
+    """Whether `parallelism` shards parameters (FSDP2) rather than replicating them."""
+    return parallelism in SHARDED
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the mesh dimensions; their product is the world size."""
 
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
 
-def check_layout(cfg: RunConfig) -> None:
-    """The parallelism fields agree with each other and with num_processes; ValueError naming the fix."""
-    p, n, tp = cfg.parallelism, cfg.num_processes, cfg.tp
-    if p == "none" and n > 1:
-        raise ValueError(f"parallelism='none' with num_processes={n}: 'none' runs one process; set "
-                         "parallelism='ddp' or num_processes=1")
-    if tp < 1:
-        raise ValueError(f"tp={tp}: the tensor-parallel size must be at least 1 (1 turns tensor parallelism off)")
-    if n % tp:
-        raise ValueError(f"tp={tp} with num_processes={n}: the tensor-parallel size must divide the number of ranks "
-                         f"(data-parallel size = num_processes / tp); use tp={' or '.join(map(str, _divisors(n)))}, "
-                         f"or num_processes={tp * max(1, n // tp + 1)}")
-    if cfg.pp != 1:
-        _check_pipeline(cfg)
-        return
-    dp = n // tp
-    if tp > 1:
-        _check_tensor_parallel(cfg, dp)
-    if p == "hsdp":
-        ok = [d for d in range(2, dp // 2 + 1) if dp % d == 0]
-        what = "num_processes" if tp == 1 else f"the data-parallel size num_processes/tp={dp}"
-        hint = (f"use dp_shard={' or '.join(map(str, ok))}" if ok else
-                f"{what} can't be split so; use e.g. num_processes={4 * tp} with dp_shard=2, or "
-                "parallelism='zero3' to shard over all data-parallel ranks")
-        if cfg.dp_shard < 2 or dp % cfg.dp_shard or dp // cfg.dp_shard < 2:
-            raise ValueError(f"dp_shard={cfg.dp_shard} with parallelism='hsdp' and num_processes={n}"
-                             f"{f' (tp={tp})' * (tp > 1)}: hsdp shards within groups of dp_shard ranks and replicates "
-                             f"across at least 2 groups, so dp_shard must divide {what} and be between 2 and half of "
-                             f"it; {hint}")
-    elif cfg.dp_shard:
-        raise ValueError(f"dp_shard={cfg.dp_shard}: only parallelism='hsdp' uses it (parallelism={p!r}); set "
-                         "dp_shard=0, or parallelism='hsdp'")
-    if cfg.grad_compression != "none" and p not in ("ddp", "zero1"):
-        raise ValueError(f"grad_compression={cfg.grad_compression!r} with parallelism={p!r}: compression hooks "
-                         "apply to DDP's gradient all-reduce (ddp, zero1); sharded modes reduce-scatter instead. "
-                         "Set grad_compression='none', or parallelism='ddp'")
-    if cfg.cpu_offload and p not in ("zero3", "fsdp", "hsdp"):
-        raise ValueError(f"cpu_offload=True with parallelism={p!r}: offloading sharded parameters and optimizer "
-                         "state needs parallelism='zero3' (or 'hsdp'); set cpu_offload=False or change parallelism")
+    @classmethod
+    def of(cls, cfg: RunConfig, world_size: int | None = None) -> ParallelDims:
+        """The layout of `cfg` over `world_size` ranks (default: cfg.num_processes; a multi-node launch
+        passes the world it really has)."""
+        world = cfg.num_processes if world_size is None else world_size
+        dp = world // (cfg.tp * cfg.pp)
+        if cfg.parallelism == "hsdp" and cfg.dp_shard:
+            replicate, shard = dp // cfg.dp_shard, cfg.dp_shard
+        elif shards(cfg.parallelism):
+            replicate, shard = 1, dp
+        else:
+            replicate, shard = dp, 1
+        return cls(pp=cfg.pp, dp_replicate=replicate, dp_shard=shard, tp=cfg.tp)
 
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
-def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
-    p, n, tp = cfg.parallelism, cfg.num_processes, cfg.tp
-    if dp > 1 and p in ("ddp", "zero1"):
-        raise ValueError(f"tp={tp} with parallelism={p!r} on num_processes={n} (data-parallel size {dp}): only the "
-                         "sharded modes combine with tensor parallelism (FSDP x TP on a 2-D mesh); set "
-                         f"parallelism='zero3' (or 'zero2', 'hsdp'), or tp={n} for pure tensor parallelism")
-    if p == "hsdp":
-        raise ValueError(f"parallelism='hsdp' with tp={tp}: hsdp x tp (a 3-D mesh) is not supported yet; use "
-                         f"parallelism='zero3' (FSDP x TP over data-parallel size {dp}), or tp=1")
-    _refuse_unsupported(cfg, f"tp={tp}", "tensor parallelism", "tp=1", _common_unsupported(cfg))
-    if cfg.micro_batch_size == "auto":
-        raise ValueError(f"micro_batch_size='auto' with tp={tp}: the automatic micro-batch search does not handle "
-                         "tensor parallelism yet; set micro_batch_size to a number")
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ranks that see different batches."""
+        return self.dp_replicate * self.dp_shard
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """{'pp', 'dp_replicate', 'dp_shard', 'tp'}: the sizes, outermost first."""
+        return {name: getattr(self, name) for name in MESH_DIMS}
 
-def _check_pipeline(cfg: RunConfig) -> None:
-    """pp > 1: every rank one stage, replicated pipelines (ddp) for the rest; micro-batches enough for the
-    schedule."""
-    pp, n, tp, accum = cfg.pp, cfg.num_processes, cfg.tp, cfg.grad_accum_steps
-    if pp < 1:
-        raise ValueError(f"pp={pp}: the number of pipeline stages must be at least 1 (1 turns pipelining off)")
-    if n % (pp * tp):
-        raise ValueError(f"pp={pp} with tp={tp} and num_processes={n}: pp x tp must divide the number of ranks; "
-                         f"use num_processes={pp * tp}, or pp={' or '.join(map(str, _divisors(n // tp or 1)))}")
-    if tp > 1:
-        raise ValueError(f"pp={pp} with tp={tp}: pipeline x tensor parallel is not supported yet; set tp=1 "
-                         "(pipeline parallel alone), or pp=1")
-    if n // pp > 1 and cfg.parallelism != "ddp":
-        raise ValueError(f"pp={pp} with parallelism={cfg.parallelism!r} on num_processes={n} (data-parallel size "
-                         f"{n // pp}): pipelines combine with replicated data parallelism only for now; set "
-                         f"parallelism='ddp' (replicated pipelines), or num_processes={pp} (pure pipeline parallel)")
-    if cfg.pp_schedule == "1f1b" and accum < pp:
-        raise ValueError(f"pp_schedule='1f1b' with pp={pp} and grad_accum_steps={accum}: 1F1B needs at least as "
-                         f"many micro-batches per step (grad_accum_steps) as stages; set grad_accum_steps={pp} or "
-                         "more, or pp_schedule='gpipe'")
-    _refuse_unsupported(cfg, f"pp={pp}", "pipeline parallelism", "pp=1", {
-        **_common_unsupported(cfg),
-        "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
-        "activation_checkpointing": (cfg.activation_checkpointing != "none", "set activation_checkpointing='none'"),
-        # PyTorch's MemTracker refuses a module called once per micro-batch in one step
-        "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")})
+    @property
+    def ranks_per_stage(self) -> int:
+        """Ranks in one pipeline stage (all ranks without a pipeline)."""
+        return self.dp * self.tp
 
+    def global_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
+        """Samples per optimizer step over all ranks: only the data-parallel ranks see different ones."""
+        return micro_batch_size * grad_accum_steps * self.dp
 
-def _common_unsupported(cfg: RunConfig) -> dict[str, tuple[bool, str]]:
-    """Settings tensor and pipeline parallelism don't take yet: {field: (set to something refused, the fix)}."""
-    return {"grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
-            "cpu_offload": (cfg.cpu_offload, "set cpu_offload=False"),
-            "precision": (cfg.precision == "fp16", "use precision='bf16' or 'fp32'")}
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dimension (row-major, 'pp' outermost, 'tp' innermost)."""
+        coords = {}
+        for name in reversed(MESH_DIMS):
+            rank, coords[name] = divmod(rank, getattr(self, name))
+        return {name: coords[name] for name in MESH_DIMS}
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel coordinate: which batches `rank` sees (shared by a TP group and a pipeline)."""
+        coords = self.coordinates(rank)
+        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
-def _refuse_unsupported(cfg: RunConfig, setting: str, mode: str, off: str,
-                        checks: dict[str, tuple[bool, str]]) -> None:
-    for name, (bad, fix) in checks.items():
-        if bad:
-            raise ValueError(f"{name}={getattr(cfg, name)!r} with {setting}: not supported with {mode} yet; {fix}, "
-                             f"or {off}")
-
-
-def check_parallel_task(cfg: RunConfig, task: Any) -> None:
-    """Before launch: the task can be split as tp and pp ask (a plan, pipeline stages)."""
-    if cfg.tp > 1:
-        check_tensor_parallel_task(cfg, task)
-    if cfg.pp > 1:
-        check_pipeline_task(cfg, task)
-
-
-def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
-    """pp > 1: Task.pipeline_stages gives a stage for every stage index, built on the meta device."""
-    import torch
-
-    for stage in range(cfg.pp):
-        with torch.device("meta"):
-            model = task.build_model(cfg)
-        part = task.pipeline_stages(model, cfg, stage, cfg.pp)
-        if part is None:
-            raise ValueError(f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "
-                             f"({type(task).__name__}.pipeline_stages returns None); set pp=1, or implement "
-                             "pipeline_stages(model, cfg, stage, stages) returning the stage's nn.Module")
-
-
-def check_tensor_parallel_task(cfg: RunConfig, task: Any) -> None:
-    """Before launch, with tp > 1: the task has a plan (Task.tensor_parallel_plan) that names real submodules,
-    looked up on the model built on the meta device."""
-    import torch
-
-    with torch.device("meta"):
-        model = task.build_model(cfg)
-    plan = task.tensor_parallel_plan(model, cfg)
-    if plan is None:
-        raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan "
-                         f"({type(task).__name__}.tensor_parallel_plan returns None), so its model can't be split "
-                         "over ranks; set tp=1 (and use parallelism='zero3' to shard it instead), or implement "
-                         "tensor_parallel_plan(model, cfg) returning {submodule name: ColwiseParallel()/RowwiseParallel()}")
-    names = {name for name, _ in model.named_modules()}
-    missing = [key for key in plan if "*" not in key and key not in names]
-    if missing:
-        raise ValueError(f"tp={cfg.tp}: {type(task).__name__}.tensor_parallel_plan names submodule(s) the model "
-                         f"doesn't have: {', '.join(missing[:5])}")
-
-
-def rank_coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
-    """This rank's index along each mesh dimension (row-major, 'pp' outermost, 'tp' innermost)."""
-    coords = {}
-    for name in reversed(MESH_DIMS):
-        rank, coords[name] = divmod(rank, sizes[name])
-    return {name: coords[name] for name in MESH_DIMS}
+    def describe(self) -> str:
+        """The dimensions larger than 1, e.g. 'pp 2 × dp_shard 2', or 'one process'."""
+        return " × ".join(f"{name} {size}" for name, size in self.sizes.items() if size > 1) or "one process"

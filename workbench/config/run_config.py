@@ -11,13 +11,14 @@ from typing import Any, Literal
 
 import yaml
 
-from workbench.config.checks import check_against_machine, check_names, check_numbers
-from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
-from workbench.utils.hardware import Hardware, detect
+from workbench.config.checks import check_names, check_numbers
+from workbench.config.mesh import ParallelDims
+from workbench.config.mesh_checks import check_layout
 from workbench.config.precision import Precision
 from workbench.config.trackers import Tracker
-from workbench.utils.suggest import unknown_keys
 from workbench.config.typecheck import check_type, plain
+from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
+from workbench.utils.suggest import unknown_keys
 
 Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -34,7 +35,6 @@ PARALLELISM_MODES: dict[str, str] = {
 }
 """One line per parallelism mode, as the panel and `workbench check` show them."""
 
-SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
 """Modes that shard parameters and gradients (FSDP2); 'zero1' shards only the optimizer state."""
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -180,16 +180,19 @@ class RunConfig:
         return self.num_processes
 
     @property
+    def dims(self) -> ParallelDims:
+        """The rank layout over num_processes ranks (mesh.py owns its arithmetic)."""
+        return ParallelDims.of(self)
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel size: ranks that see different batches (num_processes / (tp * pp))."""
-        return self.num_processes // (self.tp * self.pp)
+        return self.dims.dp
 
     @property
     def mesh(self) -> dict[str, int]:
-        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'tp'; see layout.py)."""
-        from workbench.config.mesh import mesh_sizes
-
-        return mesh_sizes(self)
+        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'tp')."""
+        return self.dims.sizes
 
     @property
     def global_batch_size(self) -> int | None:
@@ -197,7 +200,7 @@ class RunConfig:
         (with an 'auto' micro-batch: target_global_batch, or None until the ranks have chosen)."""
         if self.micro_batch_size == "auto":
             return self.target_global_batch or None
-        return self.micro_batch_size * self.grad_accum_steps * self.dp_size
+        return self.dims.global_batch(self.micro_batch_size, self.grad_accum_steps)
 
     @property
     def runs_dir_path(self) -> Path:
@@ -207,11 +210,6 @@ class RunConfig:
     @property
     def run_dir(self) -> Path | None:
         return self.runs_dir_path / self.run_name if self.run_name else None
-
-    def resolved_device(self, hardware: Hardware | None = None) -> str:
-        if self.device != "auto":
-            return self.device
-        return "cuda" if (hardware or detect()).has_cuda else "cpu"
 
     # ---- validation ----------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -228,13 +226,8 @@ class RunConfig:
         check_names(self, _field_names())
 
     def _check_parallelism(self) -> None:
-        from workbench.config.mesh import check_layout
-
         check_layout(self)
 
-    def check(self, hardware: Hardware | None = None, task: Any = None) -> None:
-        """Validate against this machine and the task (`task`, else the registry); ValueError before anything runs."""
-        check_against_machine(self, hardware or detect(), task)
 
     # ---- copies and files ----------------------------------------------------------------------------
     def replace(self, **changes: Any) -> RunConfig:

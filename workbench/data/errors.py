@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+__all__ = [
+    "DataUnavailableError",
+    "IntegrityError",
+    "ManifestError",
+    "UnsafeArchiveError",
+    "one_line",
+]
+
 
 class ManifestError(ValueError):
     """A manifest is malformed, or no manifest declares the requested dataset."""
@@ -16,7 +24,8 @@ class ManifestError(ValueError):
 class IntegrityError(ValueError):
     """A file's size or sha256 differs from its manifest; the file was not used."""
 
-    def __init__(self, message: str, *, expected: str | None, actual: str | None, location: str) -> None:
+    def __init__(self, message: str, *, expected: str | None, actual: str | None,
+                 location: str) -> None:
         super().__init__(message)
         self.expected = expected
         self.actual = actual
@@ -31,6 +40,11 @@ class UnsafeArchiveError(ValueError):
     """An archive member would land outside the dataset directory."""
 
 
-def _one_line(e: BaseException | str) -> str:
+def one_line(e: BaseException | str) -> str:
+    """An exception (or text) as one line, to quote as the cause inside a longer message.
+
+    Multi-line causes (YAML parser errors, nested URLErrors) would break the
+    ``Tried:`` lists and bullet lists the data errors are made of.
+    """
     text = e if isinstance(e, str) else (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
     return " ".join(text.split())

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Mapping, Sequence
+from typing import Any, BinaryIO
+
+__all__ = ["GENERATORS", "Generator", "register_generator"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ def _positive_int(params: Mapping[str, Any], key: str, upper: int | None = None)
     value = params[key]
     if type(value) is not int or value < 1 or (upper is not None and value > upper):
         bound = f" and at most {upper}" if upper is not None else ""
-        raise ValueError(f"generator parameter {key!r} must be an integer of at least 1{bound}, got {value!r}")
+        raise ValueError(f"generator parameter {key!r} must be an integer of at least 1{bound}, "
+                         f"got {value!r}")
     return value
 
 
@@ -63,16 +67,19 @@ def _write_csv_row(out: BinaryIO, values: Sequence[float], last: str = "") -> No
 
 
 @register_generator("gaussian-blobs",
-                    {"n_samples": 300, "n_features": 2, "centers": 3, "cluster_std": 1.0, "center_box": 10.0})
+                    {"n_samples": 300, "n_features": 2, "centers": 3, "cluster_std": 1.0,
+                     "center_box": 10.0})
 def _gaussian_blobs(out: BinaryIO, params: dict[str, Any], seed: int) -> None:
     """CSV of Gaussian clusters for classification: x0..x{d-1},label."""
     n, d, k = (_positive_int(params, key) for key in ("n_samples", "n_features", "centers"))
     rng = random.Random(seed)
-    centers = [[(2.0 * rng.random() - 1.0) * params["center_box"] for _ in range(d)] for _ in range(k)]
+    box = params["center_box"]
+    centers = [[(2.0 * rng.random() - 1.0) * box for _ in range(d)] for _ in range(k)]
     out.write((",".join(f"x{j}" for j in range(d)) + ",label\n").encode("ascii"))
     for i in range(n):
         label = i % k
-        _write_csv_row(out, [c + params["cluster_std"] * _normal(rng) for c in centers[label]], str(label))
+        row = [c + params["cluster_std"] * _normal(rng) for c in centers[label]]
+        _write_csv_row(out, row, str(label))
 
 
 @register_generator("linear-regression", {"n_samples": 200, "n_features": 4, "noise": 0.1})

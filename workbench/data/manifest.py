@@ -1,36 +1,35 @@
-"""Data manifests: the dataclasses, parsing and validation, and where manifests are found."""
+"""What a data manifest is: the dataclasses, and parsing and validating one manifest file.
+
+Where manifests are found is :mod:`workbench.data.manifest_lookup`'s concern. The rule for
+a path inside a dataset directory (:func:`relative_path`) lives here because the manifest
+format defines it; archive extraction and :class:`ResolvedData` apply the same rule.
+"""
 
 from __future__ import annotations
 
-import logging
-import os
 import re
 import urllib.parse
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
 
-
-from workbench.utils.files import read_yaml
-from workbench.data.errors import ManifestError, _one_line
+from workbench.data.errors import ManifestError, one_line
 from workbench.data.generators import GENERATORS, Generator
+from workbench.utils.files import read_yaml
 
-log = logging.getLogger("workbench")
+__all__ = [
+    "SCHEMA_VERSION",
+    "SOURCES",
+    "FileSpec",
+    "Manifest",
+    "is_absolute",
+    "parse_manifest",
+    "relative_path",
+]
 
 SCHEMA_VERSION = 1
 SOURCES = ("url", "package", "synthetic")
-#: Built-in manifests live beside the package, at the repository root.
-def _builtin_manifest_dir() -> Path:
-    """data-manifests/ of a source checkout (editable install), else the copy a wheel ships."""
-    checkout = Path(__file__).resolve().parents[2] / "data-manifests"
-    if checkout.is_dir():
-        return checkout
-    return Path(__file__).resolve().parents[1] / "builtin_manifests"
-
-
-MANIFEST_DIR = _builtin_manifest_dir()
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -38,7 +37,8 @@ _SHA256_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 _PACKAGE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _URL_SCHEMES = ("http", "https", "ftp", "file")
 
-_TOP_REQUIRED = ("schema_version", "name", "description", "license", "homepage", "version", "files")
+_TOP_REQUIRED = ("schema_version", "name", "description", "license", "homepage", "version",
+                 "files")
 _TOP_OPTIONAL = ("source", "usage")
 # (required, optional) keys of one `files` entry, per source type.
 _FILE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -112,12 +112,32 @@ class Manifest:
         return "\n".join(lines)
 
 
+def is_absolute(path: str) -> bool:
+    """Whether ``path`` is absolute on POSIX or on Windows, where archives may come from."""
+    path = path.replace("\\", "/")
+    return path.startswith("/") or re.match(r"^[A-Za-z]:", path) is not None
+
+
+def relative_path(value: Any) -> str | None:
+    """``value`` as a normalised POSIX path inside a dataset directory, or None.
+
+    None when it is not a non-empty string, is absolute, uses backslashes or climbs
+    out with ``..``: such a path could read or write outside the dataset directory.
+    """
+    if not isinstance(value, str) or not value or "\\" in value or is_absolute(value):
+        return None
+    parts = PurePosixPath(value).parts
+    if ".." in parts or not parts:
+        return None
+    return str(PurePosixPath(*parts))
+
+
 def _plural(word: str, items: Sequence[Any]) -> str:
     return word if len(items) == 1 else word + "s"
 
 
-def _check_keys(raw: Mapping[Any, Any], required: Sequence[str], optional: Sequence[str], where: str,
-                problems: list[str]) -> None:
+def _check_keys(raw: Mapping[Any, Any], required: Sequence[str], optional: Sequence[str],
+                where: str, problems: list[str]) -> None:
     unknown = sorted(str(k) for k in raw if k not in required and k not in optional)
     missing = [k for k in required if k not in raw]
     if unknown:
@@ -125,23 +145,8 @@ def _check_keys(raw: Mapping[Any, Any], required: Sequence[str], optional: Seque
         names = ", ".join(map(repr, unknown))
         problems.append(f"unknown {_plural('key', unknown)} {names}{where} (allowed: {allowed})")
     if missing:
-        problems.append(f"missing required {_plural('key', missing)} {', '.join(map(repr, missing))}{where}")
-
-
-def _is_absolute(path: str) -> bool:
-    """Absolute on any platform; archives and manifests may come from Windows."""
-    path = path.replace("\\", "/")
-    return path.startswith("/") or re.match(r"^[A-Za-z]:", path) is not None
-
-
-def _relative_path(value: Any) -> str | None:
-    """Normalised relative POSIX path, or None if it is absolute or climbs out."""
-    if not isinstance(value, str) or not value or "\\" in value or _is_absolute(value):
-        return None
-    parts = PurePosixPath(value).parts
-    if ".." in parts or not parts:
-        return None
-    return str(PurePosixPath(*parts))
+        names = ", ".join(map(repr, missing))
+        problems.append(f"missing required {_plural('key', missing)} {names}{where}")
 
 
 def _same_kind(default: Any, value: Any) -> bool:
@@ -155,31 +160,25 @@ def _same_kind(default: Any, value: Any) -> bool:
     return True
 
 
-def _check_params(generator: Generator, params: dict[str, Any], where: str, problems: list[str]) -> None:
+def _check_params(generator: Generator, params: dict[str, Any], where: str,
+                  problems: list[str]) -> None:
     for key, value in params.items():
         if key not in generator.defaults:
             takes = ", ".join(generator.defaults)
-            problems.append(f"unknown generator parameter {key!r}{where} ({generator.name} takes: {takes})")
+            problems.append(
+                f"unknown generator parameter {key!r}{where} ({generator.name} takes: {takes})")
         elif not _same_kind(generator.defaults[key], value):
             kind = type(generator.defaults[key]).__name__
             problems.append(f"generator parameter {key!r}{where} must be a {kind}, got {value!r}")
 
 
-def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileSpec | None:
-    if not isinstance(raw, dict):
-        problems.append(f"files[{index}] must be a mapping (with path, sha256, size, ...), got {raw!r}")
-        return None
-    before = len(problems)
-    where = f" in files[{index}]" + (f" ({raw['path']})" if isinstance(raw.get("path"), str) else "")
-    _check_keys(raw, *_FILE_KEYS[source], where, problems)
-    # Unknown keys were reported just above; checking them again would only repeat the message.
-    raw = {k: v for k, v in raw.items() if k in _FILE_KEYS[source][0] + _FILE_KEYS[source][1]}
+def _check_file_values(raw: dict[str, Any], where: str, problems: list[str]) -> Generator | None:
+    """Report each badly typed value of one `files` entry; the entry's generator, if valid."""
 
     def bad(key: str, expectation: str) -> None:
         problems.append(f"{key}{where} must be {expectation}, got {raw[key]!r}")
 
-    path = _relative_path(raw.get("path"))
-    if "path" in raw and path is None:
+    if "path" in raw and relative_path(raw["path"]) is None:
         bad("path", "a relative path inside the dataset directory (no '..', not absolute)")
     sha256 = raw.get("sha256")
     if sha256 is not None and not (isinstance(sha256, str) and _SHA256_RE.match(sha256)):
@@ -193,13 +192,15 @@ def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileS
         bad("urls", f"a non-empty list of URLs ({', '.join(_URL_SCHEMES)})")
     if "extract" in raw and not isinstance(raw["extract"], bool):
         bad("extract", "true or false")
-    if "package" in raw and not (isinstance(raw["package"], str) and _PACKAGE_RE.match(raw["package"])):
+    package = raw.get("package")
+    if "package" in raw and not (isinstance(package, str) and _PACKAGE_RE.match(package)):
         bad("package", "an importable package name such as 'sklearn'")
-    if "resource" in raw and _relative_path(raw["resource"]) is None:
+    if "resource" in raw and relative_path(raw["resource"]) is None:
         bad("resource", "a relative path inside the package (no '..', not absolute)")
     if "seed" in raw and type(raw["seed"]) is not int:
         bad("seed", "an integer")
-    generator = GENERATORS.get(raw["generator"]) if isinstance(raw.get("generator"), str) else None
+    name = raw.get("generator")
+    generator = GENERATORS.get(name) if isinstance(name, str) else None
     if "generator" in raw and generator is None:
         bad("generator", f"one of: {', '.join(sorted(GENERATORS))}")
     params = raw.get("params", {})
@@ -207,40 +208,50 @@ def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileS
         bad("params", "a mapping of generator parameters")
     elif generator is not None:
         _check_params(generator, params, where, problems)
+    return generator
 
+
+def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileSpec | None:
+    if not isinstance(raw, dict):
+        problems.append(
+            f"files[{index}] must be a mapping (with path, sha256, size, ...), got {raw!r}")
+        return None
+    before = len(problems)
+    named = f" ({raw['path']})" if isinstance(raw.get("path"), str) else ""
+    where = f" in files[{index}]{named}"
+    required, optional = _FILE_KEYS[source]
+    _check_keys(raw, required, optional, where, problems)
+    # Unknown keys were reported just above; checking them again would only repeat the message.
+    raw = {k: v for k, v in raw.items() if k in required + optional}
+    generator = _check_file_values(raw, where, problems)
     if len(problems) > before:
         return None
+    params = raw.get("params", {})
+    sha256 = raw.get("sha256")
     return FileSpec(
-        path=path,  # type: ignore[arg-type]
+        path=relative_path(raw["path"]),  # type: ignore[arg-type]
         sha256=sha256.lower() if sha256 else None,
-        size=size,
-        urls=tuple(urls),
+        size=raw.get("size"),
+        urls=tuple(raw.get("urls", [])),
         extract=raw.get("extract", False),
         package=raw.get("package"),
-        resource=_relative_path(raw["resource"]) if "resource" in raw else None,
+        resource=relative_path(raw["resource"]) if "resource" in raw else None,
         generator=raw.get("generator"),
         # `noise: 1` means 1.0; normalising keeps the recorded generator spec canonical.
-        params={k: float(v) if isinstance(generator.defaults[k], float) else v for k, v in params.items()}
-        if generator is not None else {},
+        params={k: float(v) if isinstance(generator.defaults[k], float) else v
+                for k, v in params.items()} if generator is not None else {},
         seed=raw.get("seed", 0),
     )
 
 
-def _parse_manifest(path: Path) -> Manifest:
-    try:
-        raw = read_yaml(path)
-    except ValueError as e:
-        raise ManifestError(f"cannot read data manifest {path}: {_one_line(e)}", path) from e
-    if not isinstance(raw, dict):
-        raise ManifestError(f"invalid data manifest {path}: expected a YAML mapping, got {type(raw).__name__}", path)
-
-    problems: list[str] = []
-    _check_keys(raw, _TOP_REQUIRED, _TOP_OPTIONAL, "", problems)
+def _check_top(raw: dict[str, Any], path: Path, problems: list[str]) -> tuple[Any, Any, str]:
+    """Report each bad top-level value; the manifest's (name, version, source)."""
 
     def bad(key: str, expectation: str) -> None:
         problems.append(f"{key} must be {expectation}, got {raw[key]!r}")
 
-    if "schema_version" in raw and (type(raw["schema_version"]) is not int or raw["schema_version"] != SCHEMA_VERSION):
+    schema = raw.get("schema_version")
+    if "schema_version" in raw and (type(schema) is not int or schema != SCHEMA_VERSION):
         bad("schema_version", f"{SCHEMA_VERSION} (the manifest format this workbench reads)")
     name = raw.get("name")
     if "name" in raw:
@@ -264,11 +275,31 @@ def _parse_manifest(path: Path) -> Manifest:
     if source not in SOURCES:
         bad("source", f"one of {', '.join(SOURCES)}")
         source = "url"  # still check the files, to report every problem at once
+    return name, version, source
+
+
+def parse_manifest(path: Path) -> Manifest:
+    """Read and validate the manifest file ``path``.
+
+    Raises ManifestError listing every problem found, not only the first, so a
+    manifest can be fixed in one edit.
+    """
+    try:
+        raw = read_yaml(path)
+    except ValueError as e:
+        raise ManifestError(f"cannot read data manifest {path}: {one_line(e)}", path) from e
+    if not isinstance(raw, dict):
+        raise ManifestError(f"invalid data manifest {path}: expected a YAML mapping, "
+                            f"got {type(raw).__name__}", path)
+
+    problems: list[str] = []
+    _check_keys(raw, _TOP_REQUIRED, _TOP_OPTIONAL, "", problems)
+    name, version, source = _check_top(raw, path, problems)
     files = raw.get("files")
     specs: list[FileSpec | None] = []
     if "files" in raw:
         if not (isinstance(files, list) and files):
-            bad("files", "a non-empty list")
+            problems.append(f"files must be a non-empty list, got {files!r}")
         else:
             specs = [_parse_file(f, i, source, problems) for i, f in enumerate(files)]
     seen = [s.path for s in specs if s is not None]
@@ -276,74 +307,9 @@ def _parse_manifest(path: Path) -> Manifest:
         problems.append(f"file path {dup!r} is declared more than once")
 
     if problems:
-        raise ManifestError(f"invalid data manifest {path}:\n" + "\n".join(f"  - {p}" for p in problems), path)
-    return Manifest(name=name, version=version, description=raw["description"].strip(), license=raw["license"].strip(),
-                    homepage=raw["homepage"], source=source, files=tuple(specs), path=path,  # type: ignore[arg-type]
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise ManifestError(f"invalid data manifest {path}:\n{listed}", path)
+    return Manifest(name=name, version=version, description=raw["description"].strip(),
+                    license=raw["license"].strip(), homepage=raw["homepage"], source=source,
+                    files=tuple(specs), path=path,  # type: ignore[arg-type]
                     usage=str(raw.get("usage", "")).strip())
-
-
-def _paths(value: PathLike | Sequence[PathLike] | None) -> list[Path]:
-    # A lone path is accepted too: extra_dirs="manifests" must not mean ["m", "a", ...].
-    if isinstance(value, (str, os.PathLike)):
-        value = [value]
-    return [Path(p).expanduser() for p in value or ()]
-
-
-def _env_paths(var: str) -> list[Path]:
-    return [Path(p).expanduser() for p in os.environ.get(var, "").split(os.pathsep) if p.strip()]
-
-
-def manifest_dirs(extra_dirs: Sequence[PathLike] | None = None) -> list[Path]:
-    """Directories searched for manifests, highest priority first.
-
-    ``extra_dirs``, then ``WORKBENCH_MANIFESTS`` (``os.pathsep``-separated), then
-    the built-in ``data-manifests/``.
-    """
-    dirs = _paths(extra_dirs) + _env_paths("WORKBENCH_MANIFESTS") + [MANIFEST_DIR]
-    unique: list[Path] = []
-    for d in dirs:
-        if d.resolve() not in (u.resolve() for u in unique):
-            unique.append(d)
-    return unique
-
-
-_warned: set[tuple[str, ...]] = set()
-
-
-def _warn_once(key: tuple[str, ...], message: str, *args: Any) -> None:
-    # Manifests are looked up on every resolve(); one warning per situation is enough.
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
-
-
-def _manifest_paths(extra_dirs: Sequence[PathLike] | None) -> dict[str, Path]:
-    """The winning manifest file for each dataset name."""
-    found: dict[str, list[Path]] = {}
-    for d in manifest_dirs(extra_dirs):
-        if not d.is_dir():
-            _warn_once(("missing-dir", str(d)), "data manifest directory %s does not exist; ignoring it", d)
-            continue
-        for p in sorted(d.iterdir()):
-            if p.suffix in (".yaml", ".yml") and p.is_file():
-                found.setdefault(p.stem, []).append(p)
-    for name, paths in found.items():
-        if len(paths) > 1:
-            _warn_once(("override", *map(str, paths)), "data manifest %r: using %s, which overrides %s",
-                       name, paths[0], ", ".join(map(str, paths[1:])))
-    return {name: paths[0] for name, paths in found.items()}
-
-
-def list_manifests(extra_dirs: Sequence[PathLike] | None = None) -> list[Manifest]:
-    """Every known manifest (user ones overriding built-ins), sorted by name."""
-    return [_parse_manifest(p) for _, p in sorted(_manifest_paths(extra_dirs).items())]
-
-
-def load_manifest(name: str, extra_dirs: Sequence[PathLike] | None = None) -> Manifest:
-    """The manifest of dataset ``name``; ManifestError lists the known names if there is none."""
-    paths = _manifest_paths(extra_dirs)
-    if name not in paths:
-        known = ", ".join(sorted(paths)) or "(none)"
-        searched = ", ".join(map(str, manifest_dirs(extra_dirs)))
-        raise ManifestError(f"unknown dataset {name!r}; known datasets: {known} (manifests are read from: {searched})")
-    return _parse_manifest(paths[name])

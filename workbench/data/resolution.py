@@ -1,4 +1,9 @@
-"""Resolution: a manifest's files, verified, in the cache (from cache, package, mirrors, URLs or a generator)."""
+"""Resolution: a manifest's files, verified, in the cache.
+
+Each file comes from the first place that has a verified copy: the cache, the installed
+package, a mirror, a URL, or a generator. The cache's layout and state are
+:mod:`workbench.data.cache`'s concern; this module decides where to look and in what order.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,33 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http.client import HTTPException
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO
 
-from workbench.utils.files import mkstemp_like_open
-from workbench.data.archives import _extract_archive
-from workbench.data.cache import _TMP_PREFIX, _Copied, _copy_to_temp, _dataset_lock, _load_state, _save_state, _sha256_file, cache_dir
-from workbench.data.errors import DataUnavailableError, IntegrityError, ManifestError, _one_line
+from workbench.data.archives import extract_archive
+from workbench.data.cache import (
+    TMP_PREFIX,
+    Copied,
+    DatasetCache,
+    cache_dir,
+    copy_to_temp,
+    dataset_lock,
+    sha256_file,
+)
+from workbench.data.errors import DataUnavailableError, IntegrityError, ManifestError, one_line
 from workbench.data.generators import GENERATORS
-from workbench.data.manifest import FileSpec, Manifest, PathLike, _env_paths, _paths, _relative_path, load_manifest
+from workbench.data.manifest import FileSpec, Manifest, relative_path
+from workbench.data.manifest_lookup import load_manifest
+from workbench.data.search_paths import PathLike, as_paths, env_paths
+from workbench.utils.files import mkstemp_like_open
+
+__all__ = ["ResolvedData", "fetch", "reset_used_datasets", "resolve", "used_datasets"]
 
 log = logging.getLogger("workbench")
 
@@ -43,13 +60,14 @@ class ResolvedData:
 
     def record(self) -> dict[str, Any]:
         """JSON-able record for the run directory: what data exactly was used."""
-        return {"name": self.name, "version": self.version, "source": self.manifest.source, "files": dict(self.sha256)}
+        return {"name": self.name, "version": self.version, "source": self.manifest.source,
+                "files": dict(self.sha256)}
 
     def __getitem__(self, path: str) -> Path:
         """A declared file, or a file extracted from one of its archives."""
         if path in self.files:
             return self.files[path]
-        relative = _relative_path(path)
+        relative = relative_path(path)
         if relative is not None and (self.root / relative).exists():
             return self.root / relative
         raise KeyError(f"{self.name} has no file {path!r}; declared files: {', '.join(self.files)}")
@@ -59,8 +77,8 @@ def _download_reason(e: BaseException) -> str:
     if isinstance(e, urllib.error.HTTPError):
         return f"HTTP {e.code} {e.reason}"
     if isinstance(e, urllib.error.URLError):
-        return _one_line(e.reason if isinstance(e.reason, BaseException) else str(e.reason))
-    return _one_line(e)
+        return one_line(e.reason if isinstance(e.reason, BaseException) else str(e.reason))
+    return one_line(e)
 
 
 @dataclass
@@ -80,78 +98,66 @@ def _corrupt(where: str, sha: str, size: int) -> _Attempt:
 class _Resolver:
     """Resolves one manifest's files into the cache; runs under the dataset lock."""
 
-    def __init__(self, manifest: Manifest, cache: Path, mirrors: list[Path], offline: bool, progress: bool) -> None:
+    def __init__(self, manifest: Manifest, cache: Path, mirrors: list[Path], offline: bool,
+                 progress: bool) -> None:
         self.m = manifest
-        self.cache = cache
-        self.root = cache / manifest.name / manifest.version
+        self.entry = DatasetCache(cache, manifest.name, manifest.version)
+        self.root = self.entry.root
         self.mirrors = mirrors
         self.offline = offline
         self.progress = progress
-        self.state_path = cache / manifest.name / f".{manifest.version}.state.json"
-        self.state = _load_state(self.state_path)
 
     def run(self) -> ResolvedData:
         self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_temps()
+        self.entry.remove_stale_temps(s.path for s in self.m.files)
         shas: dict[str, str] = {}
         origins: dict[str, str] = {}
         for spec in self.m.files:
             target = self.root / spec.path
             target.parent.mkdir(parents=True, exist_ok=True)
             shas[spec.path], origins[spec.path] = self._file(spec, target)
-            if spec.extract and self.state["extracted"].get(spec.path) != shas[spec.path]:
+            if spec.extract and not self.entry.is_extracted(spec.path, shas[spec.path]):
                 log.info("data %s: extracting %s", self.m.name, spec.path)
-                _extract_archive(target, self.root, protected={s.path for s in self.m.files}, manifest=self.m)
-                self.state["extracted"][spec.path] = shas[spec.path]
-                _save_state(self.state_path, self.state)
-        return ResolvedData(self.m.name, self.m.version, self.root, {s.path: self.root / s.path for s in self.m.files},
-                            self.m, shas, origins)
-
-    def _remove_stale_temps(self) -> None:
-        # Only a killed process leaves these; we hold the lock, so none is in use.
-        for d in {self.state_path.parent, self.root, *((self.root / s.path).parent for s in self.m.files)}:
-            if not d.is_dir():
-                continue
-            for p in d.glob(_TMP_PREFIX + "*"):
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
+                extract_archive(target, self.root, protected={s.path for s in self.m.files},
+                                manifest=self.m)
+                self.entry.record_extracted(spec.path, shas[spec.path])
+        files = {s.path: self.root / s.path for s in self.m.files}
+        return ResolvedData(self.m.name, self.m.version, self.root, files, self.m, shas, origins)
 
     def _label(self, spec: FileSpec) -> str:
         return f"{self.m.name}/{spec.path}"
 
-    def _expected_sha(self, spec: FileSpec) -> str | None:
-        if spec.sha256 or not spec.generator:
-            return spec.sha256
-        record = self.state["generated"].get(spec.path)
-        # A record made from other params (manifest edited in place) says nothing about this spec.
-        return record["sha256"] if record and record["spec"] == _jsonable(spec.generator_spec()) else None
+    def _cached(self, spec: FileSpec, target: Path, attempts: list[_Attempt]) -> str | None:
+        """The sha256 of a good cached copy; else None, with why appended to attempts."""
+        expected = self.entry.expected_sha256(spec)
+        if not target.is_file() or expected is None:
+            why = "not present" if not target.exists() else "not generated from this spec"
+            attempts.append(_Attempt(f"cache {target}", why))
+            return None
+        sha = sha256_file(target)
+        size = target.stat().st_size
+        if sha == expected and spec.size in (None, size):
+            log.debug("data %s: cache hit %s", self._label(spec), target)
+            return sha
+        log.warning("data %s: cached file %s is corrupt (expected sha256 %s, got %s); "
+                    "fetching it again", self._label(spec), target, expected, sha)
+        attempts.append(_corrupt(f"cache {target}", sha, size))
+        return None
 
     def _file(self, spec: FileSpec, target: Path) -> tuple[str, str]:
         attempts: list[_Attempt] = []
-        expected = self._expected_sha(spec)
-        if target.is_file() and expected is not None:
-            sha = _sha256_file(target)
-            size = target.stat().st_size
-            if sha == expected and spec.size in (None, size):
-                log.debug("data %s: cache hit %s", self._label(spec), target)
-                return sha, "cache"
-            log.warning("data %s: cached file %s is corrupt (expected sha256 %s, got %s); fetching it again",
-                        self._label(spec), target, expected, sha)
-            attempts.append(_corrupt(f"cache {target}", sha, size))
-        else:
-            why = "not present" if not target.exists() else "not generated from this spec"
-            attempts.append(_Attempt(f"cache {target}", why))
-
+        cached = self._cached(spec, target, attempts)
+        if cached is not None:
+            return cached, "cache"
         if self.m.source == "synthetic":
             return self._generate(spec, target, attempts)
         if self.m.source == "package":
             found = _package_file(spec)
             if isinstance(found, Path):
-                result = self._from_local(spec, target, found, f"package {spec.package} ({found})")
+                where = f"package {spec.package} ({found})"
+                result = self._from_local(spec, target, found, where)
                 if isinstance(result, str):
-                    return result, f"package {spec.package} ({found})"
+                    return result, where
                 attempts.append(result)
             else:
                 attempts.append(_Attempt(f"package {spec.package}", found))
@@ -168,15 +174,17 @@ class _Resolver:
             attempts.append(result)
         raise self._failure(spec, attempts)
 
-    def _copy(self, src: BinaryIO, spec: FileSpec, target: Path) -> _Copied:
-        return _copy_to_temp(src, target.parent, limit=spec.size, desc=self._label(spec), progress=self.progress)
+    def _copy(self, src: BinaryIO, spec: FileSpec, target: Path) -> Copied:
+        return copy_to_temp(src, target.parent, limit=spec.size, desc=self._label(spec),
+                            progress=self.progress)
 
-    def _accept(self, spec: FileSpec, target: Path, copied: _Copied, where: str) -> str | _Attempt:
+    def _accept(self, spec: FileSpec, target: Path, copied: Copied, where: str) -> str | _Attempt:
         """Move a verified temp file into the cache, or reject it."""
         if copied.tmp is None:
-            return _Attempt(where, f"corrupt: more than the expected {spec.size:,} bytes (stopped reading)",
-                            corrupt=True)
-        if (spec.size is not None and copied.size != spec.size) or (spec.sha256 and copied.sha256 != spec.sha256):
+            return _Attempt(where, f"corrupt: more than the expected {spec.size:,} bytes "
+                                   "(stopped reading)", corrupt=True)
+        if ((spec.size is not None and copied.size != spec.size)
+                or (spec.sha256 and copied.sha256 != spec.sha256)):
             copied.tmp.unlink()
             log.warning("data %s: rejected %s (expected sha256 %s, got %s)",
                         self._label(spec), where, spec.sha256, copied.sha256)
@@ -189,27 +197,31 @@ class _Resolver:
             size = src.stat().st_size
             if spec.size is not None and size != spec.size:
                 # Hash in place rather than copy a file we already know is wrong.
-                return _corrupt(where, _sha256_file(src), size)
+                return _corrupt(where, sha256_file(src), size)
             with open(src, "rb") as f:
                 copied = self._copy(f, spec, target)
         except OSError as e:
-            return _Attempt(where, _one_line(e))
+            return _Attempt(where, one_line(e))
         result = self._accept(spec, target, copied, where)
         if isinstance(result, str):
             log.info("data %s: copied from %s", self._label(spec), src)
         return result
 
-    def _from_mirrors(self, spec: FileSpec, target: Path, attempts: list[_Attempt]) -> tuple[str, str] | None:
-        """(sha256, mirror file) of the first good mirror copy; failures are appended to attempts."""
+    def _from_mirrors(self, spec: FileSpec, target: Path,
+                      attempts: list[_Attempt]) -> tuple[str, str] | None:
+        """(sha256, mirror file) of the first good mirror copy; failures go to attempts."""
         if not self.mirrors:
-            attempts.append(_Attempt("mirrors", "none configured (WORKBENCH_DATA_MIRROR is not set)"))
+            attempts.append(
+                _Attempt("mirrors", "none configured (WORKBENCH_DATA_MIRROR is not set)"))
+        name = self.m.name
         for mirror in self.mirrors:
-            # <name>/<path> is the documented layout; <name>/<version>/<path> lets a copied cache serve as a mirror.
-            candidates = [mirror / self.m.name / spec.path, mirror / self.m.name / self.m.version / spec.path]
+            # <name>/<path> is the documented layout; <name>/<version>/<path> lets a copied
+            # cache serve as a mirror.
+            candidates = [mirror / name / spec.path, mirror / name / self.m.version / spec.path]
             hit = next((c for c in candidates if c.is_file()), None)
             if hit is None:
                 missing = "" if mirror.is_dir() else " (the mirror directory does not exist)"
-                attempts.append(_Attempt(f"mirror {mirror}", f"has no {self.m.name}/{spec.path}{missing}"))
+                attempts.append(_Attempt(f"mirror {mirror}", f"has no {name}/{spec.path}{missing}"))
                 continue
             result = self._from_local(spec, target, hit, f"mirror {hit}")
             if isinstance(result, str):
@@ -228,26 +240,26 @@ class _Resolver:
         return self._accept(spec, target, copied, url)
 
     def _generate(self, spec: FileSpec, target: Path, attempts: list[_Attempt]) -> tuple[str, str]:
-        gen_spec = spec.generator_spec()
+        params = spec.generator_spec()["params"]
         where = f"generator {spec.generator}(seed={spec.seed})"
         log.info("data %s: generating with %s", self._label(spec), where)
-        fd, name = mkstemp_like_open(target.parent, prefix=_TMP_PREFIX)
+        fd, name = mkstemp_like_open(target.parent, prefix=TMP_PREFIX)
         tmp = Path(name)
         try:
             with os.fdopen(fd, "wb") as out:
-                GENERATORS[spec.generator].write(out, gen_spec["params"], spec.seed)  # type: ignore[index]
-            sha, size = _sha256_file(tmp), tmp.stat().st_size
+                GENERATORS[spec.generator].write(out, params, spec.seed)  # type: ignore[index]
+            sha, size = sha256_file(tmp), tmp.stat().st_size
         except ValueError as e:
             tmp.unlink(missing_ok=True)
-            raise ManifestError(f"{self.m.path}: cannot generate {spec.path}: {e}", self.m.path) from e
+            raise ManifestError(f"{self.m.path}: cannot generate {spec.path}: {e}",
+                                self.m.path) from e
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        result = self._accept(spec, target, _Copied(tmp, sha, size), where)
+        result = self._accept(spec, target, Copied(tmp, sha, size), where)
         if isinstance(result, _Attempt):
             raise self._failure(spec, [*attempts, result])
-        self.state["generated"][spec.path] = {"sha256": sha, "spec": _jsonable(gen_spec)}
-        _save_state(self.state_path, self.state)
+        self.entry.record_generated(spec, sha)
         return sha, where
 
     def _failure(self, spec: FileSpec, attempts: list[_Attempt]) -> Exception:
@@ -260,15 +272,21 @@ class _Resolver:
                 f"  expected sha256 {spec.sha256 or '(not declared)'}{size}, per {self.m.path}\n"
                 f"Tried:\n{tried}",
                 expected=spec.sha256, actual=corrupt[0].actual_sha256, location=corrupt[0].where)
-        return DataUnavailableError(
-            f"dataset {self.m.name!r} is not available: no copy of {spec.path} could be found.\n"
-            f"Tried:\n{tried}\n"
-            f"To use it without internet access, either:\n"
-            f"  - put the file in a mirror directory and set WORKBENCH_DATA_MIRROR to that directory\n"
-            f"    (WORKBENCH_DATA_MIRROR=/path/to/mirror, holding /path/to/mirror/{self.m.name}/{spec.path}), or\n"
-            f"  - run `workbench data fetch {self.m.name}` on a machine with internet access and copy its\n"
-            f"    cache directory {self.m.name}/ into {self.cache} (WORKBENCH_DATA_DIR sets where that is)."
-            + (f"\n  - or install the Python package that provides {spec.package!r}." if spec.package else ""))
+        name, cache = self.m.name, self.entry.cache
+        lines = [
+            f"dataset {name!r} is not available: no copy of {spec.path} could be found.",
+            f"Tried:\n{tried}",
+            "To use it without internet access, either:",
+            ("  - put the file in a mirror directory and set WORKBENCH_DATA_MIRROR to that "
+             "directory"),
+            ("    (WORKBENCH_DATA_MIRROR=/path/to/mirror, holding "
+             f"/path/to/mirror/{name}/{spec.path}), or"),
+            f"  - run `workbench data fetch {name}` on a machine with internet access and copy its",
+            f"    cache directory {name}/ into {cache} (WORKBENCH_DATA_DIR sets where that is).",
+        ]
+        if spec.package:
+            lines.append(f"  - or install the Python package that provides {spec.package!r}.")
+        return DataUnavailableError("\n".join(lines))
 
 
 def _package_file(spec: FileSpec) -> Path | str:
@@ -277,19 +295,17 @@ def _package_file(spec: FileSpec) -> Path | str:
         # find_spec locates a top-level package without importing it (sklearn is slow to import).
         found = importlib.util.find_spec(spec.package)  # type: ignore[arg-type]
     except (ImportError, ValueError) as e:
-        return f"cannot locate package: {_one_line(e)}"
+        return f"cannot locate package: {one_line(e)}"
     if found is None:
         return f"package {spec.package!r} is not installed"
-    bases = list(found.submodule_search_locations or []) or ([str(Path(found.origin).parent)] if found.origin else [])
+    bases = list(found.submodule_search_locations or [])
+    if not bases and found.origin:
+        bases = [str(Path(found.origin).parent)]
     for base in bases:
         candidate = Path(base) / spec.resource  # type: ignore[operator]
         if candidate.is_file():
             return candidate
     return f"no {spec.resource} in package {spec.package!r} (looked in {', '.join(bases)})"
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value))
 
 
 def _env_flag(var: str) -> bool:
@@ -321,13 +337,14 @@ def resolve(
     """
     manifest = load_manifest(name, extra_dirs)
     cache_root = Path(cache).expanduser() if cache is not None else cache_dir()
-    mirror_dirs = _paths(mirrors) if mirrors is not None else _env_paths("WORKBENCH_DATA_MIRROR")
+    mirror_dirs = as_paths(mirrors) if mirrors is not None else env_paths("WORKBENCH_DATA_MIRROR")
     offline = _env_flag("WORKBENCH_OFFLINE") if offline is None else offline
     cache_root.mkdir(parents=True, exist_ok=True)
-    with _dataset_lock(cache_root, manifest.name):
+    with dataset_lock(cache_root, manifest.name):
         resolved = _Resolver(manifest, cache_root, mirror_dirs, offline, progress).run()
     with _used_lock:
-        _used.pop(manifest.name, None)  # re-insert so the latest version resolved is the one recorded
+        # Re-insert, so the latest version resolved is the one recorded.
+        _used.pop(manifest.name, None)
         _used[manifest.name] = resolved.record()
     return resolved
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
-from workbench.data.cache import _sha256_file, cache_dir
-from workbench.data.manifest import PathLike, list_manifests, load_manifest
-from workbench.data.resolution import _Resolver
+from workbench.data.cache import DatasetCache, cache_dir, sha256_file
+from workbench.data.manifest_lookup import list_manifests, load_manifest
+from workbench.data.search_paths import PathLike
+
+__all__ = ["FileCheck", "verify"]
 
 
 def _short(digest: str | None) -> str:
@@ -47,18 +50,21 @@ def verify(name: str | None = None, *, extra_dirs: Sequence[PathLike] | None = N
     Nothing is fetched or changed. A synthetic file without a sha256 in its
     manifest counts as missing until resolve() has generated it from the current spec.
     """
-    manifests = [load_manifest(name, extra_dirs)] if name is not None else list_manifests(extra_dirs)
+    if name is not None:
+        manifests = [load_manifest(name, extra_dirs)]
+    else:
+        manifests = list_manifests(extra_dirs)
     cache_root = Path(cache).expanduser() if cache is not None else cache_dir()
     checks = []
     for m in manifests:
-        resolver = _Resolver(m, cache_root, [], True, False)
+        entry = DatasetCache(cache_root, m.name, m.version)
         for spec in m.files:
-            location = resolver.root / spec.path
-            expected = resolver._expected_sha(spec)
+            location = entry.root / spec.path
+            expected = entry.expected_sha256(spec)
             if not location.is_file() or expected is None:
                 checks.append(FileCheck(m.name, spec.path, "missing", expected, None, location))
                 continue
-            actual = _sha256_file(location)
+            actual = sha256_file(location)
             status = "ok" if actual == expected else "corrupt"
             checks.append(FileCheck(m.name, spec.path, status, expected, actual, location))
     return checks

@@ -8,8 +8,8 @@ volumes, time and cost to max_steps (model.py), with the accelerator catalog (ca
 
 from __future__ import annotations
 
-from workbench.estimator.api import estimate
 from workbench.estimator.catalog import THIS_MACHINE, Accelerator, load_catalog, lookup
+from workbench.estimator.estimation import estimate
 from workbench.estimator.model import Estimate, RankEstimate
 
 __all__ = ["THIS_MACHINE", "Accelerator", "Estimate", "RankEstimate", "estimate", "load_catalog", "lookup"]

@@ -9,8 +9,8 @@ from workbench.estimator.catalog import load_catalog
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
-    from workbench.tasks import Task
     from workbench.estimator.model import Estimate
+    from workbench.tasks import Task
 
 LIMIT = 5
 
@@ -52,8 +52,8 @@ def alternatives(cfg: RunConfig, est: Estimate, task: Task, *, network: str = "i
     """Changes that make a run fit, each with its own estimate, cheapest first (cost, else GPU-time)."""
     import torch
 
-    from workbench.tasks.blocks import shard_units
     from workbench.estimator import estimate
+    from workbench.tasks.blocks import shard_units
 
     with torch.device("meta"):
         has_blocks = bool(shard_units(task.build_model(cfg), task))
@@ -74,7 +74,7 @@ def compare(cfg: RunConfig, task: Task, *, gpus: int, nodes: int = 1, network: s
             catalog: str | Path | None = None, runs_dir: str | Path | None = None) -> list[Estimate]:
     """The same run priced on every catalog accelerator (one trace: the step is the same, only the device
     differs), the ones that fit first, cheapest first."""
-    from workbench.estimator.api import price
+    from workbench.estimator.estimation import price
     from workbench.estimator.trace import trace_step
 
     world = gpus * nodes

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from workbench.utils.hardware import resolve_device
+
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
@@ -18,7 +20,7 @@ def _limit(cfg: RunConfig) -> int:
     from workbench.utils.hardware import detect
 
     hw = detect()
-    if cfg.resolved_device(hw) == "cuda":
+    if resolve_device(cfg, hw) == "cuda":
         return min(g.memory_bytes for g in hw.gpus)
     if cfg.memory_budget_gb:
         return int(cfg.memory_budget_gb * 2**30)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.utils.units import GiB, fmt_bytes, fmt_duration, fmt_seconds
 from workbench.estimator.catalog import NETWORKS, Accelerator
 from workbench.estimator.trace import StepTrace
+from workbench.utils.units import GiB, fmt_bytes, fmt_duration, fmt_seconds
 
 GPU_OVERHEAD_BYTES = int(0.75 * GiB)
 """CUDA context, cuBLAS/NCCL workspaces: about 0.5-1 GiB per GPU that no tensor accounts for."""
@@ -161,7 +161,8 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target.name, "gpus": self.gpus, "nodes": self.nodes, "fits": self.fits,
                 "short_by_bytes": self.short_by, "peak_bytes": self.peak, "capacity_bytes": self.capacity,
-                "ranks": [{**vars(r), "tensors": r.tensors, "peak": r.peak} for r in self.ranks], "flops_per_step": self.flops_per_step,
+                "ranks": [{**vars(r), "tensors": r.tensors, "peak": r.peak} for r in self.ranks],
+                "flops_per_step": self.flops_per_step,
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
                 "step_s": self.step_s, "run_s": self.run_s, "samples_per_s": self.samples_per_s,
                 "tokens_per_s": self.tokens_per_s, "gpu_hours": self.gpu_hours, "cost": self.cost,
@@ -170,8 +171,8 @@ class Estimate:
 
 def calibrated_efficiency(target: Accelerator, runs_dir: Path) -> tuple[float, str]:
     """The median MFU of completed runs on the same device class in runs_dir, or the default, saying which."""
-    from workbench.utils.hardware import gpu_model
     from workbench.rundir import RunDir
+    from workbench.utils.hardware import gpu_model
 
     wanted = f"cuda-{gpu_model(target.name)}" if target.kind == "cuda" else "cpu"
     mfus = []

@@ -140,8 +140,11 @@ def fake_world(world: int, rank: int, gpu_rounding: bool) -> Iterator[Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     detect, consumed = sharding_prop.detect_fake_mode, mem_tracker._WeakRefInfo._calculate_mem_consumed
     sharding_prop.detect_fake_mode = lambda *a, **k: None
-    if gpu_rounding:
-        mem_tracker._WeakRefInfo._calculate_mem_consumed = lambda self: math.ceil(self.size * self.element_size / 512) * 512
+    if gpu_rounding:  # the CUDA caching allocator hands out blocks of 512 bytes
+        def rounded(self: Any) -> int:
+            return math.ceil(self.size * self.element_size / 512) * 512
+
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = rounded
     reduce_scatters = {name: getattr(dist, name) for name in ("reduce_scatter_single", "reduce_scatter_tensor")
                        if hasattr(dist, name)}
     if not gpu_rounding:
@@ -270,11 +273,11 @@ def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     from torch.utils.flop_counter import FlopCounterMode
 
     from workbench.config import SHARDED
+    from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
+    from workbench.training.memory import tracked
     from workbench.training.parallel import parallelize
     from workbench.training.parallel.sharded import data_parallel_mesh
-    from workbench.training.memory import tracked
     from workbench.training.step import accumulate
-    from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
 
     started = time.perf_counter()
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same

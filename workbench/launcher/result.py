@@ -53,14 +53,14 @@ class RunResult(RunFiles):
         return rank_values(self.dir)
 
     launcher: ClassVar[Callable[..., RunResult] | None] = None
-    """wb.launch, registered by workbench.launcher.api when it is imported: the run directory's code stays free of
+    """wb.launch, registered by workbench.launcher.launch when it is imported: the run directory's code stays free of
     the caller's launcher (and the ranks of it)."""
 
     def resume(self, **changes: Any) -> RunResult:
         """Continue this run from its newest checkpoint, with `changes` to the config (e.g. max_steps=2000);
         blocks like wb.launch. Changes you name are allowed even where they alter the trajectory."""
         if RunResult.launcher is None:
-            raise RuntimeError("resume() needs the launcher: import workbench (or workbench.launcher.api) first")
+            raise RuntimeError("resume() needs the launcher: import workbench (or workbench.launcher.launch) first")
         return RunResult.launcher(resume_config(self._config(), self.run_dir, changes), self.task)
 
     def plot(self, *others: RunResult, **kwargs: Any) -> Any:

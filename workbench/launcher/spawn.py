@@ -31,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import torch
 
 from workbench.utils.files import atomic_write_bytes
+from workbench.utils.hardware import resolve_device
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -100,7 +101,7 @@ def cuda_initialised_by() -> str | None:
 
 
 def run_uses_cuda(cfg: RunConfig) -> bool:
-    return cfg.resolved_device() == "cuda"
+    return resolve_device(cfg) == "cuda"
 
 
 def plan_start(cfg: RunConfig, task: Task, mode: str) -> StartPlan:

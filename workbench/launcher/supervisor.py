@@ -8,19 +8,21 @@ accelerate's singletons and any failure stay in the supervisor.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import logging
 import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from workbench.utils.distributed import FORKED_RANKS
-from workbench.utils.hardware import detect
-from workbench.launcher.postmortem import finalize, record_signal_deaths
 from workbench.config.precision import accelerate_mixed_precision
-from workbench.training.rank import die_with_parent, expect_forked_ranks, rank_main
-from workbench.rundir import RunDir
+from workbench.launcher.postmortem import finalize, record_signal_deaths
 from workbench.launcher.signals import elastic_signals
+from workbench.rundir import RunDir
+from workbench.training.parallel import strategy_module
+from workbench.training.rank import die_with_parent, expect_forked_ranks, rank_main
+from workbench.utils.distributed import FORKED_RANKS
+from workbench.utils.hardware import detect, resolve_device
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -63,9 +65,12 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (rank.py)
-    if cfg.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if resolve_device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
+    # The trainer and this run's strategy load once, here, rather than in every forked rank after the fork.
+    importlib.import_module(strategy_module(cfg))
+    importlib.import_module("workbench.training.loop")
     run = RunDir(run_dir)
     expect_forked_ranks(cfg.num_processes)
     error: BaseException | None = None

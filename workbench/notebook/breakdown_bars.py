@@ -5,9 +5,12 @@ snapshot; plain HTML so it shows in any frontend, papermill output included."""
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import TYPE_CHECKING
 
 from workbench.training.verdicts import PHASES, per_rank
+
+if TYPE_CHECKING:
+    from workbench.rundir import MetricsRow
 
 COLOURS = {"data": "#e6a700", "compute": "#3b7dd8", "comm": "#d9534f", "optimizer": "#5cb85c", "other": "#999999"}
 LABELS = {"data": "waiting for data", "compute": "forward+backward", "comm": "exposed communication",
@@ -27,19 +30,22 @@ def _bar(rank: int, parts: dict[str, float], scale: float, slowest: bool) -> str
             f"<span style='font-family:monospace;font-size:90%'>{1e3 * total:.1f} ms{mark}</span></div>")
 
 
-def breakdown_html(row: dict[str, Any] | None) -> str:
+def breakdown_html(row: MetricsRow | None) -> str:
     """The latest window's breakdown, or '' when the row has none."""
-    parts = per_rank(row or {})
+    parts = per_rank(row) if row is not None else None
     if row is None or parts is None:
         return ""
     ranks = len(parts["data"])
     steps = [sum(parts[name][r] for name in PHASES) for r in range(ranks)]
     scale = max(steps) or 1.0
-    slowest = row.get("slowest_rank", -1) if ranks > 1 else -1
-    bars = "".join(_bar(r, {name: parts[name][r] for name in PHASES}, scale, r == slowest) for r in range(ranks))
+    slowest = row.slowest_rank if row.slowest_rank is not None and ranks > 1 else -1
+    bars = "".join(_bar(r, {name: parts[name][r] for name in PHASES}, scale, r == slowest)
+                   for r in range(ranks))
     legend = " ".join(f"<span style='color:{COLOURS[name]}'>■</span> {LABELS[name]}" for name in PHASES)
-    if not row.get("comm_measured", True):
+    if row.comm_measured is False:
         legend += " (communication runs inside forward+backward in this mode and is counted there)"
-    verdicts = "".join(f"<div class='wb-verdict'>⚠ {html.escape(v)}</div>" for v in row.get("verdicts") or [])
-    return (f"<div class='wb-breakdown'><b>where the step time goes</b> <small>(step {row.get('step')}, mean per "
-            f"step of the last window)</small>{bars}<small>{legend}</small>{verdicts}</div>")
+    verdicts = "".join(f"<div class='wb-verdict'>⚠ {html.escape(v)}</div>"
+                       for v in row.verdicts or [])
+    return (f"<div class='wb-breakdown'><b>where the step time goes</b> <small>(step {row.step}, "
+            f"mean per step of the last window)</small>{bars}<small>{legend}</small>{verdicts}"
+            "</div>")

@@ -22,10 +22,18 @@ import ipywidgets as widgets
 import traitlets
 
 from workbench.notebook.breakdown_bars import breakdown_html
+from workbench.notebook.reading import (
+    Reading,
+    eta_s,
+    idle_warnings,
+    monitor_items,
+    run_average,
+    session_start,
+    window_steps,
+)
+from workbench.notebook.snapshot import dashboard_html, table
+from workbench.rundir import ENDED, MetricsRow, RunDir, Status
 from workbench.utils.kernel import in_kernel
-from workbench.rundir import ENDED, RunDir, Status
-from workbench.notebook.snapshot import (Reading, dashboard_html, idle_warnings, monitor_items, run_average, session_start,
-                       smoothed_step_time, table, window_steps)
 from workbench.utils.units import fmt_bytes, fmt_duration
 
 log = logging.getLogger("workbench")
@@ -70,7 +78,6 @@ class Dashboard(widgets.VBox):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._figure: Any = None
-        self._handle: Any = None  # the display watch() made, updated in place by show_final()
         self._build()
         self.observe(self._render, names=["reading", "log_loss", "show_error", "final_shown"])
         self.refresh()
@@ -113,7 +120,7 @@ class Dashboard(widgets.VBox):
         return self._max_steps
 
     @property
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[MetricsRow]:
         return self.reading.rows
 
     @property
@@ -130,19 +137,24 @@ class Dashboard(widgets.VBox):
         return self.status in ENDED
 
     @property
-    def train_rows(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r.get("loss") is not None]
+    def train_rows(self) -> list[MetricsRow]:
+        return self.reading.train_rows
 
     @property
-    def eval_rows(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r.get("eval_loss") is not None]
+    def eval_rows(self) -> list[MetricsRow]:
+        return self.reading.eval_rows
+
+    @property
+    def last_train_row(self) -> MetricsRow | None:
+        train = self.train_rows
+        return train[-1] if train else None
 
     @property
     def step(self) -> int:
         """The latest step the run directory reports."""
-        train = self.train_rows
+        last = self.last_train_row
         step = int(self.summary.get("steps") or 0) if self.ended else 0
-        return max(step, int(train[-1]["step"]) if train else 0)
+        return max(step, last.step if last else 0)
 
     @property
     def run_average(self) -> float | None:
@@ -157,7 +169,7 @@ class Dashboard(widgets.VBox):
         with self._lock:
             events = self.dir.events()
             session_step = session_start(events)
-            reading = Reading(rows=self.dir.metrics(), summary=self.dir.summary().to_dict(),
+            reading = Reading(rows=self.dir.metrics_rows(), summary=self.dir.summary().to_dict(),
                               observed=tuple(str(x) for x in self.dir.observed_status()),
                               session_step=session_step, warnings=idle_warnings(events, session_step),
                               profiles=tuple(str(p) for p in self.dir.profile_traces()))
@@ -184,7 +196,7 @@ class Dashboard(widgets.VBox):
                                 f"<span class='wb-run-status'>{html.escape(self.status)}</span>")
             self.progress_text.value = html.escape(self.progress_line())
             self.stats.value = table(self.stat_items(), "wb-stat-")
-            self.breakdown.value = breakdown_html(self.train_rows[-1] if self.train_rows else None)
+            self.breakdown.value = breakdown_html(self.last_train_row)
             redraw = self._force_figure or (change is not None and change["name"] == "log_loss")
             if self.rows and not self._hold_figure and (redraw or self._figure_due()):
                 png = self.figure_png()
@@ -216,10 +228,7 @@ class Dashboard(widgets.VBox):
             wall = self.summary.get("wall_time_s")
             tail = self.status + (f" in {fmt_duration(wall)}" if wall else "")
         elif self.train_rows:
-            per_step = smoothed_step_time(self.reading)
-            eta = per_step * (max_steps - step) if per_step is not None and max_steps else \
-                self.train_rows[-1].get("eta_s")
-            tail = f"ETA {fmt_duration(eta)}"
+            tail = f"ETA {fmt_duration(eta_s(self.reading, max_steps, step))}"
         else:
             tail = "starting the ranks…"
         return f"step {step}{total}{pct} · {tail}"
@@ -227,20 +236,20 @@ class Dashboard(widgets.VBox):
     def stat_items(self, show_error: bool | None = None) -> list[tuple[str, str]]:
         """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, the device
         monitor's latest window, warnings (idle GPUs), profile traces, error."""
-        train, evals = self.train_rows, self.eval_rows
-        last, last_eval = (train[-1] if train else {}), (evals[-1] if evals else {})
-        items: list[tuple[str, str]] = [("loss", _num(last.get("loss")))]
-        if last_eval:
-            items.append(("eval loss", f"{_num(last_eval.get('eval_loss'))} (step {last_eval.get('step')})"))
-            items += [(key.replace("_", " "), _num(value)) for key, value in last_eval.items()
-                      if key.startswith("eval_") and key != "eval_loss" and isinstance(value, (int, float))]
+        last, evals = self.last_train_row, self.eval_rows
+        items: list[tuple[str, str]] = [("loss", _num(last.loss if last else None))]
+        if evals:
+            last_eval = evals[-1]
+            items.append(("eval loss", f"{_num(last_eval.eval_loss)} (step {last_eval.step})"))
+            items += [(key.replace("_", " "), _num(value)) for key, value in last_eval.eval.items()]
         items += self._throughput_items(last)
-        per_rank = last.get("peak_memory_bytes_per_rank") or []
+        per_rank = (last.peak_memory_bytes_per_rank if last else None) or []
         if per_rank:
-            items.append(("peak memory", ", ".join(f"rank {i}: {fmt_bytes(b)}" for i, b in enumerate(per_rank))))
-        elif last.get("peak_memory_bytes") is not None:
-            items.append(("peak memory", f"{fmt_bytes(last['peak_memory_bytes'])} (max over ranks)"))
-        items.append(("learning rate", _num(last.get("lr"), ".3g")))
+            items.append(("peak memory", ", ".join(f"rank {i}: {fmt_bytes(b)}"
+                                                   for i, b in enumerate(per_rank))))
+        elif last and last.peak_memory_bytes is not None:
+            items.append(("peak memory", f"{fmt_bytes(last.peak_memory_bytes)} (max over ranks)"))
+        items.append(("learning rate", _num(last.lr if last else None, ".3g")))
         items += monitor_items(last)
         items += [("warning", line) for line in self.reading.warnings]
         if self.reading.profiles:
@@ -250,20 +259,21 @@ class Dashboard(widgets.VBox):
             items += self._ending_items()
         return items
 
-    def _throughput_items(self, last: dict[str, Any]) -> list[tuple[str, str]]:
+    def _throughput_items(self, last: MetricsRow | None) -> list[tuple[str, str]]:
         """The last window's figures labelled with their window, the run average beside them."""
-        if not last:
+        if last is None:
             return [("samples/s", "–")]
         n = window_steps(self.reading)
         window = f"last {n} step{'s' if n != 1 else ''}"
-        avg, window_rate = self.run_average, last.get("samples_per_s")
+        avg, window_rate = self.run_average, last.samples_per_s
         items = [("samples/s", f"{_num(window_rate, ',.0f')} ({window}) · {_num(avg, ',.0f')} (run average)")]
-        if last.get("tokens_per_s") is not None:
-            tokens_avg = avg * last["tokens_per_s"] / window_rate if avg is not None and window_rate else None
-            items.append(("tokens/s", f"{_num(last['tokens_per_s'], ',.0f')} ({window}) · "
+        if last.tokens_per_s is not None:
+            tokens_avg = (avg * last.tokens_per_s / window_rate
+                          if avg is not None and window_rate else None)
+            items.append(("tokens/s", f"{_num(last.tokens_per_s, ',.0f')} ({window}) · "
                                       f"{_num(tokens_avg, ',.0f')} (run average)"))
-        if last.get("step_time_s") is not None:
-            items.append(("step time", f"{1000 * last['step_time_s']:.1f} ms ({window})"))
+        if last.step_time_s is not None:
+            items.append(("step time", f"{1000 * last.step_time_s:.1f} ms ({window})"))
         return items
 
     def _ending_items(self) -> list[tuple[str, str]]:
@@ -302,19 +312,27 @@ class Dashboard(widgets.VBox):
             self._png, self._drawn_key, self._drawn_at = buf.getvalue(), key, started
             return self._png
 
+    def snapshot_html(self, *, show_error: bool = True, figure: bool = True) -> str:
+        """The dashboard as static HTML: run, status, progress, numbers, breakdown and the latest
+        figure (or why there is none); figure=False points to the output holding the final one."""
+        png = self.figure_png()
+        shown: bytes | str = png or self.placeholder_text()
+        if not figure:
+            shown = "the final figure is in the output of the cell that waited for the run"
+        return dashboard_html(self.run_dir.name, self.status, self.progress_line(),
+                              self.stat_items(show_error=show_error),
+                              breakdown_html(self.last_train_row), shown)
+
     def show_final(self) -> None:
         """Show the final numbers and figure as a static output, so a saved or papermill-executed notebook
-        keeps them. A dashboard shown by `watch()` updates its own output; otherwise a new output is added and
-        the live view points to it instead of showing the figure twice."""
+        keeps them; the live view then points to it instead of showing the figure twice."""
         if self.final_shown or not self.figure_png() or not in_kernel():
             return  # shown once: a second wait() must not add a second copy
-        if self._handle is not None:
-            self._handle.update(self)
-            return
         from IPython.display import display
 
         # One output, two forms of it: frontends render the HTML (numbers and figure) and fall back to the PNG.
-        display({"text/html": dashboard_html(self, show_error=self.show_error), "text/plain": repr(self),
+        display({"text/html": self.snapshot_html(show_error=self.show_error),
+                 "text/plain": repr(self),
                  "image/png": base64.b64encode(self.figure_png()).decode("ascii")}, raw=True)
         self.final_shown = True
 
@@ -355,7 +373,7 @@ class Dashboard(widgets.VBox):
         """The live widget, plus a static snapshot for frontends without a kernel (papermill output, nbconvert)."""
         bundle = super()._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = repr(self)
-        bundle["text/html"] = dashboard_html(self, show_error=self.show_error)
+        bundle["text/html"] = self.snapshot_html(show_error=self.show_error)
         return bundle
 
     def __repr__(self) -> str:
@@ -363,12 +381,3 @@ class Dashboard(widgets.VBox):
             return "<workbench.Dashboard (being built)>"
         return f"<workbench.Dashboard {self.run_dir.name}: {self.status}, {self.progress_line()}>"
 
-
-def watch(run: Any, **kwargs: Any) -> Dashboard:
-    """Show a live dashboard of `run` (a Run, RunResult or run directory) in the notebook and start polling."""
-    dashboard = Dashboard(run, **kwargs).start()
-    if in_kernel():
-        from IPython.display import display
-
-        dashboard._handle = display(dashboard, display_id=True)
-    return dashboard

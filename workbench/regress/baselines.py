@@ -8,10 +8,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.utils.files import atomic_write_text
 from workbench.regress.recording import encode_value
-from workbench.version import __version__
 from workbench.regress.suite import Case
+from workbench.utils.files import atomic_write_text
+from workbench.version import __version__
 
 if TYPE_CHECKING:
     from workbench.regress.judging import MetricResult

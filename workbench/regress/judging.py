@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.regress.recording import RecordedMetric, Records, decode_value
 from workbench.regress.execution import CaseError
+from workbench.regress.recording import RecordedMetric, Records, decode_value
 from workbench.regress.rules import Rule, median
 from workbench.regress.suite import Case
 

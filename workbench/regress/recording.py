@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.utils import kernel
 from workbench.regress.rules import parse_rule
+from workbench.utils import kernel
 from workbench.utils.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -199,8 +199,7 @@ def record_run(result: RunResult, prefix: str = "") -> str | None:
     if payloads:  # one output per run: a notebook shows one line, not one per metric
         _display({METRIC_MIME: {"metrics": payloads},
                   "text/plain": f"[workbench] recorded {name}: " + ", ".join(texts)})
-    points = [[row["step"], row["loss"]] for row in result.metrics
-              if row.get("loss") is not None and row.get("step") is not None]
+    points = [[row.step, row.loss] for row in result.dir.metrics_rows() if row.loss is not None]
     if points:
         record_curve(f"{name}.loss", points)
     return name

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from workbench.utils.units import fmt_bytes
 from workbench.regress.judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, MetricResult, exit_code
+from workbench.utils.units import fmt_bytes
 
 _XML_ILLEGAL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 _STATUS_ORDER = (ERROR, FAILED, NEW, UPDATED, PASSED, SKIPPED)

@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from workbench.utils.hardware import detect
-from workbench.regress.recording import decode_value, read_records
 from workbench.regress.baselines import baseline_path, load_baseline, write_baseline
 from workbench.regress.execution import CaseError, execute
 from workbench.regress.judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, compare, exit_code
+from workbench.regress.recording import decode_value, read_records
 from workbench.regress.report import write_junit, write_report
 from workbench.regress.suite import Case, load_targets, parse_parameters, select_profile
+from workbench.utils.hardware import detect
 
 log = logging.getLogger("workbench")
 

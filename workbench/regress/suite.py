@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
+from workbench.regress.rules import Rule, default_rule, parse_rule
 from workbench.utils.files import load_yaml, read_yaml
 from workbench.utils.suggest import reject_unknown
-from workbench.regress.rules import Rule, default_rule, parse_rule
 
 DEFAULT_TIMEOUT_S = 3600.0
 _SUITE_KEYS = ("name", "description", "baselines", "defaults", "cases")

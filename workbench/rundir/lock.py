@@ -13,8 +13,8 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from workbench.utils.files import read_json, write_json
 from workbench.rundir.liveness import STALE_AFTER_S, heartbeats, is_alive, this_process
+from workbench.utils.files import read_json, write_json
 
 if TYPE_CHECKING:
     from workbench.rundir.run_dir import RunDir

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from workbench.utils.files import read_json
 from workbench.rundir import lock
 from workbench.rundir.run_dir import RunDir, new_run_name
 from workbench.rundir.summary import Status
+from workbench.utils.files import read_json
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig

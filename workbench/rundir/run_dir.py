@@ -1,8 +1,9 @@
 """RunDir: the files of one run directory, and the only code that writes them.
 
-runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl, events.jsonl, summary.json, timings.json,
-model.safetensors, checkpoints/step_<N>/, errors/rank_<r>.json, ranks/rank_<r>.json (heartbeats),
-stacks/rank_<r>.txt, profile/rank_<r>.json (profile_steps), tensorboard/ and mlflow/ (trackers), LOCK, STOP.
+runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl (rows: MetricsRow),
+events.jsonl, summary.json, timings.json, model.safetensors, checkpoints/step_<N>/,
+errors/rank_<r>.json, ranks/rank_<r>.json (heartbeats), stacks/rank_<r>.txt, profile/rank_<r>.json
+(profile_steps), tensorboard/ and mlflow/ (trackers), LOCK, STOP.
 JSON files are replaced atomically; JSONL files are appended a whole line at a time, and readers skip a torn
 last line, so a crash never leaves a file that can't be read. A write that fails (disk full, permissions) raises
 RunDirWriteError naming the run directory and the file.
@@ -18,9 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.utils.files import append_jsonl, atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
 from workbench.rundir.lock import LOCK
+from workbench.rundir.metrics_row import MetricsRow
 from workbench.rundir.summary import Status, Summary
+from workbench.utils.files import append_jsonl, atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -115,7 +117,13 @@ class RunDir:
         return Summary.from_dict(read_json(self.summary_path))
 
     def metrics(self) -> list[dict[str, Any]]:
+        """The rows of metrics.jsonl as plain dicts, as written."""
         return read_jsonl(self.metrics_path)
+
+    def metrics_rows(self) -> list[MetricsRow]:
+        """The rows of metrics.jsonl, typed; a row that doesn't fit the schema raises ValueError
+        (saying which row)."""
+        return [_typed_row(row, i + 1, self.metrics_path) for i, row in enumerate(self.metrics())]
 
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.events_path)
@@ -175,9 +183,12 @@ class RunDir:
             write_json(self.summary_path, updated.to_dict())
         return updated
 
-    def append_metrics(self, row: dict[str, Any]) -> None:
+    def append_metrics(self, row: MetricsRow) -> None:
+        if not isinstance(row, MetricsRow):
+            raise TypeError(f"append_metrics takes a MetricsRow, not {type(row).__name__}")
+        row.validate()  # again: a writer may have set fields after building it
         with self.writing(self.metrics_path, "a metrics row"):
-            append_jsonl(self.metrics_path, row)
+            append_jsonl(self.metrics_path, row.to_dict())
 
     def event(self, kind: str, **fields: Any) -> None:
         with self.writing(self.events_path, f"the {kind!r} event"):
@@ -197,14 +208,14 @@ class RunDir:
 
         The resumed run logs those steps again; keeping both in metrics.jsonl would draw two curves in one.
         """
-        rows = self.metrics()
-        later = [r for r in rows if r.get("step", 0) > step]
+        rows = self.metrics_rows()
+        later = [r.to_dict() for r in rows if r.step > step]
         if not later:
             return None
         aside = self.path / f"metrics.after-step-{step}.jsonl"
         with self.writing(aside, "the earlier session's metrics"):
             write_jsonl(aside, later)
-            write_jsonl(self.metrics_path, [r for r in rows if r.get("step", 0) <= step])
+            write_jsonl(self.metrics_path, [r.to_dict() for r in rows if r.step <= step])
         return aside
 
     # ---- checkpoints ----------------------------------------------------------------------------------
@@ -247,6 +258,13 @@ class RunDir:
         """Errors of failed ranks, the likely cause first: real errors before fallout, then earliest first."""
         errors = [e for p in self.errors_path.glob("rank_*.json") if (e := read_json(p))]
         return sorted(errors, key=lambda e: (is_fallout(e), e.get("time", 0)))
+
+
+def _typed_row(row: dict[str, Any], number: int, path: Path) -> MetricsRow:
+    try:
+        return MetricsRow.from_dict(row)
+    except ValueError as e:
+        raise ValueError(f"{path}, row {number}: {e}") from None
 
 
 _FALLOUT = ("connection reset by peer", "connection closed by peer", "broken pipe", "nccl communicator was aborted",

@@ -71,7 +71,8 @@ class RunFiles:
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
-        """The rows of metrics.jsonl."""
+        """The rows of metrics.jsonl: a list of plain dicts, as written (`dir.metrics_rows()`:
+        typed)."""
         return self.dir.metrics()
 
     @property

@@ -1,7 +1,7 @@
 """The model's blocks: which submodules are sharded (zero2/zero3/hsdp) and activation-checkpointed as one unit.
 
-Kept outside training/ so that RunConfig.check() can look at a model built on the meta device without
-importing the trainer."""
+Kept outside training/ so that the preflight checks (config/preflight.py) can look at a model built on the
+meta device without importing the trainer."""
 
 from __future__ import annotations
 

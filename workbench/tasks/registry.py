@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from workbench.utils.suggest import did_you_mean
 from workbench.tasks.base import Task
+from workbench.utils.suggest import did_you_mean
 
 BUILTIN: dict[str, str] = {
     "digits": "workbench.tasks.digits:DigitsTask",

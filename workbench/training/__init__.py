@@ -1,15 +1,10 @@
-"""Training on one rank: the loop and the components it calls.
+"""The rank side: what every launched process runs, and nothing of the caller's side.
 
-loop.py (Trainer, train), parallel.py (where the model is made parallel), checkpoint.py, logger.py
-(metrics rows and stop agreement), evaluation.py, batches.py (data order), optim.py (optimizer and LR
-schedule), accelerator.py (process group and device), report.py (summary fields), state.py.
+rank.py is the entry point whichever launcher started the process; loop.py (Trainer, train) runs the steps
+through the components beside it: parallel/ (where the model is made parallel), checkpoint.py (DCP),
+logger.py (metrics rows), agreement.py (stop, signals, divergence), breakdown.py and verdicts.py (where
+the step time goes), monitor.py (devices), evaluation.py, batches.py (data order), optim.py, accelerator.py
+(process group and device), outcome.py (summary fields), weights.py (the model back from a run
+directory), train_state.py. Nothing is imported here: `python -m workbench.worker` loads the trainer only
+when a rank starts training.
 """
-
-from __future__ import annotations
-
-from workbench.training.batches import ShardedBatches
-from workbench.training.loop import Trainer, train
-from workbench.tasks.schedule import lr_at
-from workbench.training.train_state import TrainerState
-
-__all__ = ["ShardedBatches", "Trainer", "TrainerState", "lr_at", "train"]

@@ -12,11 +12,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
-from workbench.utils.distributed import FORKED_RANKS
-from workbench.utils.hardware import detect
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.config.trackers import TENSORBOARD_DIR, pip_command
 from workbench.config.trackers import resolve as resolve_trackers
+from workbench.utils.distributed import FORKED_RANKS
+from workbench.utils.hardware import detect, resolve_device
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -31,7 +31,7 @@ def build_accelerator(cfg: RunConfig, run_dir: Path | None = None) -> Accelerato
     group (N separate copies), and the precision is passed explicitly rather than through notebook_launcher,
     whose mixed_precision argument never reaches the workers.
     """
-    device = cfg.resolved_device()
+    device = resolve_device(cfg)
     share = detect().threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_processes)))
     if os.environ.get(FORKED_RANKS):
         # rank_main already limited a forked rank to one thread (OpenMP after fork): keep it, and say so.

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from workbench.utils.files import read_json, write_json
 from workbench.training.memory import tracked
+from workbench.utils.files import read_json, write_json
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig

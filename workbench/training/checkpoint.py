@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from workbench.utils.files import write_json
 from workbench.rundir import COMPLETE_MARKER, RunDir
 from workbench.training.train_state import TrainerState
+from workbench.utils.files import write_json
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

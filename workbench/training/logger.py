@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from workbench.rundir.metrics_row import MetricsRow
 from workbench.training.measures import peak_memory_bytes
 from workbench.training.monitor import row_fields
 from workbench.training.verdicts import PHASES, busy, diagnose, per_rank
@@ -21,14 +22,17 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from workbench.config import RunConfig
-    from workbench.training.monitor import DeviceMonitor
     from workbench.rundir import RunDir
-    from workbench.training.train_state import TrainerState
     from workbench.training.breakdown import StepBreakdown
+    from workbench.training.monitor import DeviceMonitor
     from workbench.training.tracker_log import RunTrackers
+    from workbench.training.train_state import TrainerState
 
 HELD = ("params", "grads", "optimizer")
 """What each rank holds, in bytes, reported per rank in every row (what sharding saved)."""
+OWN_TIME = 3 + len(HELD)
+"""The gathered column of each rank's own step time; before it: loss, peak memory, skipped steps
+and the HELD bytes; after it: the breakdown's phases, then the device monitor's window."""
 
 
 class MetricsLogger:
@@ -47,7 +51,7 @@ class MetricsLogger:
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self.steps = 0
         self.window_start = time.perf_counter()
-        self.last_row: dict[str, Any] | None = None
+        self.last_row: MetricsRow | None = None
         self.monitor = monitor
         """Its window rides in the same all-gather (a few more numbers per rank, no extra collective)."""
         self.trackers = trackers
@@ -65,7 +69,7 @@ class MetricsLogger:
         if self.breakdown is not None:
             self.breakdown.restart()
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: MetricsRow) -> None:
         """Rank 0: one row (training or eval) to metrics.jsonl and the trackers, so they always hold the same."""
         if not self.main:
             return
@@ -73,23 +77,22 @@ class MetricsLogger:
         if self.trackers is not None:
             self.trackers.log(row)
 
-    def _breakdown_fields(self, columns: torch.Tensor) -> dict[str, Any]:
+    def _breakdown(self, row: MetricsRow, columns: torch.Tensor) -> None:
         """Per phase, each rank's mean ms per step; the slowest rank; the verdicts they add up to."""
         assert self.breakdown is not None
-        fields: dict[str, Any] = {f"{name}_ms_per_rank": [round(1e3 * float(v), 4) for v in columns[:, i]]
-                                  for i, name in enumerate(PHASES)}
-        fields["comm_measured"] = self.breakdown.comm_measured
-        work = busy(per_rank(fields) or {})
-        fields["slowest_rank"] = max(range(len(work)), key=work.__getitem__)
-        fields["verdicts"] = diagnose(fields, self.cfg.num_workers, self.device.type, self.breakdown.comm_measured)
-        return fields
+        row.set_phases_ms({name: [round(1e3 * float(v), 4) for v in columns[:, i]]
+                           for i, name in enumerate(PHASES)})
+        row.comm_measured = measured = self.breakdown.comm_measured
+        work = busy(per_rank(row) or {})
+        row.slowest_rank = max(range(len(work)), key=work.__getitem__)
+        row.verdicts = diagnose(row, self.cfg.num_workers, self.device.type, measured)
 
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.log_every == 0
 
-    def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float, lr: float) -> dict[str, Any]:
+    def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float,
+            lr: float) -> MetricsRow:
         """One all-gather: the window's row, written by rank 0."""
-        cfg = self.cfg
         mean_loss = self.loss_sum / self.steps
         held = self.held_bytes()
         own_step_time = (time.perf_counter() - self.window_start) / self.steps
@@ -100,37 +103,36 @@ class MetricsLogger:
                              device=self.device, dtype=torch.float64)
         everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
         step_time = (time.perf_counter() - self.window_start) / self.steps  # the gather counts, as it always did
-        row: dict[str, Any] = {
-            "step": state.step,
-            "epoch": self.epoch_of(max(0, state.micro_batches - 1)),
-            "loss": float(everyone[:, 0].mean()),
-            "lr": lr,
-            "step_time_s": step_time,
-            "samples_per_s": self.global_batch / step_time,
-            "peak_memory_bytes": int(everyone[:, 1].max()),
-            "peak_memory_bytes_per_rank": [int(v) for v in everyone[:, 1]],
-            "skipped_steps": int(everyone[:, 2].max()),
-            **{f"{kind}_bytes_per_rank": [int(v) for v in everyone[:, 3 + i]] for i, kind in enumerate(HELD)},
-            "samples": state.samples,
-            "elapsed_s": elapsed_s,
-            "eta_s": step_time * (cfg.max_steps - state.step),
-        }
-        extra = 3 + len(HELD)
-        row["step_time_ms_per_rank"] = [1e3 * float(v) for v in everyone[:, extra]]
+        monitored = everyone[:, OWN_TIME + 1 + len(parts):] if self.monitor is not None else None
+        row = self._row(state, everyone, step_time, elapsed_s, lr, monitored)
         if parts:
-            row.update(self._breakdown_fields(everyone[:, extra + 1:extra + 1 + len(parts)]))
-        if self.monitor is not None:
-            row.update(row_fields(everyone[:, extra + 1 + len(parts):]))
+            self._breakdown(row, everyone[:, OWN_TIME + 1:OWN_TIME + 1 + len(parts)])
         if grad_norm is not None:
-            row["grad_norm"] = float(grad_norm)
-        if self.tokens_per_sample:
-            row["tokens_per_s"] = row["samples_per_s"] * self.tokens_per_sample
-        mfu = self.mfu(row["samples_per_s"])
-        if mfu is not None:
-            row["mfu"] = mfu
+            row.grad_norm = float(grad_norm)
         self.write(row)
         self.loss_sum.zero_()
         self.steps = 0
         self.restart_clock()
         self.last_row = row
         return row
+
+    def _row(self, state: TrainerState, everyone: torch.Tensor, step_time: float, elapsed_s: float,
+             lr: float, monitored: torch.Tensor | None) -> MetricsRow:
+        """The row of the gathered (ranks x values) tensor, as log() packed it; no breakdown yet."""
+        def ints(column: int) -> list[int]:
+            return [int(v) for v in everyone[:, column]]
+
+        samples_per_s = self.global_batch / step_time
+        return MetricsRow(
+            step=state.step, epoch=self.epoch_of(max(0, state.micro_batches - 1)),
+            loss=float(everyone[:, 0].mean()), lr=lr, step_time_s=step_time,
+            samples_per_s=samples_per_s,
+            peak_memory_bytes=int(everyone[:, 1].max()), peak_memory_bytes_per_rank=ints(1),
+            skipped_steps=int(everyone[:, 2].max()),
+            **{f"{kind}_bytes_per_rank": ints(3 + i) for i, kind in enumerate(HELD)},
+            samples=state.samples, elapsed_s=elapsed_s,
+            eta_s=step_time * (self.cfg.max_steps - state.step),
+            step_time_ms_per_rank=[1e3 * float(v) for v in everyone[:, OWN_TIME]],
+            **(row_fields(monitored) if monitored is not None else {}),
+            tokens_per_s=samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None,
+            mfu=self.mfu(samples_per_s))

@@ -20,14 +20,11 @@ import torch
 from accelerate.utils import set_seed
 
 from workbench import data
-from workbench.config import RunConfig
-from workbench.utils.hardware import detect
-from workbench.training.measures import peak_flops
-from workbench.training import monitor
-from workbench.rundir import RunDir, Status, lock
+from workbench.config import ParallelDims, RunConfig
+from workbench.rundir import MetricsRow, RunDir, Status, lock
 from workbench.tasks import Task
+from workbench.training import autobatch, monitor
 from workbench.training.accelerator import build_accelerator
-from workbench.training import autobatch
 from workbench.training.agreement import Agreement, Verdict, votes_every_step
 from workbench.training.batches import ShardedBatches
 from workbench.training.breakdown import StepBreakdown, phase_of
@@ -35,15 +32,17 @@ from workbench.training.checkpoint import Checkpointer
 from workbench.training.evaluation import evaluate
 from workbench.training.guard import Guard
 from workbench.training.logger import MetricsLogger
+from workbench.training.measures import peak_flops
 from workbench.training.memory import tracked
 from workbench.training.optim import build_optimizer, set_lr
+from workbench.training.outcome import export_weights, first_leaf_dtype, running_fields, summary_fields
 from workbench.training.parallel import parallelize
 from workbench.training.profiling import StepProfiler
-from workbench.training.weights import save_rank_value
-from workbench.training.outcome import export_weights, first_leaf_dtype, running_fields, summary_fields
-from workbench.training.train_state import TrainerState
 from workbench.training.step import accumulate
 from workbench.training.tracker_log import RunTrackers
+from workbench.training.train_state import TrainerState
+from workbench.training.weights import save_rank_value
+from workbench.utils.hardware import detect
 
 _log = logging.getLogger("workbench")
 
@@ -63,8 +62,8 @@ class Trainer:
         self.world = self.accelerator.num_processes
         # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share batches and seed,
         # and so do the stages of one pipeline (pp outermost, so the coordinate wraps every dp_size x tp ranks).
-        self.dp_world = self.world // (cfg.tp * cfg.pp)
-        self.dp_rank = (self.rank // cfg.tp) % self.dp_world
+        self.dims = ParallelDims.of(cfg, self.world)
+        self.dp_world, self.dp_rank = self.dims.dp, self.dims.dp_rank(self.rank)
         self.main = self.accelerator.is_main_process
         self.log = _RankLog(_log, {"rank": self.rank})
         self.device = self.accelerator.device
@@ -88,7 +87,7 @@ class Trainer:
         if cfg.micro_batch_size == "auto":
             self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.world, self.collate_fn)
         # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
-        self.global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * self.dp_world
+        self.global_batch = self.dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps)
         self.batches = ShardedBatches(train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type)
         # Dropout masks should differ between data-parallel ranks, yet be reproducible; the ranks of one TP group
         # must draw the same ones (their replicated parameters would drift apart otherwise).
@@ -217,7 +216,7 @@ class Trainer:
         if self.metrics.due(step, final) or verdict.ends:
             row = self.metrics.log(self.state, grad_norm, self.elapsed_s(), self.lr)
             if bar is not None:
-                bar.set_postfix(loss=f"{row['loss']:.4f}", samples_s=f"{row['samples_per_s']:.0f}")
+                bar.set_postfix(loss=f"{row.loss:.4f}", samples_s=f"{row.samples_per_s:.0f}")
         # A preempted rank has a grace period to save its state: no eval then.
         evaluate_now = final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0)
         if self.eval_ds is not None and evaluate_now and not verdict.signal:
@@ -225,7 +224,7 @@ class Trainer:
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
                                      self.parallel.forward_context, shard=(self.dp_rank, self.dp_world),
                                      eval_loss=getattr(self.parallel, "eval_loss", None))
-            self.metrics.write({"step": step, **self.eval_row})
+            self.metrics.write(MetricsRow.for_eval(step, self.eval_row))
             self.metrics.restart_clock()
         if self.checkpoints.due(step, final, verdict.stop or bool(verdict.signal)):
             self._at(step, "checkpoint")

@@ -9,9 +9,9 @@ import torch
 from accelerate.utils import gather_object
 
 from workbench import data
+from workbench.training.measures import peak_memory_bytes, state_digest
 from workbench.utils.files import atomic_write_bytes
 from workbench.utils.hardware import detect
-from workbench.training.measures import peak_memory_bytes, state_digest
 
 if TYPE_CHECKING:
     from workbench.training.loop import Trainer
@@ -42,7 +42,8 @@ def running_fields(t: Trainer) -> dict[str, Any]:
     hw = detect()
     cuda = t.device.type == "cuda"
     return {"run_name": t.cfg.run_name, "task": t.cfg.task, "world_size": t.world,
-            "parallelism": t.cfg.parallelism, "tp": t.cfg.tp, "mesh": t.cfg.mesh, "precision": t.cfg.precision, "device": hw.describe(t.device.type),
+            "parallelism": t.cfg.parallelism, "tp": t.cfg.tp, "mesh": t.dims.sizes, "precision": t.cfg.precision,
+            "device": hw.describe(t.device.type),
             "device_class": hw.device_class if cuda else "cpu", "global_batch_size": t.global_batch,
             "micro_batch_size": t.cfg.micro_batch_size, "grad_accum_steps": t.cfg.grad_accum_steps,
             "n_params": t.n_params, "data": data.used_datasets()}
@@ -71,7 +72,7 @@ def summary_fields(t: Trainer, *, samples_per_s: float, tokens_per_s: float | No
     fields: dict[str, Any] = {
         "steps": t.state.step,
         "steps_this_session": steps_run,
-        "final_loss": last_row["loss"] if last_row else None,
+        "final_loss": last_row.loss if last_row else None,
         "samples_per_s": samples_per_s,
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),

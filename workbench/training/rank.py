@@ -16,12 +16,12 @@ import signal
 import sys
 import threading
 import traceback
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from workbench.utils.distributed import FORKED_RANKS
 from workbench.rundir import RunDir
+from workbench.utils.distributed import FORKED_RANKS
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -130,7 +130,7 @@ def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
         torch.set_num_threads(1)
     with rank_stdout(rank):
         try:
-            from workbench.training import train
+            from workbench.training.loop import train
 
             train(cfg, task, Path(run_dir), progress=progress)
         except BaseException as exc:

@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from workbench.config.trackers import MLFLOW_ENV, mlflow_uri
+from workbench.rundir.metrics_row import VERSION_KEY, MetricsRow
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -48,11 +49,12 @@ def _hparam(value: Any) -> HParam:
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float | int]:
-    """A metrics row's numbers, by name: per-rank lists become '<name>/rank_<i>'; the step is the x axis, and
-    anything else that isn't a number (none today) is left to metrics.jsonl."""
+    """A metrics row's numbers, by name: per-rank lists become '<name>/rank_<i>'. The step is the
+    x axis, the schema version no metric, and what isn't a number (the verdicts) stays in
+    metrics.jsonl."""
     out: dict[str, float | int] = {}
     for name, value in row.items():
-        if name == "step" or isinstance(value, bool):
+        if name in ("step", VERSION_KEY) or isinstance(value, bool):
             continue
         if isinstance(value, (int, float)):
             out[name] = value
@@ -102,13 +104,13 @@ class RunTrackers:
                 self._error = e
                 return
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: MetricsRow) -> None:
         if not self.active:
             return
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"writing metrics to TensorBoard failed: {error}") from error
-        values, step = scalars(row), int(row["step"])
+        values, step = scalars(row.to_dict()), row.step
         for tracker in self.accelerator.trackers:
             if tracker.name == "tensorboard" and self._writer is not None:
                 self._rows.put((tracker, values, step))

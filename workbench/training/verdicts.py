@@ -9,10 +9,10 @@ communication-bound would send the user after the wrong fix.
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
-PHASES = ("data", "compute", "comm", "optimizer", "other")
-"""The breakdown's parts (training/breakdown.py measures them), in the order the dashboard stacks them."""
+from workbench.rundir.metrics_row import PHASES, MetricsRow
+
+__all__ = ["PHASES", "busy", "diagnose", "per_rank", "straggler"]
 INPUT_BOUND_SHARE = 0.2
 """Ranks waiting this share of the step for data are input-bound."""
 COMM_BOUND_SHARE = 0.3
@@ -23,11 +23,12 @@ STRAGGLER_MIN_S = 1e-3
 """... and by at least this much (a few percent of a 1 ms step is noise)."""
 
 
-def per_rank(row: dict[str, Any]) -> dict[str, list[float]] | None:
+def per_rank(row: MetricsRow) -> dict[str, list[float]] | None:
     """{phase: [seconds per step, per rank]} from a metrics row, or None when it has no breakdown."""
-    if f"{PHASES[0]}_ms_per_rank" not in row:
+    parts = row.phases_ms()
+    if parts is None:
         return None
-    return {name: [v / 1e3 for v in row[f"{name}_ms_per_rank"]] for name in PHASES}
+    return {name: [v / 1e3 for v in ms] for name, ms in parts.items()}
 
 
 def busy(parts: dict[str, list[float]]) -> list[float]:
@@ -47,7 +48,8 @@ def straggler(parts: dict[str, list[float]]) -> tuple[int, float] | None:
     return None
 
 
-def diagnose(row: dict[str, Any], num_workers: int, device: str, comm_measured: bool = True) -> list[str]:
+def diagnose(row: MetricsRow, num_workers: int, device: str,
+             comm_measured: bool = True) -> list[str]:
     """What limits the step, in words with the fix; [] when nothing stands out (or no breakdown)."""
     parts = per_rank(row)
     if parts is None:

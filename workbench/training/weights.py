@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.utils.distributed import single_process_dcp
 from workbench.training.measures import state_digest
+from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig

@@ -16,7 +16,6 @@ from typing import Any
 
 import yaml
 
-
 _UMASK_LOCK = threading.Lock()
 
 

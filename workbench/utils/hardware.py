@@ -12,10 +12,14 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from workbench.utils.units import MiB
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,3 +140,10 @@ def _query_gpus() -> tuple[GPU, ...]:
 def detect() -> Hardware:
     """This machine's hardware (cached: it doesn't change while a kernel runs)."""
     return Hardware(cpu_count=_cpu_count(), gpus=_query_gpus())
+
+
+def resolve_device(cfg: RunConfig, hardware: Hardware | None = None) -> str:
+    """'cpu' or 'cuda': cfg.device, with 'auto' resolved on this machine (or `hardware`)."""
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if (hardware or detect()).has_cuda else "cpu"

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from workbench.config import RunConfig
-from workbench.utils.hardware import detect
-from workbench.launcher.api import launch
+from workbench.launcher.launch import launch
+from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.units import fmt_bytes
 
 SHAPES = {
@@ -50,7 +50,8 @@ class EstimateReport:
                  "(max over ranks)",
                  f"  {'shape':32} {'mode':6} {'measured':>10} {'estimated':>10} {'error':>7} {'model state':>12}"]
         for r in self.rows:
-            lines.append(f"  {r.shape:32} {r.mode:6} {fmt_bytes(r.measured_bytes):>10} {fmt_bytes(r.estimated_bytes):>10} "
+            measured, estimated = fmt_bytes(r.measured_bytes), fmt_bytes(r.estimated_bytes)
+            lines.append(f"  {r.shape:32} {r.mode:6} {measured:>10} {estimated:>10} "
                          f"{r.error:+7.1%} {'exact' if r.model_state_exact else 'DIFFERS':>12}")
         return "\n".join(lines)
 
@@ -67,13 +68,13 @@ def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, modes: tuple[s
             for mode in modes:
                 cfg = base.replace(parallelism=mode, runs_dir=tmp, run_name=None, track_memory=True)
                 ranks = launch(cfg).summary["ranks"]
-                cuda = cfg.resolved_device(hw) == "cuda"
+                cuda = resolve_device(cfg, hw) == "cuda"
                 measured = [r["peak_memory_bytes"] if cuda else r["tracked_memory"]["peak"] for r in ranks]
                 est = estimate(cfg, hw.gpus[0].name if cuda else None, cfg.num_processes)
                 exact = all(est.ranks[r["rank"]].held == {k: r[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}
                             for r in ranks)
                 rows.append(EstimateRow(shape, mode, max(measured), max(r.tensors for r in est.ranks), exact))
-    report = EstimateReport(device=hw.describe(cfg.resolved_device(hw)), rows=rows)
+    report = EstimateReport(device=hw.describe(resolve_device(cfg, hw)), rows=rows)
     if json_path is not None:
         Path(json_path).write_text(json.dumps({"device": report.device, "rows": [asdict(r) for r in rows]}, indent=2))
     return report

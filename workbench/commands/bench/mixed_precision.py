@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from workbench.config import RunConfig
-from workbench.utils.hardware import detect
-from workbench.launcher.api import launch
+from workbench.launcher.launch import launch
+from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.units import fmt_bytes
 
 PRECISION_BENCH = RunConfig(task="char-gpt", num_processes=1, micro_batch_size=32, max_steps=50, lr=1e-3,
@@ -61,7 +61,7 @@ def precision(cfg: RunConfig, json_path: Path | None = None) -> PrecisionReport:
     Precisions this machine can't run are listed with the reason instead of being run.
     """
     hw = detect()
-    device = cfg.resolved_device(hw)
+    device = resolve_device(cfg, hw)
     rows = []
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for p in ("fp32", "bf16", "fp16", "fp8"):

@@ -25,14 +25,16 @@ from pathlib import Path
 import torch
 
 from workbench.config import RunConfig
-from workbench.utils.files import read_json
-from workbench.utils.hardware import detect
-from workbench.launcher.api import free_port, launch
-from workbench.training.measures import weights_digest
 from workbench.config.precision import accelerate_mixed_precision
+from workbench.config.preflight import preflight
+from workbench.launcher.launch import launch
+from workbench.launcher.processes import free_port
 from workbench.tasks import Task, get_task
 from workbench.tasks.schedule import lr_at
+from workbench.training.measures import weights_digest
 from workbench.training.optim import build_optimizer
+from workbench.utils.files import read_json
+from workbench.utils.hardware import detect, resolve_device
 
 log = logging.getLogger("workbench")
 WARMUP_STEPS = 10
@@ -50,9 +52,9 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str) -> None:
     from accelerate.utils import send_to_device, set_seed
     from torch.utils.data import DataLoader, DistributedSampler
 
-    if cfg.resolved_device() == "cpu":  # the same thread share the trainer gives each rank
+    if resolve_device(cfg) == "cpu":  # the same thread share the trainer gives each rank
         torch.set_num_threads(detect().threads_per_rank(cfg.num_processes))
-    acc = Accelerator(cpu=cfg.resolved_device() == "cpu",
+    acc = Accelerator(cpu=resolve_device(cfg) == "cpu",
                       mixed_precision=accelerate_mixed_precision(cfg.precision))
     set_seed(cfg.seed)
     model = task.build_model(cfg)
@@ -146,7 +148,7 @@ def overhead(steps: int = 200, repeats: int = 9, num_processes: int = 2, cfg: Ru
              json_path: Path | None = None) -> OverheadReport:
     """Measure the trainer's per-step overhead over a hand-written loop (see module docstring)."""
     cfg = (cfg or BENCH).replace(max_steps=steps, num_processes=num_processes)
-    cfg.check()
+    preflight(cfg)
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps={steps}: must exceed the {WARMUP_STEPS} warm-up steps")
     trainer_times: list[float] = []
@@ -183,7 +185,7 @@ def overhead(steps: int = 200, repeats: int = 9, num_processes: int = 2, cfg: Ru
                             hand_median_s=h, trainer_mean_s=statistics.fmean(trainer_times),
                             hand_mean_s=statistics.fmean(hand_times), ratio=t / h,
                             overhead_ms=statistics.median(paired) * 1e3, budget_ms=0.01 * h * 1e3 + 1.0,
-                            weights_equal=equal, device=cfg.resolved_device(), log_every=cfg.log_every)
+                            weights_equal=equal, device=resolve_device(cfg), log_every=cfg.log_every)
     if json_path is not None:
         Path(json_path).write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2))
     return report

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from workbench.config import RunConfig
+from workbench.config.preflight import preflight
+from workbench.launcher.launch import launch
 from workbench.utils.files import read_json
-from workbench.utils.hardware import detect
-from workbench.launcher.api import launch
+from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.units import fmt_bytes
 
 WARMUP_STEPS = 5
@@ -104,7 +105,7 @@ def parallelism(cfg: RunConfig, modes: tuple[str, ...] = MODES, json_path: Path 
                 rows.append(ModeRow(mode, False, reason))
                 continue
             try:
-                layout.check()
+                preflight(layout)
             except ValueError as e:
                 rows.append(ModeRow(mode, False, str(e)))
                 continue
@@ -117,7 +118,7 @@ def parallelism(cfg: RunConfig, modes: tuple[str, ...] = MODES, json_path: Path 
                                 optimizer_bytes=[r["optimizer_bytes"] for r in ranks],
                                 tracked_peak_bytes=[r["tracked_memory"]["peak"] for r in ranks if r["tracked_memory"]],
                                 peak_memory_bytes=s["peak_memory_bytes"], final_loss=s["final_loss"]))
-    report = ParallelismReport(device=hw.describe(cfg.resolved_device(hw)), config=cfg.to_dict(), rows=rows)
+    report = ParallelismReport(device=hw.describe(resolve_device(cfg, hw)), config=cfg.to_dict(), rows=rows)
     if json_path is not None:
         Path(json_path).write_text(json.dumps(asdict(report), indent=2))
     return report

@@ -9,9 +9,9 @@ variables and their pitfalls (``environment``), an all-reduce bandwidth sweep ov
 from __future__ import annotations
 
 from workbench.commands.doctor.allreduce import SweepResult, bus_factor, run_sweep
+from workbench.commands.doctor.checkup import SECTIONS, DoctorReport, run_doctor
 from workbench.commands.doctor.environment import env_pitfalls, relevant_env
 from workbench.commands.doctor.findings import Finding, Section
-from workbench.commands.doctor.checkup import SECTIONS, DoctorReport, run_doctor
 from workbench.commands.doctor.topology import TopoMatrix, parse_topo_matrix
 
 __all__ = ["SECTIONS", "DoctorReport", "Finding", "Section", "SweepResult", "TopoMatrix", "bus_factor",

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workbench.utils.units import fmt_bytes
 from workbench.commands.doctor.findings import Finding, Section
+from workbench.utils.units import fmt_bytes
 
 log = logging.getLogger("workbench")
 

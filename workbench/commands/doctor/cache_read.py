@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.commands.doctor.findings import Finding, Section
 from workbench.data import cache_dir
 from workbench.utils.units import MiB
-from workbench.commands.doctor.findings import Finding, Section
 
 _CHUNK = 4 * MiB
 _TMP_PREFIX = ".wb-tmp-doctor-"  # the data cache's temp prefix: leftovers of a killed process are recognised

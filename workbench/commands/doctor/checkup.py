@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from workbench.config import RunConfig
 from workbench.commands.doctor.allreduce import build_allreduce
 from workbench.commands.doctor.cache_read import build_cache_read
 from workbench.commands.doctor.environment import build_environment
@@ -20,6 +19,7 @@ from workbench.commands.doctor.findings import Finding, Section, guarded
 from workbench.commands.doctor.input_pipeline import build_input_pipeline
 from workbench.commands.doctor.topology import build_devices, cpu_counts
 from workbench.commands.doctor.versions import build_versions
+from workbench.config import RunConfig
 
 SECTIONS = {
     "devices": "Devices and topology",

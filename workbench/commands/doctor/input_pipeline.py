@@ -16,9 +16,9 @@ from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 
 from workbench import data
-from workbench.utils.hardware import detect
-from workbench.tasks import get_task
 from workbench.commands.doctor.findings import Finding, Section
+from workbench.tasks import get_task
+from workbench.utils.hardware import detect, resolve_device
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -95,7 +95,7 @@ def build_input_pipeline(section: Section, cfg: RunConfig, quick: bool, cpu_rank
     """cpu_ranks: on CPU, measure as one of that many ranks does, with its share of the cores (the trainer
     gives each rank cores // ranks threads; on a busy box, more threads than that can be many times slower)."""
     task = get_task(cfg.task)
-    device = torch.device(cfg.resolved_device())
+    device = torch.device(resolve_device(cfg))
     threads = detect().threads_per_rank(cpu_ranks) if device.type == "cpu" else torch.get_num_threads()
     section.data.update(task=cfg.task, micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
                         device=device.type, threads=threads)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from workbench.utils.units import fmt_bytes
 from workbench.commands.doctor.findings import Finding, Section
+from workbench.utils.units import fmt_bytes
 
 NODE_DIR = Path("/sys/devices/system/node")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines the header row when writing to a terminal

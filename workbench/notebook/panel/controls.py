@@ -8,9 +8,9 @@ from typing import Any, get_args
 import ipywidgets as widgets
 
 from workbench.config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
-from workbench.utils.hardware import detect
 from workbench.config.precision import Precision
 from workbench.tasks import Task, available
+from workbench.utils.hardware import detect
 
 PARALLELISM_LABELS = {mode: f"{mode}: {text}" for mode, text in PARALLELISM_MODES.items()}
 """Every mode, with its one-line explanation."""

@@ -101,7 +101,8 @@ class EstimateBox:
                                            layout=widgets.Layout(width="130px"))
         self.nodes = widgets.BoundedIntText(value=1, min=1, max=1024, description="nodes", style=style,
                                             layout=widgets.Layout(width="130px"))
-        for control, css in ((self.target, "wb-target"), (self.gpus, "wb-target-gpus"), (self.nodes, "wb-target-nodes")):
+        classes = ((self.target, "wb-target"), (self.gpus, "wb-target-gpus"), (self.nodes, "wb-target-nodes"))
+        for control, css in classes:
             control.add_class(css)
         self.html = widgets.HTML(render(self.state))
         self.html.add_class("wb-estimates")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from workbench.config.mesh import rank_coordinates
-
 if TYPE_CHECKING:
     from workbench.config import RunConfig
 
@@ -31,22 +29,24 @@ def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
     if cfg is None or problem:
         why = html.escape((problem or "the settings don't form a config").splitlines()[0])
         return f"<div class='wb-layout' data-layout='impossible'><b>rank layout</b>: none as set: {why}</div>"
-    sizes = cfg.mesh
-    tp, shards, stages = sizes["tp"], sizes["dp_shard"], sizes["pp"]
-    per_stage = cfg.num_processes // (tp * stages)
+    dims = cfg.dims
+    sizes = dims.sizes
+    tp, shards, stages = dims.tp, dims.dp_shard, dims.pp
+    per_stage = dims.dp
     columns = []
     for stage in range(stages):
         rows = []
         for dp_index in range(stage * per_stage, (stage + 1) * per_stage):
             ranks = range(dp_index * tp, (dp_index + 1) * tp)
-            cells = "".join(_cell(r, rank_coordinates(r, sizes), shards) for r in ranks)
+            cells = "".join(_cell(r, dims.coordinates(r), shards) for r in ranks)
             rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px;margin:2px 0'>{cells}</div>")
         title = f"<small>stage {stage}</small>" if stages > 1 else ""
         columns.append(f"<div class='wb-layout-stage' data-stage='{stage}'>{title}{''.join(rows)}</div>")
     arrow = "<div style='align-self:center'>→</div>"
     body = f"<div style='display:flex;gap:8px'>{arrow.join(columns)}</div>"
-    shape = " × ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "one process"
-    legend = ["a row: ranks that see the same batches" + (f" and split each planned matrix {tp} ways" if tp > 1 else "")]
+    shape = dims.describe()
+    split = f" and split each planned matrix {tp} ways" if tp > 1 else ""
+    legend = [f"a row: ranks that see the same batches{split}"]
     if stages > 1:
         legend.append(f"columns: {stages} pipeline stages, each a slice of the model's blocks (activations flow "
                       "left to right, micro-batch by micro-batch)")

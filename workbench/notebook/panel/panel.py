@@ -19,19 +19,21 @@ from typing import Any
 import ipywidgets as widgets
 
 from workbench.config import RunConfig
-from workbench.notebook.dashboard import Dashboard
-from workbench.utils.hardware import detect
-from workbench.utils.kernel import in_kernel
-from workbench.launcher.api import Run, describe_launch, start
+from workbench.config.preflight import preflight
+from workbench.launcher.launch import Run, start
+from workbench.launcher.processes import describe_launch
 from workbench.launcher.result import RunResult
-from workbench.rundir import ENDED, RunFailedError, Status
-from workbench.rundir.run_files import resume_config
-from workbench.tasks import Task
+from workbench.notebook.dashboard import Dashboard
 from workbench.notebook.panel.controls import build_controls, read_micro_batch, task_options
 from workbench.notebook.panel.estimates import EstimateBox
 from workbench.notebook.panel.mesh_view import layout_html
 from workbench.notebook.panel.panel_state import ACTIVE, PanelState
 from workbench.notebook.panel.view import RESUMABLE, error_html, save_yaml, status_html
+from workbench.rundir import ENDED, RunFailedError, Status
+from workbench.rundir.run_files import resume_config
+from workbench.tasks import Task
+from workbench.utils.hardware import detect, resolve_device
+from workbench.utils.kernel import in_kernel
 
 log = logging.getLogger("workbench")
 
@@ -98,7 +100,7 @@ class Panel:
     # ---- widgets ------------------------------------------------------------------------------------
     def _build_widgets(self, base: RunConfig) -> None:
         hw = detect()
-        self.device = base.resolved_device(hw)
+        self.device = resolve_device(base, hw)
         self.max_processes = hw.max_processes(self.device)
         self.controls, self.precision_reasons = build_controls(self.device, self._task_options(base.task))
         for control in self.controls.values():
@@ -129,8 +131,8 @@ class Panel:
         self.dashboard_box = widgets.VBox([])
         c = self.controls
         left = widgets.VBox([c["task"], widgets.HBox([c["num_processes"], limit]), c["parallelism"], c["dp_shard"],
-                             c["tp"], c["pp"], c["pp_schedule"], c["activation_checkpointing"], c["precision"], c["micro_batch_size"], c["grad_accum_steps"], c["max_steps"], c["lr"],
-                             c["run_name"]])
+                             c["tp"], c["pp"], c["pp_schedule"], c["activation_checkpointing"], c["precision"],
+                             c["micro_batch_size"], c["grad_accum_steps"], c["max_steps"], c["lr"], c["run_name"]])
         self.layout_box = _html("wb-layout-box")
         right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,
                               self.layout_box, self.estimate_box.widget],
@@ -200,7 +202,7 @@ class Panel:
         cfg: RunConfig | None = None
         try:
             cfg = self.config
-            cfg.check(task=self.task_for(cfg.task))
+            preflight(cfg, task=self.task_for(cfg.task))
             problem = ""
         except ValueError as e:  # cfg stays None when RunConfig itself refused the values
             problem = str(e)

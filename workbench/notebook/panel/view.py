@@ -6,10 +6,11 @@ import html
 from pathlib import Path
 
 from workbench.config import RunConfig
-from workbench.rundir import Status
 from workbench.notebook.panel.panel_state import PanelState
+from workbench.rundir import Status
 
-RESUMABLE = (Status.COMPLETED.value, Status.STOPPED.value, Status.PREEMPTED.value, Status.FAILED.value, Status.DIVERGED.value)
+RESUMABLE = (Status.COMPLETED.value, Status.STOPPED.value, Status.PREEMPTED.value, Status.FAILED.value,
+             Status.DIVERGED.value)
 """Endings after which Resume continues the run from its newest checkpoint (when it has one)."""
 
 

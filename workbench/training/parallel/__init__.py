@@ -2,9 +2,10 @@
 
 Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the strategy to
 hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
-looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp' (FSDP2);
-tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); pipeline.py: pp > 1 (one stage per rank); base.py: precision, checkpoints (DCP),
-the bytes each rank holds.
+looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp'
+(FSDP2); tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); pipeline.py: pp > 1 (one stage per
+rank); strategy.py: what every strategy shares (precision, checkpoints through DCP, the bytes each rank
+holds).
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.tasks.blocks import checkpoint_units, shard_units
 from workbench.config import SHARDED
-from workbench.training.parallel.base import Strategy
-from workbench.training.parallel.pipeline import PipelineParallel
-from workbench.training.parallel.replicated import Replicated, ZeroOne
-from workbench.training.parallel.sharded import Sharded
-from workbench.training.parallel.tensor import TensorParallel
+from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.training.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -28,7 +25,7 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
 
-__all__ = ["Strategy", "parallelize"]
+__all__ = ["Strategy", "parallelize", "strategy_module"]
 
 
 def ensure_process_group(accelerator: Accelerator) -> None:
@@ -41,21 +38,42 @@ def ensure_process_group(accelerator: Accelerator) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def strategy_module(cfg: RunConfig) -> str:
+    """The module of the strategy `cfg` trains with (a fork-mode supervisor imports it before forking)."""
+    if cfg.pp > 1:
+        return "workbench.training.parallel.pipeline"
+    if cfg.tp > 1:
+        return "workbench.training.parallel.tensor"
+    if cfg.parallelism in SHARDED:
+        return "workbench.training.parallel.sharded"
+    return "workbench.training.parallel.replicated"
+
+
 def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
     """Make `model` parallel as cfg.parallelism asks, with activation checkpointing per shard unit; the loop
     then trains through the returned strategy."""
+    # Each strategy's module is imported only when its mode runs: torch's pipelining, tensor-parallel and
+    # FSDP modules cost a rank a second of start-up between them.
     if cfg.pp > 1:  # each rank keeps its stage of the model
+        from workbench.training.parallel.pipeline import PipelineParallel
+
         ensure_process_group(accelerator)
         return PipelineParallel(cfg, accelerator, model, task, make_optimizer)
     if cfg.tp > 1:  # the plan names submodules as the task built them: TP before checkpoint wrappers
+        from workbench.training.parallel.tensor import TensorParallel
+
         ensure_process_group(accelerator)
         return TensorParallel(cfg, accelerator, model, task, make_optimizer)
     units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
     if cfg.parallelism in (*SHARDED, "zero1"):
         ensure_process_group(accelerator)
     if cfg.parallelism in SHARDED:
+        from workbench.training.parallel.sharded import Sharded
+
         return Sharded(cfg, accelerator, model, units, make_optimizer)
+    from workbench.training.parallel.replicated import Replicated, ZeroOne
+
     if cfg.parallelism == "zero1":
         return ZeroOne(cfg, accelerator, model, make_optimizer)
     return Replicated(cfg, accelerator, model, make_optimizer)

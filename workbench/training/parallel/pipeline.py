@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import send_to_device
 import torch.distributed.checkpoint as dcp
+from accelerate.utils import send_to_device
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from workbench.training.evaluation import split_loss
+from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
 from workbench.utils.distributed import single_process_dcp
-from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

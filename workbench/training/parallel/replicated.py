@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
-from workbench.utils.distributed import single_process_dcp
 from workbench.training.breakdown import DDPCommStats
-from workbench.training.parallel.base import DTYPES, Strategy, on_device
+from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
+from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -151,5 +151,5 @@ class ZeroOne(Replicated):
         local.load_state_dict({
             "state": {index[p]: state["optim"]["state"][self._names[p]] for p in owned
                       if state["optim"]["state"][self._names[p]]},
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-                             for g in local.param_groups]})
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [index[p] for p in g["params"]]} for g in local.param_groups]})

@@ -18,7 +18,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from workbench.training.parallel.base import DTYPES, Strategy, on_device
+from workbench.config.mesh import ParallelDims
+from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -28,10 +29,11 @@ if TYPE_CHECKING:
 
 def data_parallel_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
     """1-D ('dp_shard') over all ranks, or 2-D ('dp_replicate', 'dp_shard') for hsdp."""
-    if cfg.parallelism == "hsdp":
-        return init_device_mesh(device_type, (world // cfg.dp_shard, cfg.dp_shard),
+    dims = ParallelDims.of(cfg, world)
+    if dims.dp_replicate > 1:
+        return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard),
                                 mesh_dim_names=("dp_replicate", "dp_shard"))
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
 
 
 class Sharded(Strategy):

@@ -27,9 +27,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from workbench.config.mesh import ParallelDims
 from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
 from workbench.utils.distributed import single_process_dcp
-from workbench.training.parallel.base import DTYPES, Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -40,10 +41,10 @@ if TYPE_CHECKING:
 
 def tensor_parallel_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
     """('tp',) for pure TP, ('dp_shard', 'tp') for FSDP x TP; rank = dp index x tp + tp index."""
-    dp = world // cfg.tp
-    if dp == 1:
-        return init_device_mesh(device_type, (cfg.tp,), mesh_dim_names=("tp",))
-    return init_device_mesh(device_type, (dp, cfg.tp), mesh_dim_names=("dp_shard", "tp"))
+    dims = ParallelDims.of(cfg, world)
+    if dims.dp == 1:
+        return init_device_mesh(device_type, (dims.tp,), mesh_dim_names=("tp",))
+    return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp_shard", "tp"))
 
 
 def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> list[int]:

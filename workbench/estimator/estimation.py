@@ -6,9 +6,16 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workbench.config.mesh import ParallelDims
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator, load_catalog, lookup
-from workbench.estimator.model import (CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, Estimate, RankEstimate, calibrated_efficiency,
-                    comm_time)
+from workbench.estimator.model import (
+    CPU_OVERHEAD_BYTES,
+    GPU_OVERHEAD_BYTES,
+    Estimate,
+    RankEstimate,
+    calibrated_efficiency,
+    comm_time,
+)
 from workbench.estimator.trace import StepTrace, trace_step
 
 if TYPE_CHECKING:
@@ -34,7 +41,7 @@ def _ranks(cfg: RunConfig, trace: StepTrace, world: int, overhead: int, buckets:
     """Every rank from rank 0's trace: the same activations; model state from each rank's shard (FSDP2's chunk
     rule), or, for zero1, the optimizer partition scaled from rank 0's."""
     m, held = trace.memory, trace.held
-    group = cfg.dp_shard if cfg.parallelism == "hsdp" else world
+    group = ParallelDims.of(cfg, world).dp_shard
     ranks = []
     for r in range(world):
         delta = 0
@@ -74,8 +81,9 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
                          "data-parallel modes only); estimate the same model with pp=1 and parallelism='zero3' for a "
                          "bound")
     if cfg.tp > 1:
-        raise ValueError(f"tp={cfg.tp}: the estimate does not model tensor parallelism yet (it traces the data-parallel "
-                         "modes only); estimate the same model with tp=1 and parallelism='zero3' for a bound")
+        raise ValueError(f"tp={cfg.tp}: the estimate does not model tensor parallelism yet (it traces the "
+                         "data-parallel modes only); estimate the same model with tp=1 and parallelism='zero3' "
+                         "for a bound")
     target = lookup(gpu or THIS_MACHINE, load_catalog(catalog) if gpu and gpu != THIS_MACHINE else None)
     if network not in NETWORKS:
         raise ValueError(f"network={network!r}: choose one of {', '.join(NETWORKS)}")
@@ -95,6 +103,7 @@ def price(cfg: RunConfig, task: Task, trace: StepTrace, target: Accelerator, gpu
           runs_dir: Path) -> Estimate:
     """Memory, time and cost of a traced step on the target, with the assumption behind each figure."""
     world = gpus * nodes
+    dims = ParallelDims.of(cfg, world)
     assumptions: list[str] = []
     replicated = cfg.parallelism in ("ddp", "zero1") and world > 1
     grads = trace.held["grads"]
@@ -141,7 +150,8 @@ def price(cfg: RunConfig, task: Task, trace: StepTrace, target: Accelerator, gpu
         assumptions.append(f"price ${target.price_per_hour:.2f} per GPU-hour: {target.price_source}")
     return Estimate(config=cfg.to_dict(), target=target, gpus=gpus, nodes=nodes, ranks=ranks,
                     flops_per_step=trace.flops, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
-                    step_s=compute + exposed, global_batch=cfg.micro_batch_size * cfg.grad_accum_steps * world,
+                    step_s=compute + exposed,
+                    global_batch=dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps),
                     tokens_per_sample=task.tokens_per_sample(cfg), efficiency=efficiency, assumptions=assumptions,
                     trace_s=trace.trace_s, max_rss_bytes=trace.max_rss_bytes)
 

@@ -23,16 +23,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from workbench.utils.distributed import single_process_dcp
 from workbench.training.measures import state_digest
-
-
+from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
-    from workbench.training.breakdown import DDPCommStats
     from accelerate import Accelerator
 
     from workbench.config import RunConfig
+    from workbench.training.breakdown import DDPCommStats
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,0 +1,112 @@
+"""The checks that refuse an impossible rank layout before anything launches: the parallelism fields agree
+with each other and with num_processes. Messages name the field, the value and sizes that work."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workbench.config.run_config import RunConfig
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(cfg: RunConfig) -> None:
+    """The parallelism fields agree with each other and with num_processes; ValueError naming the fix."""
+    p, n, tp = cfg.parallelism, cfg.num_processes, cfg.tp
+    if p == "none" and n > 1:
+        raise ValueError(f"parallelism='none' with num_processes={n}: 'none' runs one process; set "
+                         "parallelism='ddp' or num_processes=1")
+    if tp < 1:
+        raise ValueError(f"tp={tp}: the tensor-parallel size must be at least 1 (1 turns tensor parallelism off)")
+    if n % tp:
+        raise ValueError(f"tp={tp} with num_processes={n}: the tensor-parallel size must divide the number of ranks "
+                         f"(data-parallel size = num_processes / tp); use tp={' or '.join(map(str, _divisors(n)))}, "
+                         f"or num_processes={tp * max(1, n // tp + 1)}")
+    if cfg.pp != 1:
+        _check_pipeline(cfg)
+        return
+    dp = n // tp
+    if tp > 1:
+        _check_tensor_parallel(cfg, dp)
+    if p == "hsdp":
+        ok = [d for d in range(2, dp // 2 + 1) if dp % d == 0]
+        what = "num_processes" if tp == 1 else f"the data-parallel size num_processes/tp={dp}"
+        hint = (f"use dp_shard={' or '.join(map(str, ok))}" if ok else
+                f"{what} can't be split so; use e.g. num_processes={4 * tp} with dp_shard=2, or "
+                "parallelism='zero3' to shard over all data-parallel ranks")
+        if cfg.dp_shard < 2 or dp % cfg.dp_shard or dp // cfg.dp_shard < 2:
+            raise ValueError(f"dp_shard={cfg.dp_shard} with parallelism='hsdp' and num_processes={n}"
+                             f"{f' (tp={tp})' * (tp > 1)}: hsdp shards within groups of dp_shard ranks and replicates "
+                             f"across at least 2 groups, so dp_shard must divide {what} and be between 2 and half of "
+                             f"it; {hint}")
+    elif cfg.dp_shard:
+        raise ValueError(f"dp_shard={cfg.dp_shard}: only parallelism='hsdp' uses it (parallelism={p!r}); set "
+                         "dp_shard=0, or parallelism='hsdp'")
+    if cfg.grad_compression != "none" and p not in ("ddp", "zero1"):
+        raise ValueError(f"grad_compression={cfg.grad_compression!r} with parallelism={p!r}: compression hooks "
+                         "apply to DDP's gradient all-reduce (ddp, zero1); sharded modes reduce-scatter instead. "
+                         "Set grad_compression='none', or parallelism='ddp'")
+    if cfg.cpu_offload and p not in ("zero3", "fsdp", "hsdp"):
+        raise ValueError(f"cpu_offload=True with parallelism={p!r}: offloading sharded parameters and optimizer "
+                         "state needs parallelism='zero3' (or 'hsdp'); set cpu_offload=False or change parallelism")
+
+
+def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
+    p, n, tp = cfg.parallelism, cfg.num_processes, cfg.tp
+    if dp > 1 and p in ("ddp", "zero1"):
+        raise ValueError(f"tp={tp} with parallelism={p!r} on num_processes={n} (data-parallel size {dp}): only the "
+                         "sharded modes combine with tensor parallelism (FSDP x TP on a 2-D mesh); set "
+                         f"parallelism='zero3' (or 'zero2', 'hsdp'), or tp={n} for pure tensor parallelism")
+    if p == "hsdp":
+        raise ValueError(f"parallelism='hsdp' with tp={tp}: hsdp x tp (a 3-D mesh) is not supported yet; use "
+                         f"parallelism='zero3' (FSDP x TP over data-parallel size {dp}), or tp=1")
+    _refuse_unsupported(cfg, f"tp={tp}", "tensor parallelism", "tp=1", _common_unsupported(cfg))
+    if cfg.micro_batch_size == "auto":
+        raise ValueError(f"micro_batch_size='auto' with tp={tp}: the automatic micro-batch search does not handle "
+                         "tensor parallelism yet; set micro_batch_size to a number")
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    """pp > 1: every rank one stage, replicated pipelines (ddp) for the rest; micro-batches enough for the
+    schedule."""
+    pp, n, tp, accum = cfg.pp, cfg.num_processes, cfg.tp, cfg.grad_accum_steps
+    if pp < 1:
+        raise ValueError(f"pp={pp}: the number of pipeline stages must be at least 1 (1 turns pipelining off)")
+    if n % (pp * tp):
+        raise ValueError(f"pp={pp} with tp={tp} and num_processes={n}: pp x tp must divide the number of ranks; "
+                         f"use num_processes={pp * tp}, or pp={' or '.join(map(str, _divisors(n // tp or 1)))}")
+    if tp > 1:
+        raise ValueError(f"pp={pp} with tp={tp}: pipeline x tensor parallel is not supported yet; set tp=1 "
+                         "(pipeline parallel alone), or pp=1")
+    if n // pp > 1 and cfg.parallelism != "ddp":
+        raise ValueError(f"pp={pp} with parallelism={cfg.parallelism!r} on num_processes={n} (data-parallel size "
+                         f"{n // pp}): pipelines combine with replicated data parallelism only for now; set "
+                         f"parallelism='ddp' (replicated pipelines), or num_processes={pp} (pure pipeline parallel)")
+    if cfg.pp_schedule == "1f1b" and accum < pp:
+        raise ValueError(f"pp_schedule='1f1b' with pp={pp} and grad_accum_steps={accum}: 1F1B needs at least as "
+                         f"many micro-batches per step (grad_accum_steps) as stages; set grad_accum_steps={pp} or "
+                         "more, or pp_schedule='gpipe'")
+    _refuse_unsupported(cfg, f"pp={pp}", "pipeline parallelism", "pp=1", {
+        **_common_unsupported(cfg),
+        "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
+        "activation_checkpointing": (cfg.activation_checkpointing != "none", "set activation_checkpointing='none'"),
+        # PyTorch's MemTracker refuses a module called once per micro-batch in one step
+        "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")})
+
+
+def _common_unsupported(cfg: RunConfig) -> dict[str, tuple[bool, str]]:
+    """Settings tensor and pipeline parallelism don't take yet: {field: (set to something refused, the fix)}."""
+    return {"grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
+            "cpu_offload": (cfg.cpu_offload, "set cpu_offload=False"),
+            "precision": (cfg.precision == "fp16", "use precision='bf16' or 'fp32'")}
+
+
+def _refuse_unsupported(cfg: RunConfig, setting: str, mode: str, off: str,
+                        checks: dict[str, tuple[bool, str]]) -> None:
+    for name, (bad, fix) in checks.items():
+        if bad:
+            raise ValueError(f"{name}={getattr(cfg, name)!r} with {setting}: not supported with {mode} yet; {fix}, "
+                             f"or {off}")

@@ -1,0 +1,116 @@
+"""Before a launch: a RunConfig against the task it trains and the machine it runs on. RunConfig checks
+itself on construction (checks.py, mesh_checks.py) without either; these checks build the task's model on
+the meta device and look at this machine's devices, tools and precisions."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from workbench.config.trackers import missing, pip_command
+from workbench.tasks import get_task
+from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.utils.hardware import Hardware, detect, resolve_device
+
+if TYPE_CHECKING:
+    from workbench.config.run_config import RunConfig
+    from workbench.tasks import Task
+
+
+def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | None = None) -> None:
+    """Check `cfg` against this machine (or `hardware`) and the task (`task`, else the one cfg.task names):
+    ValueError naming the field, the value and the fix, before anything starts. launch() runs it first."""
+    hw = hardware or detect()
+    if cfg.device == "cuda" and not hw.has_cuda:
+        raise ValueError("device='cuda': no CUDA GPU is visible on this machine; use device='auto' or 'cpu'")
+    device = resolve_device(cfg, hw)
+    limit = hw.max_processes(device)
+    if cfg.num_processes > limit:
+        if device == "cpu" and cfg.oversubscribe:
+            warnings.warn(f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): the "
+                          "ranks share cores and run slower than they would on their own", stacklevel=2)
+        else:
+            what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
+            extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
+            raise ValueError(f"num_processes={cfg.num_processes}: this machine has {what}; "
+                             f"use num_processes={limit} or fewer{extra}")
+    if cfg.cpu_offload and device != "cuda":
+        raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
+                         "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
+    if cfg.grad_compression == "bf16" and device != "cuda" and cfg.num_processes > 1:
+        raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
+                         "use grad_compression='fp16' or 'powersgd' on CPU")
+    check_tools(cfg, device)
+    problem = hw.precision_problem(cfg.precision, device)
+    if problem:
+        raise ValueError(f"precision={cfg.precision!r} on {hw.describe(device)}: {problem}")
+    task = task or get_task(cfg.task)
+    task.check_options(cfg)
+    task.check_data(cfg)
+    check_parallel_task(cfg, task)
+    if cfg.activation_checkpointing != "none":
+        _check_checkpoint_units(cfg, task)
+
+
+def check_tools(cfg: RunConfig, device: str) -> None:
+    """Trackers that aren't installed are refused before launch (accelerate would drop them silently); pinned
+    memory on CPU is warned about, as it does nothing there."""
+    absent = missing(cfg.trackers)
+    if absent:
+        raise ValueError(f"trackers={cfg.trackers!r}: {', '.join(absent)} not installed here; "
+                         f"`{pip_command(absent)}`, or leave {' and '.join(absent)} out of trackers")
+    if cfg.pin_memory is True and device != "cuda":
+        warnings.warn("pin_memory=True on CPU: pinned memory only speeds up copies to a GPU; it is not used on "
+                      "this run (set pin_memory='auto' to silence this)", stacklevel=3)
+
+
+def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
+    """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device
+    (no memory, no data loaded into it)."""
+    try:
+        with torch.device("meta"):
+            model = task.build_model(cfg)
+    except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
+        return
+    checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+
+
+def check_parallel_task(cfg: RunConfig, task: Any) -> None:
+    """Before launch: the task can be split as tp and pp ask (a plan, pipeline stages)."""
+    if cfg.tp > 1:
+        check_tensor_parallel_task(cfg, task)
+    if cfg.pp > 1:
+        check_pipeline_task(cfg, task)
+
+
+def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
+    """pp > 1: Task.pipeline_stages gives a stage for every stage index, built on the meta device."""
+    for stage in range(cfg.pp):
+        with torch.device("meta"):
+            model = task.build_model(cfg)
+        part = task.pipeline_stages(model, cfg, stage, cfg.pp)
+        if part is None:
+            raise ValueError(f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "
+                             f"({type(task).__name__}.pipeline_stages returns None); set pp=1, or implement "
+                             "pipeline_stages(model, cfg, stage, stages) returning the stage's nn.Module")
+
+
+def check_tensor_parallel_task(cfg: RunConfig, task: Any) -> None:
+    """Before launch, with tp > 1: the task has a plan (Task.tensor_parallel_plan) that names real submodules,
+    looked up on the model built on the meta device."""
+    with torch.device("meta"):
+        model = task.build_model(cfg)
+    plan = task.tensor_parallel_plan(model, cfg)
+    if plan is None:
+        raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan "
+                         f"({type(task).__name__}.tensor_parallel_plan returns None), so its model can't be split "
+                         "over ranks; set tp=1 (and use parallelism='zero3' to shard it instead), or implement "
+                         "tensor_parallel_plan(model, cfg) returning "
+                         "{submodule name: ColwiseParallel()/RowwiseParallel()}")
+    names = {name for name, _ in model.named_modules()}
+    missing = [key for key in plan if "*" not in key and key not in names]
+    if missing:
+        raise ValueError(f"tp={cfg.tp}: {type(task).__name__}.tensor_parallel_plan names submodule(s) the model "
+                         f"doesn't have: {', '.join(missing[:5])}")

@@ -1,0 +1,105 @@
+"""The caller's side of a launch: `launch()` and `start()` run a RunConfig on N ranks from a notebook (fork,
+via notebook_launcher in a supervisor process, or spawn: fresh interpreters, see spawn.py) or the shell
+(`accelerate launch` / torchrun), and `Run` is the handle on a run that is going.
+
+What notebook_launcher gets wrong is fixed around it: a free port per run, precision that reaches the
+workers, CPU ranks that form one process group, an honest launch message, and each rank's exception
+written to the run directory (see rank.py, supervisor.py and postmortem.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Literal, overload
+
+from workbench.config import RunConfig
+from workbench.config.preflight import preflight
+from workbench.launcher.processes import Mode, start_processes
+from workbench.launcher.result import RunResult
+from workbench.launcher.run import Run
+from workbench.launcher.spawn import plan_start
+from workbench.rundir import (
+    lock,
+    prepare,
+)
+from workbench.tasks import Task, get_task
+
+log = logging.getLogger("workbench")
+
+
+
+def check_launch(cfg: RunConfig, task: Task | None, mode: Mode) -> tuple[RunConfig, Task]:
+    """The config and task to run, every check done before anything is created or started."""
+    if mode not in ("fork", "subprocess"):
+        raise ValueError(f"mode={mode!r}: choose 'fork' or 'subprocess'")
+    if task is not None:
+        if not isinstance(task, Task):
+            raise TypeError(f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()")
+        if cfg.task != task.name:
+            cfg = cfg.replace(task=task.name)
+        if mode == "subprocess":
+            raise ValueError("mode='subprocess' starts fresh interpreters that can't see a task object: register "
+                             "the task in an importable module (or name it 'module:Class' in cfg.task) and pass "
+                             "no task=, or use mode='fork' for tasks defined in a notebook")
+    preflight(cfg, task=task)  # hardware, precision, task and its options: all before anything starts
+    return cfg, task or get_task(cfg.task)
+
+
+def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", progress: bool = False) -> Run:
+    """Start `cfg` on cfg.num_processes ranks and return the `Run` handle at once (see `launch` to block).
+
+    mode='fork' (notebooks, any Python process) forks ranks through accelerate.notebook_launcher, so tasks
+    defined in a notebook cell work, or, per cfg.start_method (when CUDA is already initialised here), spawns
+    them as fresh interpreters with the task pickled; mode='subprocess' runs `accelerate launch` (torchrun for
+    multi-process CPU) like `workbench train`. Everything is validated before any process starts.
+    """
+    cfg, task = check_launch(cfg, task, mode)
+    plan = plan_start(cfg, task, mode)  # may refuse: still nothing created
+    cfg, run_dir, token = prepare(cfg)
+    try:
+        if cfg.micro_batch_size == "auto":
+            from workbench.estimator.microbatch import propose
+            from workbench.utils.files import write_json
+
+            write_json(run_dir.path / "autobatch.json", propose(cfg, task))
+        process = start_processes(cfg, task, run_dir, token, plan, progress)
+    except BaseException:
+        lock.release(run_dir, token)
+        raise
+    return Run(cfg, run_dir.path, process, mode, task if mode == "fork" else None, progress, token, _plan=plan)
+
+
+@overload
+def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[True] = True, mode: Mode = "fork",
+           progress: bool = False) -> RunResult: ...
+
+
+@overload
+def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[False], mode: Mode = "fork",
+           progress: bool = False) -> Run: ...
+
+
+def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode: Mode = "fork",
+           progress: bool = False) -> RunResult | Run:
+    """Run `cfg` on cfg.num_processes ranks and block until it ends: returns the RunResult, or raises
+    RunFailedError naming the failing rank. `start()` is the same without blocking.
+
+    `wait=False` is the older spelling of `start()` and is deprecated.
+    """
+    if not wait:
+        warnings.warn("launch(cfg, wait=False) is deprecated: use wb.start(cfg), which returns the Run handle",
+                      DeprecationWarning, stacklevel=2)
+        return start(cfg, task, mode=mode, progress=progress)
+    run = start(cfg, task, mode=mode, progress=progress)
+    try:
+        return run.wait()
+    except BaseException:
+        # wait() itself stops the run on an interrupt; any other exception that ends the blocking call while
+        # the run is still going (a caller's deadline, say) would otherwise leave its ranks running unseen.
+        if not run.done():
+            run.kill()
+        raise
+
+
+RunResult.launcher = launch  # result.resume() launches through here

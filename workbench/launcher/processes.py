@@ -1,0 +1,115 @@
+"""Starting the process that runs a launch's ranks: a forked supervisor, or a shell launcher (torchrun or
+`accelerate launch`) on `python -m workbench.worker`; and the line that says what runs where."""
+
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+
+from workbench.config import PARALLELISM_MODES, RunConfig
+from workbench.config.precision import accelerate_mixed_precision
+from workbench.launcher.signals import elastic_signals
+from workbench.launcher.spawn import SpawnedRanks, StartPlan, write_task
+from workbench.rundir import (
+    RunDir,
+    lock,
+)
+from workbench.rundir.liveness import this_process
+from workbench.tasks import Task
+from workbench.utils.hardware import detect, resolve_device
+
+log = logging.getLogger("workbench")
+
+Mode = Literal["fork", "subprocess"]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (notebook_launcher's fixed 29500 collides across runs)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_launch(cfg: RunConfig) -> str:
+    hw = detect()
+    device = resolve_device(cfg, hw)
+    if cfg.num_processes == 1:
+        how = f"1 process on {hw.describe(device)}"
+    else:
+        backend = "NCCL" if device == "cuda" else "gloo"
+        what = "GPUs" if device == "cuda" else "CPU processes"
+        mode = "DDP" if cfg.parallelism == "ddp" else f"{cfg.parallelism} ({PARALLELISM_MODES[cfg.parallelism]})"
+        if cfg.tp > 1:
+            data_parallel = f" x {cfg.parallelism} (data-parallel {cfg.dp_size})" if cfg.dp_size > 1 else ""
+            mode = f"tensor parallel tp={cfg.tp}{data_parallel}"
+        if cfg.pp > 1:
+            mode = (f"pipeline parallel pp={cfg.pp} ({cfg.pp_schedule}, {cfg.grad_accum_steps} micro-batches a step)"
+                    + f" x {cfg.dp_size} replicas" * (cfg.dp_size > 1))
+        how = f"{cfg.num_processes} {what}, {mode} over {backend}"
+    extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
+    extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")
+    extras += ["parameters offloaded to CPU"] * cfg.cpu_offload
+    batch = f"global batch {cfg.global_batch_size or 'chosen by the ranks'}"
+    if cfg.micro_batch_size == "auto":
+        batch += " (micro-batch: the largest that fits)"
+    return ", ".join([f"launching {cfg.task}: {how}", cfg.precision, batch, *extras])
+
+
+def launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
+    """The shell launcher for one machine: `accelerate launch`, except for multi-process CPU runs.
+
+    `accelerate launch --cpu` starts a single process unless MPI is configured, so N CPU ranks are started
+    with torchrun (the elastic launcher accelerate's multi-GPU mode uses too); the worker then builds its
+    Accelerator with cpu=True and the ranks form one gloo group.
+    """
+    worker = ["-m", "workbench.worker", str(run_dir)]
+    if resolve_device(cfg) == "cpu" and cfg.num_processes > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.num_processes),
+                "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), *worker]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cfg.num_processes),
+           "--num_machines", "1", "--main_process_port", str(port), "--dynamo_backend", "no",
+           "--mixed_precision", accelerate_mixed_precision(cfg.precision)]
+    if resolve_device(cfg) == "cpu":
+        cmd.append("--cpu")
+    elif cfg.num_processes > 1:
+        cmd.append("--multi_gpu")
+    return [*cmd, *worker]
+
+
+def start_processes(cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: StartPlan, progress: bool) -> Any:
+    """Start the process that runs the ranks: a forked supervisor, or `accelerate launch`/torchrun (for the
+    shell, or for ranks spawned from here, whose output is then copied to this process's sys.stdout/stderr)."""
+    port = free_port()
+    log.info("%s -> %s", describe_launch(cfg), run.path)
+    if plan.method != "subprocess":
+        log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
+    if plan.method == "fork":
+        from workbench.launcher.supervisor import supervise
+
+        ctx = multiprocessing.get_context("fork")
+        process: Any = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token),
+                                   name=f"workbench-{cfg.run_name}")
+        process.start()
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
+               "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1",
+               "WORKBENCH_LOCK_TOKEN": token, "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg)}
+        if plan.method == "spawn":
+            assert plan.payload is not None
+            env.update(write_task(run.path, plan.payload))
+            process = SpawnedRanks(launch_command(cfg, run.path, port), env, f"workbench-{cfg.run_name}")
+        else:
+            process = subprocess.Popen(launch_command(cfg, run.path, port), env=env, start_new_session=True)
+    lock.set_runner(run, token, {**this_process(), "pid": process.pid,
+                                 "create_time": psutil.Process(process.pid).create_time()})
+    return process

@@ -1,0 +1,231 @@
+"""Run: the handle of a launched run, live or ended: its status, wait(), stop() and the result."""
+
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from workbench.config import RunConfig
+from workbench.launcher.postmortem import finalize
+from workbench.launcher.processes import Mode, start_processes
+from workbench.launcher.result import RunResult
+from workbench.launcher.signals import preempt_signals
+from workbench.launcher.spawn import StartPlan
+from workbench.rundir import (
+    RunDir,
+    RunDivergedError,
+    RunFailedError,
+    RunFiles,
+    RunPreemptedError,
+    Status,
+    lock,
+    prepare,
+)
+from workbench.rundir.liveness import heartbeats, is_alive
+from workbench.tasks import Task
+
+log = logging.getLogger("workbench")
+
+
+@dataclass
+class Run(RunFiles):
+    """A launched run. `stop()` asks ranks to checkpoint and exit; `wait()` returns the RunResult.
+
+    While `wait()` blocks in the main thread, SIGTERM, SIGHUP and cfg.preempt_signal sent to this process are
+    forwarded to the ranks (they checkpoint and exit: 'preempted'), then delivered again to this process once
+    the ranks are gone, so the launcher neither outlives nor underlives them. A failed or preempted run is
+    restarted from its newest checkpoint up to cfg.max_restarts times.
+    """
+
+    config: RunConfig
+    run_dir: Path
+    _process: Any = field(repr=False)
+    _mode: Mode = "fork"
+    _task: Task | None = field(default=None, repr=False)
+    _progress: bool = False
+    _token: str | None = field(default=None, repr=False)
+    restarts: int = 0
+    _plan: StartPlan = field(default=StartPlan("fork", ""), repr=False)
+    _result: RunResult | None = field(default=None, repr=False)
+    _signalled: int = 0
+    _kill_at: float | None = None
+    # wait() in one thread and stop()/done() in another (the panel does this) must not race on the process.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def start_method(self) -> str:
+        """How the ranks were started: 'fork', 'spawn' (fresh interpreters) or 'subprocess' (the shell's way)."""
+        return self._plan.method
+
+    @property
+    def start_reason(self) -> str:
+        """Why that start method (e.g. CUDA was already initialised in this process, so not fork)."""
+        return self._plan.reason
+
+    def done(self) -> bool:
+        return self._exitcode() is not None
+
+    def _exitcode(self) -> int | None:
+        with self._lock:
+            return self._process.exitcode if self.start_method == "fork" else self._process.poll()
+
+    def _close_output(self) -> None:
+        """Spawned ranks: their output is copied until they are gone; no copying thread outlives the run."""
+        close = getattr(self._process, "close_output", None)
+        if close is not None:
+            close()
+
+    def stop(self) -> None:
+        """Graceful stop: ranks agree on a step, save a checkpoint and exit."""
+        if not self.done():
+            self.dir.request_stop()
+
+    def kill(self) -> None:
+        """Hard stop: end the supervisor and every rank now. The last complete checkpoint stays."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+        self._join(timeout=30)
+        self._close_output()
+        finalize(self.dir, RuntimeError("killed by Run.kill()"))
+
+    def _join(self, timeout: float | None) -> None:
+        """Wait for the launcher process, in slices, so a preemption deadline can end it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._exitcode() is None:
+            if self._kill_at is not None and time.monotonic() > self._kill_at:
+                log.warning("%s: the ranks did not exit within preempt_grace_s; killing them", self.run_dir.name)
+                self._kill_at = None
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._process.pid, signal.SIGKILL)
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left <= 0:
+                return
+            if self.start_method != "fork":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._process.wait(left)
+            elif multiprocessing.connection.wait([self._process.sentinel], left):
+                # The sentinel fires when the process closes its files, a moment before it can be reaped;
+                # join() then returns at once with the exit code. The lock keeps two threads from reaping at once.
+                with self._lock:
+                    self._process.join()
+
+    def _join_interruptibly(self, timeout: float | None) -> None:
+        try:
+            self._join(timeout)
+        except KeyboardInterrupt:
+            # First Ctrl-C / kernel interrupt: stop gracefully (the ranks checkpoint); a second one kills.
+            self.stop()
+            log.warning("stopping %s: ranks save a checkpoint and exit; interrupt again to kill them",
+                        self.run_dir.name)
+            try:
+                self._join(timeout)
+            except KeyboardInterrupt:
+                self.kill()
+                raise
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        """A preemption signal for the launcher: the ranks get it, checkpoint and exit within the grace period."""
+        if self._signalled:
+            return
+        self._signalled = signum
+        self._kill_at = time.monotonic() + self.config.preempt_grace_s + 15
+        log.warning("%s: %s received; the ranks save a checkpoint and exit", self.run_dir.name,
+                    signal.Signals(signum).name)
+        # Straight to the ranks that are up (a signal through torch elastic would be followed by its SIGKILL
+        # 30 s later, and a traceback); before any rank is up, to the launcher process, which forwards it.
+        ranks = [b["pid"] for b in heartbeats(self.dir) if is_alive(b)]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if ranks:
+                for pid in ranks:
+                    os.kill(pid, signum)
+            elif self.start_method == "fork":
+                os.killpg(self._process.pid, signum)  # the supervisor and its ranks
+            else:
+                self._process.send_signal(signum)  # torchrun forwards it to its ranks
+
+    @contextlib.contextmanager
+    def _forwarding_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {}
+        for sig in preempt_signals(self.config):
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: SIGHUP was meant to be ignored
+                previous[sig] = signal.signal(sig, self._forward)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def wait(self, timeout: float | None = None) -> RunResult:
+        """Block until the run ends. Raises RunFailedError naming the failing rank (RunPreemptedError,
+        RunDivergedError for those endings), or TimeoutError."""
+        if self._result is None:
+            with self._forwarding_signals():
+                while True:
+                    self._join_interruptibly(timeout)
+                    code = self._exitcode()
+                    if code is None:
+                        raise TimeoutError(f"run {self.run_dir.name} still running after {timeout}s; call wait() "
+                                           "again, stop() or kill()")
+                    self._close_output()
+                    finalize(self.dir, exitcode=code)
+                    if not self._restart_if_due():
+                        break
+            self._result = RunResult(self.run_dir, self.config, self._task)
+            lock.release(self.dir, self._token)
+            if self._result.status in (Status.COMPLETED, Status.STOPPED):
+                from workbench.regress.recording import record_run
+
+                record_run(self._result)  # in a notebook: the regression suite reads these back (no-op elsewhere)
+            if self._signalled:
+                os.kill(os.getpid(), self._signalled)  # the launcher's own fate, now that the ranks are safe
+        raise_for_ending(self.dir)
+        return self._result
+
+    def _restart_if_due(self) -> bool:
+        cfg, status = self.config, self.dir.observed_status()[0]
+        if status not in (Status.FAILED, Status.PREEMPTED) or self.restarts >= cfg.max_restarts or self._signalled:
+            return False
+        backoff = cfg.restart_backoff_s * 2**self.restarts
+        error = self.dir.summary().error or {}
+        self.restarts += 1
+        self.dir.event("restarting", attempt=self.restarts, of=cfg.max_restarts, after=status.value,
+                       error=error.get("message"), backoff_s=backoff)
+        log.warning("%s %s; restart %d of %d in %.0f s", self.run_dir.name, status.value, self.restarts,
+                    cfg.max_restarts, backoff)
+        time.sleep(backoff)
+        cfg, run_dir, token = prepare(cfg.replace(resume="auto"), token=self._token)
+        self.config, self._token = cfg, token
+        self._process = start_processes(cfg, self._task, run_dir, token, self._plan, self._progress)
+        return True
+
+    @cached_property
+    def result(self) -> RunResult:
+        return self.wait()
+
+
+def raise_for_ending(run: RunDir) -> None:
+    """The exception for a run that didn't end well: failed, diverged or preempted."""
+    summary = run.summary()
+    status = run.observed_status()[0]
+    if summary.status is Status.DIVERGED:
+        raise RunDivergedError(run.path, summary.ending or {})
+    if summary.status is Status.PREEMPTED:
+        raise RunPreemptedError(run.path, summary.ending or {})
+    if status is Status.FAILED:
+        raise RunFailedError(run.path, summary.error or {"type": "Lost", "message": run.observed_status()[1]})
