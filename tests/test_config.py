@@ -226,3 +226,12 @@ def test_home_in_paths_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert cfg.runs_dir_path == tmp_path / "runs" and cfg.run_dir == tmp_path / "runs" / "r"
     cfg.to_yaml(tmp_path / "run.yaml")
     assert wb.RunConfig.from_yaml("~/run.yaml") == cfg
+
+
+def test_the_moved_config_methods_say_where_they_went() -> None:
+    cfg = wb.RunConfig(task="digits", device="auto")
+    with pytest.raises(AttributeError, match=r"preflight\(cfg, task=task"):
+        cfg.check()
+    cuda = Hardware(cpu_count=2, gpus=(GPU(name="H100", compute_capability=(9, 0), memory_bytes=80 * 2**30),))
+    with pytest.warns(DeprecationWarning, match="resolve_device"):
+        assert cfg.resolved_device(cuda) == "cuda"

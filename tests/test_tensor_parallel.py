@@ -68,7 +68,10 @@ def test_tp2_trains_like_one_process(runs: dict[str, wb.RunResult]) -> None:
     reference, got = load_file(str(single.dir.weights_path)), load_file(str(tp.dir.weights_path))
     assert reference.keys() == got.keys() and got["blocks.0.attn.q.weight"].shape == (64, 64)
     worst = max((reference[k] - got[k]).abs().max().item() for k in reference)
-    assert worst < 1e-5, f"the exported full weights differ by {worst:.2e}"
+    # The TP all-reduce sums partial products in another order than one process's matmul, and AdamW divides
+    # by sqrt(v): where a gradient is near zero, float32 rounding moves a weight by a fraction of one step
+    # (lr). How much depends on the CPU's kernels: under 1e-5 on one machine, 2.8e-5 on an AMD EPYC.
+    assert worst < 0.05 * tp.config.lr, f"the exported full weights differ by {worst:.2e}"
 
 
 def _check_split(rank: dict[str, Any], local_rows: int, placements: dict[str, list[str]]) -> None:

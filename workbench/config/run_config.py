@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
@@ -19,6 +20,9 @@ from workbench.config.trackers import Tracker
 from workbench.config.typecheck import check_type, plain
 from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
 from workbench.utils.suggest import unknown_keys
+
+if TYPE_CHECKING:
+    from workbench.utils.hardware import Hardware
 
 Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -193,6 +197,22 @@ class RunConfig:
     def mesh(self) -> dict[str, int]:
         """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'tp')."""
         return self.dims.sizes
+
+    def resolved_device(self, hardware: Hardware) -> str:
+        """Deprecated: `workbench.utils.hardware.resolve_device(cfg, hardware)`, which also detects this
+        machine when no hardware is given."""
+        warnings.warn("RunConfig.resolved_device(hw) is deprecated: use "
+                      "workbench.utils.hardware.resolve_device(cfg, hw)", DeprecationWarning, stacklevel=2)
+        if self.device != "auto":
+            return self.device
+        return "cuda" if hardware.has_cuda else "cpu"
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        """Moved: the checks against a task and this machine are `preflight(cfg, task=..., hardware=...)`
+        (workbench.config.preflight), so that RunConfig imports neither."""
+        raise AttributeError("RunConfig.check() moved: use `from workbench.config.preflight import preflight` "
+                             "and `preflight(cfg, task=task, hardware=hw)`; wb.launch() and the panel run it "
+                             "before every launch")
 
     @property
     def global_batch_size(self) -> int | None:
