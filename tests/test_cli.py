@@ -150,3 +150,16 @@ def test_prepare_only_runs_the_same_checks_as_train(tmp_path: Path, capsys: pyte
     assert main(["train", str(path), "--prepare-only"]) == 2
     assert "fp16 needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists(), "nothing is created for a config that can't run"
+
+
+def test_bench_imports_times_the_worker_beside_torch_and_accelerate() -> None:
+    from workbench.commands.bench.imports import ImportReport, imports
+
+    report = imports(repeats=1)
+    assert len(report.baseline_s) == len(report.rank_side_s) == 1
+    assert all(t > 0 for t in report.baseline_s + report.rank_side_s)
+    assert "import torch, accelerate, workbench.worker" in report.table()
+    # the verdict is on the median of the pairs' differences, not on either side's own time
+    slow = ImportReport(baseline_s=[1.0, 1.0, 1.0], rank_side_s=[1.3, 1.1, 1.4])
+    assert slow.added_s == pytest.approx(0.3) and not slow.passed and "FAIL" in slow.table()
+    assert ImportReport(baseline_s=[2.0, 1.0], rank_side_s=[2.1, 1.1]).passed
