@@ -2,8 +2,8 @@
 
 checks.py validates the fields on construction (ranges, names); preflight.py checks a config against a task
 and a machine before a launch; mesh.py owns the rank layout (mesh sizes, data-parallel size, global batch);
-precision.py and trackers.py name what the precision and trackers fields mean; typecheck.py checks a value
-against a field's type hint. Nothing here imports a task, the trainer or the machine's hardware.
+precision.py and trackers.py name what the precision and trackers fields mean. RunConfig and what it
+imports need no task, trainer or machine: preflight.py alone looks at those, and nothing here imports it.
 """
 
 from __future__ import annotations

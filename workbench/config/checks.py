@@ -1,4 +1,4 @@
-"""RunConfig's validation on construction: types aside (typecheck.py), the ranges of numbers and the names
+"""RunConfig's validation on construction: types aside (utils/typecheck.py), the ranges of numbers and the names
 of runs, signals, trackers and fields. Every error names the field, the value and what would work. Checks
 that need the task or this machine are preflight.py's."""
 

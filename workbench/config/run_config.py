@@ -17,7 +17,7 @@ from workbench.config.mesh import ParallelDims
 from workbench.config.mesh_checks import check_layout
 from workbench.config.precision import Precision
 from workbench.config.trackers import Tracker
-from workbench.config.typecheck import check_type, plain
+from workbench.utils.typecheck import check_type, plain
 from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
 from workbench.utils.suggest import unknown_keys
 

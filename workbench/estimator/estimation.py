@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.config.mesh import ParallelDims
+from workbench.config.mesh import ParallelDims, shards
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator, load_catalog, lookup
 from workbench.estimator.model import (
     CPU_OVERHEAD_BYTES,
@@ -42,17 +42,15 @@ def _ranks(cfg: RunConfig, trace: StepTrace, world: int, overhead: int, buckets:
     rule), or, for zero1, the optimizer partition scaled from rank 0's."""
     m, held = trace.memory, trace.held
     group = ParallelDims.of(cfg, world).dp_shard
+    sharded = shards(cfg.parallelism) and group > 1
     ranks = []
     for r in range(world):
-        delta = 0
-        if cfg.parallelism in ("zero2", "zero3", "fsdp", "hsdp") and group > 1:
+        delta, held = 0, dict(trace.held)
+        if sharded:
             # FSDP2 pads every rank's parameter and gradient shards to one size; the optimizer's moments
             # follow the unpadded shard, so rank 0 holds the most.
             mine, first = _shard_bytes(shapes, r % group, group), _shard_bytes(shapes, 0, group)
             delta = 2 * (mine - first)
-        held = dict(trace.held)
-        if group > 1 and cfg.parallelism in ("zero2", "zero3", "fsdp", "hsdp"):
-            mine = _shard_bytes(shapes, r % group, group)
             held = {"params": mine, "grads": mine, "optimizer": held["optimizer"] + delta}
         ranks.append(RankEstimate(rank=r, params=m["params"], grads=m["grads"], optimizer=m["optimizer"] + delta,
                                   activations=m["activations"], buffers=m["buffers"], temporaries=m["temporaries"],

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from workbench.utils.typecheck import type_ok
+
 METRICS_SCHEMA_VERSION = 1
 """Bumped when a key changes meaning or type; readers accept older versions (missing keys are None).
 
@@ -197,7 +199,9 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
 
     Readers check every row of a file on each poll, and a row of 8 ranks holds ~200 numbers: exact
     types are tested first, in C where possible; isinstance only for what that refuses."""
-    slow = _isinstance_checker(hint)
+    def slow(v: Any) -> bool:
+        return type_ok(v, hint)
+
     leaves = _exact_types(hint)
     if leaves is not None:
         return lambda v: type(v) in leaves or slow(v)
@@ -226,26 +230,6 @@ def _exact_types(hint: Any) -> frozenset[type] | None:
     if not all(arg in _PLAIN for arg in args):
         return None
     return frozenset(t for arg in args for t in _PLAIN[arg])
-
-
-def _isinstance_checker(hint: Any) -> Callable[[Any], bool]:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if _is_union(hint):
-        parts = [_isinstance_checker(arg) for arg in args]
-        return lambda v: any(part(v) for part in parts)
-    if origin is list:
-        item = _isinstance_checker(args[0])
-        return lambda v: isinstance(v, list) and all(map(item, v))
-    if origin is dict:
-        key, value = _isinstance_checker(args[0]), _isinstance_checker(args[1])
-        return lambda v: isinstance(v, dict) and all(key(k) and value(x) for k, x in v.items())
-    if hint is float:
-        return _number
-    if hint is int:
-        return lambda v: isinstance(v, int) and not isinstance(v, bool)
-    if hint is Any:
-        return lambda v: True
-    return lambda v: isinstance(v, hint)
 
 
 _HINTS = typing.get_type_hints(MetricsRow)
