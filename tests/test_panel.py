@@ -324,7 +324,10 @@ def test_panel_offers_every_parallelism_with_its_explanation(runs_dir: Path) -> 
     options = panel.controls["parallelism"].options
     assert [value for _, value in options] == list(get_args(Parallelism))
     for label, value in options:
-        assert label == f"{value}: {PARALLELISM_MODES[value]}"
+        assert label.startswith(f"{value} (")
+        panel.controls["parallelism"].value = value  # the full explanation shows under the dropdown
+        assert html.escape(PARALLELISM_MODES[value]) in panel.mode_info.value
+    panel.controls["parallelism"].value = "ddp"
     panel.controls["parallelism"].value = "hsdp"  # 2 processes can't form 2 shard groups
     assert "dp_shard=0 with parallelism='hsdp'" in panel.state.problem and panel.launch_button.disabled
     panel.controls["parallelism"].value = "zero3"
@@ -353,8 +356,8 @@ def test_the_estimate_box_says_whether_it_fits_and_what_would_make_it_fit(runs_d
                        device="cpu", max_steps=1000, runs_dir=str(runs_dir),
                        task_options={"width": 8192, "blocks": 6, "n": 8192})  # 1.6B parameters
     panel = wb.Panel(big, task=TinyBlocks())
-    panel.estimate_box.target.value = "L4-24GB"
-    panel.estimate_box.gpus.value = 1
+    panel.target_controls.gpu.value = "L4-24GB"
+    panel.target_controls.gpus_per_node.value = 1
     panel.estimate_box.wait(timeout=240)
     est = panel.estimate_box.state.result
     assert est is not None, panel.estimate_box.state.message
@@ -368,7 +371,7 @@ def test_the_estimate_box_says_whether_it_fits_and_what_would_make_it_fit(runs_d
         assert html.escape(what) in text and alt.peak < est.peak
     assert any("GPUs with zero3" in what for what, _ in suggestions), "sharding over more GPUs fits it"
 
-    panel.estimate_box.target.value = "H200-SXM-141GB"
+    panel.target_controls.gpu.value = "H200-SXM-141GB"
     panel.estimate_box.wait(timeout=240)
     assert panel.estimate_box.state.result.target.name == "H200-SXM-141GB"
     assert "fits:" in panel.estimates.value

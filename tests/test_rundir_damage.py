@@ -92,21 +92,6 @@ def test_status_of_a_completed_run_with_a_corrupt_summary_says_so_and_invents_no
     assert f"{run.summary_path}: not valid JSON" in err and "status says" not in err and "failed" not in err
 
 
-def test_one_damaged_summary_among_the_runs_does_not_stop_the_estimator(tmp_path: Path) -> None:
-    from workbench.estimator.catalog import Accelerator
-    from workbench.estimator.model import calibrated_efficiency
-
-    for name, damaged in (("a", False), ("b", True)):
-        (tmp_path / name).mkdir()
-        RunDir(tmp_path / name).set_status(Status.COMPLETED, mfu=0.3, device_class="cpu")
-        if damaged:
-            RunDir(tmp_path / name).summary_path.write_text("[")
-    cpu = Accelerator(name="cpu", memory_bytes=1, peak_flops={"fp32": 1.0}, memory_bandwidth=1.0, link="shared memory",
-                      link_bandwidth=1.0, price_per_hour=None, price_source="", kind="cpu")
-    value, why = calibrated_efficiency(cpu, tmp_path)
-    assert value == 0.3 and why == "efficiency 30% of peak: the median MFU of 1 measured run(s) on cpu"
-
-
 def test_a_summary_that_is_a_directory_is_named(run: RunDir) -> None:
     run.summary_path.mkdir()
     with pytest.raises(ValueError, match=rf"{run.summary_path}: can't be read \(.*directory"):

@@ -38,6 +38,7 @@ _HOMES = {
     "RunPreemptedError": "workbench.rundir",
     "Status": "workbench.rundir",
     "Task": "workbench.tasks",
+    "TaskOption": "workbench.tasks",
     "register_task": "workbench.tasks",
 }
 """Each public name and the module it lives in."""

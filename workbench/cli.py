@@ -40,9 +40,13 @@ def _parser() -> argparse.ArgumentParser:
                                        "progress, ending or error, checkpoints")
     st.add_argument("run_dir", type=Path)
 
-    c = sub.add_parser("check", help="validate a RunConfig YAML for this machine and show what it implies")
+    c = sub.add_parser("check", help="validate a RunConfig YAML for this machine (or --gpu: the hardware it is "
+                                     "planned for) and show what it implies")
     c.add_argument("config", type=Path)
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--gpu", default=None, help="plan for a catalog accelerator (see `workbench estimate --compare`)")
+    c.add_argument("--gpus-per-node", type=int, default=0, help="with --gpu (default: num_processes / nodes)")
+    c.add_argument("--nodes", type=int, default=1, help="with --gpu")
 
     d = sub.add_parser("demo", help="the README's main job: digits on 2 CPU processes of DDP, offline")
     d.add_argument("--runs-dir", default="runs")
@@ -114,6 +118,18 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     im.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
     es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    da = bsub.add_parser("dashboard", help="the quickstart run headless against the same run with a live dashboard, "
+                                           "side by side: what the dashboard costs the ranks")
+    da.add_argument("--steps", type=int, default=2000)
+    da.add_argument("--pairs", type=int, default=4, help="back-to-back pairs, order alternating")
+    da.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    sp = bsub.add_parser("estimate-speed", help="the first estimate in a fresh interpreter (library and panel box), "
+                                                "and changes answered from the trace in memory")
+    sp.add_argument("--models", nargs="+", default=None, help="digits and/or gpt2-small (default: both)")
+    sp.add_argument("--gpu", default="H100-SXM-80GB", help="catalog accelerator of the target")
+    sp.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target")
+    sp.add_argument("--repeats", type=int, default=3, help="fresh interpreters per model and way in")
+    sp.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
 
 
 def _doctor_parser(sub: argparse._SubParsersAction) -> None:
@@ -166,10 +182,18 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
     if args.command == "check":
+        from workbench.estimator.target import Target, check_plan
         from workbench.launcher.processes import describe_launch
 
-        preflight(cfg)
-        print(describe_launch(cfg))
+        if args.gpu is None:
+            preflight(cfg)
+            print(describe_launch(cfg))
+            return 0
+        per_node = args.gpus_per_node or max(1, cfg.num_processes // args.nodes)
+        target = Target(gpu=args.gpu, gpus_per_node=per_node, nodes=args.nodes)
+        for warning in check_plan(cfg, target):
+            print(f"warning: {warning}", file=sys.stderr)
+        print(f"a valid plan for {target.describe(cfg)}: {cfg.dims.describe()}, global batch {cfg.global_batch_size}")
         return 0
     from workbench.launcher.launch import check_launch
 
@@ -292,6 +316,19 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bench_command == "estimate":
         print(bench.estimate_accuracy(json_path=args.json).table())
         return 0
+    if args.bench_command == "estimate-speed":
+        from workbench.commands.bench.estimate_speed import MODELS, estimate_speed
+
+        speed = estimate_speed(tuple(args.models or MODELS), gpu=args.gpu, gpus=args.gpus, repeats=args.repeats,
+                               json_path=args.json)
+        print(speed.table())
+        return 0 if speed.passed else 1
+    if args.bench_command == "dashboard":
+        from workbench.commands.bench.dashboard_cost import dashboard_cost
+
+        cost = dashboard_cost(steps=args.steps, pairs=args.pairs, json_path=args.json)
+        print(cost.table())
+        return 0 if cost.passed else 1
     if args.bench_command in ("precision", "parallelism"):
         default = bench.PRECISION_BENCH if args.bench_command == "precision" else bench.PARALLELISM_BENCH
         cfg = (RunConfig.from_yaml(args.config) if args.config else default).with_overrides(args.overrides)

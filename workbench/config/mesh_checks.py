@@ -13,6 +13,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def shard_groups(num_processes: int, tp: int = 1) -> list[int]:
+    """hsdp's valid dp_shard sizes: divisors of the data-parallel size that leave at least 2 replicas."""
+    dp = num_processes // tp if tp >= 1 and num_processes % tp == 0 else 0
+    return [d for d in range(2, dp // 2 + 1) if dp % d == 0]
+
+
+def default_shard_group(num_processes: int, tp: int = 1) -> int:
+    """The dp_shard a switch to hsdp starts from: the largest valid shard group (shard within as many ranks as
+    replication allows, as within a node), or 0 when the size can't be split (the check then says why)."""
+    return max(shard_groups(num_processes, tp), default=0)
+
+
 def check_layout(cfg: RunConfig) -> None:
     """The parallelism fields agree with each other and with num_processes; ValueError naming the fix."""
     p, n, tp = cfg.parallelism, cfg.num_processes, cfg.tp
@@ -32,7 +44,7 @@ def check_layout(cfg: RunConfig) -> None:
     if tp > 1:
         _check_tensor_parallel(cfg, dp)
     if p == "hsdp":
-        ok = [d for d in range(2, dp // 2 + 1) if dp % d == 0]
+        ok = shard_groups(n, tp)
         what = "num_processes" if tp == 1 else f"the data-parallel size num_processes/tp={dp}"
         hint = (f"use dp_shard={' or '.join(map(str, ok))}" if ok else
                 f"{what} can't be split so; use e.g. num_processes={4 * tp} with dp_shard=2, or "

@@ -26,7 +26,7 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
     check_runs_dir(cfg)
     hw = hardware or detect()
     if cfg.device == "cuda" and not hw.has_cuda:
-        raise ValueError("device='cuda': no CUDA GPU is visible on this machine; use device='auto' or 'cpu'")
+        raise ValueError(f"device='cuda': no CUDA GPU is visible on {hw.where}; use device='auto' or 'cpu'")
     device = resolve_device(cfg, hw)
     limit = hw.max_processes(device)
     if cfg.num_processes > limit:
@@ -36,7 +36,7 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
         else:
             what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
             extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
-            raise ValueError(f"num_processes={cfg.num_processes}: this machine has {what}; "
+            raise ValueError(f"num_processes={cfg.num_processes}: {hw.where} has {what}; "
                              f"use num_processes={limit} or fewer{extra}")
     if cfg.cpu_offload and device != "cuda":
         raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "

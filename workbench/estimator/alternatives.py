@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,8 +49,11 @@ def _candidates(cfg: RunConfig, est: Estimate, has_blocks: bool) -> list[tuple[s
 
 
 def alternatives(cfg: RunConfig, est: Estimate, task: Task, *, network: str = "infiniband",
-                 runs_dir: str | Path | None = None) -> list[tuple[str, Estimate]]:
-    """Changes that make a run fit, each with its own estimate, cheapest first (cost, else GPU-time)."""
+                 runs_dir: str | Path | None = None, catalog: str | Path | None = None,
+                 progress: Callable[[list[tuple[str, Estimate]]], None] | None = None) -> list[tuple[str, Estimate]]:
+    """Changes that make a run fit, each with its own estimate, cheapest first (cost, else GPU-time). Each is a
+    new trace: `progress`, when given, gets the list found so far after each one (a box can show them as they
+    come); `catalog` is the file the target's accelerator came from, if not the built-in catalog."""
     import torch
 
     from workbench.estimator import estimate
@@ -57,16 +61,19 @@ def alternatives(cfg: RunConfig, est: Estimate, task: Task, *, network: str = "i
 
     with torch.device("meta"):
         has_blocks = bool(shard_units(task.build_model(cfg), task))
-    found = []
+    found: list[tuple[str, Estimate]] = []
+    gpu = est.target.name if est.target.kind == "cuda" else None
     for what, changed, gpus, nodes in _candidates(cfg, est, has_blocks):
         try:
-            alt = estimate(changed.replace(num_processes=gpus), est.target.name if est.target.kind == "cuda" else None,
-                           gpus, nodes, task=task, network=network, runs_dir=runs_dir)
+            alt = estimate(changed.replace(num_processes=gpus * nodes), gpu, gpus, nodes, task=task, network=network,
+                           runs_dir=runs_dir, catalog=catalog if gpu else None)
         except ValueError:
             continue  # a change this config can't take (e.g. hsdp sizes)
         if alt.fits:
             found.append((what, alt))
-    found.sort(key=lambda item: (item[1].cost if item[1].cost is not None else item[1].gpu_hours))
+            found.sort(key=lambda item: (item[1].cost if item[1].cost is not None else item[1].gpu_hours))
+            if progress is not None:
+                progress(found[:LIMIT])
     return found[:LIMIT]
 
 
@@ -75,11 +82,11 @@ def compare(cfg: RunConfig, task: Task, *, gpus: int, nodes: int = 1, network: s
     """The same run priced on every catalog accelerator (one trace: the step is the same, only the device
     differs), the ones that fit first, cheapest first."""
     from workbench.estimator.estimation import price
-    from workbench.estimator.trace import trace_step
+    from workbench.estimator.trace_cache import cached_trace
 
     world = gpus * nodes
     run = cfg.replace(num_processes=world, oversubscribe=True, device="cuda", track_memory=False)
-    trace = trace_step(run, task, world=world, gpu_target=True, gpus_per_node=gpus)
+    trace = cached_trace(run, task, world=world, gpu_target=True, gpus_per_node=gpus)
     rows = []
     for accel in load_catalog(catalog).values():
         try:
@@ -90,11 +97,11 @@ def compare(cfg: RunConfig, task: Task, *, gpus: int, nodes: int = 1, network: s
 
 
 def compare_table(rows: list[Estimate]) -> str:
-    from workbench.utils.units import fmt_bytes, fmt_duration
+    from workbench.utils.units import fmt_bytes, fmt_money, fmt_span
 
     lines = [f"  {'accelerator':16} {'fits':>5} {'peak/rank':>10} {'capacity':>9} {'step':>9} {'run':>12} {'cost':>10}"]
     for e in rows:
-        cost = f"${e.cost:,.2f}" if e.cost is not None else "-"
+        cost = fmt_money(e.cost) if e.cost is not None else "-"
         lines.append(f"  {e.target.name:16} {'yes' if e.fits else 'NO':>5} {fmt_bytes(e.peak):>10} "
-                     f"{fmt_bytes(e.capacity):>9} {1e3 * e.step_s:7.1f}ms {fmt_duration(e.run_s):>12} {cost:>10}")
+                     f"{fmt_bytes(e.capacity):>9} {1e3 * e.step_s:7.1f}ms {fmt_span(e.run_s):>12} {cost:>10}")
     return "\n".join(lines)

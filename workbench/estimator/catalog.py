@@ -132,5 +132,5 @@ def this_machine() -> Accelerator:
     return Accelerator(name=f"this machine: CPU ({hw.cpu_count} cores)", memory_bytes=psutil.virtual_memory().total,
                        peak_flops=peaks, memory_bandwidth=10e9, link="shared memory (gloo)", link_bandwidth=2e9,
                        price_per_hour=None, price_source="no price for this machine", kind="cpu",
-                       notes=("peak: a 512x512 matmul measured in this process, shared by all ranks",
-                              "gloo all-reduce over shared memory assumed at 2 GB/s per rank"))
+                       notes=("peak: a 512x512 matmul measured in this process, shared by all ranks; the step time "
+                              "rests on this machine's measured profile instead (estimator/machine.py)",))

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.config.mesh import ParallelDims, shards
-from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator, load_catalog, lookup
-from workbench.estimator.model import (
-    CPU_OVERHEAD_BYTES,
-    GPU_OVERHEAD_BYTES,
-    Estimate,
-    RankEstimate,
-    calibrated_efficiency,
-    comm_time,
-)
-from workbench.estimator.trace import StepTrace, trace_step
+from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
+from workbench.estimator.fake_world import wire_bytes
+from workbench.estimator.held import held_for
+from workbench.estimator.layout_time import layout_time
+from workbench.estimator.model import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, Estimate, RankEstimate
+from workbench.estimator.target import Target, check_plan
+from workbench.estimator.trace import StepTrace
+from workbench.estimator.trace_cache import cached_trace
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -25,37 +22,26 @@ if TYPE_CHECKING:
 __all__ = ["estimate", "price"]
 
 
-def _shard_bytes(shapes: list[tuple[int, ...]], shard: int, group: int) -> int:
-    """fp32 bytes FSDP2 gives one rank of a group: dim 0 in torch.chunk pieces."""
-    total = 0
-    for shape in shapes:
-        dim0 = shape[0] if shape else 1
-        chunk = -(-dim0 // group)
-        rows = max(0, min(chunk, dim0 - shard * chunk))
-        total += rows * math.prod(shape[1:]) * 4
-    return total
-
-
-def _ranks(cfg: RunConfig, trace: StepTrace, world: int, overhead: int, buckets: int,
-           shapes: list[tuple[int, ...]]) -> list[RankEstimate]:
-    """Every rank from rank 0's trace: the same activations; model state from each rank's shard (FSDP2's chunk
-    rule), or, for zero1, the optimizer partition scaled from rank 0's."""
-    m, held = trace.memory, trace.held
-    group = ParallelDims.of(cfg, world).dp_shard
-    sharded = shards(cfg.parallelism) and group > 1
+def _ranks(cfg: RunConfig, traces: list[StepTrace], world: int, overhead: int, buckets: int) -> list[RankEstimate]:
+    """Every rank from its stage's trace (one trace without a pipeline): the same activations; its own model state
+    from the trace's shapes and placements (held.py), or, for zero1, the optimizer partition scaled from the
+    traced rank's. FSDP2 pads every rank's parameter and gradient shards to one size, so there only the
+    optimizer state (which follows the unpadded shard) differs at the peak."""
+    dims = ParallelDims.of(cfg, world)
+    padded = cfg.pp == 1 and (shards(cfg.parallelism) or cfg.tp > 1) and world // cfg.tp > 1
     ranks = []
     for r in range(world):
-        delta, held = 0, dict(trace.held)
-        if sharded:
-            # FSDP2 pads every rank's parameter and gradient shards to one size; the optimizer's moments
-            # follow the unpadded shard, so rank 0 holds the most.
-            mine, first = _shard_bytes(shapes, r % group, group), _shard_bytes(shapes, 0, group)
-            delta = 2 * (mine - first)
-            held = {"params": mine, "grads": mine, "optimizer": held["optimizer"] + delta}
-        ranks.append(RankEstimate(rank=r, params=m["params"], grads=m["grads"], optimizer=m["optimizer"] + delta,
-                                  activations=m["activations"], buffers=m["buffers"], temporaries=m["temporaries"],
-                                  overhead=overhead, tracked_peak=m["peak"] + delta, extra_buffers=buckets,
-                                  held=held))
+        trace = traces[dims.coordinates(r)["pp"]] if cfg.pp > 1 else traces[0]
+        m = trace.memory
+        held = held_for(trace.state, trace.mesh_dims, r) if trace.state else dict(trace.held)
+        delta = {k: held[k] - trace.held.get(k, 0) for k in held}
+        at_peak = {"params": 0 if padded else delta["params"],
+                   "grads": 0 if padded or not m["grads"] else delta["grads"], "optimizer": delta["optimizer"]}
+        ranks.append(RankEstimate(rank=r, params=m["params"] + at_peak["params"], grads=m["grads"] + at_peak["grads"],
+                                  optimizer=m["optimizer"] + at_peak["optimizer"], activations=m["activations"],
+                                  buffers=m["buffers"], temporaries=m["temporaries"], overhead=overhead,
+                                  tracked_peak=m["peak"] + sum(at_peak.values()), extra_buffers=buckets, held=held))
+    trace = traces[0]
     if cfg.parallelism == "zero1" and trace.zero_partition:
         (elements0, count0) = trace.zero_partition[0]
         for r, (elements, count) in enumerate(trace.zero_partition[:world]):
@@ -63,8 +49,17 @@ def _ranks(cfg: RunConfig, trace: StepTrace, world: int, overhead: int, buckets:
             extra = 8 * (elements - elements0) + 4 * (count - count0)
             ranks[r].optimizer += extra
             ranks[r].tracked_peak += extra
-            ranks[r].held = {**ranks[r].held, "optimizer": held["optimizer"] + extra}
+            ranks[r].held = {**ranks[r].held, "optimizer": ranks[r].held["optimizer"] + extra}
     return ranks
+
+
+def stage_traces(cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool, gpus: int) -> list[StepTrace]:
+    """A pipeline's stages, one trace each (`trace` is rank 0's: stage 0); [trace] without a pipeline."""
+    if cfg.pp == 1:
+        return [trace]
+    replicas = trace.world // cfg.pp
+    return [trace, *(cached_trace(cfg, task, world=trace.world, rank=s * replicas, gpu_target=gpu_target,
+                                  gpus_per_node=gpus) for s in range(1, cfg.pp))]
 
 
 def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, nodes: int = 1, *,
@@ -74,89 +69,83 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     machine). The trace runs here, on the CPU, without allocating the model."""
     from workbench.tasks import get_task
 
-    if cfg.pp > 1:
-        raise ValueError(f"pp={cfg.pp}: the estimate does not model pipeline parallelism yet (it traces the "
-                         "data-parallel modes only); estimate the same model with pp=1 and parallelism='zero3' for a "
-                         "bound")
-    if cfg.tp > 1:
-        raise ValueError(f"tp={cfg.tp}: the estimate does not model tensor parallelism yet (it traces the "
-                         "data-parallel modes only); estimate the same model with tp=1 and parallelism='zero3' "
-                         "for a bound")
-    target = lookup(gpu or THIS_MACHINE, load_catalog(catalog) if gpu and gpu != THIS_MACHINE else None)
     if network not in NETWORKS:
         raise ValueError(f"network={network!r}: choose one of {', '.join(NETWORKS)}")
-    gpus = gpus or cfg.num_processes
-    if gpus < 1 or nodes < 1:
+    if (gpus is not None and gpus < 1) or nodes < 1:
         raise ValueError(f"gpus={gpus}, nodes={nodes}: both must be at least 1")
+    local = not gpu or gpu == THIS_MACHINE
+    plan = Target(gpu=gpu or THIS_MACHINE, gpus_per_node=gpus or cfg.num_processes, nodes=nodes,
+                  catalog=str(catalog) if catalog else None)
+    target = plan.accelerator()
+    gpus = plan.gpus_per_node
     world = gpus * nodes
     task = task or get_task(cfg.task)
-    run = cfg.replace(num_processes=world, oversubscribe=True,
-                      device="cuda" if target.kind == "cuda" else "cpu", track_memory=False)
-    task.check_options(run)
-    trace = trace_step(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)
-    return price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
+    # One world size: the estimate is of the run on its target, whatever num_processes said.
+    run = cfg.replace(num_processes=world, oversubscribe=True, track_memory=False,
+                      device="cpu" if local and target.kind == "cpu" else cfg.device if local else "auto")
+    warned = check_plan(run, plan, task)
+    run = run.replace(device="cuda" if target.kind == "cuda" else "cpu")
+    trace = cached_trace(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)
+    est = price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
+    est.assumptions += [f"as planned: {w}" for w in warned]
+    return est
 
 
 def price(cfg: RunConfig, task: Task, trace: StepTrace, target: Accelerator, gpus: int, nodes: int, network: str,
           runs_dir: Path) -> Estimate:
-    """Memory, time and cost of a traced step on the target, with the assumption behind each figure."""
+    """Memory, time and cost of a traced step on the target, with the assumption behind each figure (a pipeline's
+    other stages are traced here, from the cache when they were traced before)."""
     world = gpus * nodes
     dims = ParallelDims.of(cfg, world)
-    assumptions: list[str] = []
-    replicated = cfg.parallelism in ("ddp", "zero1") and world > 1
+    traces = stage_traces(cfg, task, trace, target.kind == "cuda", gpus)
+    assumptions: list[str] = [f"layout: {dims.describe()} over {world} rank(s)"]
+    # DDP's buckets and all-reduce live in C++, out of the trace's sight; TP and PP average their own gradients
+    replicated = cfg.parallelism in ("ddp", "zero1") and world > 1 and cfg.tp == 1 and cfg.pp == 1
     grads = trace.held["grads"]
     factor = {"fp16": 0.5, "bf16": 0.5, "powersgd": 0.05}.get(cfg.grad_compression, 1.0)
     buckets = grads if replicated else 0
     extra_comm: dict[str, dict[str, Any]] = {}
     if replicated:
-        from workbench.estimator.trace import wire_bytes
-
         volume = grads * factor
         extra_comm["all_reduce@ddp"] = {"count": 1, "bytes": volume, "group": world, "spans_nodes": nodes > 1,
-                                        "wire_bytes": wire_bytes("all_reduce", volume, world)}
+                                        "wire_bytes": wire_bytes("all_reduce", volume, world), "dim": "dp_replicate"}
         assumptions.append(f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes); they are "
                            f"all-reduced once per step ({factor:g} x their bytes with {cfg.grad_compression} "
                            "compression)" if cfg.grad_compression != "none" else
                            f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes), all-reduced "
                            "once per step")
+    assumptions += _layout_memory_notes(cfg, traces, dims)
     overhead = GPU_OVERHEAD_BYTES if target.kind == "cuda" else CPU_OVERHEAD_BYTES
     assumptions.append(f"runtime overhead {overhead / 2**30:.2f} GiB per rank: " +
                        ("CUDA context and cuBLAS/NCCL workspaces" if target.kind == "cuda" else
                         "the Python interpreter, torch and accelerate before any tensor"))
-    shapes = _param_shapes(task, cfg)
-    ranks = _ranks(cfg, trace, world, overhead, buckets, shapes)
-    efficiency, why = calibrated_efficiency(target, runs_dir)
-    assumptions.append(why)
-    peak_flops = target.peak("bf16" if cfg.precision == "fp8" and target.peak("fp8") is None else cfg.precision)
-    if peak_flops is None:
-        raise ValueError(f"precision={cfg.precision!r}: {target.name} lists no peak for it "
-                         f"(it lists {', '.join(target.peak_flops)})")
-    compute = trace.flops / (peak_flops * efficiency)
-    comm = comm_time(trace, extra_comm, target, network)
-    exposed = max(comm - compute, comm / max(1, trace.units)) if comm else 0.0
-    assumptions += [f"FLOPs per rank counted from the traced step ({trace.flops:.3g}; attention counted in full, "
-                    "as FlopCounterMode does)",
-                    f"communication: ring collectives at {target.link_bandwidth / 1e9:g} GB/s per GPU over "
-                    f"{target.link}" + (f", {NETWORKS[network] / 1e9:g} GB/s over {network} between nodes"
-                                        if nodes > 1 else ""),
-                    "overlap: collectives run during compute (FSDP prefetch, DDP buckets in backward); exposed is "
-                    "what exceeds compute, and never less than one shard unit's share (the first all-gather or "
-                    "last bucket)",
+    ranks = _ranks(cfg, traces, world, overhead, buckets)
+    timing = layout_time(cfg, traces, extra_comm, target, nodes, network, runs_dir)
+    assumptions += [*timing.assumptions,
                     "fits: the peak stays under 92% of device memory (the caching allocator fragments the rest)",
                     *target.notes]
     if target.price_per_hour is not None:
         assumptions.append(f"price ${target.price_per_hour:.2f} per GPU-hour: {target.price_source}")
     return Estimate(config=cfg.to_dict(), target=target, gpus=gpus, nodes=nodes, ranks=ranks,
-                    flops_per_step=trace.flops, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
-                    step_s=compute + exposed,
+                    flops_per_step=timing.flops, compute_s=timing.compute_s, comm_s=timing.comm_s,
+                    exposed_comm_s=timing.exposed_comm_s, step_s=timing.step_s,
                     global_batch=dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps),
-                    tokens_per_sample=task.tokens_per_sample(cfg), efficiency=efficiency, assumptions=assumptions,
-                    trace_s=trace.trace_s, max_rss_bytes=trace.max_rss_bytes)
+                    tokens_per_sample=task.tokens_per_sample(cfg), efficiency=timing.efficiency,
+                    assumptions=assumptions, trace_s=sum(t.trace_s for t in traces),
+                    max_rss_bytes=max(t.max_rss_bytes for t in traces))
 
 
-def _param_shapes(task: Task, cfg: RunConfig) -> list[tuple[int, ...]]:
-    import torch
-
-    with torch.device("meta"):
-        model = task.build_model(cfg)
-    return [tuple(p.shape) for p in model.parameters()]
+def _layout_memory_notes(cfg: RunConfig, traces: list[StepTrace], dims: ParallelDims) -> list[str]:
+    """What the memory of a model-parallel layout rests on."""
+    notes = []
+    if cfg.tp > 1:
+        notes.append(f"tensor parallel: each rank holds 1/{cfg.tp} of every matrix the task's plan splits, the rest "
+                     "whole" + (f"; FSDP2 then shards that over the {dims.dp} data-parallel ranks" if dims.dp > 1
+                                else ""))
+    if cfg.pp > 1:
+        flight = ", ".join(f"stage {t.stage}: {t.in_flight}" for t in traces)
+        notes.append(f"pipeline: each rank holds its stage's parameters, gradients and optimizer state; "
+                     f"{cfg.pp_schedule.upper()} keeps the activations of several micro-batches at once ({flight} "
+                     f"of {cfg.grad_accum_steps}), and PipelineStage keeps receive buffers for every micro-batch's "
+                     "activations and output gradients (counted as buffers)")
+    return notes

@@ -3,14 +3,13 @@ and collective volumes, time and cost to max_steps. Every figure says what it re
 
 from __future__ import annotations
 
-import statistics
+import html
+import textwrap
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from workbench.estimator.catalog import NETWORKS, Accelerator
-from workbench.estimator.trace import StepTrace
-from workbench.utils.units import GiB, fmt_bytes, fmt_duration, fmt_money, fmt_seconds
+from workbench.estimator.catalog import Accelerator
+from workbench.utils.units import GiB, fmt_bytes, fmt_money, fmt_seconds, fmt_span
 
 GPU_OVERHEAD_BYTES = int(0.75 * GiB)
 """CUDA context, cuBLAS/NCCL workspaces: about 0.5-1 GiB per GPU that no tensor accounts for."""
@@ -18,9 +17,13 @@ CPU_OVERHEAD_BYTES = int(0.35 * GiB)
 """A rank's Python, torch and accelerate before any tensor (this machine: about 300-400 MiB of RSS)."""
 HEADROOM = 0.08
 """A run 'fits' when its peak stays under 92% of the device: the caching allocator fragments the rest."""
-DEFAULT_EFFICIENCY = {"cuda": 0.4, "cpu": 0.5}
-"""Fraction of peak FLOP/s a training step reaches when no measured run says otherwise (a typical MFU)."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "temporaries")
+COLUMNS = ("params", "grads held", "grads at peak", "optimizer", "activations", "buffers", "temporaries", "overhead",
+           "peak")
+"""A rank's row: bytes by category at the step's peak, with the gradients it holds beside those at the peak."""
+GRADS_LEGEND = ("grads held: the gradients a rank keeps for the optimizer step (its shard under zero2, zero3 and "
+                "hsdp); grads at peak: those alive at the moment of the step's memory peak (0 when none are then: the "
+                "peak comes before backward makes them, or after they are freed)")
 
 
 @dataclass
@@ -54,9 +57,10 @@ class RankEstimate:
     def peak(self) -> int:
         return self.tensors + self.overhead
 
-    def row(self) -> list[int]:
-        return [self.params, self.grads, self.optimizer, self.activations, self.buffers + self.extra_buffers,
-                self.temporaries, self.overhead, self.peak]
+    def row(self) -> list[int | None]:
+        """Bytes by COLUMNS (grads held: None when the trace didn't measure it)."""
+        return [self.params, self.held.get("grads"), self.grads, self.optimizer, self.activations,
+                self.buffers + self.extra_buffers, self.temporaries, self.overhead, self.peak]
 
 
 @dataclass
@@ -124,42 +128,88 @@ class Estimate:
         return None if price is None else price * self.gpu_hours
 
     # ---- words --------------------------------------------------------------------------------------------
+    @property
+    def where(self) -> str:
+        """'1 x 8 x H100-SXM-80GB' (nodes x GPUs per node x accelerator); on a CPU, its processes."""
+        if self.target.kind == "cpu":
+            return f"{self.target.name}, {self.gpus} process" + "es" * (self.gpus != 1)
+        return f"{self.nodes} x {self.gpus} x {self.target.name}"
+
+    def settings(self) -> str:
+        """Which settings these figures are for: task, layout, precision, micro-batch x accumulation, world."""
+        return describe_settings(self.config, self.gpus * self.nodes)
+
     def verdict(self) -> str:
         peak, usable = fmt_bytes(self.peak), fmt_bytes(self.usable)
         if self.fits:
             return f"fits: {peak} per rank of {usable} usable on {self.target.name}"
         return f"short by {fmt_bytes(self.short_by)}: {peak} per rank, {usable} usable on {self.target.name}"
 
-    def table(self) -> str:
-        c = self.config
-        lines = [f"estimate: {c['task']} on {self.nodes} x {self.gpus} x {self.target.name}, {c['parallelism']}, "
-                 f"{c['precision']}, micro-batch {c['micro_batch_size']} x {c['grad_accum_steps']}, global batch "
-                 f"{self.global_batch}",
-                 f"  {'rank':>4} " + " ".join(f"{k:>11}" for k in (*CATEGORIES, "overhead", "peak"))]
-        for label, values in self.rank_groups():
-            lines.append(f"  {label:>4} " + " ".join(f"{fmt_bytes(v):>11}" for v in values))
-        cost = f", {fmt_money(self.cost)}" if self.cost is not None else ""
+    def cost_text(self) -> str:
+        """'$12.30', '< $0.01', or 'no price' when the target has none."""
+        return fmt_money(self.cost) if self.cost is not None else "no price"
+
+    def step_line(self) -> str:
         tokens = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
-        lines += [f"  {self.verdict()}",
-                  f"  step {fmt_seconds(self.step_s)} (compute {fmt_seconds(self.compute_s)}, exposed communication "
-                  f"{fmt_seconds(self.exposed_comm_s)} of {fmt_seconds(self.comm_s)}), {self.samples_per_s:,.1f} "
-                  f"samples/s{tokens}",
-                  f"  {c['max_steps']} steps: {fmt_duration(self.run_s)}, {self.gpu_hours:.2f} GPU-hours{cost}",
-                  "  assumptions:"] + [f"    - {a}" for a in self.assumptions]
+        return (f"step {fmt_seconds(self.step_s)} (compute {fmt_seconds(self.compute_s)}, exposed communication "
+                f"{fmt_seconds(self.exposed_comm_s)} of {fmt_seconds(self.comm_s)}), {self.samples_per_s:,.1f} "
+                f"samples/s{tokens}")
+
+    def run_line(self) -> str:
+        hours = f"{self.gpu_hours:.2f}" if self.gpu_hours >= 0.01 or self.gpu_hours == 0 else "< 0.01"
+        cost = f", {fmt_money(self.cost)}" if self.cost is not None else ""
+        return f"{self.config['max_steps']} steps: {fmt_span(self.run_s)}, {hours} GPU-hours{cost}"
+
+    def __repr__(self) -> str:
+        fits = "fits" if self.fits else f"short by {fmt_bytes(self.short_by)}"
+        return (f"<Estimate {self.config['task']} {layout_name(self.config)} on {self.where}: {fits}, peak "
+                f"{fmt_bytes(self.peak)} of {fmt_bytes(self.usable)} usable; step {fmt_seconds(self.step_s)}; "
+                f"{self.config['max_steps']} steps {fmt_span(self.run_s)}; {self.cost_text()}>")
+
+    def table(self) -> str:
+        """The estimate as plain text: memory per group of identical ranks, the verdict, time, cost, assumptions."""
+        groups = self.rank_groups()
+        width = max(5, *(len(label) for label, _ in groups))
+        lines = [f"estimate: {self.settings()} on {self.where}, global batch {self.global_batch}",
+                 f"  {'ranks':>{width}} " + " ".join(f"{k:>14}" for k in COLUMNS)]
+        for label, values in groups:
+            lines.append(f"  {label:>{width}} " + " ".join(f"{fmt_bytes(v):>14}" for v in values))
+        lines += [*textwrap.wrap(GRADS_LEGEND, 116, initial_indent="  ", subsequent_indent="  "),
+                  f"  {self.verdict()}", f"  {self.step_line()}", f"  {self.run_line()}", "  assumptions:",
+                  *(f"    - {a}" for a in self.assumptions)]
         return "\n".join(lines)
 
-    def rank_groups(self) -> list[tuple[str, list[int]]]:
-        """Consecutive ranks with the same figures, as one row each: ('0-6', [...]), ('7', [...])."""
-        groups: list[tuple[list[int], list[int]]] = []
+    def _repr_html_(self) -> str:
+        """The estimate in a notebook: a table of rank groups by category, the verdict, time and cost."""
+        cell = "style='text-align:right;padding:0 8px;white-space:nowrap'"
+        head = "".join(f"<th {cell}>{html.escape(k)}</th>" for k in ("ranks", *COLUMNS))
+        body = "".join(f"<tr class='wb-rank-group' data-ranks='{html.escape(label)}'><td {cell}>{html.escape(label)}"
+                       "</td>" + "".join(f"<td {cell}>{fmt_bytes(v)}</td>" for v in values) + "</tr>"
+                       for label, values in self.rank_groups())
+        color = "#2e7d32" if self.fits else "#b00020"
+        assumptions = "".join(f"<li>{html.escape(a)}</li>" for a in self.assumptions)
+        return (f"<div class='wb-estimate-view'><b>Estimate</b> for {html.escape(self.settings())} on "
+                f"{html.escape(self.where)}, global batch {self.global_batch}"
+                f"<table class='wb-estimate-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                f"<small>{html.escape(GRADS_LEGEND)}</small>"
+                f"<div class='wb-estimate-verdict' style='color:{color}'><b>{html.escape(self.verdict())}</b></div>"
+                f"<div>{html.escape(self.step_line())}</div><div>{html.escape(self.run_line())}</div>"
+                f"<details><summary><small>assumptions ({len(self.assumptions)})</small></summary>"
+                f"<small><ul>{assumptions}</ul></small></details></div>")
+
+    def rank_groups(self) -> list[tuple[str, list[int | None]]]:
+        """Ranks whose rows read the same as shown, one row each, labelled compactly: ('0-6, 8', [...]).
+        A byte count that differs below the shown precision doesn't split a group; to_dict() has the exact
+        figures of every rank."""
+        groups: dict[tuple[str, ...], tuple[list[int], list[int | None]]] = {}
         for r in self.ranks:
-            if groups and groups[-1][1] == r.row():
-                groups[-1][0].append(r.rank)
-            else:
-                groups.append(([r.rank], r.row()))
-        return [(f"{g[0]}" if len(g) == 1 else f"{g[0]}-{g[-1]}", row) for g, row in groups]
+            row = r.row()
+            groups.setdefault(tuple(fmt_bytes(v) for v in row), ([], row))[0].append(r.rank)
+        return [(compact_ranks(ranks), row) for ranks, row in groups.values()]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target.name, "gpus": self.gpus, "nodes": self.nodes, "fits": self.fits,
+        return {"target": self.target.name, "gpus": self.gpus, "nodes": self.nodes, "settings": self.settings(),
+                "fits": self.fits,
                 "short_by_bytes": self.short_by, "peak_bytes": self.peak, "capacity_bytes": self.capacity,
                 "ranks": [{**vars(r), "tensors": r.tensors, "peak": r.peak} for r in self.ranks],
                 "flops_per_step": self.flops_per_step,
@@ -169,32 +219,34 @@ class Estimate:
                 "efficiency": self.efficiency, "assumptions": self.assumptions}
 
 
-def calibrated_efficiency(target: Accelerator, runs_dir: Path) -> tuple[float, str]:
-    """The median MFU of completed runs on the same device class in runs_dir, or the default, saying which."""
-    from workbench.rundir import RunDir
-    from workbench.utils.hardware import gpu_model
-
-    wanted = f"cuda-{gpu_model(target.name)}" if target.kind == "cuda" else "cpu"
-    mfus = []
-    for summary_path in sorted(Path(runs_dir).expanduser().glob("*/summary.json"))[-200:]:
-        try:
-            s = RunDir(summary_path.parent).summary()
-        except ValueError:  # a damaged summary.json (named when that run is read): it calibrates nothing
-            continue
-        if s.status == "completed" and s.mfu and s.device_class == wanted:
-            mfus.append(s.mfu)
-    if mfus:
-        value = statistics.median(mfus)
-        return value, f"efficiency {value:.0%} of peak: the median MFU of {len(mfus)} measured run(s) on {wanted}"
-    value = DEFAULT_EFFICIENCY[target.kind]
-    return value, (f"efficiency {value:.0%} of peak FLOP/s (a typical MFU; no measured run on {wanted} in {runs_dir} "
-                   "to calibrate it)")
+def compact_ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 5, 7, 8] -> '0-3, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
-def comm_time(trace: StepTrace, extra: dict[str, dict[str, Any]], target: Accelerator, network: str) -> float:
-    """Seconds a rank spends sending, per collective: ring bytes over the link its group crosses."""
-    total = 0.0
-    for rec in [*trace.comm.values(), *extra.values()]:
-        bandwidth = min(target.link_bandwidth, NETWORKS[network]) if rec["spans_nodes"] else target.link_bandwidth
-        total += rec["wire_bytes"] / bandwidth
-    return total
+def layout_name(config: dict[str, Any]) -> str:
+    """'ddp', 'hsdp 2 x 4', 'zero3 x tp 2', 'pp 2 x ddp': the parallel layout in a few words."""
+    name = str(config["parallelism"])
+    tp, pp = int(config.get("tp", 1)), int(config.get("pp", 1))
+    if name == "hsdp" and config.get("dp_shard"):
+        dp = int(config["num_processes"]) // (tp * pp)
+        name += f" {dp // int(config['dp_shard'])} x {config['dp_shard']}"
+    if tp > 1:
+        name += f" x tp {tp}"
+    return f"pp {pp} x {name}" if pp > 1 else name
+
+
+def describe_settings(config: dict[str, Any], world: int) -> str:
+    """The settings an estimate is for, in one line: 'char-gpt (preset=tiny), zero3 x tp 2, bf16, micro-batch
+    8 x 2 accumulation, 8 ranks'."""
+    options = ", ".join(f"{k}={v}" for k, v in (config.get("task_options") or {}).items())
+    task = f"{config['task']} ({options})" if options else str(config["task"])
+    return (f"{task}, {layout_name({**config, 'num_processes': world})}, {config['precision']}, micro-batch "
+            f"{config['micro_batch_size']} x {config['grad_accum_steps']} accumulation, {world} rank"
+            + "s" * (world != 1))

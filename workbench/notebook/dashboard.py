@@ -4,13 +4,18 @@ The run directory is the only thing watched, so a dashboard works the same for r
 from `wb.start(cfg)` or from the shell. A daemon thread polls it into the `reading` trait; one observer
 re-derives every widget from the traits. The kernel stays free to run cells (widget updates from a thread
 reach the browser without the kernel's help).
+
+The ranks come first. On a small machine they use every core, and a synchronous step runs at the pace of its
+slowest rank, so CPU the dashboard takes from one rank stalls them all. So the poll reads only the rows appended
+since the last one, widgets are re-derived only when something changed, the figure is redrawn in place only when
+new rows came and no more often than its CPU cost allows (FIGURE_CPU_SHARE), and on Linux the polling thread
+runs at the lowest priority (nice 19), so it takes the CPU the ranks leave rather than theirs.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import logging
 import os
 import threading
@@ -21,17 +26,19 @@ from typing import Any
 import ipywidgets as widgets
 import traitlets
 
-from workbench.notebook.breakdown_bars import breakdown_html
 from workbench.notebook.reading import (
     Reading,
+    RowTail,
     eta_s,
+    fmt_num,
     idle_warnings,
+    lower_thread_priority,
     monitor_items,
     run_average,
     session_start,
-    window_steps,
+    throughput_items,
 )
-from workbench.notebook.snapshot import dashboard_html, table
+from workbench.notebook.snapshot import dashboard_html, shown_breakdown, table
 from workbench.rundir import ENDED, MetricsRow, RunDir, Status
 from workbench.utils.kernel import in_kernel
 from workbench.utils.units import fmt_bytes, fmt_duration
@@ -40,10 +47,12 @@ log = logging.getLogger("workbench")
 
 BAR_STYLES = {Status.COMPLETED: "success", Status.FAILED: "danger", Status.DIVERGED: "danger",
               Status.STOPPED: "warning", Status.PREEMPTED: "warning"}
-
-
-def _num(value: float | None, spec: str = ".4g") -> str:
-    return "–" if value is None else format(value, spec)
+FIGURE_CPU_SHARE = 0.05
+"""The live figure is redrawn at most this often: the CPU one redraw took, divided by this, must pass before the
+next (and figure_interval at least). A redraw that had to wait for idle CPU waits longer still: the interval runs
+from its end."""
+LOSS_SCALES = {"auto": None, "linear": False, "log": True}
+"""The loss axis toggle's choices and the log_loss value each stands for."""
 
 
 class Dashboard(widgets.VBox):
@@ -54,30 +63,33 @@ class Dashboard(widgets.VBox):
     without a kernel; `show_final()` adds the final numbers and figure as a static output.
     """
 
-    log_loss = traitlets.Bool(False, help="Draw the loss on a log scale.")
+    log_loss = traitlets.Bool(None, allow_none=True, help="The loss axis: log (True), linear (False), or None: "
+                                                          "log once the loss spans a decade.")
     show_error = traitlets.Bool(True, help="List the run's error with the numbers (off where a Panel shows it).")
     final_shown = traitlets.Bool(False, help="show_final() displayed the figure as an output: the live view "
                                              "points there instead of showing it twice.")
     reading = traitlets.Instance(Reading, args=(), help="What the latest poll of the run directory found.")
 
     def __init__(self, run_dir: str | os.PathLike[str] | Any, *, interval: float = 1.0,
-                 figure_interval: float = 2.0, max_steps: int | None = None, log_loss: bool = False,
+                 figure_interval: float = 2.0, max_steps: int | None = None, log_loss: bool | None = None,
                  show_error: bool = True) -> None:
         super().__init__(log_loss=log_loss, show_error=show_error)
         self.run_dir = Path(getattr(run_dir, "run_dir", run_dir))
         self.dir = RunDir(self.run_dir)
+        self._tail = RowTail(self.dir.metrics_path)
         self.interval = interval
-        # Rendering the figure costs a few tenths of a second of CPU that the ranks would rather have.
         self.figure_interval = max(interval, figure_interval)
         self._max_steps = max_steps
-        self._png = b""
-        self._drawn_key: tuple[int, bool] | None = None
-        self._drawn_at = 0.0
-        self._force_figure = self._hold_figure = False
+        self._png, self._drawn_key, self._next_figure_at, self._hold_figure = b"", None, 0.0, False
+        self.figures_drawn = 0
+        """Live figures rendered so far (each costs CPU the ranks could have used)."""
+        # _lock guards the state; _figure_lock the figure, drawn without _lock (taken in that order, never the
+        # other): a slow redraw by the low-priority poller then never keeps the kernel's thread waiting for numbers.
         self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._figure: Any = None
+        self._figure_lock = threading.Lock()
+        self._stop, self._thread = threading.Event(), None
+        self._live: Any = None  # the LiveFigure, made at the first figure (matplotlib loads only then)
+        self._figure: Any = None  # its matplotlib Figure
         self._build()
         self.observe(self._render, names=["reading", "log_loss", "show_error", "final_shown"])
         self.refresh()
@@ -97,8 +109,16 @@ class Dashboard(widgets.VBox):
         # Hidden until there is a figure: an empty Image shows the browser's broken-image icon.
         self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="900px", display="none"))
         self.image.add_class("wb-figure")
+        self.loss_scale = widgets.ToggleButtons(options=list(LOSS_SCALES), description="loss axis",
+                                                tooltips=["log once the loss spans a decade", "linear", "log"],
+                                                style={"button_width": "56px"})
+        self.loss_scale.add_class("wb-loss-scale")
+        by_value = {v: k for k, v in LOSS_SCALES.items()}
+        self.loss_scale.value = by_value[self.log_loss]  # the link starts from the toggle: it must agree first
+        traitlets.link((self.loss_scale, "value"), (self, "log_loss"),
+                       transform=(LOSS_SCALES.__getitem__, by_value.__getitem__))
         self.children = [self.title, widgets.HBox([self.progress, self.progress_text]), self.stats,
-                         self.breakdown, self.placeholder, self.image]
+                         self.breakdown, self.loss_scale, self.placeholder, self.image]
         self.add_class("wb-dashboard")
 
     @property
@@ -164,25 +184,25 @@ class Dashboard(widgets.VBox):
     def refresh(self, draw: bool = True, force_draw: bool = False) -> bool:
         """Read the run directory into `reading` (the observer updates the widgets); True once the run has ended.
 
-        draw=False leaves the figure as it is; force_draw=True draws it now, whatever figure_interval says.
+        draw=False leaves the figure as it is; force_draw=True draws it now, whatever the cadence says.
         """
         with self._lock:
             events = self.dir.events()
             session_step = session_start(events)
-            reading = Reading(rows=self.dir.metrics_rows(), summary=self.dir.summary().to_dict(),
+            reading = Reading(rows=self._tail.read(), summary=self.dir.summary().to_dict(),
                               observed=tuple(str(x) for x in self.dir.observed_status()),
                               session_step=session_step, warnings=idle_warnings(events, session_step),
                               profiles=tuple(str(p) for p in self.dir.profile_traces()))
-            self._force_figure = force_draw
-            self._hold_figure = not draw
+            self._hold_figure = True  # the observer re-derives the numbers; the figure follows, outside the lock
             try:
                 if reading != self.reading:
                     self.reading = reading
-                else:
-                    self._render()  # nothing new, but a figure held back by figure_interval may be due
             finally:
-                self._force_figure = self._hold_figure = False
-            return self.ended
+                self._hold_figure = False
+            ended = self.ended
+        if draw:
+            self._show_figure(force_draw)  # also when nothing is new: a figure the cadence held back may be due
+        return ended
 
     # ---- the one view of the state ------------------------------------------------------------------
     def _render(self, change: Any = None) -> None:
@@ -196,21 +216,29 @@ class Dashboard(widgets.VBox):
                                 f"<span class='wb-run-status'>{html.escape(self.status)}</span>")
             self.progress_text.value = html.escape(self.progress_line())
             self.stats.value = table(self.stat_items(), "wb-stat-")
-            self.breakdown.value = breakdown_html(self.last_train_row)
-            redraw = self._force_figure or (change is not None and change["name"] == "log_loss")
-            if self.rows and not self._hold_figure and (redraw or self._figure_due()):
-                png = self.figure_png()
-                if png != bytes(self.image.value):
-                    self.image.value = png
+            self.breakdown.value = shown_breakdown(self.last_train_row)
+            hold = self._hold_figure
+        if not hold:
+            self._show_figure(change is not None and change["name"] == "log_loss")
+
+    def _show_figure(self, force: bool) -> None:
+        """Redraw the live figure when rows came since the last one and the cadence allows (or `force`)."""
+        with self._lock:
+            due = bool(self.rows) and self._figure_key() != self._drawn_key and (
+                force or self.ended or time.monotonic() >= self._next_figure_at)
+        if due:
+            self.figure_png()
+        with self._lock:
+            if self._png and self._png != bytes(self.image.value):
+                self.image.value = self._png
             live = bool(self._png) and not self.final_shown
             self.image.layout.display = None if live else "none"
             self.placeholder.layout.display = "none" if live else None
             self.placeholder.value = "" if live else f"<i>{html.escape(self.placeholder_text())}</i>"
 
-    def _figure_due(self) -> bool:
-        if self._drawn_key == (len(self.rows), self.log_loss):
-            return False
-        return self.ended or time.monotonic() - self._drawn_at >= self.figure_interval - 0.05
+    def _figure_key(self) -> tuple[int, int, bool | None]:
+        rows = self.rows
+        return len(rows), rows[-1].step if rows else 0, self.log_loss
 
     def placeholder_text(self) -> str:
         """What stands where the figure will be, while there is none to show."""
@@ -237,19 +265,19 @@ class Dashboard(widgets.VBox):
         """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, the device
         monitor's latest window, warnings (idle GPUs), profile traces, error."""
         last, evals = self.last_train_row, self.eval_rows
-        items: list[tuple[str, str]] = [("loss", _num(last.loss if last else None))]
+        items: list[tuple[str, str]] = [("loss", fmt_num(last.loss if last else None))]
         if evals:
             last_eval = evals[-1]
-            items.append(("eval loss", f"{_num(last_eval.eval_loss)} (step {last_eval.step})"))
-            items += [(key.replace("_", " "), _num(value)) for key, value in last_eval.eval.items()]
-        items += self._throughput_items(last)
+            items.append(("eval loss", f"{fmt_num(last_eval.eval_loss)} (step {last_eval.step})"))
+            items += [(key.replace("_", " "), fmt_num(value)) for key, value in last_eval.eval.items()]
+        items += throughput_items(self.reading, self.run_average)
         per_rank = (last.peak_memory_bytes_per_rank if last else None) or []
         if per_rank:
             items.append(("peak memory", ", ".join(f"rank {i}: {fmt_bytes(b)}"
                                                    for i, b in enumerate(per_rank))))
         elif last and last.peak_memory_bytes is not None:
             items.append(("peak memory", f"{fmt_bytes(last.peak_memory_bytes)} (max over ranks)"))
-        items.append(("learning rate", _num(last.lr if last else None, ".3g")))
+        items.append(("learning rate", fmt_num(last.lr if last else None, ".3g")))
         items += monitor_items(last)
         items += [("warning", line) for line in self.reading.warnings]
         if self.reading.profiles:
@@ -257,23 +285,6 @@ class Dashboard(widgets.VBox):
                                                                         "or chrome://tracing)"))
         if (self.show_error if show_error is None else show_error):
             items += self._ending_items()
-        return items
-
-    def _throughput_items(self, last: MetricsRow | None) -> list[tuple[str, str]]:
-        """The last window's figures labelled with their window, the run average beside them."""
-        if last is None:
-            return [("samples/s", "–")]
-        n = window_steps(self.reading)
-        window = f"last {n} step{'s' if n != 1 else ''}"
-        avg, window_rate = self.run_average, last.samples_per_s
-        items = [("samples/s", f"{_num(window_rate, ',.0f')} ({window}) · {_num(avg, ',.0f')} (run average)")]
-        if last.tokens_per_s is not None:
-            tokens_avg = (avg * last.tokens_per_s / window_rate
-                          if avg is not None and window_rate else None)
-            items.append(("tokens/s", f"{_num(last.tokens_per_s, ',.0f')} ({window}) · "
-                                      f"{_num(tokens_avg, ',.0f')} (run average)"))
-        if last.step_time_s is not None:
-            items.append(("step time", f"{1000 * last.step_time_s:.1f} ms ({window})"))
         return items
 
     def _ending_items(self) -> list[tuple[str, str]]:
@@ -286,42 +297,45 @@ class Dashboard(widgets.VBox):
         return []
 
     # ---- figures ------------------------------------------------------------------------------------
-    def figure_png(self) -> bytes:
-        """The figure of the rows read so far, as PNG bytes (empty before the first metrics row)."""
-        with self._lock:
-            rows = self.rows
-            if not rows:
-                return b""
-            key = (len(rows), self.log_loss)
-            if key == self._drawn_key and self._png:
-                return self._png
-            from matplotlib.figure import Figure
-
-            from workbench.notebook.plots import draw, monitor_kind
-
-            started = time.monotonic()
-            if self._figure is None:
-                self._figure = Figure(figsize=(9, 5.5), dpi=80)
-            self._figure.set_size_inches(9, 8 if monitor_kind(rows) else 5.5)  # a third row: the device monitor
-            s = self.summary
-            label = f"x{s.get('world_size', '?')} {s.get('precision', '')}".strip()
-            draw(self._figure, [(label, rows)], title=self.run_dir.name, log_loss=self.log_loss,
-                 drawn_at=self.step)
-            buf = io.BytesIO()
-            self._figure.savefig(buf, format="png")
-            self._png, self._drawn_key, self._drawn_at = buf.getvalue(), key, started
+    def figure_png(self, wait: bool = True) -> bytes:
+        """The figure of the rows read so far, as PNG bytes (empty before the first metrics row). wait=False: the
+        figure as last drawn when another thread is drawing one now."""
+        if not self._figure_lock.acquire(blocking=wait):
             return self._png
+        try:
+            with self._lock:
+                rows, key, step = self.rows, self._figure_key(), self.step
+                if not rows or (key == self._drawn_key and self._png):
+                    return self._png if rows else b""
+                s = self.summary
+                label = f"x{s.get('world_size', '?')} {s.get('precision', '')}".strip()
+            from workbench.notebook.plots import LiveFigure
+
+            if self._live is None:
+                self._live = LiveFigure()
+                self._figure = self._live.figure
+            cpu, builds = time.thread_time(), self._live.builds
+            png = self._live.png(label, rows, title=self.run_dir.name, log_loss=key[2], drawn_at=step)
+            # What a redraw costs paces the next; building the figure (and importing matplotlib) is paid once.
+            cost = time.thread_time() - cpu if self._live.builds == builds else 0.0
+            with self._lock:
+                self._png, self._drawn_key, self.figures_drawn = png, key, self.figures_drawn + 1
+                self._next_figure_at = time.monotonic() + max(self.figure_interval - 0.05, cost / FIGURE_CPU_SHARE)
+            return png
+        finally:
+            self._figure_lock.release()
 
     def snapshot_html(self, *, show_error: bool = True, figure: bool = True) -> str:
         """The dashboard as static HTML: run, status, progress, numbers, breakdown and the latest
-        figure (or why there is none); figure=False points to the output holding the final one."""
-        png = self.figure_png()
+        figure (or why there is none); figure=False points to the output holding the final one. While the poller
+        draws a new figure, the one before it: a snapshot never waits for a redraw."""
+        png = self.figure_png(wait=not self.polling)
         shown: bytes | str = png or self.placeholder_text()
         if not figure:
             shown = "the final figure is in the output of the cell that waited for the run"
         return dashboard_html(self.run_dir.name, self.status, self.progress_line(),
                               self.stat_items(show_error=show_error),
-                              breakdown_html(self.last_train_row), shown)
+                              shown_breakdown(self.last_train_row), shown)
 
     def show_final(self) -> None:
         """Show the final numbers and figure as a static output, so a saved or papermill-executed notebook
@@ -358,6 +372,8 @@ class Dashboard(widgets.VBox):
         return self._thread is not None and self._thread.is_alive()
 
     def _poll(self) -> None:
+        lower_thread_priority()
+        import workbench.notebook.plots  # noqa: F401  (matplotlib, loaded while the ranks start rather than train)
         while not self._stop.is_set():
             started = time.monotonic()
             try:

@@ -1,20 +1,25 @@
 """Figures of runs: loss (train and eval), throughput, memory, learning rate, and the device monitor's
-utilisation and memory per rank when the rows have them; several runs overlaid."""
+utilisation and memory per rank when the rows have them; several runs overlaid. `LiveFigure` is the
+dashboard's: built once, then redrawn in place as rows arrive."""
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from matplotlib.figure import Figure  # this module is imported only when something is plotted
+from matplotlib.layout_engine import TightLayoutEngine
 from matplotlib.ticker import Formatter, LogFormatter
 
 from workbench.rundir.metrics_row import MetricsRow, PerRank
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.lines import Line2D
+    from matplotlib.text import Text
 
     from workbench.launcher.result import RunResult
 
@@ -53,8 +58,18 @@ EMA_WEIGHT = 0.5
 little enough that a 20-row run still shows its shape."""
 
 
+LIVE_POINTS = 400
+"""The most points a line of the live figure draws: a long run's thousands of rows, thinned, look the same and
+cost a fraction to render."""
+LOG_LOSS_SPAN = 10.0
+"""log_loss=None (auto) puts the loss on a log scale once its largest value is this many times its smallest."""
+
 Runs = Sequence[tuple[str, Sequence[MetricsRow]]]
 """(label, rows) of each run drawn."""
+Series = Callable[[Sequence[MetricsRow]], tuple[list[float], list[float]]]
+"""What a line shows, as a function of the rows: (x, y)."""
+Drawn = list[tuple["Line2D", Series]]
+"""Each line drawn and the series it shows: what a live figure moves when new rows come."""
 
 
 def typed_rows(rows: Sequence[MetricsRow | Mapping[str, Any]]) -> list[MetricsRow]:
@@ -68,6 +83,39 @@ def _series(rows: Sequence[MetricsRow],
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def of(value: Callable[[MetricsRow], float | None], scale: float = 1.0) -> Series:
+    """The series of one row field (divided by `scale`) by step."""
+    def series(rows: Sequence[MetricsRow]) -> tuple[list[float], list[float]]:
+        x, y = _series(rows, value)
+        return x, [v / scale for v in y] if scale != 1.0 else y
+    return series
+
+
+def _plot(ax: Axes, drawn: Drawn, series: Series, rows: Sequence[MetricsRow], **style: Any) -> Line2D:
+    """A line of `series` over `rows`, remembered in `drawn` so a live figure can move it."""
+    (line,) = ax.plot(*series(rows), **style)
+    drawn.append((line, series))
+    return line
+
+
+def thin(x: Sequence[float], y: Sequence[float], most: int) -> tuple[Sequence[float], Sequence[float]]:
+    """At most `most` points, evenly strided, the last always kept (the newest value is what a live figure is
+    for)."""
+    if len(x) <= most:
+        return x, y
+    stride = math.ceil(len(x) / (most - 1))
+    keep = [*range(0, len(x) - 1, stride), len(x) - 1]
+    return [x[i] for i in keep], [y[i] for i in keep]
+
+
+def loss_on_log_scale(runs: Runs, log_loss: bool | None) -> bool:
+    """The loss axis's scale: as asked, or with None, log once the positive losses span LOG_LOSS_SPAN."""
+    losses = [v for _, rows in runs for v in _series(rows, lambda r: r.loss)[1] if v > 0]
+    if log_loss is not None:
+        return log_loss and bool(losses)
+    return bool(losses) and max(losses) >= LOG_LOSS_SPAN * min(losses)
+
+
 def monitor_kind(rows: Sequence[MetricsRow]) -> str | None:
     """'gpu' or 'cpu' when the rows carry device monitoring (monitor.py), else None: the figure
     grows a row."""
@@ -76,22 +124,26 @@ def monitor_kind(rows: Sequence[MetricsRow]) -> str | None:
     return "cpu" if any(r.cpu_pct_per_rank for r in rows) else None
 
 
-def _per_rank(rows: Sequence[MetricsRow], panel: MonitorPanel,
-              rank: int) -> tuple[list[float], list[float]]:
-    pts = [(r.step, v[rank] / panel.unit) for r in rows
-           if (v := panel.values(r)) and rank < len(v) and v[rank] is not None]
-    return [p[0] for p in pts], [p[1] for p in pts]
+def _per_rank(panel: MonitorPanel, rank: int) -> Series:
+    def series(rows: Sequence[MetricsRow]) -> tuple[list[float], list[float]]:
+        pts = [(r.step, v[rank] / panel.unit) for r in rows
+               if (v := panel.values(r)) and rank < len(v) and v[rank] is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+    return series
 
 
-def _draw_monitor(axes: Sequence[Axes], runs: Runs, kind: str) -> None:
+def monitor_ranks(rows: Sequence[MetricsRow], panel: MonitorPanel) -> int:
+    return max((len(v) for r in rows if (v := panel.values(r))), default=0)
+
+
+def _draw_monitor(axes: Sequence[Axes], runs: Runs, kind: str, drawn: Drawn) -> None:
     """One line per rank (colour) and run (line style): which rank's device idles, fills up or runs hot."""
     for ax, panel in zip(axes, MONITOR_PANELS[kind]):
         for i, (label, rows) in enumerate(runs):
-            ranks = max((len(v) for r in rows if (v := panel.values(r))), default=0)
-            for rank in range(ranks):
+            for rank in range(monitor_ranks(rows, panel)):
                 name = f"rank {rank}" if len(runs) == 1 else f"{label} rank {rank}"
-                ax.plot(*_per_rank(rows, panel, rank), color=f"C{rank}", label=name,
-                        linestyle=LINESTYLES[i % len(LINESTYLES)], marker=".", markersize=3)
+                _plot(ax, drawn, _per_rank(panel, rank), rows, color=f"C{rank}", label=name,
+                      linestyle=LINESTYLES[i % len(LINESTYLES)], marker=".", markersize=3)
         ax.set_title(panel.title)
         ax.set_ylim(bottom=0)
         if ax.get_lines():
@@ -149,69 +201,88 @@ def _label(result: RunResult, labels: Sequence[str] | None, i: int) -> str:
     return f"{result.run_dir.name} ({s.get('precision', '?')}, x{s.get('world_size', '?')})"
 
 
-def _draw_loss(ax: Axes, rows: Sequence[MetricsRow], label: str, style: dict[str, Any]) -> None:
+def _loss_ema(rows: Sequence[MetricsRow]) -> tuple[list[float], list[float]]:
     x, y = _series(rows, lambda r: r.loss)
-    if len(x) >= 4:
+    return x, ema(y)
+
+
+def _draw_loss(ax: Axes, rows: Sequence[MetricsRow], label: str, style: dict[str, Any], drawn: Drawn,
+               live: bool) -> None:
+    loss = of(lambda r: r.loss)
+    if live or len(loss(rows)[0]) >= 4:  # a live figure smooths from the start: its lines stay what they are
         # The raw curve faint, the smoothed one on top in the run's style: the trend reads at a glance and
         # the noise stays visible.
-        ax.plot(x, y, color=style["color"], alpha=0.3, linewidth=0.8)
-        ax.plot(x, ema(y), label=f"{label} train (EMA)", **style)
+        _plot(ax, drawn, loss, rows, color=style["color"], alpha=0.3, linewidth=0.8)
+        _plot(ax, drawn, _loss_ema, rows, label=f"{label} train (EMA)", **style)
     else:
-        ax.plot(x, y, label=f"{label} train", **style)
-    ex, ey = _series(rows, lambda r: r.eval_loss)
-    if ex:
-        ax.plot(ex, ey, linestyle="none", marker=style["marker"], markersize=8, markerfacecolor="none",
-                markeredgewidth=1.5, color=style["color"], label=f"{label} eval")
+        _plot(ax, drawn, loss, rows, label=f"{label} train", **style)
+    if any(r.eval_loss is not None for r in rows):
+        _plot(ax, drawn, of(lambda r: r.eval_loss), rows, linestyle="none", marker=style["marker"], markersize=8,
+              markerfacecolor="none", markeredgewidth=1.5, color=style["color"], label=f"{label} eval")
 
 
-def _draw_run(axes: Sequence[Axes], rows: Sequence[MetricsRow], label: str, i: int) -> None:
+def _rate(rows: Sequence[MetricsRow]) -> tuple[Callable[[MetricsRow], float | None], str]:
+    if any(r.tokens_per_s for r in rows):
+        return (lambda r: r.tokens_per_s), "tokens/s"
+    return (lambda r: r.samples_per_s), "samples/s"
+
+
+def _draw_run(axes: Sequence[Axes], rows: Sequence[MetricsRow], label: str, i: int, drawn: Drawn,
+              live: bool = False) -> None:
     """One run's loss, throughput, memory and learning rate, in the style of the i-th run."""
     ax_loss, ax_tp, ax_mem, ax_lr = axes
     n = max(1, len(_series(rows, lambda r: r.loss)[0]))
     style = {"color": f"C{i}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
              "marker": MARKERS[i % len(MARKERS)], "markevery": max(1, n // 8), "markersize": 4}
-    _draw_loss(ax_loss, rows, label, style)
-    tokens = any(r.tokens_per_s for r in rows)
-    rate: Callable[[MetricsRow], float | None] = \
-        (lambda r: r.tokens_per_s) if tokens else (lambda r: r.samples_per_s)
-    ax_tp.plot(*_series(rows, rate), label=label, **style)
-    ax_tp.set_ylabel(("tokens/s" if tokens else "samples/s") + " (per logged window)")
-    mx, my = _series(rows, lambda r: r.peak_memory_bytes)
-    ax_mem.plot(mx, [v / 2**20 for v in my], label=label, **style)
-    ax_lr.plot(*_series(rows, lambda r: r.lr), label=label, **style)
+    _draw_loss(ax_loss, rows, label, style, drawn, live)
+    rate, unit = _rate(rows)
+    _plot(ax_tp, drawn, of(rate), rows, label=label, **style)
+    ax_tp.set_ylabel(unit + " (per logged window)")
+    _plot(ax_mem, drawn, of(lambda r: r.peak_memory_bytes, 2**20), rows, label=label, **style)
+    _plot(ax_lr, drawn, of(lambda r: r.lr), rows, label=label, **style)
 
 
-def draw(fig: Figure, runs: Sequence[tuple[str, Sequence[MetricsRow | Mapping[str, Any]]]],
-         title: str | None = None, *, log_loss: bool = False,
-         drawn_at: int | None = None) -> Figure:
-    """Draw metrics rows of each (label, rows) into `fig` (cleared first); used by plots and the
-    live dashboard. Rows are MetricsRow, or the plain dicts of metrics.jsonl.
+class _Drawing(NamedTuple):
+    """What a live figure moves: the lines and their series, and the axes rescaled by rule, not by their data."""
 
-    log_loss: the loss axis on a log scale. drawn_at: the step the rows reach, written on the figure so a
-    live or saved picture says how current it is.
-    """
+    lines: Drawn
+    loss: Axes
+    memory: Axes
+    monitor: list[Axes]
+    stamp: Text | None
+
+
+def _memory_top(runs: Runs) -> float:
+    return max((v for _, rows in runs for v in _series(rows, lambda r: r.peak_memory_bytes)[1]), default=0) / 2**20
+
+
+def _loss_scale(ax: Axes, log: bool) -> None:
+    ax.set_yscale("log" if log else "linear")
+    if log:
+        ax.yaxis.set_major_formatter(_PlainLogFormatter())
+        ax.yaxis.set_minor_formatter(_PlainLogFormatter(minor_thresholds=(2, 0.5)))
+    ax.set_title("loss" + (" (log scale)" if log else ""))
+
+
+def _draw(fig: Figure, typed: Runs, title: str | None, log: bool, drawn_at: int | None,
+          live: bool = False) -> _Drawing:
     fig.clear()
-    typed: Runs = [(label, typed_rows(rows)) for label, rows in runs]
     kind = monitor_kind([r for _, rows in typed for r in rows])
     ax_loss, ax_tp, ax_mem, ax_lr, *ax_monitor = fig.subplots(3 if kind else 2, 2).flat
+    drawn: Drawn = []
     for i, (label, rows) in enumerate(typed):
-        _draw_run((ax_loss, ax_tp, ax_mem, ax_lr), rows, label, i)
-    if log_loss and any(v > 0 for _, rows in typed for v in _series(rows, lambda r: r.loss)[1]):
-        ax_loss.set_yscale("log")
-        ax_loss.yaxis.set_major_formatter(_PlainLogFormatter())
-        ax_loss.yaxis.set_minor_formatter(_PlainLogFormatter(minor_thresholds=(2, 0.5)))
+        _draw_run((ax_loss, ax_tp, ax_mem, ax_lr), rows, label, i, drawn, live)
+    _loss_scale(ax_loss, log)
     # From zero: a wobble of 1 MiB on 300 must look like one, not like a leak.
-    top = max((v for _, rows in typed for v in _series(rows, lambda r: r.peak_memory_bytes)[1]),
-              default=0) / 2**20
+    top = _memory_top(typed)
     ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1)
     ax_mem.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax_lr.yaxis.set_major_formatter(_SciFormatter())
-    ax_loss.set_title("loss" + (" (log scale)" if ax_loss.get_yscale() == "log" else ""))
     ax_tp.set_title("throughput")
     ax_mem.set_title("peak memory (MiB, max over ranks)")
     ax_lr.set_title("learning rate")
     if kind:
-        _draw_monitor(ax_monitor, typed, kind)
+        _draw_monitor(ax_monitor, typed, kind, drawn)
     for ax in (ax_loss, ax_tp, ax_mem, ax_lr, *ax_monitor):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -221,11 +292,86 @@ def draw(fig: Figure, runs: Sequence[tuple[str, Sequence[MetricsRow | Mapping[st
             ax_tp.legend(fontsize="small")
     if title:
         fig.suptitle(title)
+    stamp = None
     if drawn_at is not None:
-        fig.text(0.995, 0.005, f"drawn at step {drawn_at}", ha="right", va="bottom", fontsize="small",
-                 color="#555")
-    fig.tight_layout(rect=(0, 0.03 if drawn_at is not None else 0, 1, 1))
+        stamp = fig.text(0.995, 0.005, f"drawn at step {drawn_at}", ha="right", va="bottom", fontsize="small",
+                         color="#555")
+    # The tight layout applied once, not kept as the figure's layout engine: savefig would then draw every figure
+    # twice, once to lay it out.
+    TightLayoutEngine(rect=(0, 0.03 if drawn_at is not None else 0, 1, 1)).execute(fig)
+    return _Drawing(drawn, ax_loss, ax_mem, ax_monitor, stamp)
+
+
+def draw(fig: Figure, runs: Sequence[tuple[str, Sequence[MetricsRow | Mapping[str, Any]]]],
+         title: str | None = None, *, log_loss: bool | None = None,
+         drawn_at: int | None = None) -> Figure:
+    """Draw metrics rows of each (label, rows) into `fig` (cleared first). Rows are MetricsRow, or the plain
+    dicts of metrics.jsonl.
+
+    log_loss: the loss axis on a log scale (True), linear (False), or with None, log once the loss spans a
+    decade (LOG_LOSS_SPAN). drawn_at: the step the rows reach, written on the figure so a live or saved
+    picture says how current it is.
+    """
+    typed: Runs = [(label, typed_rows(rows)) for label, rows in runs]
+    _draw(fig, typed, title, loss_on_log_scale(typed, log_loss), drawn_at)
     return fig
+
+
+class LiveFigure:
+    """The dashboard's figure of one run, redrawn in place as rows come: the axes, titles, legends and layout
+    are built once (again only when what they show changes: an eval row, the device monitor's ranks), and each
+    new picture only moves the lines' data, thinned to LIVE_POINTS, and rescales (the loss axis turning log
+    included). That keeps a redraw to the cost of rendering the PNG, a fraction of building the figure."""
+
+    def __init__(self) -> None:
+        self.figure = Figure(figsize=(9, 5.5), dpi=80)
+        self.builds = 0
+        """How many times the figure was built rather than moved (for tests and the benchmark)."""
+        self._layout: tuple[Any, ...] | None = None
+        self._drawing: _Drawing | None = None
+
+    @staticmethod
+    def layout(runs: Runs) -> tuple[Any, ...]:
+        """What the built figure depends on, beyond the lines' data."""
+        rows = [r for _, run in runs for r in run]
+        kind = monitor_kind(rows)
+        ranks = tuple(monitor_ranks(rows, panel) for panel in MONITOR_PANELS[kind]) if kind else ()
+        return kind, ranks, any(r.eval_loss is not None for r in rows), _rate(rows)[1], tuple(name for name, _ in runs)
+
+    def png(self, label: str, rows: Sequence[MetricsRow], *, title: str, log_loss: bool | None,
+            drawn_at: int) -> bytes:
+        """The figure of `rows` as PNG bytes."""
+        runs = [(label, rows)]
+        log = loss_on_log_scale(runs, log_loss)
+        layout = self.layout(runs)
+        if layout != self._layout or self._drawing is None:
+            self.figure.set_size_inches(9, 8 if layout[0] else 5.5)  # a third row: the device monitor
+            self._drawing, self._layout = _draw(self.figure, runs, title, log, drawn_at, live=True), layout
+            self.builds += 1
+        self._move(self._drawing, runs, drawn_at, log)
+        buf = io.BytesIO()
+        self.figure.savefig(buf, format="png")
+        return buf.getvalue()
+
+    @staticmethod
+    def _move(drawing: _Drawing, runs: Runs, drawn_at: int, log: bool) -> None:
+        rows = runs[0][1]
+        if (drawing.loss.get_yscale() == "log") != log:
+            _loss_scale(drawing.loss, log)
+        for line, series in drawing.lines:
+            x, y = thin(*series(rows), LIVE_POINTS)
+            line.set_data(x, y)
+            if line.get_markevery() is not None:
+                line.set_markevery(max(1, len(x) // 8))
+        for ax in {id(line.axes): line.axes for line, _ in drawing.lines}.values():
+            ax.relim()
+            ax.autoscale_view()
+        top = _memory_top(runs)
+        drawing.memory.set_ylim(0, top * 1.15 if top > 0 else 1)
+        for ax in drawing.monitor:
+            ax.set_ylim(bottom=0)
+        if drawing.stamp is not None:
+            drawing.stamp.set_text(f"drawn at step {drawn_at}")
 
 
 class RunFigure(Figure):
@@ -238,8 +384,9 @@ class RunFigure(Figure):
 
 
 def plot_runs(results: Sequence[RunResult], labels: Sequence[str] | None = None,
-              path: str | Path | None = None, *, log_loss: bool = False) -> Figure:
-    """One figure overlaying `results`; saved to `path` when given."""
+              path: str | Path | None = None, *, log_loss: bool | None = None) -> Figure:
+    """One figure overlaying `results`; saved to `path` when given. log_loss as `draw` takes it (None: log
+    once the loss spans a decade)."""
     rows = [r.dir.metrics_rows() for r in results]
     fig = RunFigure(figsize=(10, 10 if any(monitor_kind(run) for run in rows) else 7))
     draw(fig, [(_label(r, labels, i), run) for i, (r, run) in enumerate(zip(results, rows))],

@@ -2,23 +2,35 @@
 figures the dashboard derives from it (throughput over the session, the window a row covers, ETA).
 
 The numbers follow summary.json's definitions, so the dashboard and the summary never disagree about
-what "samples/s" means.
+what "samples/s" means. `RowTail` reads metrics.jsonl a poll at a time, parsing only what was appended:
+a poll of a long run costs what its new rows cost, not the whole file.
 """
 
 from __future__ import annotations
 
-import itertools
-import statistics
-from collections.abc import Callable, Sequence
+import json
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from workbench.rundir.metrics_row import MetricsRow
 from workbench.utils.units import fmt_bytes
 
-ETA_WINDOWS = 5
-"""The ETA uses the median step time of this many recent logged windows: one slow window (an eval, a
-checkpoint, a neighbour's burst) doesn't swing it."""
+log = logging.getLogger("workbench")
+
+ETA_HORIZON_S = (30.0, 600.0)
+"""The ETA's pace is the mean over roughly the last `horizon` seconds of training: a fifth of the session so far,
+kept between these bounds. Long enough that what recurs (evals, checkpoints, a neighbour's bursts, the dashboard's
+own drawing) is averaged in rather than skipped, so a slow window moves the ETA by its share of the horizon;
+short enough that a lasting change of pace shows within minutes."""
+ETA_HORIZON_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -38,13 +50,82 @@ class Reading:
     profiles: tuple[str, ...] = ()
     """Profile traces written so far (profile_steps), in rank order."""
 
-    @property
+    # Cached: a render asks for them a dozen times, and a Reading never changes (frozen; equality and hashing
+    # look at the fields only).
+    @cached_property
     def train_rows(self) -> list[MetricsRow]:
         return [r for r in self.rows if r.is_train]
 
-    @property
+    @cached_property
     def eval_rows(self) -> list[MetricsRow]:
         return [r for r in self.rows if r.is_eval]
+
+
+class RowTail:
+    """The typed rows of one metrics.jsonl, read incrementally: each `read()` parses only the whole lines
+    appended since the last one. A file replaced (a new inode) or shorter than what was read is read again
+    from the start; a last line without its end waits for it. A row that doesn't fit the schema raises
+    ValueError naming the file and row, at every read until it is fixed, as `RunDir.metrics_rows()` does."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._rows: list[MetricsRow] = []
+        self._offset = self._lines = 0
+        self._file_id: tuple[int, int] | None = None
+
+    def read(self) -> list[MetricsRow]:
+        """All rows so far (a new list each time the file grew; the same one when it didn't)."""
+        try:
+            with self.path.open("rb") as f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != self._file_id or st.st_size < self._offset:
+                    self._rows, self._offset, self._lines = [], 0, 0
+                    self._file_id = (st.st_dev, st.st_ino)
+                if st.st_size == self._offset:
+                    return self._rows
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            self._rows, self._offset, self._lines, self._file_id = [], 0, 0, None
+            return self._rows
+        whole = data[:data.rfind(b"\n") + 1]
+        rows, offset, lines = list(self._rows), self._offset, self._lines
+        for line in whole.split(b"\n")[:-1]:
+            lines += 1
+            row = self._parse(line, lines)
+            offset += len(line) + 1
+            if row is not None:
+                rows.append(row)
+        self._rows, self._offset, self._lines = rows, offset, lines
+        return rows
+
+    def _parse(self, line: bytes, number: int) -> MetricsRow | None:
+        if not line.strip():
+            return None
+        try:
+            data = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            data = None
+        if not isinstance(data, dict):  # skipped, as read_jsonl does: a line torn by a crash, say
+            log.warning("%s, line %d: not a JSON object, skipped: %.80r", self.path, number, line)
+            return None
+        try:
+            return MetricsRow.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{self.path}, row {number}: {e}") from None
+
+
+def lower_thread_priority() -> bool:
+    """Give the calling thread the lowest CPU priority (nice 19), on Linux where a thread has its own: the
+    dashboard then draws with the CPU the ranks leave. True when it was lowered."""
+    if sys.platform != "linux":
+        return False  # elsewhere setpriority(PRIO_PROCESS, ...) would take the whole process, or another one
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError as e:
+        log.debug("dashboard: could not lower the polling thread's priority: %s", e)
+        return False
+    return True
 
 
 def session_start(events: Sequence[dict[str, Any]]) -> int:
@@ -130,24 +211,79 @@ def window_steps(reading: Reading) -> int | None:
     return rows[-1].step - (previous[-1] if previous else reading.session_step)
 
 
-def smoothed_step_time(reading: Reading) -> float | None:
-    """Median seconds per step over the last few windows, eval and checkpoints included."""
-    rows = [r for r in reading.train_rows if r.step > reading.session_step]
-    times: list[float] = []
-    for before, row in itertools.pairwise(rows):
+def _windows(rows: Sequence[MetricsRow]) -> Iterator[tuple[float, int]]:
+    """(seconds, steps) of each logged window between consecutive rows, newest first: the training clock
+    (`elapsed_s`) where the rows have it, else the window's own step time."""
+    for i in range(len(rows) - 1, 0, -1):
+        before, row = rows[i - 1], rows[i]
+        steps = row.step - before.step
         if row.elapsed_s is not None and before.elapsed_s is not None:
-            times.append((row.elapsed_s - before.elapsed_s) / (row.step - before.step))
+            seconds = row.elapsed_s - before.elapsed_s
         elif row.step_time_s is not None:
-            times.append(row.step_time_s)
-    if not times and rows and rows[0].step_time_s is not None:
-        times.append(rows[0].step_time_s)  # one window so far: the first, warm-up included
-    return statistics.median(times[-ETA_WINDOWS:]) if times else None
+            seconds = row.step_time_s * steps
+        else:
+            continue
+        if steps > 0 and seconds >= 0:
+            yield seconds, steps
+
+
+def smoothed_step_time(rows: Sequence[MetricsRow], session_step: int = 0) -> float | None:
+    """Seconds per step: the training rows of this session (after `session_step`) as an exponentially
+    time-weighted mean pace, sum(w * seconds) / sum(w * steps) with w = exp(-age / horizon), age the training
+    time since the window ended (ETA_HORIZON_S says which horizon, and why).
+
+    A ratio of sums, not a median of windows: steps slowed now and then (an eval, the dashboard drawing, a
+    neighbour) are counted at their real share of the time, where a median of short windows skips them and
+    promises too soon. The first logged window, warm-up included, counts only while it is the only one.
+    """
+    train = [r for r in rows if r.is_train and r.step > session_step]
+    first, last = (train[0], train[-1]) if train else (None, None)
+    if first is not None and last is not None and first.elapsed_s is not None and last.elapsed_s is not None:
+        session_s = last.elapsed_s - first.elapsed_s
+    else:
+        session_s = sum(seconds for seconds, _ in _windows(train))
+    horizon = min(max(ETA_HORIZON_SHARE * session_s, ETA_HORIZON_S[0]), ETA_HORIZON_S[1])
+    time_sum = step_sum = age = 0.0
+    for seconds, steps in _windows(train):  # newest first, until what is older no longer moves the pace
+        weight = math.exp(-age / horizon)
+        if weight < 1e-3:
+            break
+        time_sum += weight * seconds
+        step_sum += weight * steps
+        age += seconds
+    if step_sum == 0:
+        return first.step_time_s if first is not None else None  # one window so far: the first, warm-up in it
+    return time_sum / step_sum
 
 
 def eta_s(reading: Reading, max_steps: int | None, step: int) -> float | None:
-    """Seconds left to max_steps at the smoothed step time; the latest row's own ETA without one."""
-    per_step = smoothed_step_time(reading)
+    """Seconds left to max_steps at the smoothed pace; the latest row's own ETA without one. It runs to the last
+    step: the final evaluation and checkpoint after it are not in it (nothing tells their cost in advance)."""
+    per_step = smoothed_step_time(reading.rows, reading.session_step)
     if per_step is not None and max_steps:
-        return per_step * (max_steps - step)
+        return per_step * max(0, max_steps - step)
     train = reading.train_rows
     return train[-1].eta_s if train else None
+
+
+def fmt_num(value: float | None, spec: str = ".4g") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def throughput_items(reading: Reading, average: float | None) -> list[tuple[str, str]]:
+    """The latest window's samples/s (tokens/s) and step time, labelled with their window, the run's `average`
+    samples/s beside them, as (label, value)."""
+    last = reading.train_rows[-1] if reading.train_rows else None
+    if last is None:
+        return [("samples/s", "–")]
+    n = window_steps(reading)
+    window = f"last {n} step{'s' if n != 1 else ''}"
+    window_rate = last.samples_per_s
+    items = [("samples/s", f"{fmt_num(window_rate, ',.0f')} ({window}) · {fmt_num(average, ',.0f')} (run average)")]
+    if last.tokens_per_s is not None:
+        tokens_avg = average * last.tokens_per_s / window_rate if average is not None and window_rate else None
+        items.append(("tokens/s", (f"{fmt_num(last.tokens_per_s, ',.0f')} ({window}) · "
+                                   f"{fmt_num(tokens_avg, ',.0f')} (run average)")))
+    if last.step_time_s is not None:
+        items.append(("step time", f"{1000 * last.step_time_s:.1f} ms ({window})"))
+    return items

@@ -6,13 +6,18 @@ instead of `VBox(children=...)`. Plain values in, HTML out: the live readings ar
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from workbench.notebook.breakdown_bars import breakdown_html
+from workbench.training.verdicts import PHASES, per_rank
+
 if TYPE_CHECKING:
     from workbench.notebook.panel import Panel
+    from workbench.rundir import MetricsRow
 
 _LABEL = "text-align:left;padding-right:1em;color:#666"
 
@@ -34,6 +39,20 @@ def table(items: Sequence[tuple[str, str]], css_prefix: str) -> str:
     return f"<table style='font-family:monospace'>{cells}</table>"
 
 
+def shown_breakdown(row: MetricsRow | None) -> str:
+    """The step-time breakdown of `row` with its "slowest" mark on the rank whose bar reads the longest, its
+    milliseconds as the bars show them (rounded the same way), so the mark and the numbers beside it agree. The
+    trainer's own `slowest_rank` (most time in its own work, waiting left out) stands where it is among those."""
+    parts = per_rank(row) if row is not None else None
+    if row is None or parts is None or row.slowest_rank is None:
+        return breakdown_html(row)
+    shown = [float(f"{1e3 * sum(parts[name][r] for name in PHASES):.1f}") for r in range(len(parts["data"]))]
+    marked = row.slowest_rank
+    if shown and not (0 <= marked < len(shown) and shown[marked] == max(shown)):
+        row = dataclasses.replace(row, slowest_rank=shown.index(max(shown)))
+    return breakdown_html(row)
+
+
 def dashboard_html(name: str, status: str, progress: str, stats: Sequence[tuple[str, str]],
                    breakdown: str, figure: bytes | str) -> str:
     """The dashboard as it stands: run name, status, progress line, numbers, the step-time
@@ -49,14 +68,17 @@ def dashboard_html(name: str, status: str, progress: str, stats: Sequence[tuple[
 
 
 def panel_html(panel: Panel) -> str:
-    """The panel as it stands: the settings, what they imply, its status and error, and the run's
-    dashboard."""
+    """The panel as it stands: the settings, what they imply (global batch, launch, rank layout, estimate),
+    its status and error, and the run's dashboard."""
     settings = [(name.replace("_", " "), "" if control.value is None else str(control.value))
                 for name, control in panel.controls.items()]
     parts = [("<div class='wb-snapshot wb-snapshot-panel'>"
               "<h3 style='margin:0.2em 0'>workbench: run settings</h3>"),
              table(settings, "wb-snapshot-setting-"),
              f"<div>{panel.batch_info.value}</div><div>{panel.launch_info.value}</div>",
+             # What the settings imply, as the live panel shows it beside them: the ranks' layout and the estimate.
+             f"<div class='wb-snapshot-layout'>{panel.layout_box.value}</div>",
+             f"<div class='wb-snapshot-estimate'>{panel.estimate_box.html.value}</div>",
              f"<div>{panel.problem_box.value}</div><div>{panel.status_box.value}</div>",
              f"<div>{panel.error_box.value}</div>"]
     if panel.dashboard is not None:

@@ -3,7 +3,9 @@
 A recorded metric is a display_data output with the MIME type `application/vnd.workbench.metric+json` (and a
 text/plain line for people), so it lives in the executed notebook itself: the suite reads it back with nbformat,
 and nothing is written beside the notebook. Loss curves travel the same way as `application/vnd.workbench.curve+json`.
-Outside a Jupyter kernel nothing is displayed, so scripts and tests can call these freely.
+They are displayed only where a notebook is executed headless (`workbench regress`, papermill, nbconvert
+--execute: see `headless()`); in a person's notebook nothing would read them back, so nothing is shown, and
+outside a Jupyter kernel neither: scripts and tests can call these freely.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -56,6 +59,26 @@ _run_names: dict[tuple[str, str], str] = {}
 
 # The label runs are recorded under inside `recorded_as(...)`: "" outside any block, None for "don't record".
 _label: ContextVar[str | None] = ContextVar("workbench_record_label", default="")
+
+
+RECORD_ENV = "WORKBENCH_RECORD"
+"""1: record in any kernel; 0: never. Unset: only where the notebook runs headless (`headless()`)."""
+
+
+def headless() -> bool:
+    """Whether this is a Jupyter kernel executing a notebook headless, where recorded metrics serve the regression
+    suite: papermill, nbconvert --execute and `workbench regress` run notebooks through nbclient, which starts the
+    kernel with an in-memory history (--HistoryManager.hist_file=:memory:), where JupyterLab's or an editor's
+    kernel keeps a history file. $WORKBENCH_RECORD=1 or 0 says it outright. A shell without IPython's history
+    (not a real kernel) can't tell, and counts as headless."""
+    said = os.environ.get(RECORD_ENV, "").strip()
+    if said in ("0", "1"):
+        return said == "1" and kernel.kernel_shell() is not None
+    shell = kernel.kernel_shell()
+    if shell is None:
+        return False
+    history = getattr(shell, "history_manager", None)
+    return history is None or str(getattr(history, "hist_file", "")) == ":memory:"
 
 
 def encode_value(value: float) -> float | int | str:
@@ -119,13 +142,14 @@ def record(name: str, value: float, *, direction: str | None = None,
 
     direction: 'higher' or 'lower' is better; with a tolerance that has no `mode`, the check is one-sided.
     tolerance: {'abs': 0.1} | {'rel': 0.05} | {'mode': 'lower_is_better', 'rel': 0.1} | 'exact' | 'info'.
-    The suite's tolerances, when it sets one for this metric, take precedence.
+    The suite's tolerances, when it sets one for this metric, take precedence. Kept (and shown) only where the
+    notebook is executed headless (`headless()`); set WORKBENCH_RECORD=1 to see it in your own notebook.
     """
     payload, text = _metric(name, value, direction, tolerance, unit)
     if direction:
         text += f" ({direction} is better)"
-    if kernel.kernel_shell() is None:
-        log.info("recorded %s (not in a Jupyter kernel: nothing is kept for the regression suite)", text)
+    if not headless():
+        log.info("recorded %s (not a notebook executed headless: nothing is kept for the regression suite)", text)
         return
     _display({METRIC_MIME: payload, "text/plain": f"[workbench metric] {text}"})
 
@@ -134,8 +158,8 @@ def record_curve(name: str, points: Sequence[Sequence[float]], *, x: str = "step
     """Record a curve, [[x, y], ...], that reports overlay on the baseline's (no pass/fail of its own)."""
     _check_name(name, "name")
     clean = [[p[0], encode_value(float(p[1]))] for p in points]
-    if kernel.kernel_shell() is None:
-        log.debug("curve %s: %d points (not in a Jupyter kernel: nothing recorded)", name, len(clean))
+    if not headless():
+        log.debug("curve %s: %d points (not a notebook executed headless: nothing recorded)", name, len(clean))
         return
     _display({CURVE_MIME: {"name": name, "x": x, "y": y, "points": clean},
               "text/plain": f"[workbench curve] {name}: {len(clean)} points of {y} by {x}"})
@@ -174,11 +198,12 @@ def record_run(result: RunResult, prefix: str = "") -> str | None:
 
     prefix '' means the label of the enclosing `recorded_as(...)` block, or else 'run'; the second run recorded
     under one prefix in a kernel is 'run1', then 'run2', in launch order, so names are the same each time the
-    notebook is executed. Recording the same run again is a no-op. Outside a Jupyter kernel, or inside
-    `recorded_as(None)` without a prefix, this does nothing and returns None; otherwise it returns the name used.
+    notebook is executed. Recording the same run again is a no-op. Where no notebook runs headless (`headless()`:
+    a person's notebook, a script), or inside `recorded_as(None)` without a prefix, this does nothing and returns
+    None; otherwise it returns the name used.
     """
     label = _label.get()
-    if kernel.kernel_shell() is None or (label is None and not prefix):
+    if not headless() or (label is None and not prefix):
         return None
     base = _check_name(prefix or label or "run", "prefix")
     key = (str(Path(result.run_dir).resolve()), base)

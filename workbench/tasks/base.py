@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from workbench.tasks.options import TaskOption, option_table
 from workbench.utils.suggest import did_you_mean
 
 if TYPE_CHECKING:
@@ -25,8 +26,30 @@ class Task:
     """
 
     name: ClassVar[str] = "task"
+    option_specs: ClassVar[tuple[TaskOption, ...]] = ()
+    """The task's options declared with type, default, range or choices and help (see TaskOption): checked by
+    check_options before launch, shown in the panel. default_options follows from them."""
     default_options: ClassVar[dict[str, Any]] = {}
-    """Task options and their defaults; RunConfig.task_options may override these keys, no others."""
+    """Task options and their defaults; RunConfig.task_options may override these keys, no others. A task that
+    declares option_specs gets it made from them; one that sets only this dict (the older way) still works, its
+    options checked against their default's type."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "option_specs" in cls.__dict__:
+            names = [spec.name for spec in cls.option_specs]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"{cls.__name__}.option_specs: {twice} declared more than once; keep one of each")
+            inherited = super(cls, cls).default_options  # keys the parent's code reads stay options
+            own = cls.__dict__.get("default_options", {})
+            cls.default_options = {**inherited, **{s.name: s.default for s in cls.option_specs}, **own}
+        option_table(cls.option_specs, cls.default_options)  # a default its declaration refuses fails here, early
+
+    def declared_options(self) -> dict[str, TaskOption]:
+        """Every option the task takes, by name in default_options' order: its TaskOption from option_specs, or
+        one inferred from its default (its type, no range) for options only default_options names."""
+        return option_table(self.option_specs, self.default_options)
 
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__}.build_model(cfg) must return a torch.nn.Module")
@@ -112,9 +135,8 @@ class Task:
                 cache[key] = None
         return cache[key]
 
-    def check_data(self, cfg: RunConfig) -> None:
-        """Before launch: the datasets are available offline and one step's micro-batches fit in the training
-        set (each data-parallel rank draws micro_batch_size samples of its 1/dp_size share)."""
+    def check_datasets(self, cfg: RunConfig) -> None:
+        """The datasets `datasets(cfg)` names are available offline (cache or mirror): nothing is fetched."""
         from workbench import data
 
         for name in self.datasets(cfg):
@@ -124,6 +146,11 @@ class Task:
                 raise ValueError(f"task {self.name!r}: dataset {name!r} is not available offline "
                                  f"({str(e).splitlines()[0]}); fetch it once with `workbench data fetch {name}` "
                                  "or point WORKBENCH_DATA_MIRROR at a copy") from e
+
+    def check_data(self, cfg: RunConfig) -> None:
+        """Before launch: the datasets are available offline and one step's micro-batches fit in the training
+        set (each data-parallel rank draws micro_batch_size samples of its 1/dp_size share)."""
+        self.check_datasets(cfg)
         size = self.train_size(cfg) if cfg.micro_batch_size != "auto" else None
         if size is not None and cfg.micro_batch_size * cfg.dp_size > size:
             fit = max(1, size // cfg.dp_size)
@@ -137,10 +164,20 @@ class Task:
         """default_options overridden by cfg.task_options."""
         return {**self.default_options, **cfg.task_options}
 
+    def resolved_options(self, cfg: RunConfig) -> dict[str, Any]:
+        """The options as the task uses them, with what None stands for filled in (char-gpt: the preset's
+        sizes); the panel shows these beside blank boxes. The default: options(cfg)."""
+        return self.options(cfg)
+
     def check_options(self, cfg: RunConfig) -> None:
-        """Reject task_options keys this task doesn't know, naming the ones it does."""
+        """Reject task_options keys this task doesn't know, naming the ones it does, and values outside their
+        declaration (type, range, choices). Checks between options (n_embd a multiple of n_head) belong in the
+        task's override, after this one."""
         unknown = sorted(set(cfg.task_options) - set(self.default_options))
         if unknown:
             known = ", ".join(sorted(self.default_options)) or "(none)"
             hints = "".join(did_you_mean(k, self.default_options) for k in unknown)
             raise ValueError(f"task_options: unknown key(s) {unknown} for task {self.name!r}; known: {known}{hints}")
+        specs = self.declared_options()
+        for key, value in cfg.task_options.items():
+            specs[key].check(value)

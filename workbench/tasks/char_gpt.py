@@ -1,7 +1,8 @@
 """char-gpt: a GPT-style character model (causal self-attention via scaled_dot_product_attention).
 
 Sizes go from a CPU smoke run ('tiny') to GPT-2 small ('gpt2-small', 124M-class with a char vocabulary);
-any of n_layer, n_head, n_embd, block_size given in task_options overrides the preset.
+any of n_layer, n_head, n_embd, block_size given in task_options overrides the preset's value for that size
+alone, whichever preset is chosen; left out (None), the preset's value is used.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from workbench.tasks.base import Task
+from workbench.tasks.options import TaskOption
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -24,6 +26,36 @@ PRESETS: dict[str, dict[str, int]] = {
     "small": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256},
     "gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},
 }
+
+_FROM_PRESET = "the preset's value"
+
+
+def _size(name: str, what: str, high: int) -> TaskOption:
+    """A size the preset sets unless given: None (blank in the panel) takes the preset's value."""
+    by_preset = ", ".join(f"{preset} {sizes[name]}" for preset, sizes in PRESETS.items())
+    return TaskOption(name, int, None, f"{what}; overrides the preset's ({by_preset})", min=1, max=high,
+                      unset=_FROM_PRESET)
+
+
+OPTIONS: tuple[TaskOption, ...] = (
+    TaskOption("preset", str, "tiny", "model size: " + "; ".join(
+        f"{p} {s['n_layer']} layers x {s['n_embd']} wide, {s['block_size']} tokens" for p, s in PRESETS.items())
+        + ". n_layer, n_head, n_embd and block_size, when given, override its values one by one",
+        choices=tuple(PRESETS)),
+    _size("n_layer", "transformer blocks", 96),
+    _size("n_head", "attention heads; n_embd must be a multiple of it, and it a multiple of tp", 128),
+    _size("n_embd", "embedding width, a multiple of n_head", 16384),
+    _size("block_size", "context length in characters (tokens per sample)", 32768),
+    TaskOption("dropout", float, 0.0, "dropout on embeddings, attention and MLP outputs", min=0.0, max=1.0,
+               max_exclusive=True),
+    TaskOption("bias", bool, False, "biases in the Linear and LayerNorm layers, as GPT-2 has them"),
+    TaskOption("dataset", str, "tinyshakespeare", "data-manifests dataset of the text to train on"),
+    TaskOption("eval_fraction", float, 0.1, "share of the text, from its end, held out for evaluation", min=0.0,
+               max=1.0, min_exclusive=True, max_exclusive=True),
+    TaskOption("train_stride", int, 1, "characters between the starts of training windows (1: every position)",
+               min=1),
+)
+"""char-gpt's options; the sizes are None by default so an explicit one wins over any preset."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,7 +117,7 @@ class GPT(nn.Module):
         self.head.weight = self.tok.weight  # weight tying, as in GPT-2
         self.apply(self._init)
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     @staticmethod
@@ -143,10 +175,7 @@ class CharWindows(Dataset):
 
 class CharGPTTask(Task):
     name = "char-gpt"
-    default_options: dict[str, Any] = {
-        "preset": "tiny", "n_layer": None, "n_head": None, "n_embd": None, "block_size": None,
-        "dropout": 0.0, "bias": False, "dataset": "tinyshakespeare", "eval_fraction": 0.1, "train_stride": 1,
-    }
+    option_specs = OPTIONS
 
     def __init__(self) -> None:
         self._text_cache: tuple[str, str] | None = None
@@ -156,6 +185,9 @@ class CharGPTTask(Task):
         size = dict(PRESETS[o["preset"]])
         size.update({k: o[k] for k in size if o[k] is not None})
         return {**size, "dropout": o["dropout"], "bias": o["bias"]}
+
+    def resolved_options(self, cfg: RunConfig) -> dict[str, Any]:
+        return {**self.options(cfg), **self.model_options(cfg)}
 
     def _text(self, cfg: RunConfig) -> str:
         dataset = self.options(cfg)["dataset"]
@@ -226,14 +258,8 @@ class CharGPTTask(Task):
         return GPTStage(model, parts[stage], first=stage == 0, last=stage == stages - 1)
 
     def check_options(self, cfg: RunConfig) -> None:
-        super().check_options(cfg)
-        o = self.options(cfg)
-        if o["preset"] not in PRESETS:
-            raise ValueError(f"task_options.preset={o['preset']!r}: choose one of {sorted(PRESETS)}")
+        super().check_options(cfg)  # types and ranges, from OPTIONS; what follows relates options to each other
         m = self.model_options(cfg)
-        for k in ("n_layer", "n_head", "n_embd", "block_size"):
-            if not isinstance(m[k], int) or m[k] < 1:
-                raise ValueError(f"task_options.{k}={m[k]!r}: must be a positive integer")
         if m["n_embd"] % m["n_head"]:
             raise ValueError(f"task_options.n_embd={m['n_embd']} is not divisible by n_head={m['n_head']}; "
                              f"use a multiple, e.g. n_embd={m['n_head'] * 64}")
@@ -245,7 +271,3 @@ class CharGPTTask(Task):
         if cfg.pp > m["n_layer"]:
             raise ValueError(f"pp={cfg.pp}: task 'char-gpt' has n_layer={m['n_layer']} blocks, fewer than the "
                              f"pipeline stages; use pp={m['n_layer']} or fewer, or task_options.n_layer={cfg.pp}")
-        if not 0 <= o["dropout"] < 1:
-            raise ValueError(f"task_options.dropout={o['dropout']!r}: must be in [0, 1)")
-        if not isinstance(o["train_stride"], int) or o["train_stride"] < 1:
-            raise ValueError(f"task_options.train_stride={o['train_stride']!r}: must be a positive integer")

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from workbench.tasks.base import Task
+from workbench.tasks.options import TaskOption
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -32,7 +33,12 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 class DigitsTask(Task):
     name = "digits"
-    default_options = {"hidden": 128, "dropout": 0.1, "eval_fraction": 0.2}
+    option_specs = (
+        TaskOption("hidden", int, 128, "width of the MLP's two hidden layers", min=1, max=65536),
+        TaskOption("dropout", float, 0.1, "dropout after each hidden layer", min=0.0, max=1.0, max_exclusive=True),
+        TaskOption("eval_fraction", float, 0.2, "share of the 1,797 images held out for evaluation (the same "
+                   "split for every seed)", min=0.0, max=1.0, min_exclusive=True, max_exclusive=True),
+    )
 
     def datasets(self, cfg: RunConfig) -> list[str]:
         return ["digits"]
@@ -62,13 +68,3 @@ class DigitsTask(Task):
 
     def flops_per_sample(self, cfg: RunConfig, model: nn.Module) -> float:
         return 6.0 * sum(p.numel() for p in model.parameters())
-
-    def check_options(self, cfg: RunConfig) -> None:
-        super().check_options(cfg)
-        o = self.options(cfg)
-        if not isinstance(o["hidden"], int) or o["hidden"] < 1:
-            raise ValueError(f"task_options.hidden={o['hidden']!r}: must be a positive integer")
-        if not 0 <= o["dropout"] < 1:
-            raise ValueError(f"task_options.dropout={o['dropout']!r}: must be in [0, 1)")
-        if not 0 < o["eval_fraction"] < 1:
-            raise ValueError(f"task_options.eval_fraction={o['eval_fraction']!r}: must be in (0, 1)")

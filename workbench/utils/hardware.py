@@ -41,7 +41,16 @@ class Hardware:
     cpu_count: int
     """Logical CPUs available to this process."""
     gpus: tuple[GPU, ...] = field(default=())
-    """CUDA devices, empty on a CPU-only machine."""
+    """CUDA devices (of one node), empty on a CPU-only machine."""
+    nodes: int = 1
+    """Machines of this kind the run spans (a planned target; this machine is one)."""
+    planned: str = ""
+    """'' for this machine; for hardware a run is planned for, what it is ('8 x H100-SXM-80GB')."""
+
+    @property
+    def where(self) -> str:
+        """Who has these devices, for messages: 'this machine', or 'the target 8 x H100-SXM-80GB'."""
+        return f"the target {self.planned}" if self.planned else "this machine"
 
     @property
     def has_cuda(self) -> bool:
@@ -66,8 +75,8 @@ class Hardware:
         return int(os.environ.get("OMP_NUM_THREADS") or max(1, self.cpu_count // local_ranks))
 
     def max_processes(self, device: str) -> int:
-        """How many ranks fit: one per GPU, or one per CPU core on CPU."""
-        return len(self.gpus) if device == "cuda" else self.cpu_count
+        """How many ranks fit: one per GPU, or one per CPU core on CPU (over all nodes)."""
+        return (len(self.gpus) if device == "cuda" else self.cpu_count) * self.nodes
 
     def precision_problem(self, precision: str, device: str) -> str | None:
         """Why `precision` can't run on `device` here, or None when it can."""
@@ -88,6 +97,8 @@ class Hardware:
         return None
 
     def describe(self, device: str) -> str:
+        if self.planned:
+            return self.planned
         if device == "cuda" and self.gpus:
             return f"{len(self.gpus)} x {self.gpus[0].name}"
         return f"CPU ({self.cpu_count} cores)"

@@ -25,6 +25,7 @@ def fmt_seconds(seconds: float) -> str:
 
 
 def fmt_duration(seconds: float | None) -> str:
+    """A long span to the second: '12 s', '3 min 05 s', '2 h 10 min'; '?' for None."""
     if seconds is None:
         return "?"
     seconds = max(0.0, float(seconds))
@@ -33,6 +34,15 @@ def fmt_duration(seconds: float | None) -> str:
     if seconds < 3600:
         return f"{seconds // 60:.0f} min {seconds % 60:02.0f} s"
     return f"{seconds // 3600:.0f} h {seconds % 3600 // 60:02.0f} min"
+
+
+def fmt_span(seconds: float | None) -> str:
+    """A span of any length without rounding short ones away: '0.3 s' (not '0 s'), '12.4 s', '3 min 05 s'."""
+    if seconds is None:
+        return "?"
+    if seconds < 0.1:
+        return fmt_seconds(max(0.0, seconds))
+    return f"{seconds:.1f} s" if seconds < 60 else fmt_duration(seconds)
 
 
 def fmt_money(dollars: float | None) -> str:

@@ -1,17 +1,25 @@
-"""`workbench bench estimate`: the estimate against the measured peak per rank, for every data-parallel mode
-and two model shapes, side by side in one run.
+"""`workbench bench estimate`: the estimate against the measured peak per rank, for every layout the trainer runs
+(data parallel, tensor parallel, pipeline, FSDP x TP, pipelines with replicas) and two model shapes, side by side
+in one run.
 
 Measured is PyTorch's memory tracker on the real run on CPU (track_memory), torch.cuda.max_memory_allocated on a
 GPU. The estimate compared is its tensor bytes (the runtime overhead it adds for the CUDA context or the
-interpreter is not a tensor and is left out of both sides).
+interpreter is not a tensor and is left out of both sides). A pipeline's memory can't be tracked on CPU (the
+trainer refuses track_memory with pp > 1); there only the model state by rank is compared, and
+tests/test_estimate_layouts.py checks each stage's peak against the real schedule under the same tracker.
+A layout the shape's task can't run (digits has no tensor-parallel plan or pipeline stages) gets a row saying so.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
@@ -24,20 +32,61 @@ SHAPES = {
     "char-gpt tiny (2 x 64, ctx 64)": RunConfig(task="char-gpt", num_processes=2, micro_batch_size=16, max_steps=4,
                                                 log_every=2, eval_batches=1, task_options={"preset": "tiny"}),
 }
-MODES = ("ddp", "zero1", "zero2", "zero3")
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp": {"parallelism": "ddp"},
+    "zero1": {"parallelism": "zero1"},
+    "zero2": {"parallelism": "zero2"},
+    "zero3": {"parallelism": "zero3"},
+    "tp 2": {"tp": 2},
+    "pp 2": {"pp": 2, "grad_accum_steps": 4},
+    "zero3 x tp 2": {"parallelism": "zero3", "tp": 2, "num_processes": 4, "oversubscribe": True},
+    "pp 2 x ddp 2": {"pp": 2, "grad_accum_steps": 2, "num_processes": 4, "oversubscribe": True},
+}
+"""Each layout as the RunConfig fields it changes from the shape's config."""
+TIMED_STEPS = 60
+"""Steps each real run takes: six logged windows, the first left out as warm-up."""
+_MEASURED: set[tuple[str, int]] = set()
+"""(bench folder, ranks) whose machine profile this bench measured anew."""
 
 
 @dataclass
 class EstimateRow:
     shape: str
-    mode: str
-    measured_bytes: int
-    estimated_bytes: int
-    model_state_exact: bool
+    layout: str
+    measured_bytes: int | None
+    """The largest rank's measured peak; None where it can't be measured (a pipeline on CPU) or run."""
+    estimated_bytes: int | None
+    model_state_exact: bool | None
+    note: str = ""
+    """Why a figure is missing: the task can't run the layout, or the peak can't be measured."""
+    measured_step_s: float | None = None
+    """The real run's step time: the median of its logged windows after the first (warm-up), as learning reads it."""
+    estimated_step_s: float | None = None
+    """The estimate's step time from the model alone (nothing learnt from runs)."""
+    learnt_step_s: float | None = None
+    """The estimate's step time learnt from the other rows' runs (other tasks or layouts, never this row's own)."""
+    run_name: str | None = None
+    """The real run's directory name."""
+    busy_cores: float | None = None
+    """Other processes' CPU use during the real run, in cores: what the measured time shared the machine with."""
 
     @property
-    def error(self) -> float:
+    def error(self) -> float | None:
+        if self.measured_bytes is None or self.estimated_bytes is None:
+            return None
         return self.estimated_bytes / self.measured_bytes - 1
+
+    @property
+    def step_error(self) -> float | None:
+        return _ratio(self.estimated_step_s, self.measured_step_s)
+
+    @property
+    def learnt_error(self) -> float | None:
+        return _ratio(self.learnt_step_s, self.measured_step_s)
+
+
+def _ratio(estimated: float | None, measured: float | None) -> float | None:
+    return None if estimated is None or not measured else estimated / measured - 1
 
 
 @dataclass
@@ -46,35 +95,125 @@ class EstimateReport:
     rows: list[EstimateRow]
 
     def table(self) -> str:
-        lines = [f"workbench bench estimate on {self.device}: peak per rank, estimated (tensors) against measured "
-                 "(max over ranks)",
-                 f"  {'shape':32} {'mode':6} {'measured':>10} {'estimated':>10} {'error':>7} {'model state':>12}"]
+        lines = [(f"workbench bench estimate on {self.device}: peak per rank, estimated (tensors) against measured "
+                  "(max over ranks); step time, estimated (model alone, and learnt from the other rows' runs) against "
+                  "measured (median after warm-up); busy: other processes' cores during the run"),
+                 f"  {'shape':32} {'layout':13} {'measured':>10} {'estimated':>10} {'error':>7} {'model state':>12}"
+                 f" {'step':>9} {'estimated':>9} {'error':>7} {'learnt':>9} {'error':>7} {'busy':>5}"]
         for r in self.rows:
-            measured, estimated = fmt_bytes(r.measured_bytes), fmt_bytes(r.estimated_bytes)
-            lines.append(f"  {r.shape:32} {r.mode:6} {measured:>10} {estimated:>10} "
-                         f"{r.error:+7.1%} {'exact' if r.model_state_exact else 'DIFFERS':>12}")
+            measured = fmt_bytes(r.measured_bytes) if r.measured_bytes is not None else "-"
+            estimated = fmt_bytes(r.estimated_bytes) if r.estimated_bytes is not None else "-"
+            error = f"{r.error:+7.1%}" if r.error is not None else f"{'-':>7}"
+            state = "-" if r.model_state_exact is None else "exact" if r.model_state_exact else "DIFFERS"
+            times = " ".join(f"{_ms(v):>9} {_pct(e):>7}" for v, e in ((r.estimated_step_s, r.step_error),
+                                                                       (r.learnt_step_s, r.learnt_error)))
+            busy = f"{r.busy_cores:5.1f}" if r.busy_cores is not None else f"{'-':>5}"
+            note = f"  ({r.note})" if r.note else ""
+            lines.append(f"  {r.shape:32} {r.layout:13} {measured:>10} {estimated:>10} {error} {state:>12} "
+                         f"{_ms(r.measured_step_s):>9} {times} {busy}{note}")
         return "\n".join(lines)
 
 
-def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, modes: tuple[str, ...] = MODES,
-                      json_path: Path | None = None) -> EstimateReport:
-    """Run each shape under each mode for real (memory tracked) and estimate it; compare per rank."""
-    from workbench.estimator import estimate
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f}ms"
 
+
+def _pct(error: float | None) -> str:
+    return "-" if error is None else f"{error:+.1%}"
+
+
+def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, layouts: dict[str, dict[str, Any]] | None = None,
+                      json_path: Path | None = None) -> EstimateReport:
+    """Run each shape under each layout for real (memory tracked where it can be) and estimate it; compare per
+    rank."""
     hw = detect()
     rows = []
+    device = "cpu"
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for shape, base in (shapes or SHAPES).items():
-            for mode in modes:
-                cfg = base.replace(parallelism=mode, runs_dir=tmp, run_name=None, track_memory=True)
-                ranks = launch(cfg).summary["ranks"]
-                cuda = resolve_device(cfg, hw) == "cuda"
-                measured = [r["peak_memory_bytes"] if cuda else r["tracked_memory"]["peak"] for r in ranks]
-                est = estimate(cfg, hw.gpus[0].name if cuda else None, cfg.num_processes)
-                exact = all(est.ranks[r["rank"]].held == {k: r[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}
-                            for r in ranks)
-                rows.append(EstimateRow(shape, mode, max(measured), max(r.tensors for r in est.ranks), exact))
-    report = EstimateReport(device=hw.describe(resolve_device(cfg, hw)), rows=rows)
+            for layout, fields in (layouts or LAYOUTS).items():
+                try:
+                    cfg = base.replace(**fields, runs_dir=tmp, run_name=None, track_memory=fields.get("pp", 1) == 1)
+                    device = resolve_device(cfg, hw)
+                    rows.append(_compare(shape, layout, cfg, hw, device == "cuda"))
+                except ValueError as e:  # the task can't run this layout: said in words by the config checks
+                    rows.append(EstimateRow(shape, layout, None, None, None, note=str(e).split(";")[0].split(" (")[0]))
+        _learn_from_the_other_rows(rows, Path(tmp), hw)
+    report = EstimateReport(device=hw.describe(device), rows=rows)
     if json_path is not None:
         Path(json_path).write_text(json.dumps({"device": report.device, "rows": [asdict(r) for r in rows]}, indent=2))
     return report
+
+
+def _compare(shape: str, layout: str, cfg: RunConfig, hw: Any, cuda: bool) -> EstimateRow:
+    from workbench.estimator import estimate
+    from workbench.estimator.learning import measured_step_s
+    from workbench.estimator.timing import cpu_profile
+
+    # Enough steps for a steady median, logged as often as by default (a logging step gathers over the ranks).
+    cfg = cfg.replace(max_steps=max(cfg.max_steps, TIMED_STEPS), log_every=RunConfig().log_every)
+    if not cuda and (cfg.runs_dir, cfg.num_processes) not in _MEASURED:
+        # this machine as it is now, beside the runs compared with it (not a profile stored at a busier moment)
+        cpu_profile(cfg, cfg.num_processes, refresh=True)
+        _MEASURED.add((cfg.runs_dir, cfg.num_processes))
+    meter = BusyMeter()
+    result = launch(cfg)
+    busy = meter.cores()
+    ranks = result.summary["ranks"]
+    measured = [r["peak_memory_bytes"] if cuda else (r["tracked_memory"] or {}).get("peak") for r in ranks]
+    # The model alone learns from no run (this row's own is in cfg.runs_dir)
+    est = estimate(cfg, hw.gpus[0].name if cuda else None, cfg.num_processes, runs_dir=Path(cfg.runs_dir) / "none")
+    done = Path(cfg.runs_dir) / "done"
+    done.mkdir(exist_ok=True)
+    shutil.move(str(result.dir.path), str(done / result.dir.path.name))
+    exact = all(est.ranks[r["rank"]].held == {k: r[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}
+                for r in ranks)
+    known = [m for m in measured if m is not None]
+    note = "" if known else "a pipeline's memory isn't tracked on CPU; model state compared"
+    return EstimateRow(shape, layout, max(known) if known else None, max(r.tensors for r in est.ranks), exact, note,
+                       measured_step_s=measured_step_s(done / result.dir.path.name), estimated_step_s=est.step_s,
+                       busy_cores=busy, run_name=result.dir.path.name)
+
+
+def _learn_from_the_other_rows(rows: list[EstimateRow], runs: Path, hw: Any) -> None:
+    """Each row's estimate learnt from the other rows' runs: its own run is set aside while it is estimated."""
+    from workbench.estimator import estimate
+    from workbench.rundir import RunDir
+
+    done, aside = runs / "done", runs / "aside"
+    aside.mkdir(exist_ok=True)
+    for row in rows:
+        if row.run_name is None:
+            continue
+        cfg = RunDir(done / row.run_name).config()
+        shutil.move(str(done / row.run_name), str(aside / row.run_name))
+        try:
+            cuda = resolve_device(cfg, hw) == "cuda"
+            row.learnt_step_s = estimate(cfg, hw.gpus[0].name if cuda else None, cfg.num_processes,
+                                         runs_dir=done).step_s
+        finally:
+            shutil.move(str(aside / row.run_name), str(done / row.run_name))
+
+
+class BusyMeter:
+    """Other processes' CPU use from now on, in cores: all the machine's busy time less this process's and its
+    children's (the ranks, reaped by the launcher, count as its children)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.started, self.busy, self.own = time.perf_counter(), self._busy(), self._own()
+
+    def _busy(self) -> float:
+        t = self.psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def cores(self) -> float:
+        wall = time.perf_counter() - self.started
+        return max(0.0, (self._busy() - self.busy - (self._own() - self.own)) / wall)

@@ -10,10 +10,13 @@ import ipywidgets as widgets
 from workbench.config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
 from workbench.config.precision import Precision
 from workbench.tasks import Task, available
-from workbench.utils.hardware import detect
+from workbench.utils.hardware import Hardware, detect
 
-PARALLELISM_LABELS = {mode: f"{mode}: {text}" for mode, text in PARALLELISM_MODES.items()}
-"""Every mode, with its one-line explanation."""
+PARALLELISM_LABELS = {"none": "none (one process)", "ddp": "ddp (replicas)", "zero1": "zero1 (optimizer sharded)",
+                      "zero2": "zero2 (grads + optimizer sharded)", "zero3": "zero3 (all sharded, FSDP2)",
+                      "fsdp": "fsdp (= zero3)", "hsdp": "hsdp (shard groups, replicated)"}
+"""Every mode with a few words that fit the dropdown; the full line (PARALLELISM_MODES) shows below it."""
+assert set(PARALLELISM_LABELS) == set(PARALLELISM_MODES)
 
 STYLE = {"description_width": "140px"}
 
@@ -24,9 +27,10 @@ def short_reason(precision: str, problem: str) -> str:
     return re.split(r"[:;]", reason, maxsplit=1)[0].strip()
 
 
-def precision_options(device: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
-    """(label, value) pairs for the precision dropdown, and the full reason for each unavailable one."""
-    hw = detect()
+def precision_options(device: str, hw: Hardware | None = None) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(label, value) pairs for the precision dropdown, and the full reason for each precision unavailable on
+    `hw` (default: this machine; a planned target's hardware otherwise)."""
+    hw = hw or detect()
     options, reasons = [], {}
     for precision in get_args(Precision):
         problem = hw.precision_problem(precision, device)
@@ -38,38 +42,44 @@ def precision_options(device: str) -> tuple[list[tuple[str, str]], dict[str, str
     return options, reasons
 
 
+def _wide() -> widgets.Layout:
+    # one Layout per control: a shared one would hide every control when one of them is hidden
+    return widgets.Layout(width="380px")
+
+
 def build_controls(device: str, task_options: list[tuple[str, str]]
                    ) -> tuple[dict[str, widgets.ValueWidget], dict[str, str]]:
     """The controls, keyed by RunConfig field, and the reasons unavailable precisions are unavailable."""
-    wide = widgets.Layout(width="380px")
     precisions, reasons = precision_options(device)
     controls: dict[str, Any] = {
-        "task": widgets.Dropdown(options=task_options, description="task", style=STYLE, layout=wide),
+        "task": widgets.Dropdown(options=task_options, description="task", style=STYLE, layout=_wide()),
         # Plain number boxes, no bounds: a bounded widget clamps what the user typed without a word; here
         # RunConfig refuses it and the panel says why (num_processes=3: this machine has 2 CPU cores...).
-        "num_processes": widgets.IntText(description="processes", style=STYLE, layout=wide),
+        "num_processes": widgets.IntText(description="processes", style=STYLE, layout=widgets.Layout(width="220px")),
+        "oversubscribe": widgets.Checkbox(description="share cores (more processes than cores, slower)",
+                                          indent=False, layout=widgets.Layout(margin="0 0 0 144px")),
         "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
-                                        description="parallelism", style=STYLE, layout=wide),
-        "dp_shard": widgets.IntText(description="hsdp shard group", style=STYLE,
-                                           layout=wide, tooltip="hsdp only: ranks that shard one copy of the model"),
-        "tp": widgets.IntText(description="tensor parallel", style=STYLE, layout=wide,
+                                        description="parallelism", style=STYLE, layout=_wide()),
+        "dp_shard": widgets.IntText(description="hsdp shard group", style=STYLE, layout=_wide(),
+                                    tooltip="hsdp only: ranks that shard one copy of the model"),
+        "tp": widgets.IntText(description="tensor parallel", style=STYLE, layout=_wide(),
                               tooltip="ranks that split each matrix of the task's plan (1: off)"),
-        "pp": widgets.IntText(description="pipeline stages", style=STYLE, layout=wide,
+        "pp": widgets.IntText(description="pipeline stages", style=STYLE, layout=_wide(),
                               tooltip="ranks that each run a slice of the model's blocks (1: off)"),
         "pp_schedule": widgets.Dropdown(options=["1f1b", "gpipe"], description="pipeline schedule", style=STYLE,
-                                        layout=wide, tooltip="1F1B needs grad accumulation >= stages"),
+                                        layout=_wide(), tooltip="1F1B needs grad accumulation >= stages"),
         "activation_checkpointing": widgets.Dropdown(options=list(get_args(ActivationCheckpointing)),
-                                                     description="activation ckpt", style=STYLE, layout=wide),
-        "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=wide,
+                                                     description="activation ckpt", style=STYLE, layout=_wide()),
+        "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=_wide(),
                                       tooltip="; ".join(reasons.values()) or None),
         # Text, not a number box: 'auto' (the largest that fits, chosen by the ranks) is a value too.
         "micro_batch_size": widgets.Combobox(options=["auto"], ensure_option=False, placeholder="a number, or auto",
-                                             description="micro-batch size", style=STYLE, layout=wide),
-        "grad_accum_steps": widgets.IntText(description="grad accumulation", style=STYLE, layout=wide),
-        "max_steps": widgets.IntText(description="steps", style=STYLE, layout=wide),
-        "lr": widgets.FloatText(description="learning rate", style=STYLE, layout=wide),
+                                             description="micro-batch size", style=STYLE, layout=_wide()),
+        "grad_accum_steps": widgets.IntText(description="grad accumulation", style=STYLE, layout=_wide()),
+        "max_steps": widgets.IntText(description="steps", style=STYLE, layout=_wide()),
+        "lr": widgets.FloatText(description="learning rate", style=STYLE, layout=_wide()),
         "run_name": widgets.Text(description="run name", placeholder="automatic: <task>-<time>", style=STYLE,
-                                 layout=wide),
+                                 layout=_wide()),
     }
     for name, control in controls.items():
         control.add_class(f"wb-{name.replace('_', '-')}")

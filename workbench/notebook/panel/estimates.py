@@ -1,18 +1,22 @@
-"""The panel's estimate box: memory per rank against the target, time and cost, and what to change when a
-run doesn't fit; recomputed off the UI thread, debounced, as the controls change."""
+"""The panel's estimate box: memory per rank against the target, time and cost, what to change when a run
+doesn't fit, which settings the figures are for (marked stale until the new settings' estimate arrives), and
+during a run the measured figures beside the estimated ones. Recomputed off the UI thread: a change the
+traces in memory answer shows at once; one that needs a new trace waits out a debounce first."""
 
 from __future__ import annotations
 
 import html
 import logging
 import threading
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 import traitlets
 
-from workbench.estimator.catalog import THIS_MACHINE, load_catalog
-from workbench.utils.units import fmt_bytes, fmt_duration, fmt_money, fmt_seconds
+from workbench.estimator.model import GRADS_LEGEND, describe_settings
+from workbench.estimator.target import Target
+from workbench.utils.units import fmt_bytes, fmt_seconds
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -21,113 +25,179 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("workbench")
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
-          "buffers": "#8172B3", "other": "#937860"}
+          "buffers": "#8172B3", "temporaries": "#937860", "runtime": "#BBBBBB"}
 DEBOUNCE_S = 0.6
+OFF_SCALE = 4
+"""Bars span the largest peak when the usable memory is more than this many times it (else they'd be slivers)."""
 
 
 class EstimateState(traitlets.HasTraits):
-    """What the box shows is a function of these traits alone."""
+    """What the box shows is a function of these traits alone (one observer re-renders it)."""
 
     status = traitlets.Unicode("idle")
     """idle | estimating | done | error"""
     result = traitlets.Any(None, allow_none=True)
-    """The Estimate of the config as the controls stand."""
+    """The latest Estimate (for the settings in `requested` unless `stale`)."""
     alternatives = traitlets.List()
     """(what to change, its Estimate) that fit, cheapest first; computed only when the run doesn't fit."""
     message = traitlets.Unicode("")
+    requested = traitlets.Unicode("")
+    """The settings of the latest request, in one line: what the box is (or will be) an estimate of."""
+    stale = traitlets.Bool(False)
+    """`result` is for settings before the latest change; cleared when the new estimate arrives."""
+    measured = traitlets.Dict()
+    """The running run's latest figures: step_s, peak_bytes, samples_per_s (absent: not measured yet)."""
 
 
-def _bar(values: dict[str, int], capacity: int, usable: int) -> str:
-    total = max(capacity, sum(values.values()), 1)
-    parts = "".join(f"<div title='{k} {fmt_bytes(v)}' style='width:{100 * v / total:.2f}%;background:{COLORS[k]}'>"
-                    "</div>" for k, v in values.items() if v > 0)
-    marker = (f"<div style='position:absolute;left:{100 * usable / total:.2f}%;top:-2px;bottom:-2px;"
-              "border-left:2px dashed #222' title='usable memory'></div>")
-    return (f"<div style='position:relative;display:flex;height:14px;width:100%;background:#eee;border:1px solid #ccc'>"
-            f"{parts}{marker}</div>")
+def _scale(est: Estimate) -> tuple[float, bool]:
+    """Bytes the bars' full width stands for, and whether they are to the device's scale: when the usable memory
+    is more than OFF_SCALE times the peak, they span the largest rank's tensors instead (the runtime and the
+    usable memory then are numbers beside them), or a small model's bars would be slivers."""
+    if est.usable <= OFF_SCALE * est.peak:
+        return max(est.usable, est.peak) * 1.02, True
+    return float(max(1, max(r.tensors for r in est.ranks))), False
+
+
+def _bar(values: dict[str, int], scale: float, usable: int | None) -> str:
+    parts = "".join(f"<div class='wb-bar-{k}' title='{k} {fmt_bytes(v)}' style='width:{100 * v / scale:.2f}%;"
+                    f"min-width:2px;background:{COLORS[k]}'></div>" for k, v in values.items() if v > 0)
+    marker = "" if usable is None else (
+        f"<div class='wb-usable' style='position:absolute;left:{100 * usable / scale:.2f}%;top:-2px;bottom:-2px;"
+        "border-left:2px dashed #222' title='usable memory'></div>")
+    return (f"<div class='wb-bar' style='position:relative;display:flex;height:14px;width:100%;background:#eee;"
+            f"border:1px solid #ccc'>{parts}{marker}</div>")
+
+
+def _bars(est: Estimate) -> str:
+    """A stacked bar per group of identical ranks, the usable memory dashed, and what the scale is."""
+    scale, to_scale = _scale(est)
+    rows = []
+    for label, row in est.rank_groups():
+        params, grads_held, grads, optimizer, activations, buffers, temporaries, overhead, peak = row
+        values = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+                  "buffers": buffers, "temporaries": temporaries, "runtime": overhead if to_scale else 0}
+        runtime = "" if to_scale else f" = {fmt_bytes(peak - overhead)} + {fmt_bytes(overhead)} runtime"
+        rows.append(f"<tr><td style='white-space:nowrap;padding-right:6px'>rank {html.escape(label)}</td>"
+                    f"<td style='width:100%'>{_bar(values, scale, est.usable if to_scale else None)}</td>"
+                    f"<td style='white-space:nowrap;padding-left:6px'>{fmt_bytes(peak)}{runtime} <small>(grads "
+                    f"{fmt_bytes(grads_held)} held, {fmt_bytes(grads)} at peak)</small></td></tr>")
+    shown = {k: c for k, c in COLORS.items() if to_scale or k != "runtime"}
+    legend = " ".join(f"<span style='color:{c}'>■</span> {k}" for k, c in shown.items())
+    if to_scale:
+        where = f"dashed: usable ({fmt_bytes(est.usable)} of {fmt_bytes(est.capacity)})"
+    else:
+        where = (f"<span class='wb-scale-note'>bars span the largest rank's tensors ({fmt_bytes(scale)}); the peak, "
+                 f"{fmt_bytes(est.peak)} with the runtime, is {est.peak / est.usable:.1%} of the usable "
+                 f"{fmt_bytes(est.usable)} (of {fmt_bytes(est.capacity)}), off the scale</span>")
+    return (f"<table style='width:100%;font-size:90%'>{''.join(rows)}</table><small>{legend}; {where}<br>"
+            f"{html.escape(GRADS_LEGEND)}</small>")
+
+
+def _measured(est: Estimate | None, measured: dict[str, Any]) -> str:
+    """'measured 12.3 ms/step (estimated 10.1 ms), ...': the running run beside its estimate."""
+    parts = []
+    step, peak, rate = measured.get("step_s"), measured.get("peak_bytes"), measured.get("samples_per_s")
+    if step is not None:
+        parts.append(f"measured {fmt_seconds(step)}/step" + (f" (estimated {fmt_seconds(est.step_s)})" if est else ""))
+    if peak is not None:
+        if est is None:
+            parts.append(f"peak {fmt_bytes(peak)} per rank")
+        elif est.target.kind == "cuda":  # the dashboard's peak is CUDA max allocated: tensors only
+            parts.append(f"peak {fmt_bytes(peak)} per rank (estimated {fmt_bytes(max(r.tensors for r in est.ranks))}"
+                         " of tensors)")
+        else:  # on CPU it is the ranks' peak RSS: the runtime included
+            parts.append(f"peak {fmt_bytes(peak)} per rank (estimated {fmt_bytes(est.peak)} with the runtime)")
+    if rate is not None:
+        parts.append(f"{rate:,.0f} samples/s" + (f" (estimated {est.samples_per_s:,.0f})" if est else ""))
+    return f"<div class='wb-estimate-measured'><b>{html.escape(', '.join(parts))}</b></div>" if parts else ""
+
+
+def _header(state: EstimateState, est: Estimate) -> str:
+    line = (f"<b>Estimate</b> on {html.escape(est.where)}<div class='wb-estimate-settings'><small>for "
+            f"{html.escape(est.settings())}</small></div>")
+    if state.stale:
+        doing = "estimating the new settings…" if state.status == "estimating" else "not re-estimated"
+        line += (f"<div class='wb-estimate-stale' style='color:#a15c00'><b>stale</b>: these figures are for the "
+                 f"settings before your change; {doing} <small>({html.escape(state.requested)})</small></div>")
+    return line
 
 
 def render(state: EstimateState) -> str:
-    """The box's HTML: bars per rank group against the target's memory, the verdict, time and cost."""
+    """The box's HTML: bars per rank group, the verdict, time and cost, the settings they are for."""
     if state.status == "error":
         return f"<div class='wb-estimate-error' style='color:#b00020'>estimate: {html.escape(state.message)}</div>"
     est: Estimate | None = state.result
     if est is None:
         waiting = "estimating…" if state.status == "estimating" else html.escape(state.message or "no estimate yet")
-        return f"<div class='wb-estimate-pending'><b>Estimate</b>: {waiting}</div>"
-    rows = []
-    for label, row in est.rank_groups():
-        params, grads, optimizer, activations, buffers, temporaries, overhead, peak = row
-        values = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-                  "buffers": buffers, "other": temporaries + overhead}
-        rows.append(f"<tr><td style='white-space:nowrap;padding-right:6px'>rank {label}</td>"
-                    f"<td style='width:100%'>{_bar(values, est.capacity, est.usable)}</td>"
-                    f"<td style='white-space:nowrap;padding-left:6px'>{fmt_bytes(peak)}</td></tr>")
-    legend = " ".join(f"<span style='color:{c}'>■</span> {k}" for k, c in COLORS.items())
+        return f"<div class='wb-estimate-pending'><b>Estimate</b>: {waiting}{_measured(None, state.measured)}</div>"
     color = "#2e7d32" if est.fits else "#b00020"
-    cost = f", {fmt_money(est.cost)}" if est.cost is not None else ""
-    tokens = f", {est.tokens_per_s:,.0f} tokens/s" if est.tokens_per_s else ""
-    busy = " <i>(updating…)</i>" if state.status == "estimating" else ""
-    lines = [f"<b>Estimate</b> on {est.nodes} x {est.gpus} x {html.escape(est.target.name)}{busy}",
-             f"<table style='width:100%;font-size:90%'>{''.join(rows)}</table><small>{legend}; dashed: usable "
-             f"({fmt_bytes(est.usable)} of {fmt_bytes(est.capacity)})</small>",
+    faded = " style='opacity:0.55'" if state.stale else ""
+    lines = [_header(state, est), _measured(est, state.measured), f"<div{faded}>{_bars(est)}",
              f"<div class='wb-estimate-verdict' style='color:{color}'><b>{html.escape(est.verdict())}</b></div>",
-             f"<div class='wb-estimate-time'>step {fmt_seconds(est.step_s)}{tokens}; {est.config['max_steps']} steps: "
-             f"{fmt_duration(est.run_s)}, {est.gpu_hours:.2f} GPU-hours{cost}</div>"]
-    if not est.fits:
+             f"<div class='wb-estimate-time'>{html.escape(est.step_line())}; {html.escape(est.run_line())}</div></div>"]
+    if not est.fits and not state.stale:
         if state.alternatives:
-            items = "".join(f"<li>{html.escape(what)}: {html.escape(alt.verdict())}, step {fmt_seconds(alt.step_s)}"
-                            + (f", ${alt.cost:,.2f}" if alt.cost is not None else "") + "</li>"
-                            for what, alt in state.alternatives)
+            items = "".join(f"<li>{html.escape(what)}: {html.escape(alt.verdict())}, step {fmt_seconds(alt.step_s)}, "
+                            f"{html.escape(alt.cost_text())}</li>" for what, alt in state.alternatives)
             lines.append(f"<div class='wb-estimate-suggestions'>would fit with:<ul style='margin:0'>{items}</ul></div>")
         elif state.status == "done":
             lines.append("<div class='wb-estimate-suggestions'>no single change found that fits: try more GPUs "
                          "with zero3, or a smaller model</div>")
+        if state.status == "estimating":
+            lines.append("<div class='wb-estimate-looking'><i>looking for changes that fit…</i></div>")
     lines.append("<details><summary><small>assumptions</small></summary><small>"
                  + "<br>".join(html.escape(a) for a in est.assumptions) + "</small></details>")
-    return "<div class='wb-estimate'>" + "".join(lines) + "</div>"
+    return f"<div class='wb-estimate{' wb-estimate-is-stale' if state.stale else ''}'>" + "".join(lines) + "</div>"
 
 
 class EstimateBox:
-    """Target controls, the estimate HTML, and the debounced background worker behind them."""
+    """The estimate HTML and the background worker behind it."""
 
-    def __init__(self, default_gpus: int) -> None:
+    def __init__(self) -> None:
         self.state = EstimateState()
-        names = sorted(load_catalog())
-        style = {"description_width": "60px"}
-        self.target = widgets.Dropdown(options=[("this machine", THIS_MACHINE), *[(n, n) for n in names]],
-                                       description="target", style=style, layout=widgets.Layout(width="260px"))
-        self.gpus = widgets.BoundedIntText(value=default_gpus, min=1, max=1024, description="GPUs", style=style,
-                                           layout=widgets.Layout(width="130px"))
-        self.nodes = widgets.BoundedIntText(value=1, min=1, max=1024, description="nodes", style=style,
-                                            layout=widgets.Layout(width="130px"))
-        classes = ((self.target, "wb-target"), (self.gpus, "wb-target-gpus"), (self.nodes, "wb-target-nodes"))
-        for control, css in classes:
-            control.add_class(css)
         self.html = widgets.HTML(render(self.state))
         self.html.add_class("wb-estimates")
-        self.widget = widgets.VBox([widgets.HBox([self.target, self.gpus, self.nodes]), self.html])
+        self.widget = widgets.VBox([self.html])
         self.state.observe(lambda change: setattr(self.html, "value", render(self.state)))
-        self._timer: threading.Timer | None = None
+        self._thread: threading.Thread | None = None
         self._working: set[threading.Thread] = set()
         """Threads inside _work (a superseded request's may still run beside the newest)."""
         self._generation = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: an observer of the state may request again while it is set
+        self._changed = threading.Condition(self._lock)
+        """Notified on every request and cancel: a request waiting out its debounce gives way at once."""
 
-    def request(self, cfg: RunConfig | None, task: Task | None, *, delay: float = DEBOUNCE_S) -> None:
-        """Estimate `cfg` after `delay` seconds without a newer request (None: the controls form no config)."""
+    def request(self, cfg: RunConfig | None, task: Task | None, target: Target | None = None, *,
+                delay: float = DEBOUNCE_S) -> None:
+        """Estimate `cfg` on `target` (default: this machine); None: the controls form no config. From the traces
+        in memory the answer shows at once; a new trace waits until `delay` seconds pass without a newer request.
+        Until the answer arrives, the figures shown are marked stale."""
+        target = target or Target()
         with self._lock:
             self._generation += 1
             generation = self._generation
-            if self._timer is not None:
-                self._timer.cancel()
-            if cfg is None:
-                self.state.set_trait("status", "idle")
-                self.state.result, self.state.message = None, "the settings don't form a run yet"
-                return
-            self._timer = threading.Timer(delay, self._work, args=(generation, cfg, task))
-            self._timer.daemon = True
-            self._timer.start()
+            self._changed.notify_all()
+            with self.state.hold_trait_notifications():
+                if cfg is None:
+                    self.state.status, self.state.result, self.state.stale = "idle", None, False
+                    self.state.message, self.state.requested = "the settings don't form a run yet", ""
+                    self._thread = None
+                    return
+                settings = describe_settings(cfg.to_dict(), target.world(cfg))
+                est = self.state.result
+                if est is not None and est.settings() != settings:
+                    self.state.measured = {}  # a run's figures belong to the settings it ran with
+                self.state.requested = f"{settings} on {target.describe(cfg)}"
+                self.state.stale, self.state.status = est is not None, "estimating"
+            self._thread = threading.Thread(target=self._work, args=(generation, cfg, task, target,
+                                                                     time.monotonic() + delay),
+                                            name="workbench-estimate", daemon=True)
+            self._thread.start()
+
+    def show_measured(self, step_s: float | None, peak_bytes: int | None, samples_per_s: float | None) -> None:
+        """The running run's latest figures, shown beside the estimate's (all None: clear them)."""
+        figures = {"step_s": step_s, "peak_bytes": peak_bytes, "samples_per_s": samples_per_s}
+        self.state.measured = {k: v for k, v in figures.items() if v is not None}
 
     def cancel(self, timeout: float = 30.0) -> None:
         """Drop a pending request and end one in flight (a run is starting: its ranks get the cores). Returns once
@@ -137,10 +207,9 @@ class EstimateBox:
 
         with self._lock:
             self._generation += 1
-            if self._timer is not None:
-                self._timer.cancel()
+            self._changed.notify_all()
             # Superseded requests' threads may still be estimating: every one of them is waited for.
-            threads = [t for t in (self._timer, *self._working) if t is not None and t.is_alive()
+            threads = [t for t in (self._thread, *self._working) if t is not None and t.is_alive()
                        and t is not threading.current_thread()]
         if threads:
             abort_trace()
@@ -151,7 +220,7 @@ class EstimateBox:
         if self.state.status == "estimating":
             self.state.status = "idle"
 
-    def _work(self, generation: int, cfg: RunConfig, task: Task | None) -> None:
+    def _work(self, generation: int, cfg: RunConfig, task: Task | None, target: Target, not_before: float) -> None:
         from workbench.estimator.trace import allow_traces
 
         with self._lock:
@@ -160,50 +229,70 @@ class EstimateBox:
             self._working.add(threading.current_thread())
         allow_traces()  # a launch that cancelled an earlier estimate has waited for it: traces may run again
         try:
-            self._estimate(generation, cfg, task)
+            self._estimate(generation, cfg, task, target, not_before)
+        except Exception as e:  # shown in the box: an estimate must never break the panel
+            log.debug("estimate failed", exc_info=True)
+            self._publish(generation, result=None, message=f"{type(e).__name__}: {e}", stale=False, status="error")
         finally:
             with self._lock:
                 self._working.discard(threading.current_thread())
 
-    def _estimate(self, generation: int, cfg: RunConfig, task: Task | None) -> None:
-        from workbench.estimator import estimate
+    def _estimate(self, generation: int, cfg: RunConfig, task: Task | None, target: Target,
+                  not_before: float) -> None:
         from workbench.estimator.alternatives import alternatives
+        from workbench.estimator.trace_cache import NotCached, cache_only, warm
         from workbench.tasks import get_task
 
-        self.state.status = "estimating"
+        task = task or get_task(cfg.task)
         try:
-            target = None if self.target.value == THIS_MACHINE else self.target.value
-            gpus = self.gpus.value if target else cfg.num_processes
-            task = task or get_task(cfg.task)
-            est = estimate(cfg, target, gpus, self.nodes.value if target else 1, task=task)
+            with cache_only():
+                est = self._estimate_on(cfg, task, target)
+        except NotCached:
+            warm()  # the imports every trace child needs, paid while the debounce runs anyway
+            with self._lock:
+                self._changed.wait_for(lambda: generation != self._generation,
+                                       timeout=max(0.0, not_before - time.monotonic()))
+                if generation != self._generation:
+                    return
+            est = self._estimate_on(cfg, task, target)
+        if not self._publish(generation, result=est, alternatives=[], message="", stale=False):
+            return
+        found: list[tuple[str, Estimate]] = []
+        if not est.fits:
+            try:
+                found = alternatives(cfg.replace(num_processes=est.gpus * est.nodes), est, task,
+                                     catalog=target.catalog,
+                                     progress=lambda so_far: self._publish(generation, alternatives=list(so_far)))
+            except Exception:  # the estimate stands without its suggestions
+                log.warning("the estimate box found no alternatives", exc_info=True)
+        self._publish(generation, alternatives=found, status="done")
+
+    @staticmethod
+    def _estimate_on(cfg: RunConfig, task: Task, target: Target) -> Estimate:
+        from workbench.estimator import estimate
+
+        return estimate(cfg, target.gpu, target.gpus_per_node or cfg.num_processes, target.nodes, task=task,
+                        catalog=target.catalog)
+
+    def _publish(self, generation: int, **traits: Any) -> bool:
+        """Set the traits at once if `generation` is still the latest request; False when it isn't."""
+        with self._lock:
             if generation != self._generation:
-                return
+                return False
             with self.state.hold_trait_notifications():
-                self.state.result, self.state.alternatives, self.state.message = est, [], ""
-            found = [] if est.fits else alternatives(cfg.replace(num_processes=gpus), est, task)
-            if generation == self._generation:
-                self.state.alternatives = found
-        except Exception as e:  # noqa: BLE001  (shown in the box: an estimate must never break the panel)
-            if generation == self._generation:
-                log.debug("estimate failed", exc_info=True)
-                with self.state.hold_trait_notifications():
-                    self.state.result, self.state.message = None, f"{type(e).__name__}: {e}"
-                    self.state.status = "error"
-                return
-        if generation == self._generation:
-            self.state.status = "done"
+                for name, value in traits.items():
+                    setattr(self.state, name, value)
+            return True
 
     def wait(self, timeout: float = 120.0) -> None:
         """Block until the latest request is done (tests, notebooks that want the number now)."""
-        import time
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                timer = self._timer
-            if timer is not None:
-                timer.join(max(0.0, deadline - time.monotonic()))
-            if self.state.status in ("done", "error", "idle") and (timer is None or not timer.is_alive()):
+                thread = self._thread
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if self.state.status in ("done", "error", "idle") and (thread is None or not thread.is_alive()):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"no estimate within {timeout} s")

@@ -6,7 +6,8 @@ import html
 from pathlib import Path
 
 from workbench.config import RunConfig
-from workbench.notebook.panel.panel_state import PanelState
+from workbench.estimator.target import Target
+from workbench.notebook.panel.panel_state import ACTIVE, PanelState
 from workbench.rundir import Status
 
 RESUMABLE = (Status.COMPLETED.value, Status.STOPPED.value, Status.PREEMPTED.value, Status.FAILED.value,
@@ -14,11 +15,39 @@ RESUMABLE = (Status.COMPLETED.value, Status.STOPPED.value, Status.PREEMPTED.valu
 """Endings after which Resume continues the run from its newest checkpoint (when it has one)."""
 
 
-def status_html(s: PanelState, run_name: str, *, resumable: bool) -> str:
+def batch_html(cfg: RunConfig | None) -> str:
+    """The global batch, named by what multiplies it: data-parallel ranks, not processes (tp and pp ranks
+    share their samples)."""
+    if cfg is None:
+        return "global batch: –"
+    dims = cfg.dims
+    ranks = f"{dims.dp} data-parallel rank" + "s" * (dims.dp > 1)
+    split = [f"tp {dims.tp}" * (dims.tp > 1), f"pp {dims.pp}" * (dims.pp > 1)]
+    shared = (f" ({cfg.num_processes} processes: each data-parallel rank spans {' × '.join(filter(None, split))})"
+              if any(split) else "")
+    total = cfg.global_batch_size or "chosen at launch"
+    return (f"global batch <b>{total}</b> = {cfg.micro_batch_size} micro-batch × {cfg.grad_accum_steps} "
+            f"accumulation × {ranks}{html.escape(shared)}")
+
+
+def blocked_reason(s: PanelState, target: Target) -> str:
+    """Why Launch is off while the panel is ready ('' when it can launch)."""
+    if s.config is None:
+        return s.problem or "the settings don't form a run"
+    if s.problem:
+        return s.problem
+    if not target.local:
+        return (f"planned for {target.describe(s.config)}, not this machine: set the target to 'this machine' to "
+                "launch here, or Save as YAML and run `workbench train` where that hardware is")
+    return ""
+
+
+def status_html(s: PanelState, run_name: str, *, resumable: bool, blocked: str = "") -> str:
     name = html.escape(run_name)
     resume = "Resume continues it from its last checkpoint, " if resumable else ""
+    first = blocked.splitlines()[0] if blocked else ""
     text = {
-        "ready": "ready: pick the settings, then Launch",
+        "ready": (f"not launchable: {html.escape(first)}" if blocked else "ready: pick the settings, then Launch"),
         "launching": "launching…",
         "resuming": f"resuming <b>{name}</b> from its last checkpoint…",
         Status.RUNNING: f"running <b>{name}</b>: Stop makes the ranks save a checkpoint and exit",
@@ -32,6 +61,8 @@ def status_html(s: PanelState, run_name: str, *, resumable: bool) -> str:
         Status.FAILED: f"failed: the error is below; {resume}or fix it and Launch again",
     }.get(s.status, html.escape(s.status))
     note = f"<br><small>{html.escape(s.message)}</small>" if s.message else ""
+    if blocked and s.status != "ready" and s.status not in ACTIVE:  # after a run: why Launch is off now
+        note = f"<br><span class='wb-status-blocked'>Launch is off: {html.escape(first)}</span>{note}"
     return f"<span class='wb-status' data-status='{html.escape(s.status)}'>{text}</span>{note}"
 
 

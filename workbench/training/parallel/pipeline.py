@@ -72,8 +72,9 @@ class PipelineParallel(Strategy):
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
         self.task, self.stages, self.replicas = task, cfg.pp, cfg.dp_size
-        self.mesh = init_device_mesh(self.device.type, (self.stages, self.replicas),
-                                     mesh_dim_names=("pp", "dp_replicate"))
+        # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
+        self.mesh = getattr(accelerator, "mesh", None) or init_device_mesh(
+            self.device.type, (self.stages, self.replicas), mesh_dim_names=("pp", "dp_replicate"))
         self.stage_index = self.mesh.get_local_rank("pp")
         self.replica = self.mesh.get_local_rank("dp_replicate")
         self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp_replicate")
@@ -87,10 +88,10 @@ class PipelineParallel(Strategy):
         self._tied = self._tied_groups(tied)
         self.stage = PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.pp_group)
         self.schedule = SCHEDULES[cfg.pp_schedule](self.stage, n_microbatches=cfg.grad_accum_steps,
-                                                   loss_fn=self._loss_fn, scale_grads=True)
+                                                   loss_fn=self.stage_loss, scale_grads=True)
         self.optimizer = make_optimizer(self.module)
 
-    def _loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+    def stage_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         """The task's loss on the last stage's output: the output stands in for the model."""
         loss, _ = split_loss(self.task.loss(lambda *_: output, (None, target)))  # type: ignore[arg-type]
         return loss
@@ -101,8 +102,7 @@ class PipelineParallel(Strategy):
         Collective: every rank creates every group (one per tied parameter and replica)."""
         params = dict(self.module.named_parameters())
         mine = [[n for n in names if n in params] for names in tied]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (self.replica, [bool(m) for m in mine]))
+        everyone = self._holdings(tied, (self.replica, [bool(m) for m in mine]))
         groups = []
         for i, names in enumerate(mine):
             for replica in range(self.replicas):
@@ -113,6 +113,17 @@ class PipelineParallel(Strategy):
                 if replica == self.replica:
                     groups.append((group, params[names[0]] if names else None, dist.get_rank() == ranks[0]))
         return groups
+
+    def _holdings(self, tied: list[list[str]], mine: tuple[int, list[bool]]) -> list[tuple[int, list[bool]]]:
+        """Every rank's (replica, which tied parameters its stage holds), gathered; a traced estimate, whose fake
+        process group can't gather, names every stage's parameters instead (its Placement's stage_params)."""
+        stage_params = getattr(self.accelerator, "stage_params", None)
+        if stage_params is None:
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            return everyone
+        return [(rank % self.replicas, [any(n in stage_params[rank // self.replicas] for n in names) for names in tied])
+                for rank in range(self.stages * self.replicas)]
 
     # ---- the step ------------------------------------------------------------------------------------
     def forward_context(self) -> Any:
@@ -143,15 +154,20 @@ class PipelineParallel(Strategy):
             else:
                 self.schedule.step()
         loss = torch.stack(losses).mean().detach().float() if self.last_stage else torch.zeros((), device=self.device)
+        self.after_schedule(loss)
+        if before_last_backward is not None:
+            before_last_backward(loss)
+        return loss
+
+    def after_schedule(self, loss: torch.Tensor) -> None:
+        """The step's communication after the schedule (a traced estimate runs it after its own schedule): the
+        loss to every stage, tied gradients summed between their stages, gradients averaged over the replicas."""
         dist.broadcast(loss, group=self.pp_group, group_src=self.stages - 1)
         for group, param, _ in self._tied:
             if param is not None and param.grad is not None:
                 dist.all_reduce(param.grad, group=group)
         if self.replicas > 1:
             self._average_replicas()
-        if before_last_backward is not None:
-            before_last_backward(loss)
-        return loss
 
     def _average_replicas(self) -> None:
         """DDP's result without DDP: every gradient averaged over the replicas in one flat all-reduce."""

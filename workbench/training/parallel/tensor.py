@@ -89,7 +89,8 @@ class TensorParallel(Strategy):
         super().__init__(cfg, accelerator)
         world = accelerator.num_processes
         self.name = f"tp{cfg.tp}" if world == cfg.tp else f"{cfg.parallelism}x tp{cfg.tp}"
-        self.mesh = tensor_parallel_mesh(cfg, self.device.type, world)
+        # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
+        self.mesh = getattr(accelerator, "mesh", None) or tensor_parallel_mesh(cfg, self.device.type, world)
         model = on_device(model, accelerator)
         plan = task.tensor_parallel_plan(model, cfg)
         if plan is None:

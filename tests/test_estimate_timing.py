@@ -1,0 +1,281 @@
+"""Step time an estimate gives: this machine measured (and the measurement kept), a traced step priced op by op
+against it, a GPU target priced from its datasheet, and completed runs correcting what the model says."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import workbench as wb
+from workbench.estimator import machine_cache
+from workbench.estimator.catalog import lookup
+from workbench.estimator.machine import MachineProfile
+from workbench.estimator.machine_probe import COLLECTIVES, KINDS, op_kind
+from workbench.estimator.op_time import GPU_EFFICIENCY, GPU_LAUNCH_S, cpu_step, gpu_step
+from workbench.estimator.trace import StepTrace
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Profiles and remembered estimates in a folder of the test's own, none in memory."""
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    machine_cache.forget()
+    yield tmp_path / "cache"
+    machine_cache.forget()
+
+
+def made_up_profile(**changes: Any) -> MachineProfile:
+    """A profile with round figures: two matmul sizes (the larger one faster), elementwise kinds at two sizes."""
+    base = {"machine": {"cpu": "made up"}, "ranks": 2, "threads": 1,
+            "matmul": {"fp32": [[1e6, 1e10], [1e8, 4e10]], "bf16": [[1e6, 2e10], [1e8, 8e10]]},
+            "attention": {"fp32": [[1e6, 5e9], [1e8, 1e10]]}, "op_s": 1e-6, "step_op_s": 1e-5,
+            "elementwise": {k: [[1e4, 1e-9], [1e7, 1e-10]] for k in KINDS}, "batch": [1e-4, 1e-6],
+            "dtensor_op_s": 2e-5, "collectives": {k: [1e-4, 1e9] for k in COLLECTIVES}}
+    return MachineProfile(**{**base, **changes})
+
+
+def made_up_trace(flops: float = 0.0, ops: dict[str, tuple[int, int]] | None = None,
+                  comm: dict[str, dict[str, Any]] | None = None) -> StepTrace:
+    """A step of `ops` ({name: (count, bytes written)}), `flops` and collectives `comm`."""
+    ops = ops or {}
+    return StepTrace(rank=0, world=2, memory={}, activations_after_forward=0, held={"params": 0, "grads": 0,
+                     "optimizer": 0}, flops=flops, comm=comm or {}, ops={k: n for k, (n, _) in ops.items()},
+                     op_bytes={k: b for k, (_, b) in ops.items()})
+
+
+def collective(count: int, wire_bytes: float) -> dict[str, Any]:
+    return {"count": count, "bytes": wire_bytes, "wire_bytes": wire_bytes, "group": 2, "spans_nodes": False}
+
+
+CFG = wb.RunConfig(task="digits", num_processes=2, micro_batch_size=8, grad_accum_steps=1)
+
+
+# ---- the machine, measured -------------------------------------------------------------------------------------
+def test_the_profile_is_measured_once_then_read_from_its_file_and_a_damaged_file_is_measured_again(
+        cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[MachineProfile] = []
+    real = machine_cache.measure
+
+    def counting(*args: Any, **kwargs: Any) -> MachineProfile:
+        measured.append(real(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(machine_cache, "measure", counting)
+    first = machine_cache.machine_profile(2, 1)
+    assert len(measured) == 1 and machine_cache.cache_path().is_file()
+    # measured here: matmuls reach some FLOP/s, gloo has a latency and a bandwidth for every collective kind
+    assert all(rate > 0 for _, rate in first.matmul["fp32"]) and set(first.collectives) == set(COLLECTIVES)
+    assert first.step_op_s >= first.op_s > 0 and all(bw > 0 for _, bw in first.collectives.values())
+
+    assert machine_cache.machine_profile(2, 1) is first, "the second call is answered from memory"
+    machine_cache.forget()
+    assert machine_cache.machine_profile(2, 1) == first and len(measured) == 1, "then from the file"
+
+    # A damaged file is never trusted: not JSON, or JSON whose figures are not positive numbers.
+    monkeypatch.setattr(machine_cache, "measure", lambda *a, **k: measured.append(first) or first)
+    path = machine_cache.cache_path()
+    stored = json.loads(path.read_text())
+    for damage in ("{not json", json.dumps({**stored, "profiles": {"2x1": {**stored["profiles"]["2x1"],
+                                                                            "step_op_s": -1.0}}})):
+        path.write_text(damage)
+        machine_cache.forget()
+        before = len(measured)
+        assert machine_cache.machine_profile(2, 1) == first and len(measured) == before + 1
+        assert json.loads(path.read_text())["profiles"]["2x1"]["step_op_s"] == first.step_op_s, "rewritten"
+
+
+def test_a_profile_measured_on_a_busy_machine_gives_way_to_a_quieter_one(
+        cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    busy = made_up_profile(busy_cores=1.5, measured_at=1.0)  # long ago
+    quiet = made_up_profile(busy_cores=0.0, step_op_s=2e-5, measured_at=2.0)
+    answers = [busy, quiet, busy]
+    monkeypatch.setattr(machine_cache, "measure", lambda *a, **k: answers.pop(0))
+    assert machine_cache.machine_profile(2, 1) == busy
+    machine_cache.forget()
+    assert machine_cache.machine_profile(2, 1) == quiet, "an old busy profile is measured again"
+    machine_cache.forget()
+    assert machine_cache.machine_profile(2, 1) == quiet and answers == [busy], "a quiet one is kept"
+
+
+# ---- the model -------------------------------------------------------------------------------------------------
+def test_ops_are_priced_by_kind_and_views_write_nothing() -> None:
+    assert [op_kind(n) for n in ("prim.device", "aten.t", "aten.mm", "aten.add_", "aten.mul", "aten.gelu",
+                                 "aten.bernoulli_", "dtensor.aten.add_")] == \
+        ["free", "view", "flop", "inplace", "copy", "math", "random", "dtensor"]
+    p = made_up_profile()
+    empty = cpu_step(CFG, made_up_trace(), {}, p).compute_s
+    # a view's bytes (the trace may count them) cost nothing beyond its dispatch; prim.device costs nothing at all
+    views = cpu_step(CFG, made_up_trace(ops={"aten.t": (10, 10**9), "prim.device": (50, 0)}), {}, p).compute_s
+    assert views - empty == pytest.approx(10 * p.op_s)
+
+
+def test_step_time_scales_with_op_counts_bytes_and_flops() -> None:
+    p = made_up_profile()
+    ops = {"aten.add_": (20, 10**6), "aten.mul": (10, 2 * 10**6), "aten.gelu": (4, 10**6), "aten.mm": (8, 0)}
+    one = cpu_step(CFG, made_up_trace(8e7, ops), {}, p)
+    two = cpu_step(CFG, made_up_trace(16e7, {k: (2 * n, 2 * b) for k, (n, b) in ops.items()}), {}, p)
+    data = p.batch_s(CFG.micro_batch_size)
+    assert two.compute_s - data == pytest.approx(2 * (one.compute_s - data))
+    assert one.parts["dispatch"] == pytest.approx(42 * p.step_op_s)
+    # each kind at its own measured cost: the in-place adds at the inplace kind's seconds per byte at their size
+    adds = cpu_step(CFG, made_up_trace(ops={"aten.add_": (20, 10**6)}), {}, p).parts["elementwise"]
+    assert adds == pytest.approx(10**6 * p.seconds_per_byte("inplace", 10**6 / 20))
+    # larger matmuls run at the faster rate measured for their size: the same FLOPs in fewer calls take less time
+    few = cpu_step(CFG, made_up_trace(1e9, {"aten.mm": (10, 0)}), {}, p).parts["matmul"]
+    many = cpu_step(CFG, made_up_trace(1e9, {"aten.mm": (1000, 0)}), {}, p).parts["matmul"]
+    assert few == pytest.approx(1e9 / 4e10) and many == pytest.approx(1e9 / 1e10)
+    bf16 = cpu_step(CFG.replace(precision="bf16"), made_up_trace(1e9, {"aten.mm": (10, 0)}), {}, p).parts["matmul"]
+    assert bf16 == pytest.approx(few / 2)
+
+
+def test_a_step_runs_as_much_slower_than_its_best_as_the_same_work_does_here() -> None:
+    ops = {"aten.add_": (20, 10**6), "aten.mm": (8, 0)}
+    quiet = cpu_step(CFG, made_up_trace(8e7, ops), {}, made_up_profile(jitter=[1.0, 0.0]))
+    shared = cpu_step(CFG, made_up_trace(8e7, ops), {}, made_up_profile(jitter=[1.8, 0.5]))
+    assert shared.compute_s == pytest.approx(1.8 * quiet.compute_s)
+
+
+def test_collectives_cost_latency_plus_bytes_over_bandwidth_and_none_hides_on_cpu() -> None:
+    p = made_up_profile(collectives={**{k: [1e-4, 1e9] for k in COLLECTIVES}, "all_gather": [3e-4, 5e8]})
+    ops = {"aten.mm": (4, 0)}
+    bare = cpu_step(CFG, made_up_trace(1e8, ops), {}, p)
+    one = cpu_step(CFG, made_up_trace(1e8, ops, {"all_gather@2": collective(6, 1e6)}), {}, p)
+    assert bare.comm_s == 0 and one.comm_s == pytest.approx(6 * 3e-4 + 1e6 / 5e8)
+    assert one.exposed_comm_s == one.comm_s and one.step_s == pytest.approx(bare.step_s + one.comm_s)
+    ddp = cpu_step(CFG, made_up_trace(1e8, ops), {"all_reduce@ddp": collective(1, 4e6)}, p)
+    assert ddp.comm_s == pytest.approx(1e-4 + 4e6 / 1e9), "the collectives the trace can't see count too"
+
+
+def test_a_gpu_target_is_priced_from_its_datasheet_not_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.estimator import timing
+
+    monkeypatch.setattr(timing, "machine_profile", lambda *a, **k: pytest.fail("measured this machine"))
+    h100 = lookup("H100-SXM-80GB")
+    trace = made_up_trace(1e13, {"aten.mm": (100, 0), "aten.add_": (100, 10**9)},
+                          {"all_gather@8": {**collective(4, 1e9), "group": 8}})
+    t = timing.step_time(CFG.replace(precision="bf16"), trace, {}, h100, 1, "infiniband", Path("/nonexistent"))
+    matmul = 1e13 / (h100.peak("bf16") * GPU_EFFICIENCY)
+    assert t.compute_s == pytest.approx(matmul + 10**9 / h100.memory_bandwidth)
+    assert t.comm_s == pytest.approx(4 * 20e-6 + 1e9 / h100.link_bandwidth) and t.correction == 1.0
+    tiny = gpu_step(CFG, made_up_trace(1e6, {"aten.mm": (1000, 0)}), {}, h100, 1, "infiniband")
+    assert tiny.compute_s == pytest.approx(1000 * GPU_LAUNCH_S), "never faster than launching its kernels"
+
+
+# ---- learning from completed runs -------------------------------------------------------------------------------
+def test_a_completed_run_corrects_the_estimate_and_the_estimate_says_which(
+        cache_dir: Path, tmp_path: Path) -> None:
+    from workbench.estimator import estimate
+    from workbench.estimator.learning import measured_step_s
+
+    runs = tmp_path / "runs"
+    cfg = wb.RunConfig(task="digits", num_processes=2, micro_batch_size=32, max_steps=15, log_every=5,
+                       runs_dir=str(runs), task_options={"hidden": 64})
+    raw = estimate(cfg, runs_dir=tmp_path / "no-runs")
+    assert raw.step_s > 0 and any("nothing learnt" in a for a in raw.assumptions)
+    result = wb.launch(cfg)
+    measured = measured_step_s(result.dir.path)
+    learnt = estimate(cfg)  # cfg.runs_dir now holds the run: the same task and layout
+    assert learnt.step_s == pytest.approx(measured, rel=1e-6), "one run of the same step: its own time"
+    note = next(a for a in learnt.assumptions if a.startswith("learnt from"))
+    assert f"learnt from 1 completed run(s) (digits, ddp on 2 rank(s)): {result.dir.path.name}" in note
+    assert f"{measured / raw.step_s:.2f}" in note
+
+    # another layout learns from the same machine's runs of any kind on as many ranks, and says so
+    other = estimate(cfg.replace(parallelism="zero3"))
+    assert any("learnt from 1 completed run(s) (any task and layout on 2 rank(s))" in a for a in other.assumptions)
+
+
+def test_a_damaged_run_among_the_runs_teaches_nothing_and_stops_nothing(tmp_path: Path) -> None:
+    from workbench.estimator.learning import completed_runs
+    from workbench.rundir import RunDir, Status
+
+    for name, damage in (("good", None), ("bad-summary", "summary"), ("bad-timings", "timings"), ("short", "few")):
+        run = RunDir(tmp_path / name)
+        run.path.mkdir()
+        run.write_config(CFG)
+        run.set_status(Status.COMPLETED, device_class="cpu", world_size=2, started_at=1.0)
+        run.write_timings([0.01] * (2 if damage == "few" else 10))
+        if damage == "summary":
+            run.summary_path.write_text("[")
+        elif damage == "timings":
+            run.timings_path.write_text("{")
+    found = completed_runs(tmp_path, "cpu")
+    assert [r.name for r in found] == ["good"] and found[0].measured_s == pytest.approx(0.01)
+    assert completed_runs(tmp_path, "cuda-H100") == []
+
+
+def test_what_was_learnt_is_remembered_on_disk_and_tied_to_the_model(cache_dir: Path, tmp_path: Path) -> None:
+    from workbench.estimator.learning import PastRun, _remembered, memo_path
+
+    run = PastRun("r", tmp_path, CFG, 2, 0.02, 5.0)
+    calls: list[int] = []
+
+    def estimate_of(cfg: wb.RunConfig, world: int, may_trace: bool) -> float:
+        calls.append(world)
+        return 0.01
+
+    assert _remembered(run, "model-a", estimate_of) == (0.01, True) and calls == [2]
+    assert _remembered(run, "model-a", estimate_of) == (0.01, False) and calls == [2], "from the file"
+    assert _remembered(run, "model-b", estimate_of) == (0.01, True) and calls == [2, 2], "another model: again"
+    assert memo_path().is_file()
+    memo_path().write_text("[damaged")
+    assert _remembered(run, "model-a", estimate_of) == (0.01, True) and calls == [2, 2, 2]
+
+
+def test_a_pipeline_run_teaches_nothing_yet(tmp_path: Path) -> None:
+    from workbench.estimator.learning import learn
+    from workbench.rundir import RunDir, Status
+
+    run = RunDir(tmp_path / "pp")
+    run.path.mkdir()
+    run.write_config(CFG.replace(task="char-gpt", pp=2, grad_accum_steps=4))
+    run.set_status(Status.COMPLETED, device_class="cpu", world_size=2, started_at=1.0)
+    run.write_timings([0.05] * 10)
+    lesson = learn(CFG, 2, "cpu", tmp_path, "key", lambda *a: pytest.fail("estimated a pipeline run"))
+    assert lesson.ratio == 1.0 and "1 pipeline run(s) there teach nothing yet" in lesson.note
+
+
+def test_step_time_keeps_its_fields_for_the_layouts_built_on_it() -> None:
+    from workbench.estimator.timing import StepTime
+
+    names = {f.name for f in dataclasses.fields(StepTime)}
+    assert {"compute_s", "comm_s", "exposed_comm_s", "efficiency", "assumptions"} <= names
+    t = StepTime(compute_s=1.0, comm_s=0.5, exposed_comm_s=0.25, efficiency=0.1)
+    assert t.step_s == 1.25
+
+
+def test_an_estimate_traces_at_most_one_new_past_run_and_learns_the_rest_later(cache_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    from workbench.estimator.learning import learn
+    from workbench.rundir import RunDir, Status
+
+    for i, seconds in enumerate((0.02, 0.03, 0.04)):
+        run = RunDir(tmp_path / f"run{i}")
+        run.path.mkdir()
+        run.write_config(CFG)
+        run.set_status(Status.COMPLETED, device_class="cpu", world_size=2, started_at=float(i))
+        run.write_timings([seconds] * 10)
+
+    def estimate_of(cfg: wb.RunConfig, world: int, may_trace: bool) -> float:
+        if not may_trace:
+            raise LookupError("no trace in memory")
+        return 0.01
+
+    learnt = [learn(CFG, 2, "cpu", tmp_path, "key", estimate_of) for _ in range(3)]
+    assert [lesson.runs for lesson in learnt] == [["run2"], ["run2", "run1"], ["run2", "run1", "run0"]]
+    assert learnt[-1].ratio == pytest.approx(3.0) and "(digits, ddp on 2 rank(s))" in learnt[-1].note
+
+
+def test_with_flops_per_op_attention_runs_at_its_own_measured_rate() -> None:
+    p = made_up_profile()
+    ops = {"aten.mm": (10, 0), "aten._scaled_dot_product_flash_attention_for_cpu": (2, 0)}
+    trace = dataclasses.replace(made_up_trace(1.2e9, ops))
+    whole = cpu_step(CFG, trace, {}, p).parts["matmul"]
+    assert whole == pytest.approx(1.2e9 / p.matmul_rate("fp32", 1e8)), "without them: all at the matmul rate"
+    trace.op_flops = {"aten.mm": 1e9, "aten._scaled_dot_product_flash_attention_for_cpu": 2e8}
+    split = cpu_step(CFG, trace, {}, p).parts["matmul"]
+    assert split == pytest.approx(1e9 / p.matmul_rate("fp32", 1e8) + 2e8 / p.attention_rate("fp32", 1e8))

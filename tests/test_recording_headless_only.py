@@ -1,0 +1,95 @@
+"""Recorded metrics and curves ("[workbench] recorded run: ...", "[workbench curve] ...") appear only where a notebook
+is executed headless (papermill, nbconvert --execute, `workbench regress`), where the regression suite reads them
+back; a person's notebook shows none of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import workbench as wb
+import workbench.regress.recording as rec
+from workbench import rundir
+from workbench.utils import files
+
+
+class _History:
+    def __init__(self, hist_file: Any) -> None:
+        self.hist_file = hist_file
+
+
+class _Shell:
+    """An IPython kernel shell as far as recording looks: a kernel, and its history's file."""
+
+    kernel = object()
+
+    def __init__(self, hist_file: Any) -> None:
+        self.history_manager = _History(hist_file)
+
+
+INTERACTIVE = Path.home() / ".ipython" / "profile_default" / "history.sqlite"  # JupyterLab's kernels keep one
+HEADLESS = ":memory:"  # what nbclient (papermill, nbconvert, workbench regress) starts kernels with
+
+
+@pytest.fixture
+def shown(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    monkeypatch.setattr(rec, "_display", out.append)
+    monkeypatch.setattr(rec, "_prefix_counts", {})
+    monkeypatch.setattr(rec, "_run_names", {})
+    monkeypatch.delenv(rec.RECORD_ENV, raising=False)
+    return out
+
+
+def _result(run_dir: Path) -> wb.RunResult:
+    run_dir.mkdir(parents=True)
+    files.write_json(run_dir / rundir.SUMMARY, {"status": "completed", "final_loss": 0.5, "samples_per_s": 9.0})
+    files.append_jsonl(run_dir / rundir.METRICS, {"step": 1, "loss": 0.7})
+    return wb.RunResult(run_dir)
+
+
+def _record_everything(tmp_path: Path) -> str | None:
+    name = rec.record_run(_result(tmp_path / "run"))
+    rec.record("val_loss", 1.0, direction="lower")
+    rec.record_curve("custom", [[1, 2.0]])
+    return name
+
+
+def test_a_persons_notebook_shows_no_recorded_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    shown: list[dict[str, Any]]) -> None:
+    monkeypatch.setattr(rec.kernel, "kernel_shell", lambda: _Shell(INTERACTIVE))
+    assert not rec.headless()
+    assert _record_everything(tmp_path) is None
+    assert shown == []
+
+
+def test_a_notebook_executed_headless_records_runs_metrics_and_curves(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      shown: list[dict[str, Any]]) -> None:
+    monkeypatch.setattr(rec.kernel, "kernel_shell", lambda: _Shell(HEADLESS))
+    assert rec.headless()
+    assert _record_everything(tmp_path) == "run"
+    lines = [b["text/plain"] for b in shown]
+    assert lines[0].startswith("[workbench] recorded run: final_loss = 0.5")
+    assert lines[1] == "[workbench curve] run.loss: 1 points of loss by step"
+    assert lines[2].startswith("[workbench metric] val_loss = 1")
+    assert lines[3].startswith("[workbench curve] custom")
+
+
+@pytest.mark.parametrize(("hist_file", "said", "records"), [(INTERACTIVE, "1", True), (HEADLESS, "0", False)])
+def test_workbench_record_says_it_outright(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           shown: list[dict[str, Any]], hist_file: Any, said: str,
+                                           records: bool) -> None:
+    monkeypatch.setattr(rec.kernel, "kernel_shell", lambda: _Shell(hist_file))
+    monkeypatch.setenv(rec.RECORD_ENV, said)
+    assert (_record_everything(tmp_path) is not None) is records
+    assert bool(shown) is records
+
+
+def test_outside_a_kernel_nothing_is_recorded_even_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              shown: list[dict[str, Any]]) -> None:
+    monkeypatch.setattr(rec.kernel, "kernel_shell", lambda: None)
+    monkeypatch.setenv(rec.RECORD_ENV, "1")
+    assert _record_everything(tmp_path) is None and shown == []

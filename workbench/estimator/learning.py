@@ -1,0 +1,223 @@
+"""Learning from completed runs: an estimate is scaled by the median of measured / estimated step time over the
+newest completed runs on the same device class that are most like it: the same task and layout (parallelism, tp,
+pp, ranks) first, else the same layout with any task (what the trainer's layout adds, DDP's hooks or DTensor's
+bookkeeping, is the task's as much as another's), else any run on as many ranks (more ranks than cores share
+them), else any run on that device class.
+
+A run's "estimated" is today's model re-applied to its config (config.yaml, with the micro-batch it ran), so a
+better model or a new machine profile never leaves stale figures behind; its trace is the estimate's own cache's,
+and its figure is kept on disk (~/.cache/workbench/learnt-estimates.json) so a new process re-traces nothing.
+Its "measured" is the median of its logged step times after the first window (warm-up), from metrics.jsonl.
+
+Pipeline runs teach nothing yet: their estimate adds the schedule's bubble on top of the step priced here, so
+their ratio would not be of the same thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from workbench.utils.files import DamagedFileError, read_json, read_json_checked, read_jsonl, write_json
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+
+log = logging.getLogger("workbench")
+
+MAX_RUNS = 5
+"""Runs one lesson is drawn from, newest first."""
+SCAN = 200
+"""Newest run directories looked at."""
+MIN_STEPS = 3
+NEW_TRACES = 1
+"""Past runs a lesson may trace anew per call (about a second each); the rest wait for later calls."""
+_LOCK = threading.Lock()
+_LESSONS: dict[tuple[object, ...], Lesson] = {}
+
+
+@dataclass(frozen=True)
+class PastRun:
+    name: str
+    path: Path
+    cfg: RunConfig
+    world: int
+    measured_s: float
+    started_at: float
+
+    @property
+    def layout(self) -> tuple[str, int, int, int]:
+        return layout_of(self.cfg, self.world)
+
+
+@dataclass(frozen=True)
+class Lesson:
+    ratio: float = 1.0
+    """Measured / estimated: what the estimate is multiplied by (1.0: nothing learnt)."""
+    runs: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def layout_of(cfg: RunConfig, world: int) -> tuple[str, int, int, int]:
+    return (cfg.parallelism, cfg.tp, cfg.pp, world)
+
+
+def describe_layout(layout: tuple[str, int, int, int]) -> str:
+    mode, tp, pp, world = layout
+    return f"{mode}{f' tp={tp}' if tp > 1 else ''}{f' pp={pp}' if pp > 1 else ''} on {world} rank(s)"
+
+
+def measured_step_s(path: Path) -> float | None:
+    """The run's typical step: the median of its logged windows' step times (each a window's mean) after the first
+    window, the warm-up; with fewer than two such windows, the median of timings.json's steps after the first
+    fifth. None when it has too few steps for either."""
+    windows = [row["step_time_s"] for row in read_jsonl(path / "metrics.jsonl")
+               if row.get("loss") is not None and isinstance(row.get("step_time_s"), (int, float))][1:]
+    if len(windows) >= 2:
+        return statistics.median(windows)
+    times = (read_json(path / "timings.json") or {}).get("step_time_s")
+    if not isinstance(times, list):
+        return None
+    steady = [t for t in times[max(1, len(times) // 5):] if isinstance(t, (int, float)) and t > 0]
+    return statistics.median(steady) if len(steady) >= MIN_STEPS else None
+
+
+def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
+    """Completed runs on `device_class` in `runs_dir` with a measured step time, newest first."""
+    from workbench.rundir import RunDir
+
+    found = []
+    for summary_path in sorted(Path(runs_dir).expanduser().glob("*/summary.json"))[-SCAN:]:
+        run = RunDir(summary_path.parent)
+        try:
+            s = run.summary()
+            if s.status != "completed" or s.device_class != device_class or not s.world_size:
+                continue
+            measured = measured_step_s(run.path)
+            cfg = run.config()
+        except (ValueError, OSError) as e:  # a damaged file (named when that run is read): it teaches nothing
+            log.debug("learning: %s skipped: %s", run.path, e)
+            continue
+        if measured is None or cfg is None:
+            continue
+        if not isinstance(cfg.micro_batch_size, int) and s.micro_batch_size:
+            cfg = cfg.replace(micro_batch_size=s.micro_batch_size)
+        found.append(PastRun(run.name, run.path, cfg, s.world_size, measured, s.started_at or 0.0))
+    return sorted(found, key=lambda r: r.started_at, reverse=True)
+
+
+def learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profile_key: str,
+          estimate_of: Callable[[RunConfig, int, bool], float]) -> Lesson:
+    """The lesson for `cfg` on `world` ranks: the median measured / estimated of the comparable runs.
+    `estimate_of(run_cfg, world, may_trace)`: today's model's step time for a past run (before learning); it may
+    raise (a task that can't be imported here, a trace it may not make now): that run is left out, for now. At
+    most NEW_TRACES past runs not estimated before are traced per call, so an estimate stays quick when many runs
+    completed since; the rest are estimated by later calls. Lessons are kept in memory until a run directory
+    changes."""
+    key = (str(Path(runs_dir).expanduser().resolve()), device_class, cfg.task, layout_of(cfg, world), profile_key,
+           _signature(runs_dir))
+    with _LOCK:
+        if key in _LESSONS:
+            return _LESSONS[key]
+    lesson, complete = _learn(cfg, world, device_class, runs_dir, profile_key, estimate_of)
+    if not complete:  # a run left out for now (its trace not made yet, under cache_only): ask again next time
+        return lesson
+    with _LOCK:
+        _LESSONS[key] = lesson
+        while len(_LESSONS) > 64:
+            _LESSONS.pop(next(iter(_LESSONS)))
+    return lesson
+
+
+def _signature(runs_dir: Path) -> tuple[tuple[str, int], ...]:
+    """What the lessons of `runs_dir` depend on: its newest runs' summaries and step timings, as of now."""
+    out = []
+    for summary_path in sorted(Path(runs_dir).expanduser().glob("*/summary.json"))[-SCAN:]:
+        for path in (summary_path, summary_path.with_name("timings.json")):
+            try:
+                out.append((str(path), path.stat().st_mtime_ns))
+            except OSError:
+                out.append((str(path), 0))
+    return tuple(out)
+
+
+def _learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profile_key: str,
+           estimate_of: Callable[[RunConfig, int, bool], float]) -> tuple[Lesson, bool]:
+    everything = completed_runs(runs_dir, device_class)
+    runs = [r for r in everything if r.cfg.pp == 1]
+    piped = len(everything) - len(runs)
+    layout = layout_of(cfg, world)
+    same = [r for r in runs if r.layout == layout]
+    tiers = [([r for r in same if r.cfg.task == cfg.task], f"{cfg.task}, {describe_layout(layout)}"),
+             (same, f"any task, {describe_layout(layout)}"),
+             ([r for r in runs if r.world == world], f"any task and layout on {world} rank(s)"),
+             (runs, f"any task and layout on {device_class}")]
+    chosen, scope = next((tier for tier in tiers if tier[0]), tiers[-1])
+    ratios, names, complete, fresh = [], [], True, 0
+    for run in chosen:
+        if len(ratios) == MAX_RUNS:
+            break
+        estimated, new = _remembered(run, profile_key, estimate_of, may_trace=fresh < NEW_TRACES)
+        fresh += new
+        if estimated:
+            ratios.append(run.measured_s / estimated)
+            names.append(run.name)
+        complete = complete and estimated is not None
+    if not ratios:
+        return Lesson(note=f"nothing learnt: no completed run on {device_class} in {runs_dir} to learn from"
+                           + (f" ({piped} pipeline run(s) there teach nothing yet)" if piped else "")), complete
+    ratio = statistics.median(ratios)
+    return Lesson(ratio=ratio, runs=names, note=(
+        f"learnt from {len(names)} completed run(s) ({scope}): {', '.join(names)}; measured / estimated "
+        f"{', '.join(f'{r:.2f}' for r in ratios)}, so the step is scaled by their median, {ratio:.2f}")), complete
+
+
+def _remembered(run: PastRun, profile_key: str, estimate_of: Callable[[RunConfig, int, bool], float], *,
+                may_trace: bool = True) -> tuple[float | None, bool]:
+    """Today's estimate of a past run, and whether it was made now: from the file of runs already estimated with
+    this model and profile, or made now (and written there)."""
+    path = memo_path()
+    key = f"{run.path.resolve()}|{run.started_at}|{profile_key}"
+    with _LOCK:
+        try:
+            memo = read_json_checked(path) or {}
+        except DamagedFileError as e:
+            log.warning("%s: estimating past runs again", e)
+            memo = {}
+        value = memo.get(key)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value), False
+    try:
+        value = estimate_of(run.cfg, run.world, may_trace)
+    except Exception as e:  # noqa: BLE001  (a run that can't be estimated here teaches nothing; say why in the log)
+        log.debug("learning: can't estimate run %s again: %s", run.name, e)
+        return None, False
+    with _LOCK:
+        try:
+            memo = read_json_checked(path) or {}
+        except DamagedFileError:
+            memo = {}
+        try:
+            write_json(path, {**dict(list(memo.items())[-999:]), key: value})
+        except OSError as e:
+            log.debug("learning: %s not written: %s", path, e)
+    return value, True
+
+
+def memo_path() -> Path:
+    import platformdirs
+
+    folder = Path(os.environ.get("WORKBENCH_CACHE_DIR") or platformdirs.user_cache_dir("workbench")).expanduser()
+    return folder / "learnt-estimates.json"
+
+
+def fingerprint(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

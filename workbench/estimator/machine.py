@@ -1,0 +1,182 @@
+"""This machine, measured: what one rank of a local CPU run reaches while its peers run beside it. Matrix multiplies
+(FLOP/s by size and dtype), the fixed cost of an ATen op (alone, and inside a tiny training step, where autograd,
+modules and the optimizer's Python add to it), elementwise ops (seconds per byte by size and kind), fetching a
+batch, and gloo's collectives between the local ranks (latency and bandwidth).
+
+Measured in short-lived children of this process, never in a rank: as many children as the run has local ranks,
+each with the threads a rank will have, all measuring at once, as the ranks will compute at once; about two
+seconds. machine_cache.py keeps the result in memory and on disk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib
+import math
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+from workbench.estimator.machine_probe import VERSION, compute_figures, distributed_figures
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """What one rank reaches on this machine with `ranks` local ranks of `threads` threads each."""
+
+    machine: dict[str, str]
+    ranks: int
+    threads: int
+    matmul: dict[str, list[list[float]]]
+    """dtype ('fp32', 'bf16') -> [FLOPs per call, FLOP/s reached] for square matmuls of a few sizes."""
+    attention: dict[str, list[list[float]]]
+    """dtype -> [FLOPs per call, FLOP/s reached] for causal scaled dot-product attention, forward and backward."""
+    op_s: float
+    """One tiny ATen op, alone (a view costs about this)."""
+    step_op_s: float
+    """Per op of a tiny training step (forward, backward, clipping, AdamW): the op with the Python, autograd and
+    optimizer bookkeeping around it."""
+    elementwise: dict[str, list[list[float]]]
+    """kind (KINDS) -> [bytes written per call, seconds per byte written]."""
+    batch: list[float]
+    """[seconds per batch, seconds per sample] of a DataLoader over an in-memory dataset."""
+    jitter: list[float] = field(default_factory=lambda: [1.0, 0.0])
+    """[mean / best, standard deviation / mean] of a burst of work timed repeatedly: a step's typical slowdown
+    from its best here, and the spread of the ranks' steps."""
+    dtensor_op_s: float = 0.0
+    """What an op on DTensors costs beyond its local op (sharding propagation, in Python)."""
+    collectives: dict[str, list[float]] = field(default_factory=dict)
+    """kind -> [latency in seconds, bytes per second each rank sends (ring wire bytes)]; {} for one rank."""
+    measured_s: float = 0.0
+    busy_cores: float = 0.0
+    """Other processes' CPU use while this was measured, in cores on average."""
+    measured_at: float = 0.0
+    """Unix time of the measurement."""
+    version: int = VERSION
+
+    def matmul_rate(self, dtype: str, flops_per_call: float) -> float:
+        return _interpolate(self.matmul.get(dtype) or self.matmul["fp32"], flops_per_call)
+
+    def attention_rate(self, dtype: str, flops_per_call: float) -> float:
+        return _interpolate(self.attention.get(dtype) or self.attention["fp32"], flops_per_call)
+
+    def seconds_per_byte(self, kind: str, bytes_per_call: float) -> float:
+        return _interpolate(self.elementwise[kind], bytes_per_call)
+
+    def batch_s(self, samples: int) -> float:
+        return self.batch[0] + self.batch[1] * samples
+
+    def collective_s(self, kind: str, count: float, wire_bytes: float) -> float:
+        latency, bandwidth = self.collectives.get(kind) or self.collectives["all_reduce"]
+        return count * latency + wire_bytes / bandwidth
+
+    def describe(self) -> str:
+        fp32 = max(rate for _, rate in self.matmul["fp32"])
+        parts = [(f"{self.ranks} rank(s) x {self.threads} thread(s), measured side by side: matmul up to "
+                  f"{fp32 / 1e9:.0f} GFLOP/s fp32"),
+                 f"{1e6 * self.step_op_s:.1f} us per op of a training step ({1e6 * self.op_s:.1f} us alone)",
+                 f"elementwise {1 / self.seconds_per_byte('copy', 2**20) / 1e9:.1f} GB/s written at 1 MiB"]
+        if self.collectives:
+            latency, bandwidth = self.collectives["all_reduce"]
+            parts.append(f"gloo all-reduce {1e6 * latency:.0f} us + bytes at {bandwidth / 1e9:.2f} GB/s")
+        return ", ".join(parts)
+
+
+def _interpolate(points: list[list[float]], x: float) -> float:
+    """Log-log interpolation between measured points; the nearest end beyond them."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, deadline_s: float) -> MachineProfile:
+    """Measure in `ranks` children at once (forked, or spawned: fresh interpreters for more than one thread, as
+    OpenMP does not survive a fork), within `deadline_s`. RuntimeError saying why when a child fails."""
+    import psutil
+
+    if fork:  # what the children run imports these once here, not in each child (AdamW pulls in dynamo: ~1.3 s)
+        for name in ("torch._dynamo", "torch.distributed.tensor", "torch.utils.data"):
+            importlib.import_module(name)
+    ctx = multiprocessing.get_context("fork" if fork else "spawn")
+    started, busy_before, own_before = time.perf_counter(), _busy_s(psutil), time.process_time()
+    with tempfile.TemporaryDirectory(prefix="workbench-machine-") as tmp:
+        barrier = ctx.Barrier(ranks)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(ranks)]
+        children = [ctx.Process(target=_child, args=(r, ranks, threads, os.path.join(tmp, "store"), barrier, w),
+                                daemon=True, name=f"workbench-machine-{r}") for r, (_, w) in enumerate(pipes)]
+        try:
+            for child in children:
+                child.start()
+            for _, writer in pipes:
+                writer.close()
+            answers = _collect([reader for reader, _ in pipes], children, started + deadline_s)
+        finally:
+            for child in children:
+                child.join(timeout=2.0)
+                if child.is_alive():
+                    child.kill()
+                    child.join(timeout=5.0)
+    wall = time.perf_counter() - started
+    ours = sum(a["cpu_s"] for a in answers) + time.process_time() - own_before
+    busy = max(0.0, (_busy_s(psutil) - busy_before - ours) / wall)
+    figures = answers[0]
+    return MachineProfile(machine=machine, ranks=ranks, threads=threads, matmul=figures["matmul"],
+                          attention=figures["attention"], op_s=figures["op_s"], step_op_s=figures["step_op_s"],
+                          elementwise=figures["elementwise"], batch=figures["batch"], jitter=figures["jitter"],
+                          dtensor_op_s=figures["dtensor_op_s"], collectives=figures.get("collectives", {}),
+                          measured_s=wall, busy_cores=busy, measured_at=time.time())
+
+
+def _busy_s(psutil: Any) -> float:
+    """CPU seconds all cores spent busy so far (steal included: time the hypervisor gave to others)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
+def _collect(readers: list[Any], children: list[Any], deadline: float) -> list[dict[str, Any]]:
+    answers: dict[int, dict[str, Any]] = {}
+    pending = dict(enumerate(readers))
+    while pending:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise RuntimeError(f"measuring this machine took longer than its deadline (children {sorted(pending)} "
+                               "still running)")
+        for reader in wait(list(pending.values()), timeout=left):
+            rank = next(r for r, c in pending.items() if c is reader)
+            try:
+                ok, payload = reader.recv()
+            except EOFError:
+                raise RuntimeError(f"measuring this machine: child {rank} ended without an answer (exit code "
+                                   f"{children[rank].exitcode})") from None
+            if not ok:
+                raise RuntimeError(f"measuring this machine: child {rank} failed: {payload}")
+            answers[rank] = payload
+            del pending[rank]
+    return [answers[r] for r in range(len(readers))]
+
+
+def _child(rank: int, ranks: int, threads: int, store: str, barrier: Any, writer: Any) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        barrier.wait(60.0)  # all at once: the ranks of a run compute side by side
+        figures = {**compute_figures(), **distributed_figures(rank, ranks, store)}
+        figures["cpu_s"] = time.process_time()
+        writer.send((True, figures))
+    except BaseException as e:  # noqa: BLE001  (sent to the parent, which raises it)
+        writer.send((False, f"{type(e).__name__}: {e}"))
+    finally:
+        writer.close()
+        os._exit(0)  # a forked child must not run the parent's exit handlers

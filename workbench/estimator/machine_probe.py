@@ -1,0 +1,285 @@
+"""What a machine profile (machine.py) measures, run in each of its children: the kernels a small model's step
+is made of, and gloo's collectives. Also how an ATen op of a traced step is classed for pricing (op_kind), as
+the profile's per-op figures are defined by the same classes.
+
+Every compute figure is the best of many short rounds: other processes only ever add time, so the best round is
+what the machine itself does. Collectives are their mean: every step pays its share of their stalls.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+VERSION = 1
+"""Bumped when what is measured changes: stored profiles of another version are measured again."""
+KINDS = ("copy", "inplace", "math", "random")
+"""Elementwise kinds: out-of-place arithmetic, in-place arithmetic, transcendental (gelu, exp), random (dropout)."""
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+MATMUL_SIZES = (16, 32, 64, 128, 256, 512)
+ATTENTION_SHAPES = ((2, 2, 64, 32), (8, 4, 128, 64))
+"""(batch, heads, sequence, head size) of the attention measured forward and backward."""
+ATTENTION_OPS = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
+ELEMENTWISE_BYTES = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
+COLLECTIVE_BYTES = (4 * 1024, 1024 * 1024)
+COLLECTIVE_ITERS = 30
+JITTER_BURSTS = 60
+ROUND_S = 0.001
+ROUNDS = 12
+"""Short rounds, many: on a busy machine the best of them still fits between other processes' turns."""
+
+# ---- what an ATen op costs ------------------------------------------------------------------------------------
+FREE = ("prim.", "profiler.")
+VIEWS = frozenset({
+    "t", "view", "_unsafe_view", "transpose", "permute", "expand", "as_strided", "slice", "select", "unsqueeze",
+    "squeeze", "detach", "alias", "split", "split_with_sizes", "chunk", "unbind", "narrow", "_reshape_alias",
+    "diagonal", "unfold", "view_as_real", "view_as_complex", "lift_fresh", "_local_scalar_dense", "expand_as",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_"})
+"""Ops that write no data (views, fresh allocations, reading a scalar out): they cost their dispatch only."""
+FLOP_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "_convolution",
+            "_scaled_dot_product", "_flash_attention", "_efficient_attention")
+RANDOM = frozenset({"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "native_dropout", "rand", "randn",
+                    "rand_like", "randn_like", "randint", "randperm", "exponential_", "multinomial"})
+MATH = ("gelu", "exp", "log", "tanh", "sigmoid", "erf", "silu", "softplus", "mish", "_softmax", "_log_softmax",
+        "native_layer_norm", "native_group_norm", "native_batch_norm", "_fused_rms_norm", "pow", "sin", "cos")
+
+
+def op_kind(name: str) -> str:
+    """'free' (no kernel: prim.device, profiler ranges), 'view', 'flop', an elementwise kind (KINDS), or 'dtensor'
+    (an op on DTensors, 'dtensor.aten.add_': the sharding bookkeeping around the local op, which is counted
+    on its own), for an op named as StepTrace.ops names it ('aten.mm')."""
+    if name.startswith(FREE):
+        return "free"
+    if name.startswith("dtensor."):
+        return "dtensor"
+    op = name.split(".", 1)[-1]
+    if op in VIEWS:
+        return "view"
+    if op.startswith(FLOP_OPS) and not op.endswith("_"):
+        return "flop"
+    if op in RANDOM:
+        return "random"
+    if op.startswith(MATH):
+        return "math"
+    return "inplace" if op.endswith("_") else "copy"
+
+
+def best(fn: Callable[[], Any], round_s: float = ROUND_S, rounds: int = ROUNDS) -> float:
+    """Seconds per call: the fastest of `rounds` rounds of about `round_s` each (after one call to warm up)."""
+    fn()
+    fastest = float("inf")
+    for _ in range(rounds):
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= round_s:
+                break
+        fastest = min(fastest, elapsed / n)
+    return fastest
+
+
+# ---- compute -------------------------------------------------------------------------------------------------
+def compute_figures() -> dict[str, Any]:
+    tiny = torch.ones(1)
+    op_s = best(lambda: torch.add(tiny, tiny))
+    return {"matmul": _matmul(), "attention": _attention(), "op_s": op_s, "step_op_s": _step_op_s(op_s),
+            "elementwise": _elementwise(), "batch": _batch(), "jitter": _jitter()}
+
+
+def _jitter() -> list[float]:
+    """[mean / best, standard deviation / mean] of the same burst of work timed again and again (the slowest
+    twentieth left out): how much slower than its best a rank's step runs here on average (about ranks / cores
+    when the ranks outnumber the cores), and how far apart the ranks' steps end."""
+    a = torch.randn(128, 128)
+    times = []
+    for _ in range(JITTER_BURSTS):
+        start = time.perf_counter()
+        for _ in range(20):
+            torch.mm(a, a)
+        times.append(time.perf_counter() - start)
+    kept = sorted(times)[:len(times) - len(times) // 20]
+    mean = statistics.fmean(kept)
+    return [mean / kept[0], statistics.pstdev(kept) / mean]
+
+
+def _matmul() -> dict[str, list[list[float]]]:
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        points = []
+        for n in MATMUL_SIZES:
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            points.append([2.0 * n**3, 2.0 * n**3 / best(lambda a=a, b=b: torch.mm(a, b))])
+        out[name] = points
+    return out
+
+
+def _attention() -> dict[str, list[list[float]]]:
+    """[FLOPs per call, FLOP/s] of scaled dot-product attention, forward and backward (FLOPs counted in full, as
+    FlopCounterMode counts them: 4 x B x H x T^2 x D forward, twice that backward)."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        points = []
+        for b, h, t, d in ATTENTION_SHAPES:
+            q, k, v = (torch.randn(b, h, t, d, dtype=dtype, requires_grad=True) for _ in range(3))
+
+            def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+                scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+            flops = 3 * 4.0 * b * h * t * t * d
+            points.append([flops / 3, flops / best(step)])  # per call: a forward or a backward
+        out[name] = points
+    return out
+
+
+def _elementwise() -> dict[str, list[list[float]]]:
+    out: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+    for nbytes in ELEMENTWISE_BYTES:
+        a, b = torch.rand(nbytes // 4) + 0.5, torch.rand(nbytes // 4) + 0.5
+        # math: a transcendental op forward and its backward, which reads twice as much, on average
+        kernels = {"copy": lambda a=a, b=b: torch.mul(a, b), "inplace": lambda a=a, b=b: a.add_(b),
+                   "math": lambda a=a, b=b: (torch.nn.functional.gelu(a), torch.ops.aten.gelu_backward(b, a)),
+                   "random": lambda b=b: b.bernoulli_(0.5)}
+        for kind, fn in kernels.items():
+            out[kind].append([float(nbytes), best(fn) / nbytes / (2 if kind == "math" else 1)])
+    return out
+
+
+def _batch() -> list[float]:
+    """[seconds per batch, seconds per sample] of the DataLoader the trainer uses, over an in-memory dataset."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dataset = TensorDataset(torch.randn(1 << 14, 64), torch.randint(0, 10, (1 << 14,)))
+    per_batch = []
+    for size in (1, 64):
+        batches = iter(DataLoader(dataset, batch_size=size, shuffle=True))
+        per_batch.append(best(lambda batches=batches: next(batches), rounds=6))
+    per_sample = max(0.0, (per_batch[1] - per_batch[0]) / 63)
+    return [max(0.0, per_batch[0] - per_sample), per_sample]
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ATen ops by name, as the estimate's trace does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_op_s(op_s: float) -> float:
+    """Seconds per op of a tiny training step (an MLP of width 8: its kernels do next to nothing), the op's views
+    at `op_s` each: what every op of a real step pays before its kernel does any work."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.1),
+                          nn.Linear(8, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+
+    def step() -> None:
+        nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists from here on
+    with _OpCounter() as counter:
+        step()
+    kinds = Counter({kind: 0 for kind in ("free", "view")})
+    for name, n in counter.ops.items():
+        kinds[op_kind(name)] += n
+    views, working = kinds["view"], sum(kinds.values()) - kinds["view"] - kinds["free"]
+    return max(op_s, (best(step, round_s=0.002) - views * op_s) / working)
+
+
+# ---- gloo and DTensor ------------------------------------------------------------------------------------------
+def distributed_figures(rank: int, ranks: int, store: str) -> dict[str, Any]:
+    """What needs the ranks' process group (each child calls it): the extra cost of an op on DTensors (FSDP2's
+    parameters, tensor parallel's activations), and, for two ranks or more, gloo's collectives."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks,
+                            timeout=timedelta(seconds=60))
+    try:
+        out: dict[str, Any] = {"dtensor_op_s": _dtensor_op_s(ranks)}
+        if ranks > 1:
+            out["collectives"] = _collectives(dist, rank, ranks)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor_op_s(ranks: int) -> float:
+    """Seconds a pointwise op on sharded DTensors takes beyond the same op on their local tensors: the
+    optimizer's ops of a sharded run, as AdamW issues them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ranks,))
+    a, b = (distribute_tensor(torch.rand(8 * ranks, 8) + 0.5, mesh, [Shard(0)]) for _ in range(2))
+    la, lb = a.to_local(), b.to_local()
+
+    def ops(x: torch.Tensor, y: torch.Tensor) -> None:
+        x.lerp_(y, 0.1)
+        x.mul_(0.999).addcmul_(y, y, value=0.001)
+        x.addcdiv_(y, y.sqrt().add_(1.0), value=-0.001)
+
+    return max(0.0, (best(lambda: ops(a, b)) - best(lambda: ops(la, lb))) / 6)
+
+
+def _collectives(dist: Any, rank: int, ranks: int) -> dict[str, list[float]]:
+    """kind -> [latency s, wire bytes/s] between this machine's `ranks` processes."""
+    from workbench.estimator.fake_world import wire_bytes
+
+    out = {}
+    for kind in COLLECTIVES:
+        (small, large) = [_collective_s(dist, kind, nbytes, rank, ranks) for nbytes in COLLECTIVE_BYTES]
+        wire = wire_bytes(kind, COLLECTIVE_BYTES[1], 2 if kind == "send" else ranks)
+        # The small message is all latency; the large one's time beyond it is its bytes. A large message timed
+        # no slower than the small one (a noisy moment) still gets a finite bandwidth: a tenth of its time.
+        out[kind] = [small, wire / max(large - small, 0.1 * large)]
+    return out
+
+
+def _collective_s(dist: Any, kind: str, nbytes: int, rank: int, ranks: int) -> float:
+    """Rank 0's mean time of one collective of `nbytes` (the full buffer), each started together (a barrier
+    before it). The mean, not the median: on a shared machine a collective now and then waits milliseconds for
+    a rank's threads to be scheduled, and every step pays its share of those waits. The slowest tenth is left
+    out, so one long stall doesn't decide it."""
+    full, part = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // ranks)
+    ops = {"all_reduce": lambda: dist.all_reduce(full),
+           "all_gather": lambda: getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(full, part),
+           "reduce_scatter": lambda: getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(part, full),
+           "broadcast": lambda: dist.broadcast(full, 0), "send": lambda: _ping(dist, full, rank)}
+    times = []
+    for i in range(COLLECTIVE_ITERS + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        ops[kind]()
+        if i >= 2:  # two to warm up
+            times.append(time.perf_counter() - start)
+    kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
+    return statistics.fmean(kept) / (2 if kind == "send" else 1)
+
+
+def _ping(dist: Any, tensor: torch.Tensor, rank: int) -> None:
+    """Rank 0 sends to rank 1 and back: a round trip, two sends (other ranks wait at the next barrier)."""
+    if rank == 0:
+        dist.send(tensor, 1)
+        dist.recv(tensor, 1)
+    elif rank == 1:
+        dist.recv(tensor, 0)
+        dist.send(tensor, 0)

@@ -1,0 +1,175 @@
+"""A traced step's time before anything is learnt from runs: op by op against this machine's measured profile on
+a CPU target, from the datasheet on a GPU target.
+
+CPU: a small model's step is mostly fixed costs, so every ATen op the step dispatches pays the per-op cost of a
+training step measured here (views the cost of a bare op, ops on DTensors their sharding bookkeeping on top);
+matrix multiplies and attention run at the FLOP/s measured for their size and dtype; elementwise ops at the
+seconds per byte measured for their kind and size; each micro-batch costs a DataLoader fetch; all of it as much
+slower than its best as the same work runs here on average. Collectives cost gloo's measured latency plus their
+ring bytes over its measured bandwidth, and none of it hides behind compute: the ranks already use every core,
+and gloo copies and sums on those cores.
+
+GPU: FLOPs at a typical fraction of the datasheet peak, elementwise bytes at the datasheet memory bandwidth,
+never less than the host's time to launch the step's kernels; collectives at a per-collective latency plus
+ring bytes over the datasheet link; data-parallel ones overlap compute.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from workbench.estimator.catalog import NETWORKS, Accelerator
+from workbench.estimator.machine_probe import op_kind
+from workbench.estimator.trace import StepTrace
+from workbench.utils.units import fmt_seconds
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+    from workbench.estimator.machine import MachineProfile
+
+GPU_EFFICIENCY = 0.4
+"""Fraction of the datasheet peak FLOP/s a GPU step's matrix multiplies reach before runs teach otherwise."""
+GPU_LAUNCH_S = 5e-6
+"""Host time to launch one kernel (PyTorch eager dispatch plus cudaLaunchKernel): a step is never shorter."""
+GPU_DTENSOR_S = 20e-6
+"""Host time DTensor's sharding propagation adds to an op on DTensors (a cached propagation, in Python)."""
+NCCL_LATENCY_S = {False: 20e-6, True: 50e-6}
+"""Per-collective latency within a node (NVLink/PCIe) and across nodes, as nccl-tests show for small messages."""
+
+
+@dataclass
+class RawStep:
+    """One rank's step before learning, in seconds, with its parts."""
+
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    efficiency: float
+    parts: dict[str, float] = field(default_factory=dict)
+    """What compute_s is made of: 'matmul', 'elementwise', 'dispatch', 'data' (CPU); 'matmul', 'memory',
+    'launch' (GPU)."""
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+
+def by_kind(trace: StepTrace) -> dict[str, list[tuple[str, int, int]]]:
+    """The trace's ops grouped by kind (op_kind): (name, count, bytes written). Views write nothing, whatever the
+    trace's op_bytes says of them."""
+    out: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+    for name, count in trace.ops.items():
+        kind = op_kind(name)
+        if count > 0 and kind != "free":
+            out[kind].append((name, count, 0 if kind == "view" else int(trace.op_bytes.get(name, 0))))
+    return out
+
+
+def _collective_kind(key: str) -> str:
+    return key.split("@", 1)[0]
+
+
+def cpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]],
+             profile: MachineProfile) -> RawStep:
+    """The step on this machine's CPU, from its measured profile."""
+    ops = by_kind(trace)
+    dtype = "bf16" if cfg.precision == "bf16" else "fp32"
+    matmul, flops_words = _flop_time(trace, ops.get("flop", []), dtype, profile)
+    elementwise = sum(nbytes * profile.seconds_per_byte(kind, nbytes / count)
+                      for kind, rows in ops.items() if kind not in ("flop", "view", "dtensor")
+                      for _, count, nbytes in rows if nbytes)
+    views = sum(count for _, count, _ in ops.get("view", []))
+    sharded = sum(count for _, count, _ in ops.get("dtensor", []))
+    working = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
+    dispatch = views * profile.op_s + working * profile.step_op_s + sharded * profile.dtensor_op_s
+    batch = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0
+    data = cfg.grad_accum_steps * profile.batch_s(batch)
+    comm = sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
+               for key, rec in [*trace.comm.items(), *extra_comm.items()] if rec["count"])
+    # Figures are each kernel's best; a step runs as much slower than its best as the same work does here on
+    # average (more ranks than cores share them: about ranks / cores)
+    slowdown = profile.jitter[0]
+    compute = (matmul + elementwise + dispatch + data) * slowdown
+    peak = max(r for _, r in profile.matmul.get(dtype) or profile.matmul["fp32"])
+    on_dtensors = f", {sharded} ops on DTensors at {1e6 * profile.dtensor_op_s:.1f} us more" if sharded else ""
+    assumptions = [
+        f"this machine measured ({profile.describe()})",
+        f"compute {fmt_seconds(compute)}: {flops_words}, {fmt_seconds(matmul)}; "
+        f"elementwise writes at the measured seconds per byte of their kind and size, {fmt_seconds(elementwise)}; "
+        f"{working} ops at {1e6 * profile.step_op_s:.1f} us and {views} views at {1e6 * profile.op_s:.1f} us each"
+        f"{on_dtensors}, {fmt_seconds(dispatch)}; {cfg.grad_accum_steps} batch fetch(es) of {batch}, "
+        f"{fmt_seconds(data)}; all of it x {slowdown:.2f}, as much slower than its best as the same work runs here on "
+        "average (measured)",
+        f"communication {fmt_seconds(comm)}: gloo's measured latency per collective (its mean, stalls included) "
+        "plus ring bytes at its measured bandwidth; none of it hides behind compute (the ranks use every core, and "
+        "gloo copies and sums on them)"]
+    return RawStep(compute_s=compute, comm_s=comm, exposed_comm_s=comm,
+                   efficiency=trace.flops / compute / peak if compute else 0.0,
+                   parts={"matmul": matmul, "elementwise": elementwise, "dispatch": dispatch, "data": data,
+                          "slowdown": compute - (matmul + elementwise + dispatch + data)},
+                   assumptions=assumptions)
+
+
+def _flop_time(trace: StepTrace, rows: list[tuple[str, int, int]], dtype: str,
+               profile: MachineProfile) -> tuple[float, str]:
+    """Seconds of the FLOP-bound ops, and how they were priced: per op name at the rate measured for its mean
+    size (attention at attention's rate) when the trace counts FLOPs per op (StepTrace.op_flops), else all FLOPs
+    at the matmul rate of the mean call."""
+    from workbench.estimator.machine_probe import ATTENTION_OPS
+
+    calls = sum(count for _, count, _ in rows)
+    if not calls or not trace.flops:
+        return 0.0, "no matrix multiplies"
+    per_op = getattr(trace, "op_flops", None) or {}
+    if not per_op:
+        rate = profile.matmul_rate(dtype, trace.flops / calls)
+        return trace.flops / rate, (f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs) at "
+                                    f"{rate / 1e9:.0f} GFLOP/s {dtype}, the matmul rate measured for their mean size")
+    seconds = 0.0
+    for name, count, _ in rows:
+        flops = per_op.get(name, 0.0)
+        attention = name.split(".", 1)[-1].startswith(ATTENTION_OPS)
+        rate = (profile.attention_rate if attention else profile.matmul_rate)(dtype, flops / count) if flops else 1.0
+        seconds += flops / rate
+    return seconds, (f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs), each op at the {dtype} "
+                     "rate measured for its mean size (attention at attention's)")
+
+
+def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]], target: Accelerator,
+             nodes: int, network: str) -> RawStep:
+    """The step on a catalog GPU, from its datasheet."""
+    precision = "bf16" if cfg.precision == "fp8" and target.peak("fp8") is None else cfg.precision
+    peak = target.peak(precision)
+    if peak is None:
+        raise ValueError(f"precision={cfg.precision!r}: {target.name} lists no peak for it "
+                         f"(it lists {', '.join(target.peak_flops)})")
+    ops = by_kind(trace)
+    matmul = trace.flops / (peak * GPU_EFFICIENCY)
+    memory = sum(nbytes for kind, rows in ops.items() if kind not in ("flop", "view", "dtensor")
+                 for _, _, nbytes in rows)
+    kernels = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
+    sharded = sum(count for _, count, _ in ops.get("dtensor", []))
+    device = matmul + memory / target.memory_bandwidth
+    host = kernels * GPU_LAUNCH_S + sharded * GPU_DTENSOR_S
+    compute = max(device, host)
+    comm = 0.0
+    for rec in [*trace.comm.values(), *extra_comm.values()]:
+        bandwidth = min(target.link_bandwidth, NETWORKS[network]) if rec["spans_nodes"] else target.link_bandwidth
+        comm += rec["count"] * NCCL_LATENCY_S[bool(rec["spans_nodes"])] + rec["wire_bytes"] / bandwidth
+    exposed = max(comm - compute, comm / max(1, trace.units)) if comm else 0.0
+    assumptions = [
+        f"compute: FLOPs at {GPU_EFFICIENCY:.0%} of {target.name}'s {peak / 1e12:g} TFLOP/s {precision} datasheet "
+        f"peak, elementwise bytes at its {target.memory_bandwidth / 1e9:g} GB/s; never less than the host's time to "
+        f"launch {kernels} kernels at {1e6 * GPU_LAUNCH_S:g} us" +
+        (f" and run {sharded} DTensor ops at {1e6 * GPU_DTENSOR_S:g} us" if sharded else ""),
+        (f"communication: {1e6 * NCCL_LATENCY_S[False]:g} us per collective ({1e6 * NCCL_LATENCY_S[True]:g} us "
+         f"between nodes) plus ring bytes at {target.link_bandwidth / 1e9:g} GB/s per GPU over {target.link}"
+         + (f", {NETWORKS[network] / 1e9:g} GB/s over {network} between nodes" if nodes > 1 else "")),
+        "overlap: collectives run during compute (FSDP prefetch, DDP buckets in backward); exposed is what exceeds "
+        "compute, and never less than one shard unit's share (the first all-gather or last bucket)"]
+    return RawStep(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, efficiency=GPU_EFFICIENCY,
+                   parts={"matmul": matmul, "memory": memory / target.memory_bandwidth,
+                          "host": host}, assumptions=assumptions)
