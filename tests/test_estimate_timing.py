@@ -279,3 +279,14 @@ def test_with_flops_per_op_attention_runs_at_its_own_measured_rate() -> None:
     trace.op_flops = {"aten.mm": 1e9, "aten._scaled_dot_product_flash_attention_for_cpu": 2e8}
     split = cpu_step(CFG, trace, {}, p).parts["matmul"]
     assert split == pytest.approx(1e9 / p.matmul_rate("fp32", 1e8) + 2e8 / p.attention_rate("fp32", 1e8))
+
+
+def test_measuring_in_spawned_children_leaves_no_process_behind() -> None:
+    """Spawning starts multiprocessing's resource tracker; a measurement that started it stops it."""
+    import psutil
+
+    from workbench.estimator.machine import measure
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    measure(1, 2, {"cpu": "test"}, fork=False, deadline_s=90)
+    assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before] == []
