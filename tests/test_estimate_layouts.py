@@ -115,6 +115,9 @@ def _real_schedule_peaks(fields: dict[str, Any], timeout: float = 120.0) -> dict
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from workbench.estimator.machine import resource_tracker_pid, stop_resource_tracker
+
+    tracker_was_running = resource_tracker_pid() is not None
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     world = fields["num_processes"]
@@ -131,6 +134,10 @@ def _real_schedule_peaks(fields: dict[str, Any], timeout: float = 120.0) -> dict
         for p in procs:
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
+        out.close()
+        out.join_thread()
+        stop_resource_tracker(tracker_was_running)  # spawning started it: no process outlives the test
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

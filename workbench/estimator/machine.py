@@ -109,7 +109,7 @@ def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, de
         for name in ("torch._dynamo", "torch.distributed.tensor", "torch.utils.data"):
             importlib.import_module(name)
     ctx = multiprocessing.get_context("fork" if fork else "spawn")
-    tracker_was_running = _resource_tracker_pid() is not None
+    tracker_was_running = resource_tracker_pid() is not None
     started, busy_before, own_before = time.perf_counter(), _busy_s(psutil), time.process_time()
     with tempfile.TemporaryDirectory(prefix="workbench-machine-") as tmp:
         barrier = ctx.Barrier(ranks)
@@ -130,7 +130,7 @@ def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, de
                     child.join(timeout=5.0)
             del barrier
             if not fork:
-                _stop_resource_tracker(tracker_was_running)
+                stop_resource_tracker(tracker_was_running)
     wall = time.perf_counter() - started
     ours = sum(a["cpu_s"] for a in answers) + time.process_time() - own_before
     busy = max(0.0, (_busy_s(psutil) - busy_before - ours) / wall)
@@ -142,20 +142,20 @@ def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, de
                           measured_s=wall, busy_cores=busy, measured_at=time.time())
 
 
-def _resource_tracker_pid() -> int | None:
+def resource_tracker_pid() -> int | None:
     from multiprocessing import resource_tracker
 
     return getattr(resource_tracker._resource_tracker, "_pid", None)
 
 
-def _stop_resource_tracker(was_running: bool) -> None:
+def stop_resource_tracker(was_running: bool) -> None:
     """Spawned children start multiprocessing's resource tracker, a process that otherwise outlives the
     measurement for the life of this one (a stray child of the notebook's kernel, or of a test): stop it when
     the measurement started it. It watched only the measurement's barrier, gone by now."""
     from multiprocessing import resource_tracker
 
     stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if not was_running and _resource_tracker_pid() is not None and stop is not None:
+    if not was_running and resource_tracker_pid() is not None and stop is not None:
         stop()
 
 
