@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from workbench.config.mesh import ParallelDims, shards
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
-from workbench.estimator.fake_world import wire_bytes
 from workbench.estimator.held import held_for
 from workbench.estimator.layout_time import layout_time
 from workbench.estimator.model import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, Estimate, RankEstimate
 from workbench.estimator.target import Target, check_plan
+from workbench.estimator.timing import COMPRESSION, replicated_comm
 from workbench.estimator.trace import StepTrace
 from workbench.estimator.trace_cache import cached_trace
 
@@ -100,15 +100,11 @@ def price(cfg: RunConfig, task: Task, trace: StepTrace, target: Accelerator, gpu
     traces = stage_traces(cfg, task, trace, target.kind == "cuda", gpus)
     assumptions: list[str] = [f"layout: {dims.describe()} over {world} rank(s)"]
     # DDP's buckets and all-reduce live in C++, out of the trace's sight; TP and PP average their own gradients
-    replicated = cfg.parallelism in ("ddp", "zero1") and world > 1 and cfg.tp == 1 and cfg.pp == 1
+    extra_comm = replicated_comm(cfg, trace, world, nodes)
     grads = trace.held["grads"]
-    factor = {"fp16": 0.5, "bf16": 0.5, "powersgd": 0.05}.get(cfg.grad_compression, 1.0)
-    buckets = grads if replicated else 0
-    extra_comm: dict[str, dict[str, Any]] = {}
-    if replicated:
-        volume = grads * factor
-        extra_comm["all_reduce@ddp"] = {"count": 1, "bytes": volume, "group": world, "spans_nodes": nodes > 1,
-                                        "wire_bytes": wire_bytes("all_reduce", volume, world), "dim": "dp_replicate"}
+    factor = COMPRESSION.get(cfg.grad_compression, 1.0)
+    buckets = grads if extra_comm else 0
+    if extra_comm:
         assumptions.append(f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes); they are "
                            f"all-reduced once per step ({factor:g} x their bytes with {cfg.grad_compression} "
                            "compression)" if cfg.grad_compression != "none" else

@@ -101,11 +101,15 @@ def device_class(target: Accelerator) -> str:
     return "cpu" if target.kind == "cpu" else f"cuda-{gpu_model(target.name)}"
 
 
+COMPRESSION = {"fp16": 0.5, "bf16": 0.5, "powersgd": 0.05}
+"""Bytes DDP's compression hooks send, as a fraction of the gradients' (powersgd: its low rank, roughly)."""
+
+
 def replicated_comm(cfg: RunConfig, trace: StepTrace, world: int, nodes: int) -> dict[str, dict[str, Any]]:
     """DDP's gradient all-reduce, which the trace can't see (its buckets live in C++), for replicated modes."""
     if not (cfg.parallelism in ("ddp", "zero1") and world > 1 and cfg.tp == 1 and cfg.pp == 1):
         return {}
-    volume = trace.held["grads"] * {"fp16": 0.5, "bf16": 0.5, "powersgd": 0.05}.get(cfg.grad_compression, 1.0)
+    volume = trace.held["grads"] * COMPRESSION.get(cfg.grad_compression, 1.0)
     return {"all_reduce@ddp": {"count": 1, "bytes": volume, "group": world, "spans_nodes": nodes > 1,
                                "wire_bytes": wire_bytes("all_reduce", volume, world), "dim": "dp_replicate"}}
 

@@ -7,9 +7,11 @@ thread that waits for the run. The logic needs no browser: tests drive the widge
 
 from __future__ import annotations
 
+import contextlib
 import html
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import ipywidgets as widgets
@@ -185,17 +187,23 @@ class Panel(RunActions):
         self._fill(cfg)
 
     def _fill(self, cfg: RunConfig) -> None:
-        self._filling = True
-        try:
+        with self._quietly():
             c = self.controls
             self.task_controls.set(self._task_object(cfg.task), cfg.task_options)
             c["task"].options = self._task_options(cfg.task)
             for name, control in c.items():
                 value = getattr(cfg, name)
                 control.value = "" if value is None else str(value) if name == "micro_batch_size" else value
+        self._derive()
+
+    @contextlib.contextmanager
+    def _quietly(self) -> Iterator[None]:
+        """Set controls from code without each change re-deriving the panel (the caller derives once)."""
+        self._filling = True
+        try:
+            yield
         finally:
             self._filling = False
-        self._derive()
 
     def _on_control(self, change: dict[str, Any]) -> None:
         if self._filling:
@@ -204,18 +212,12 @@ class Panel(RunActions):
         if change["owner"] is c["task"]:  # the old task's options don't carry over
             self.task_controls.set(self._task_object(change["new"]), {})
         if change["owner"] is c["num_processes"]:
-            self._filling = True  # one world size: GPUs per node follows the processes box
-            try:
+            with self._quietly():  # one world size: GPUs per node follows the processes box
                 self.target_controls.follow_processes(change["new"])
-            finally:
-                self._filling = False
         if change["owner"] is c["parallelism"]:
-            self._filling = True  # the shard group is hsdp's alone: a valid size on, 0 off
-            try:
+            with self._quietly():  # the shard group is hsdp's alone: a valid size on, 0 off
                 c["dp_shard"].value = (default_shard_group(c["num_processes"].value, c["tp"].value)
                                        if change["new"] == "hsdp" else 0)
-            finally:
-                self._filling = False
         self._derive()
 
     def _on_target(self, change: dict[str, Any]) -> None:
@@ -225,11 +227,8 @@ class Panel(RunActions):
         self._relabel_precisions()
         world = self.target_controls.world
         if world is not None:
-            self._filling = True  # the processes box follows GPUs x nodes
-            try:
+            with self._quietly():  # the processes box follows GPUs x nodes
                 self.controls["num_processes"].value = world
-            finally:
-                self._filling = False
         self._derive()
 
 
@@ -298,12 +297,9 @@ class Panel(RunActions):
         device = self.device if target.local else "cuda"
         options, self.precision_reasons = precision_options(device, hw)
         control = self.controls["precision"]
-        value, self._filling = control.value, True
-        try:
-            control.options, control.value = options, value
+        with self._quietly():
+            control.options, control.value = options, control.value
             control.tooltip = "; ".join(self.precision_reasons.values()) or None
-        finally:
-            self._filling = False
 
     def _show_fields(self, cfg: RunConfig | None) -> None:
         """Controls that mean something only for some settings are shown only then."""
