@@ -15,7 +15,7 @@ from workbench.estimator import machine_cache
 from workbench.estimator.catalog import lookup
 from workbench.estimator.machine import MachineProfile
 from workbench.estimator.machine_probe import COLLECTIVES, KINDS, op_kind
-from workbench.estimator.op_time import GPU_EFFICIENCY, GPU_LAUNCH_S, cpu_step, gpu_step
+from workbench.estimator.op_time import GPU_EFFICIENCY, GPU_LAUNCH_S, GPU_STEP_S, cpu_step, gpu_step
 from workbench.estimator.trace import StepTrace
 
 
@@ -162,7 +162,7 @@ def test_a_gpu_target_is_priced_from_its_datasheet_not_this_machine(monkeypatch:
     assert t.compute_s == pytest.approx(matmul + 10**9 / h100.memory_bandwidth)
     assert t.comm_s == pytest.approx(4 * 20e-6 + 1e9 / h100.link_bandwidth) and t.correction == 1.0
     tiny = gpu_step(CFG, made_up_trace(1e6, {"aten.mm": (1000, 0)}), {}, h100, 1, "infiniband")
-    assert tiny.compute_s == pytest.approx(1000 * GPU_LAUNCH_S), "never faster than launching its kernels"
+    assert tiny.compute_s == pytest.approx(GPU_STEP_S + 1000 * GPU_LAUNCH_S), "never faster than launching its kernels"
 
 
 # ---- learning from completed runs -------------------------------------------------------------------------------

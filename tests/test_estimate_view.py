@@ -251,3 +251,13 @@ def test_the_speed_benchmark_times_a_fresh_first_estimate_and_answers_from_memor
     assert not SpeedReport([SpeedRow("digits", "8 x H100", "estimate()", [2.5], [2.0], [1.0], {"s": [0.5]})]).passed
     assert not SpeedReport([SpeedRow("digits", "8 x H100", "estimate()", [2.5], [2.0], [1.0], {"s": [0.05]},
                                      cached_traces=1)]).passed
+
+
+def test_a_gpu_target_counts_cublas_workspaces_with_the_tensors_and_a_cpu_target_does_not() -> None:
+    from workbench.estimator.model import CUBLAS_WORKSPACE_BYTES
+
+    cfg = cfg_of(parallelism="zero3", num_processes=2)  # no DDP buckets: the only extra buffer on a GPU is cuBLAS's workspace
+    gpu, cpu = estimate(cfg, H100, 2, task=get_task("digits")), estimate(cfg, task=get_task("digits"))
+    assert [r.extra_buffers for r in gpu.ranks] == [CUBLAS_WORKSPACE_BYTES] * 2
+    assert all(r.tensors == r.tracked_peak + CUBLAS_WORKSPACE_BYTES for r in gpu.ranks)
+    assert [r.extra_buffers for r in cpu.ranks] == [0, 0] and any("cuBLAS" in a for a in gpu.assumptions)

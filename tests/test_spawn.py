@@ -244,3 +244,15 @@ class _Touch:
 
     def __reduce__(self):  # noqa: ANN204
         return (Path.touch, (self.path,))
+
+
+def test_a_cuda_run_starts_fresh_interpreters_even_before_cuda_is_initialised(
+        runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.is_available() alone leaves a fork unable to use CUDA, and is_initialized() can't tell
+    monkeypatch.setattr(spawn, "run_uses_cuda", lambda cfg: True)
+    assert not torch.cuda.is_initialized()
+    plan = spawn.plan_start(cfg_for(runs_dir), TinyRegression(), "fork")
+    assert plan.method == "spawn" and plan.payload and "a CUDA run" in plan.reason
+    fallback = spawn.plan_start(cfg_for(runs_dir), Unpicklable(), "fork")
+    assert (fallback.method, fallback.payload) == ("fork", None) and "can't be pickled" in fallback.reason
+    assert fallback.level == logging.WARNING

@@ -9,7 +9,13 @@ from workbench.config.mesh import ParallelDims, shards
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
 from workbench.estimator.held import held_for
 from workbench.estimator.layout_time import layout_time
-from workbench.estimator.model import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, Estimate, RankEstimate
+from workbench.estimator.model import (
+    CPU_OVERHEAD_BYTES,
+    CUBLAS_WORKSPACE_BYTES,
+    GPU_OVERHEAD_BYTES,
+    Estimate,
+    RankEstimate,
+)
 from workbench.estimator.target import Target, check_plan
 from workbench.estimator.timing import COMPRESSION, replicated_comm
 from workbench.estimator.trace import StepTrace
@@ -113,9 +119,13 @@ def price(cfg: RunConfig, task: Task, trace: StepTrace, target: Accelerator, gpu
     assumptions += _layout_memory_notes(cfg, traces, dims)
     overhead = GPU_OVERHEAD_BYTES if target.kind == "cuda" else CPU_OVERHEAD_BYTES
     assumptions.append(f"runtime overhead {overhead / 2**30:.2f} GiB per rank: " +
-                       ("CUDA context and cuBLAS/NCCL workspaces" if target.kind == "cuda" else
+                       ("CUDA context and NCCL's buffers" if target.kind == "cuda" else
                         "the Python interpreter, torch and accelerate before any tensor"))
-    ranks = _ranks(cfg, traces, world, overhead, buckets)
+    if target.kind == "cuda":
+        assumptions.append(f"cuBLAS workspaces {CUBLAS_WORKSPACE_BYTES / 2**20:.0f} MiB per rank, counted with the "
+                           "tensors (they come from PyTorch's caching allocator; measured on an H100)")
+    workspace = CUBLAS_WORKSPACE_BYTES if target.kind == "cuda" else 0
+    ranks = _ranks(cfg, traces, world, overhead, buckets + workspace)
     timing = layout_time(cfg, traces, extra_comm, target, nodes, network, runs_dir)
     assumptions += [*timing.assumptions,
                     "fits: the peak stays under 92% of device memory (the caching allocator fragments the rest)",

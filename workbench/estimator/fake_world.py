@@ -101,6 +101,8 @@ class CollectiveCounter(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         if any(t is DTensor for t in types):
+            # DTensor handles it (and dispatches its local ops back here); its Python overhead is counted too
+            self.ops[f"dtensor.{func.overloadpacket}"] += 1
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket)

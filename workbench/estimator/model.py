@@ -12,7 +12,10 @@ from workbench.estimator.catalog import Accelerator
 from workbench.utils.units import GiB, fmt_bytes, fmt_money, fmt_seconds, fmt_span
 
 GPU_OVERHEAD_BYTES = int(0.75 * GiB)
-"""CUDA context, cuBLAS/NCCL workspaces: about 0.5-1 GiB per GPU that no tensor accounts for."""
+"""CUDA context and NCCL's buffers: about 0.5-1 GiB per GPU that no tensor accounts for."""
+CUBLAS_WORKSPACE_BYTES = 65 * 2**20
+"""cuBLAS's and cuBLASLt's workspaces, which PyTorch takes from its caching allocator at the first matmul, so
+torch.cuda.max_memory_allocated counts them: 65 MiB measured on an H100 (digits: 65.0 MiB above its tensors)."""
 CPU_OVERHEAD_BYTES = int(0.35 * GiB)
 """A rank's Python, torch and accelerate before any tensor (this machine: about 300-400 MiB of RSS)."""
 HEADROOM = 0.08
@@ -39,12 +42,13 @@ class RankEstimate:
     """Communication buffers: FSDP all-gather/reduce-scatter, DDP gradient buckets."""
     temporaries: int
     overhead: int
-    """Runtime memory no tensor accounts for (CUDA context, workspaces; the interpreter on CPU)."""
+    """Runtime memory no tensor accounts for (CUDA context, NCCL's buffers; the interpreter on CPU)."""
     tracked_peak: int
     """The traced step's peak (tensors only; without DDP's buckets, which the trace leaves out)."""
 
     extra_buffers: int = 0
-    """Buffers the trace leaves out (DDP's gradient buckets), added from their known size."""
+    """Buffers the trace leaves out, added from their known size: DDP's gradient buckets, cuBLAS's workspaces on a
+    GPU."""
     held: dict[str, int] = field(default_factory=dict)
     """Parameters, gradients and optimizer state the rank holds at rest (its shards), by name."""
 

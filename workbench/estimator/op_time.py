@@ -31,10 +31,18 @@ if TYPE_CHECKING:
 
 GPU_EFFICIENCY = 0.4
 """Fraction of the datasheet peak FLOP/s a GPU step's matrix multiplies reach before runs teach otherwise."""
-GPU_LAUNCH_S = 5e-6
-"""Host time to launch one kernel (PyTorch eager dispatch plus cudaLaunchKernel): a step is never shorter."""
-GPU_DTENSOR_S = 20e-6
-"""Host time DTensor's sharding propagation adds to an op on DTensors (a cached propagation, in Python)."""
+GPU_LAUNCH_S = 33e-6
+"""Host time per working op of an eager step (module call, autograd, dispatch, cudaLaunchKernel): a step is never
+shorter. Measured on an H100 server (16 cores, torch 2.11, 2026-11-24): a hand-written loop and the trainer ran
+digits, char-gpt small and GPT-2 small at 24-41 us per op, with the GPU mostly idle."""
+GPU_STEP_S = 1.3e-3
+"""Host time per step that no op accounts for (the loss read back, clipping's norm, the loader): same runs."""
+GPU_VIEW_S = 8e-6
+"""Host time per view op: free in plain eager code, but FSDP2's sharded modules make thousands of them (copy-in
+and copy-out views per parameter), in Python. Fitted to the same server's zero2/zero3 runs."""
+GPU_DTENSOR_S = 65e-6
+"""Host time DTensor's sharding propagation adds to an op on DTensors (the optimizer's foreach ops, clipping):
+fitted to the same runs."""
 NCCL_LATENCY_S = {False: 20e-6, True: 50e-6}
 """Per-collective latency within a node (NVLink/PCIe) and across nodes, as nccl-tests show for small messages."""
 
@@ -152,8 +160,9 @@ def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
                  for _, _, nbytes in rows)
     kernels = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
     sharded = sum(count for _, count, _ in ops.get("dtensor", []))
+    views = sum(count for _, count, _ in ops.get("view", [])) if sharded else 0  # plain views cost ~nothing
     device = matmul + memory / target.memory_bandwidth
-    host = kernels * GPU_LAUNCH_S + sharded * GPU_DTENSOR_S
+    host = GPU_STEP_S + kernels * GPU_LAUNCH_S + views * GPU_VIEW_S + sharded * GPU_DTENSOR_S
     compute = max(device, host)
     comm = 0.0
     for rec in [*trace.comm.values(), *extra_comm.values()]:
@@ -163,8 +172,10 @@ def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
     assumptions = [
         f"compute: FLOPs at {GPU_EFFICIENCY:.0%} of {target.name}'s {peak / 1e12:g} TFLOP/s {precision} datasheet "
         f"peak, elementwise bytes at its {target.memory_bandwidth / 1e9:g} GB/s; never less than the host's time to "
-        f"launch {kernels} kernels at {1e6 * GPU_LAUNCH_S:g} us" +
-        (f" and run {sharded} DTensor ops at {1e6 * GPU_DTENSOR_S:g} us" if sharded else ""),
+        f"launch {kernels} kernels at {1e6 * GPU_LAUNCH_S:g} us (eager PyTorch, measured on an H100 server) plus "
+        f"{1e3 * GPU_STEP_S:g} ms a step" +
+        (f", {views} views at {1e6 * GPU_VIEW_S:g} us and {sharded} DTensor ops at {1e6 * GPU_DTENSOR_S:g} us"
+         if sharded else ""),
         (f"communication: {1e6 * NCCL_LATENCY_S[False]:g} us per collective ({1e6 * NCCL_LATENCY_S[True]:g} us "
          f"between nodes) plus ring bytes at {target.link_bandwidth / 1e9:g} GB/s per GPU over {target.link}"
          + (f", {NETWORKS[network] / 1e9:g} GB/s over {network} between nodes" if nodes > 1 else "")),

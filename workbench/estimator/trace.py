@@ -126,11 +126,22 @@ def allow_traces() -> None:
     ABORTED.clear()
 
 
+def _without_cuda() -> None:
+    """The trace runs on CPU fake tensors, but the optimizer's step asks the current CUDA stream whether it is
+    capturing a graph, straight through the C API: in a fork of a process that initialised CUDA (a notebook that
+    ran a GPU job), that call fails. Nothing in the child needs CUDA, so it sees none."""
+    torch.cuda.is_available = lambda: False
+    for name in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
+        if hasattr(torch.optim.Optimizer, name):
+            setattr(torch.optim.Optimizer, name, lambda self: None)
+
+
 def _trace_child(writer: Any, *args: Any) -> None:
     import logging
     import warnings
 
     torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the child clear of the parent's pool
+    _without_cuda()
     # What torch says about the traced step (DTensor's redistribution advice, the scaler's scalar warning) is for
     # a run's log, not the notebook cell that asked for an estimate.
     warnings.simplefilter("ignore")

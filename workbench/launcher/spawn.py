@@ -1,8 +1,8 @@
 """How a launch from a Python process starts its ranks: forked (the default) or as fresh interpreters (spawn).
 
-Forked ranks can't use CUDA once the caller has initialised it (the CUDA runtime does not survive fork): the
-most reported notebook-launcher failure. So a launch looks first: with start_method='auto', a CUDA run from a
-process where CUDA is initialised starts its ranks through the shell launcher (torchrun / `accelerate
+Forked ranks can't use CUDA once the caller has initialised it (the CUDA runtime does not survive fork), or
+even only asked torch.cuda.is_available(): the most reported notebook-launcher failure. So with
+start_method='auto' a CUDA run starts its ranks through the shell launcher (torchrun / `accelerate
 launch`, as `workbench train` does) on `python -m workbench.worker`, and the task object, which may be a class
 defined in a notebook cell, travels pickled with cloudpickle. What can't be pickled is refused before anything
 starts, saying what initialised CUDA and how to avoid it. The spawned ranks' output is copied to the caller's
@@ -115,15 +115,31 @@ def plan_start(cfg: RunConfig, task: Task, mode: str) -> StartPlan:
                                "forked ranks cannot use it. Set start_method='auto' or 'spawn' (ranks start as fresh "
                                "interpreters), or restart the kernel and keep CUDA work inside your Task")
         return StartPlan("fork", "start_method='fork'")
+    if cfg.start_method == "auto" and not run_uses_cuda(cfg):
+        return StartPlan("fork", "start_method='auto': a CPU run, so the ranks fork", level=logging.DEBUG)
     if cfg.start_method == "auto" and not cuda:
-        why = "a CPU run" if not run_uses_cuda(cfg) else "CUDA is not initialised in this process"
-        return StartPlan("fork", f"start_method='auto': {why}, so the ranks fork", level=logging.DEBUG)
+        return _fresh_for_cuda(task)
     if cuda:
         reason = (f"start_method={cfg.start_method!r}: CUDA is already initialised in this process ({cuda}), and "
                   "forked ranks can't use it, so the ranks start as fresh interpreters")
     else:
         reason = "start_method='spawn': the ranks start as fresh interpreters"
     return StartPlan("spawn", reason, pickle_task(task, cuda), logging.WARNING if cuda else logging.INFO)
+
+
+def _fresh_for_cuda(task: Task) -> StartPlan:
+    """A CUDA run from a process where CUDA looks untouched still starts fresh interpreters: torch's device queries
+    (torch.cuda.is_available(), device_count()) leave a fork unable to use CUDA without initialising it, and
+    torch.cuda.is_initialized() can't tell. Only a task that can't be pickled is forked, as the one way left."""
+    try:
+        payload = pickle_task(task, None)
+    except ValueError as e:
+        why = type(e.__cause__ or e).__name__
+        return StartPlan("fork", f"start_method='auto': a CUDA run would start its ranks as fresh interpreters, but "
+                                 f"the task can't be pickled ({why}), so the ranks fork (they fail if this process "
+                                 "queried CUDA first)", level=logging.WARNING)
+    return StartPlan("spawn", "start_method='auto': a CUDA run, so the ranks start as fresh interpreters (CUDA "
+                              "does not survive fork)", payload)
 
 
 def pickle_task(task: Task, cuda: str | None) -> bytes:

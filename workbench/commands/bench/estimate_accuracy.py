@@ -32,6 +32,16 @@ SHAPES = {
     "char-gpt tiny (2 x 64, ctx 64)": RunConfig(task="char-gpt", num_processes=2, micro_batch_size=16, max_steps=4,
                                                 log_every=2, eval_batches=1, task_options={"preset": "tiny"}),
 }
+GPU_SHAPES = {
+    "digits MLP (hidden 512)": SHAPES["digits MLP (hidden 512)"],
+    "char-gpt small (6 x 384, ctx 256) bf16": RunConfig(
+        task="char-gpt", num_processes=2, micro_batch_size=32, max_steps=4, log_every=2, eval_batches=1,
+        precision="bf16", task_options={"preset": "small"}),
+    "GPT-2 small (12 x 768, ctx 1024) bf16": RunConfig(
+        task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=4, log_every=2, eval_batches=1,
+        precision="bf16", task_options={"preset": "gpt2-small"}),
+}
+"""On a GPU the tiny shapes only measure the host: these are the sizes a GPU is bought for."""
 LAYOUTS: dict[str, dict[str, Any]] = {
     "ddp": {"parallelism": "ddp"},
     "zero1": {"parallelism": "zero1"},
@@ -129,12 +139,15 @@ def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, layouts: dict[
     hw = detect()
     rows = []
     device = "cpu"
+    on_gpus = resolve_device(RunConfig(), hw) == "cuda"
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
-        for shape, base in (shapes or SHAPES).items():
+        for shape, base in (shapes or (GPU_SHAPES if on_gpus else SHAPES)).items():
             for layout, fields in (layouts or LAYOUTS).items():
                 try:
                     cfg = base.replace(**fields, runs_dir=tmp, run_name=None, track_memory=fields.get("pp", 1) == 1)
                     device = resolve_device(cfg, hw)
+                    if device == "cuda":
+                        cfg = on_these_gpus(cfg, hw.max_processes("cuda"))
                     rows.append(_compare(shape, layout, cfg, hw, device == "cuda"))
                 except ValueError as e:  # the task can't run this layout: said in words by the config checks
                     rows.append(EstimateRow(shape, layout, None, None, None, note=str(e).split(";")[0].split(" (")[0]))
@@ -143,6 +156,15 @@ def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, layouts: dict[
     if json_path is not None:
         Path(json_path).write_text(json.dumps({"device": report.device, "rows": [asdict(r) for r in rows]}, indent=2))
     return report
+
+
+def on_these_gpus(cfg: RunConfig, gpus: int) -> RunConfig:
+    """The layout on this machine's GPUs: as many data-parallel replicas as fit (one GPU runs ddp and zero1-3 on
+    one rank); a model-parallel layout that needs more GPUs than there are is refused in words."""
+    group = cfg.tp * cfg.pp
+    if group > gpus:
+        raise ValueError(f"needs {group} GPUs, this machine has {gpus}")
+    return cfg.replace(num_processes=min(cfg.num_processes, gpus // group * group), oversubscribe=False)
 
 
 def _compare(shape: str, layout: str, cfg: RunConfig, hw: Any, cuda: bool) -> EstimateRow:
