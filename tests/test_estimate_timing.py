@@ -15,7 +15,15 @@ from workbench.estimator import machine_cache
 from workbench.estimator.catalog import lookup
 from workbench.estimator.machine import MachineProfile
 from workbench.estimator.machine_probe import COLLECTIVES, KINDS, op_kind
-from workbench.estimator.op_time import GPU_EFFICIENCY, GPU_LAUNCH_S, GPU_STEP_S, cpu_step, gpu_step
+from workbench.estimator.op_time import (
+    GPU_EFFICIENCY,
+    GPU_LAUNCH_S,
+    GPU_STEP_S,
+    cpu_step,
+    gpu_step,
+    layout_factor,
+    slowdown,
+)
 from workbench.estimator.trace import StepTrace
 
 
@@ -34,8 +42,13 @@ def made_up_profile(**changes: Any) -> MachineProfile:
             "matmul": {"fp32": [[1e6, 1e10], [1e8, 4e10]], "bf16": [[1e6, 2e10], [1e8, 8e10]]},
             "attention": {"fp32": [[1e6, 5e9], [1e8, 1e10]]}, "op_s": 1e-6, "step_op_s": 1e-5,
             "elementwise": {k: [[1e4, 1e-9], [1e7, 1e-10]] for k in KINDS}, "batch": [1e-4, 1e-6],
-            "dtensor_op_s": 2e-5, "collectives": {k: [1e-4, 1e9] for k in COLLECTIVES}}
+            "dtensor_op_s": 2e-5, "collectives": {k: sized(1e-4, 1e9) for k in COLLECTIVES}}
     return MachineProfile(**{**base, **changes})
+
+
+def sized(latency: float, bandwidth: float, sizes: tuple[float, ...] = (1e2, 1e4, 1e6)) -> list[list[float]]:
+    """A collective measured at `sizes` (bytes per call) as latency plus bytes over bandwidth."""
+    return [[x, latency + x / bandwidth] for x in sizes]
 
 
 def made_up_trace(flops: float = 0.0, ops: dict[str, tuple[int, int]] | None = None,
@@ -69,7 +82,12 @@ def test_the_profile_is_measured_once_then_read_from_its_file_and_a_damaged_file
     assert len(measured) == 1 and machine_cache.cache_path().is_file()
     # measured here: matmuls reach some FLOP/s, gloo has a latency and a bandwidth for every collective kind
     assert all(rate > 0 for _, rate in first.matmul["fp32"]) and set(first.collectives) == set(COLLECTIVES)
-    assert first.step_op_s >= first.op_s > 0 and all(bw > 0 for _, bw in first.collectives.values())
+    assert first.step_op_s >= first.op_s > 0 and all(t > 0 for points in first.collectives.values() for _, t in points)
+    # a real reference step, its ops counted as a trace counts them, and the same step in each layout family
+    assert first.reference["step_s"] > 0 and first.reference["flops"] > 0 and first.reference["ops"]["aten.addmm"] > 0
+    assert set(first.layouts) == {"ddp", "zero1", "fsdp"}
+    assert "all_gather@2" in first.layouts["fsdp"]["comm"] and "broadcast@2" in first.layouts["zero1"]["comm"]
+    assert first.layouts["ddp"]["comm"]["all_reduce@2"]["count"] >= 1, "DDP's buckets are seen on a real group"
 
     assert machine_cache.machine_profile(2, 1) is first, "the second call is answered from memory"
     machine_cache.forget()
@@ -139,15 +157,59 @@ def test_a_step_runs_as_much_slower_than_its_best_as_the_same_work_does_here() -
     assert shared.compute_s == pytest.approx(1.8 * quiet.compute_s)
 
 
-def test_collectives_cost_latency_plus_bytes_over_bandwidth_and_none_hides_on_cpu() -> None:
-    p = made_up_profile(collectives={**{k: [1e-4, 1e9] for k in COLLECTIVES}, "all_gather": [3e-4, 5e8]})
+def test_kernels_at_their_best_are_scaled_by_how_much_slower_the_real_reference_step_ran() -> None:
+    ops = {"aten.add_": (20, 10**6), "aten.mm": (8, 0)}
+    reference = {"ops": {"aten.add_": 10, "aten.mm": 4}, "op_bytes": {"aten.add_": 10**6}, "flops": 4e7,
+                 "flop_calls": [["aten.mm", 1e7, 4]]}
+    best = made_up_profile(jitter=[1.0, 0.0])
+    base = cpu_step(CFG, made_up_trace(8e7, ops), {}, best).compute_s
+    slow = dataclasses.replace(best, reference={**reference, "step_s": 2.5 * _priced(best, reference)})
+    assert slowdown(slow)[0] == pytest.approx(2.5) and "real training step" in slowdown(slow)[1]
+    assert cpu_step(CFG, made_up_trace(8e7, ops), {}, slow).compute_s == pytest.approx(2.5 * base)
+    fast = dataclasses.replace(best, reference={**reference, "step_s": 0.5 * _priced(best, reference)})
+    assert slowdown(fast)[0] == 1.0, "never faster than the kernels at their best"
+
+
+def _priced(profile: MachineProfile, counts: dict[str, Any]) -> float:
+    from workbench.estimator.op_time import _kernels
+
+    keys = ("ops", "op_bytes", "flops", "flop_calls")
+    return _kernels(dataclasses.replace(made_up_trace(), **{k: counts[k] for k in keys}), "fp32", profile).total
+
+
+def test_a_sharded_step_is_scaled_by_how_its_reference_ran_against_its_price_and_tp_is_not() -> None:
+    plain = {"ops": {"aten.addmm": 4, "aten.add_": 10}, "op_bytes": {"aten.add_": 10**6}, "flops": 4e7,
+             "flop_calls": [["aten.addmm", 1e7, 4]]}
+    best = made_up_profile(jitter=[1.0, 0.0])
+    plain["step_s"] = _priced(best, plain)  # the plain reference runs at its price: no slowdown
+    sharded = {**plain, "ops": {**plain["ops"], "aten.split": 30}, "comm": {"all_gather@2": collective(3, 3e4)}}
+    sharded_price = _priced(best, sharded) + best.collective_s("all_gather", 3, 3e4)
+    profile = dataclasses.replace(best, reference=plain, layouts={"fsdp": {**sharded, "plain_s": plain["step_s"],
+                                                                          "step_s": 3 * sharded_price}})
+    assert layout_factor(profile, "fsdp") == pytest.approx(3.0) and layout_factor(profile, "ddp") == 1.0
+    ops, comm = {"aten.add_": (20, 10**6), "aten.mm": (8, 0)}, {"all_gather@2": collective(6, 6e4)}
+    for parallelism, factor in (("zero3", 3.0), ("ddp", 1.0)):
+        cfg = CFG.replace(parallelism=parallelism)
+        assert cpu_step(cfg, made_up_trace(8e7, ops, comm), {}, profile).step_s == pytest.approx(
+            factor * cpu_step(cfg, made_up_trace(8e7, ops, comm), {}, best).step_s)
+    tp = CFG.replace(parallelism="zero3", tp=2)
+    assert cpu_step(tp, made_up_trace(8e7, ops, comm), {}, profile).step_s == pytest.approx(
+        cpu_step(tp, made_up_trace(8e7, ops, comm), {}, best).step_s), "no reference for tensor parallel"
+
+
+def test_collectives_cost_the_time_measured_for_their_size_and_none_hides_on_cpu() -> None:
+    p = made_up_profile(collectives={**{k: sized(1e-4, 1e9) for k in COLLECTIVES}, "all_gather": sized(3e-4, 5e8)})
     ops = {"aten.mm": (4, 0)}
     bare = cpu_step(CFG, made_up_trace(1e8, ops), {}, p)
-    one = cpu_step(CFG, made_up_trace(1e8, ops, {"all_gather@2": collective(6, 1e6)}), {}, p)
-    assert bare.comm_s == 0 and one.comm_s == pytest.approx(6 * 3e-4 + 1e6 / 5e8)
+    one = cpu_step(CFG, made_up_trace(1e8, ops, {"all_gather@2": collective(6, 6e4)}), {}, p)
+    assert bare.comm_s == 0 and one.comm_s == pytest.approx(6 * (3e-4 + 1e4 / 5e8)), "a measured size: its time"
     assert one.exposed_comm_s == one.comm_s and one.step_s == pytest.approx(bare.step_s + one.comm_s)
     ddp = cpu_step(CFG, made_up_trace(1e8, ops), {"all_reduce@ddp": collective(1, 4e6)}, p)
-    assert ddp.comm_s == pytest.approx(1e-4 + 4e6 / 1e9), "the collectives the trace can't see count too"
+    assert ddp.comm_s == pytest.approx(1e-4 + 4e6 / 1e9), "beyond the largest: its bandwidth between the last two"
+    tiny = cpu_step(CFG, made_up_trace(1e8, ops), {"all_reduce@vote": collective(3, 30)}, p)
+    assert tiny.comm_s == pytest.approx(3 * (1e-4 + 1e2 / 1e9)), "below the smallest: the smallest's time"
+    between = p.collective_s("all_reduce", 1, 1e5)
+    assert p.collective_s("all_reduce", 1, 1e4) < between < p.collective_s("all_reduce", 1, 1e6)
 
 
 def test_a_gpu_target_is_priced_from_its_datasheet_not_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,15 +332,18 @@ def test_an_estimate_traces_at_most_one_new_past_run_and_learns_the_rest_later(c
     assert learnt[-1].ratio == pytest.approx(3.0) and "(digits, ddp on 2 rank(s))" in learnt[-1].note
 
 
-def test_with_flops_per_op_attention_runs_at_its_own_measured_rate() -> None:
+def test_with_flops_per_call_each_call_runs_at_the_rate_of_its_size_and_attention_at_its_own() -> None:
     p = made_up_profile()
     ops = {"aten.mm": (10, 0), "aten._scaled_dot_product_flash_attention_for_cpu": (2, 0)}
     trace = dataclasses.replace(made_up_trace(1.2e9, ops))
     whole = cpu_step(CFG, trace, {}, p).parts["matmul"]
     assert whole == pytest.approx(1.2e9 / p.matmul_rate("fp32", 1e8)), "without them: all at the matmul rate"
-    trace.op_flops = {"aten.mm": 1e9, "aten._scaled_dot_product_flash_attention_for_cpu": 2e8}
+    trace.flop_calls = [["aten.mm", 1e7, 5], ["aten.mm", 1.9e8, 5],
+                        ["aten._scaled_dot_product_flash_attention_for_cpu", 1e8, 2]]
     split = cpu_step(CFG, trace, {}, p).parts["matmul"]
-    assert split == pytest.approx(1e9 / p.matmul_rate("fp32", 1e8) + 2e8 / p.attention_rate("fp32", 1e8))
+    assert split == pytest.approx(5e7 / p.matmul_rate("fp32", 1e7) + 9.5e8 / p.matmul_rate("fp32", 1.9e8)
+                                  + 2e8 / p.attention_rate("fp32", 1e8))
+    assert split != pytest.approx(whole)
 
 
 def test_measuring_in_spawned_children_leaves_no_process_behind() -> None:

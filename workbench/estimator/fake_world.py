@@ -95,6 +95,9 @@ class CollectiveCounter(TorchDispatchMode):
         self.comm: dict[str, dict[str, Any]] = defaultdict(new_record)
         self.ops: dict[str, int] = defaultdict(int)
         self.op_bytes: dict[str, int] = defaultdict(int)
+        self.flop_calls: dict[tuple[str, float], int] = defaultdict(int)
+        """(op name, FLOPs of one call) -> calls: a matmul's rate depends on its size, not the step's mean."""
+        self.formulas = flop_formulas()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
@@ -109,6 +112,8 @@ class CollectiveCounter(TorchDispatchMode):
         self.ops[name] += 1
         # views return no new memory; everything else writes its output once
         self.op_bytes[name] += sum(t.numel() * t.element_size() for t in _tensors(out) if t._base is None)
+        if (formula := self.formulas.get(func.overloadpacket)) is not None:
+            self.flop_calls[name, float(formula(*args, **(kwargs or {}), out_val=out))] += 1
         if func in collective_ops and func not in sync_ops and (kind := _kind(str(func))):
             nbytes = CollectiveOp.get_comm_tensor_size(func, out, args, kwargs or {})
             pg = CollectiveOp.get_process_group(func, args)
@@ -123,6 +128,21 @@ class CollectiveCounter(TorchDispatchMode):
         rec["bytes"] += nbytes
         rec["wire_bytes"] += wire_bytes(kind, nbytes, len(ranks)) if wire is None else wire
         rec["group"], rec["spans_nodes"], rec["dim"] = len(ranks), spans, dim
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """FlopCounterMode's formulas, by op, with the ones it lacks (flops.py)."""
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
+
+    return {**flop_registry, **{op.overloadpacket if hasattr(op, "overloadpacket") else op: shape_wrapper(f)
+                                for op, f in EXTRA_FLOP_FORMULAS.items()}}
+
+
+def flop_call_rows(calls: dict[tuple[str, float], int]) -> list[list[Any]]:
+    """[op name, FLOPs per call, calls] for each counted size with FLOPs (for a StepTrace)."""
+    return [[name, flops, n] for (name, flops), n in sorted(calls.items()) if flops > 0]
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -263,16 +283,21 @@ def update(strategy: Any, cfg: RunConfig, grads: list[Any]) -> None:
 
 
 def count_then_track(strategy: Any, step: Any, inputs: tuple[Any, ...], counter: Any) -> tuple[float, dict[str, int]]:
-    """Run `step` twice: with FLOPs and collectives counted (the first creates the optimizer state), then under
-    PyTorch's memory tracker (the steady state's peak)."""
+    """Run `step` twice: with FLOPs counted (the first creates the optimizer state), then the steady state under
+    PyTorch's memory tracker (its peak), with its collectives and ATen ops counted: the first step's extra ops
+    (AdamW creating its state) are not what every step pays."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
     from workbench.training.memory import tracked
 
-    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as flops, counter:
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as flops:
         step()
     gc.collect()
-    _, memory = tracked(strategy, step, inputs)
+    def counted() -> None:
+        with counter:  # inside the tracker's mode: the counter sees ops on DTensors before DTensor handles them
+            step()
+
+    _, memory = tracked(strategy, counted, inputs)
     gc.collect()
     return float(flops.get_total_flops()), memory

@@ -22,6 +22,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from workbench.estimator.machine_probe import VERSION, compute_figures, distributed_figures
+from workbench.utils.units import fmt_bytes, fmt_seconds
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,16 @@ class MachineProfile:
     from its best here, and the spread of the ranks' steps."""
     dtensor_op_s: float = 0.0
     """What an op on DTensors costs beyond its local op (sharding propagation, in Python)."""
-    collectives: dict[str, list[float]] = field(default_factory=dict)
-    """kind -> [latency in seconds, bytes per second each rank sends (ring wire bytes)]; {} for one rank."""
+    reference: dict[str, Any] = field(default_factory=dict)
+    """A small model's real training step here: its ATen ops as a trace counts them ('ops', 'op_bytes',
+    'flop_calls', 'flops') and its median time ('step_s'); {} in profiles from before it was measured."""
+    layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """'ddp', 'zero1', 'fsdp' -> the reference step in that layout, counted and timed as `reference` is,
+    with its collectives ('comm') and the plain reference step timed in turn with it ('plain_s'); {} for one
+    rank."""
+    collectives: dict[str, list[list[float]]] = field(default_factory=dict)
+    """kind -> [[bytes each rank sends per call (ring wire bytes), seconds per call], ...] at a few sizes; {} for
+    one rank."""
     measured_s: float = 0.0
     busy_cores: float = 0.0
     """Other processes' CPU use while this was measured, in cores on average."""
@@ -71,8 +80,23 @@ class MachineProfile:
         return self.batch[0] + self.batch[1] * samples
 
     def collective_s(self, kind: str, count: float, wire_bytes: float) -> float:
-        latency, bandwidth = self.collectives.get(kind) or self.collectives["all_reduce"]
-        return count * latency + wire_bytes / bandwidth
+        """`count` calls sending `wire_bytes` in all: each call's time between the sizes measured (log-log), the
+        smallest's below them, and the largest's plus the last interval's bandwidth beyond them."""
+        if not count:
+            return 0.0
+        points = self.collectives.get(kind) or self.collectives["all_reduce"]
+        per_call = wire_bytes / count
+        (x0, t0), (x1, t1) = points[-2], points[-1]
+        if per_call > x1:
+            bandwidth = (x1 - x0) / (t1 - t0) if t1 > t0 else x1 / t1
+            return count * (t1 + (per_call - x1) / bandwidth)
+        return count * _interpolate(points, max(per_call, 1.0))
+
+    def latency_bandwidth(self, kind: str = "all_reduce") -> tuple[float, float]:
+        """(seconds of the smallest call, bytes per second between the two largest) of a collective."""
+        points = self.collectives[kind]
+        (x0, t0), (x1, t1) = points[-2], points[-1]
+        return points[0][1], (x1 - x0) / (t1 - t0) if t1 > t0 else x1 / t1
 
     def describe(self) -> str:
         fp32 = max(rate for _, rate in self.matmul["fp32"])
@@ -81,8 +105,8 @@ class MachineProfile:
                  f"{1e6 * self.step_op_s:.1f} us per op of a training step ({1e6 * self.op_s:.1f} us alone)",
                  f"elementwise {1 / self.seconds_per_byte('copy', 2**20) / 1e9:.1f} GB/s written at 1 MiB"]
         if self.collectives:
-            latency, bandwidth = self.collectives["all_reduce"]
-            parts.append(f"gloo all-reduce {1e6 * latency:.0f} us + bytes at {bandwidth / 1e9:.2f} GB/s")
+            sizes = ", ".join(f"{fmt_seconds(t)} for {fmt_bytes(int(x))}" for x, t in self.collectives["all_reduce"])
+            parts.append(f"gloo all-reduce {sizes} sent per rank")
         return ", ".join(parts)
 
 
@@ -139,6 +163,7 @@ def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, de
                           attention=figures["attention"], op_s=figures["op_s"], step_op_s=figures["step_op_s"],
                           elementwise=figures["elementwise"], batch=figures["batch"], jitter=figures["jitter"],
                           dtensor_op_s=figures["dtensor_op_s"], collectives=figures.get("collectives", {}),
+                          reference=figures["reference"], layouts=figures.get("layouts", {}),
                           measured_s=wall, busy_cores=busy, measured_at=time.time())
 
 

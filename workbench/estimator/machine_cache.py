@@ -121,9 +121,10 @@ def from_dict(data: dict[str, Any]) -> MachineProfile:
                           *p.batch, *p.jitter]
     for table in (p.matmul, p.attention, p.elementwise):
         numbers += [x for points in table.values() for point in points for x in point]
-    numbers += [x for pair in p.collectives.values() for x in pair]
+    numbers += [x for points in p.collectives.values() for point in points for x in point]
     if not p.matmul.get("fp32") or not p.attention.get("fp32") or set(p.elementwise) != set(KINDS) or \
-            len(p.batch) != 2 or len(p.jitter) != 2 or (p.ranks > 1 and "all_reduce" not in p.collectives):
+            len(p.batch) != 2 or len(p.jitter) != 2 or (p.ranks > 1 and "all_reduce" not in p.collectives) or \
+            any(len(points) < 2 or any(len(point) != 2 for point in points) for points in p.collectives.values()):
         raise ValueError("a table is missing")
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
                for x in numbers) or p.step_op_s <= 0 or not all(rate > 0 for rate in _rates(p)):
@@ -135,7 +136,7 @@ def _rates(p: MachineProfile) -> list[float]:
     """The figures that divide: FLOP/s, seconds per byte, bandwidths."""
     tables = (p.matmul, p.attention, p.elementwise)
     return [point[1] for table in tables for points in table.values() for point in points] + \
-        [pair[1] for pair in p.collectives.values()]
+        [x for points in p.collectives.values() for point in points for x in point]
 
 
 def forget() -> None:

@@ -5,8 +5,8 @@ CPU: a small model's step is mostly fixed costs, so every ATen op the step dispa
 training step measured here (views the cost of a bare op, ops on DTensors their sharding bookkeeping on top);
 matrix multiplies and attention run at the FLOP/s measured for their size and dtype; elementwise ops at the
 seconds per byte measured for their kind and size; each micro-batch costs a DataLoader fetch; all of it as much
-slower than its best as the same work runs here on average. Collectives cost gloo's measured latency plus their
-ring bytes over its measured bandwidth, and none of it hides behind compute: the ranks already use every core,
+slower than its best as the same work runs here on average. Collectives cost gloo's time measured here for
+their kind and size, and none of it hides behind compute: the ranks already use every core,
 and gloo copies and sums on those cores.
 
 GPU: FLOPs at a typical fraction of the datasheet peak, elementwise bytes at the datasheet memory bandwidth,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from workbench.estimator.catalog import NETWORKS, Accelerator
@@ -65,7 +66,7 @@ class RawStep:
         return self.compute_s + self.exposed_comm_s
 
 
-def by_kind(trace: StepTrace) -> dict[str, list[tuple[str, int, int]]]:
+def by_kind(trace: Any) -> dict[str, list[tuple[str, int, int]]]:
     """The trace's ops grouped by kind (op_kind): (name, count, bytes written). Views write nothing, whatever the
     trace's op_bytes says of them."""
     out: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
@@ -80,12 +81,28 @@ def _collective_kind(key: str) -> str:
     return key.split("@", 1)[0]
 
 
-def cpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]],
-             profile: MachineProfile) -> RawStep:
-    """The step on this machine's CPU, from its measured profile."""
-    ops = by_kind(trace)
-    dtype = "bf16" if cfg.precision == "bf16" else "fp32"
-    matmul, flops_words = _flop_time(trace, ops.get("flop", []), dtype, profile)
+@dataclass
+class _Kernels:
+    """The priced kernels of a step: seconds by part, and the op counts behind them."""
+
+    matmul: float
+    elementwise: float
+    dispatch: float
+    working: int
+    views: int
+    sharded: int
+    flops_words: str
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.elementwise + self.dispatch
+
+
+def _kernels(counts: Any, dtype: str, profile: MachineProfile) -> _Kernels:
+    """The ops of `counts` (a StepTrace, or anything with its ops, op_bytes, flops and flop_calls), each at its
+    best measured here."""
+    ops = by_kind(counts)
+    matmul, flops_words = _flop_time(counts, ops.get("flop", []), dtype, profile)
     elementwise = sum(nbytes * profile.seconds_per_byte(kind, nbytes / count)
                       for kind, rows in ops.items() if kind not in ("flop", "view", "dtensor")
                       for _, count, nbytes in rows if nbytes)
@@ -93,57 +110,114 @@ def cpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
     sharded = sum(count for _, count, _ in ops.get("dtensor", []))
     working = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
     dispatch = views * profile.op_s + working * profile.step_op_s + sharded * profile.dtensor_op_s
+    return _Kernels(matmul, elementwise, dispatch, working, views, sharded, flops_words)
+
+
+def slowdown(profile: MachineProfile) -> tuple[float, str]:
+    """How much slower a real step runs here than its kernels at their best: the measured reference step over
+    its own price (machine_probe._reference), never below 1; the jitter burst's mean over best in profiles
+    without one."""
+    ref = profile.reference
+    if not ref:
+        return profile.jitter[0], "as much slower than its best as the same work runs here on average (measured)"
+    priced = _kernels(SimpleNamespace(**{k: ref[k] for k in ("ops", "op_bytes", "flops", "flop_calls")}),
+                      "fp32", profile).total
+    factor = max(1.0, ref["step_s"] / priced) if priced > 0 else 1.0
+    return factor, (f"as much slower than their best as a small model's real training step runs here "
+                    f"({fmt_seconds(ref['step_s'])} against {fmt_seconds(priced)} priced alike, measured)")
+
+
+def layout_family(cfg: RunConfig) -> str | None:
+    """Which of the machine's layout references (MachineProfile.layouts) a run's step is like."""
+    from workbench.config import SHARDED
+
+    if cfg.tp > 1 or cfg.pp > 1:  # their collectives sit in forward; a reference for them measured too noisy
+        return None
+    if cfg.parallelism in SHARDED:
+        return "fsdp"
+    return cfg.parallelism if cfg.parallelism in ("ddp", "zero1") else None
+
+
+def layout_factor(profile: MachineProfile, family: str | None) -> float:
+    """How much slower the reference step runs in `family`'s layout here than its ops and collectives priced
+    alone: 1.0 without one."""
+    ref = profile.layouts.get(family or "")
+    if not ref:
+        return 1.0
+    counts = SimpleNamespace(**{k: ref[k] for k in ("ops", "op_bytes", "flops", "flop_calls")})
+    comm = [(_collective_kind(key), rec["count"], rec["wire_bytes"]) for key, rec in ref["comm"].items()]
+    plain = profile.reference
+    plain_priced = _kernels(SimpleNamespace(**{k: plain[k] for k in ("ops", "op_bytes", "flops", "flop_calls")}),
+                            "fp32", profile).total
+    # the plain step timed in turn with this one: the slowdown of the same moments
+    here = max(1.0, ref["plain_s"] / plain_priced) if plain_priced > 0 else slowdown(profile)[0]
+    priced = _kernels(counts, "fp32", profile).total * here + sum(
+        profile.collective_s(kind, count, nbytes) for kind, count, nbytes in comm if count)
+    return min(MAX_FACTOR, max(1 / MAX_FACTOR, ref["step_s"] / priced)) if priced > 0 else 1.0
+
+
+MAX_FACTOR = 10.0
+"""A measured correction beyond this is taken as a measuring accident, and capped."""
+
+
+def cpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]],
+             profile: MachineProfile) -> RawStep:
+    """The step on this machine's CPU, from its measured profile."""
+    dtype = "bf16" if cfg.precision == "bf16" else "fp32"
+    k = _kernels(trace, dtype, profile)
     batch = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0
     data = cfg.grad_accum_steps * profile.batch_s(batch)
     comm = sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
                for key, rec in [*trace.comm.items(), *extra_comm.items()] if rec["count"])
-    # Figures are each kernel's best; a step runs as much slower than its best as the same work does here on
-    # average (more ranks than cores share them: about ranks / cores)
-    slowdown = profile.jitter[0]
-    compute = (matmul + elementwise + dispatch + data) * slowdown
+    factor, why = slowdown(profile)
+    compute = (k.total + data) * factor
+    family = layout_family(cfg) if trace.world > 1 else None
+    in_layout = layout_factor(profile, family)
+    compute, comm = compute * in_layout, comm * in_layout
     peak = max(r for _, r in profile.matmul.get(dtype) or profile.matmul["fp32"])
-    on_dtensors = f", {sharded} ops on DTensors at {1e6 * profile.dtensor_op_s:.1f} us more" if sharded else ""
+    on_dtensors = (f", {k.sharded} ops on DTensors at {1e6 * profile.dtensor_op_s:.1f} us more" if k.sharded
+                   else "")
     assumptions = [
         f"this machine measured ({profile.describe()})",
-        f"compute {fmt_seconds(compute)}: {flops_words}, {fmt_seconds(matmul)}; "
-        f"elementwise writes at the measured seconds per byte of their kind and size, {fmt_seconds(elementwise)}; "
-        f"{working} ops at {1e6 * profile.step_op_s:.1f} us and {views} views at {1e6 * profile.op_s:.1f} us each"
-        f"{on_dtensors}, {fmt_seconds(dispatch)}; {cfg.grad_accum_steps} batch fetch(es) of {batch}, "
-        f"{fmt_seconds(data)}; all of it x {slowdown:.2f}, as much slower than its best as the same work runs here on "
-        "average (measured)",
-        f"communication {fmt_seconds(comm)}: gloo's measured latency per collective (its mean, stalls included) "
-        "plus ring bytes at its measured bandwidth; none of it hides behind compute (the ranks use every core, and "
-        "gloo copies and sums on them)"]
+        f"compute {fmt_seconds(compute)}: {k.flops_words}, {fmt_seconds(k.matmul)}; "
+        f"elementwise writes at the measured seconds per byte of their kind and size, {fmt_seconds(k.elementwise)}; "
+        f"{k.working} ops at {1e6 * profile.step_op_s:.1f} us and {k.views} views at {1e6 * profile.op_s:.1f} us "
+        f"each{on_dtensors}, {fmt_seconds(k.dispatch)}; {cfg.grad_accum_steps} batch fetch(es) of {batch}, "
+        f"{fmt_seconds(data)}; all of it x {factor:.2f}, {why}",
+        f"communication {fmt_seconds(comm)}: each collective at gloo's time measured here for its kind and size "
+        "(the mean, stalls included; between the sizes measured, interpolated); none of it hides behind compute "
+        "(the ranks use every core, and gloo copies and sums on them)"]
+    if in_layout != 1.0:
+        assumptions.append(f"layout ({family}): the step x {in_layout:.2f}, as much slower as a small model's "
+                           f"{family} step runs here than its ops and collectives priced alike (measured)")
     return RawStep(compute_s=compute, comm_s=comm, exposed_comm_s=comm,
                    efficiency=trace.flops / compute / peak if compute else 0.0,
-                   parts={"matmul": matmul, "elementwise": elementwise, "dispatch": dispatch, "data": data,
-                          "slowdown": compute - (matmul + elementwise + dispatch + data)},
+                   parts={"matmul": k.matmul, "elementwise": k.elementwise, "dispatch": k.dispatch, "data": data,
+                          "slowdown": compute - (k.total + data)},
                    assumptions=assumptions)
 
 
-def _flop_time(trace: StepTrace, rows: list[tuple[str, int, int]], dtype: str,
+def _flop_time(trace: Any, rows: list[tuple[str, int, int]], dtype: str,
                profile: MachineProfile) -> tuple[float, str]:
-    """Seconds of the FLOP-bound ops, and how they were priced: per op name at the rate measured for its mean
-    size (attention at attention's rate) when the trace counts FLOPs per op (StepTrace.op_flops), else all FLOPs
-    at the matmul rate of the mean call."""
+    """Seconds of the FLOP-bound ops, and how they were priced: each call at the rate measured for its own size
+    (attention at attention's) when the trace counts FLOPs per call (StepTrace.flop_calls), else all FLOPs at
+    the matmul rate of the mean call."""
     from workbench.estimator.machine_probe import ATTENTION_OPS
 
     calls = sum(count for _, count, _ in rows)
     if not calls or not trace.flops:
         return 0.0, "no matrix multiplies"
-    per_op = getattr(trace, "op_flops", None) or {}
-    if not per_op:
+    if not trace.flop_calls:
         rate = profile.matmul_rate(dtype, trace.flops / calls)
         return trace.flops / rate, (f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs) at "
                                     f"{rate / 1e9:.0f} GFLOP/s {dtype}, the matmul rate measured for their mean size")
     seconds = 0.0
-    for name, count, _ in rows:
-        flops = per_op.get(name, 0.0)
+    for name, flops, count in trace.flop_calls:
         attention = name.split(".", 1)[-1].startswith(ATTENTION_OPS)
-        rate = (profile.attention_rate if attention else profile.matmul_rate)(dtype, flops / count) if flops else 1.0
-        seconds += flops / rate
-    return seconds, (f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs), each op at the {dtype} "
-                     "rate measured for its mean size (attention at attention's)")
+        seconds += count * flops / (profile.attention_rate if attention else profile.matmul_rate)(dtype, flops)
+    return seconds, (f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs), each call at the {dtype} "
+                     f"rate measured for its size (attention at attention's), {trace.flops / seconds / 1e9:.0f} "
+                     "GFLOP/s on average")
 
 
 def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]], target: Accelerator,

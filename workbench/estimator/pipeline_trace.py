@@ -73,6 +73,7 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
         CollectiveCounter,
         Placement,
         count_then_track,
+        flop_call_rows,
         materialize,
         mesh_groups,
         optimizer_for,
@@ -106,7 +107,8 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     return {"memory": memory, "activations_after_forward": after_forward, "held": held, "flops": flops,
             "comm": {k: dict(v) for k, v in counter.comm.items()}, "units": 1, "zero_partition": [],
             "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes),
-            "state": checked_state(pieces, mesh_dims, rank, held), "mesh_dims": mesh_dims, "stage": stage,
+            "flop_calls": flop_call_rows(counter.flop_calls), "state": checked_state(pieces, mesh_dims, rank, held),
+            "mesh_dims": mesh_dims, "stage": stage,
             "in_flight": in_flight(run.order), "p2p_bytes": max(_nbytes(received), _nbytes(sent))}
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.estimator.machine import MachineProfile
 
-MODEL_VERSION = 2
+MODEL_VERSION = 3
 """Bumped when the step-time model changes: past runs are then estimated again before they teach."""
 
 

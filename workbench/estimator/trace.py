@@ -57,6 +57,8 @@ class StepTrace:
     """ATen ops the step dispatches, by name ('aten.mm', 'aten.add_', ...): a step's fixed cost per op."""
     op_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of the tensors each ATen op returns, by name: the memory traffic of ops that aren't FLOP-bound."""
+    flop_calls: list[list[Any]] = field(default_factory=list)
+    """[op name, FLOPs per call, calls]: the FLOP-bound ops by size, each priced at the rate of its own size."""
     trace_s: float = 0.0
     max_rss_bytes: int = 0
     state: list[StatePiece] = field(default_factory=list)
@@ -189,6 +191,7 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     from workbench.config import SHARDED
     from workbench.estimator.fake_world import (
         CollectiveCounter,
+        flop_call_rows,
         count_then_track,
         materialize,
         mesh_groups,
@@ -231,7 +234,8 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     after_forward = memory.pop("activations_after_forward")
     return {"memory": memory, "activations_after_forward": after_forward, "held": held, "flops": flops,
             "comm": {k: dict(v) for k, v in counter.comm.items()}, "units": 1 + sum(1 for _ in _units_of(task, cfg)),
-            "zero_partition": partition, "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes), "state": state,
+            "zero_partition": partition, "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes),
+            "flop_calls": flop_call_rows(counter.flop_calls), "state": state,
             "mesh_dims": [(n, int(s)) for n, s in mesh_dims]}
 
 
