@@ -20,6 +20,7 @@ from workbench.estimator.op_time import (
     GPU_LAUNCH_S,
     GPU_STEP_S,
     cpu_step,
+    dtensor_op_cost,
     gpu_step,
     layout_factor,
     slowdown,
@@ -85,7 +86,8 @@ def test_the_profile_is_measured_once_then_read_from_its_file_and_a_damaged_file
     assert first.step_op_s >= first.op_s > 0 and all(t > 0 for points in first.collectives.values() for _, t in points)
     # a real reference step, its ops counted as a trace counts them, and the same step in each layout family
     assert first.reference["step_s"] > 0 and first.reference["flops"] > 0 and first.reference["ops"]["aten.addmm"] > 0
-    assert set(first.layouts) == {"ddp", "zero1", "fsdp"}
+    assert set(first.layouts) == {"ddp", "zero1", "fsdp", "tp"}
+    assert first.layouts["tp"]["ops"].get("dtensor.aten.mm", 0) > 0, "tensor parallel's ops on DTensors counted"
     assert "all_gather@2" in first.layouts["fsdp"]["comm"] and "broadcast@2" in first.layouts["zero1"]["comm"]
     assert first.layouts["ddp"]["comm"]["all_reduce@2"]["count"] >= 1, "DDP's buckets are seen on a real group"
 
@@ -195,6 +197,24 @@ def test_a_sharded_step_is_scaled_by_how_its_reference_ran_against_its_price_and
     tp = CFG.replace(parallelism="zero3", tp=2)
     assert cpu_step(tp, made_up_trace(8e7, ops, comm), {}, profile).step_s == pytest.approx(
         cpu_step(tp, made_up_trace(8e7, ops, comm), {}, best).step_s), "no reference for tensor parallel"
+
+
+def test_an_op_on_dtensors_costs_what_the_tensor_parallel_reference_left_over_per_such_op() -> None:
+    plain = {"ops": {"aten.addmm": 4, "aten.add_": 10}, "op_bytes": {"aten.add_": 10**6}, "flops": 4e7,
+             "flop_calls": [["aten.addmm", 1e7, 4]]}
+    best = made_up_profile(jitter=[1.0, 0.0])
+    plain["step_s"] = _priced(best, plain)
+    tp = {**plain, "ops": {**plain["ops"], "dtensor.aten.mm": 40}, "comm": {"all_reduce@2": collective(2, 1e4)}}
+    left_over = 40 * 70e-6  # what the 40 ops on DTensors cost beyond their local ops
+    step_s = _priced(dataclasses.replace(best, dtensor_op_s=0.0), tp) + best.collective_s("all_reduce", 2, 1e4)
+    profile = dataclasses.replace(best, reference=plain, layouts={"tp": {**tp, "plain_s": plain["step_s"],
+                                                                        "step_s": step_s + left_over}})
+    assert dtensor_op_cost(best) == best.dtensor_op_s, "without a reference: the pointwise ops measured alone"
+    assert dtensor_op_cost(profile) == pytest.approx(70e-6)
+    sharded = made_up_trace(8e7, {"aten.mm": (8, 0), "dtensor.aten.mm": (100, 0)})
+    more = cpu_step(CFG.replace(tp=2), sharded, {}, profile).step_s - cpu_step(CFG.replace(tp=2), sharded, {},
+                                                                                best).step_s
+    assert more == pytest.approx(100 * (70e-6 - best.dtensor_op_s))
 
 
 def test_collectives_cost_the_time_measured_for_their_size_and_none_hides_on_cpu() -> None:

@@ -1,11 +1,12 @@
 """This machine, measured: what one rank of a local CPU run reaches while its peers run beside it. Matrix multiplies
 (FLOP/s by size and dtype), the fixed cost of an ATen op (alone, and inside a tiny training step, where autograd,
 modules and the optimizer's Python add to it), elementwise ops (seconds per byte by size and kind), fetching a
-batch, and gloo's collectives between the local ranks (latency and bandwidth).
+batch, gloo's collectives between the local ranks (by size, and their stalls), and a small model's real training
+step, plain and in each layout family (machine_reference.py).
 
 Measured in short-lived children of this process, never in a rank: as many children as the run has local ranks,
-each with the threads a rank will have, all measuring at once, as the ranks will compute at once; about two
-seconds. machine_cache.py keeps the result in memory and on disk.
+each with the threads a rank will have, all measuring at once, as the ranks will compute at once; about seven
+seconds on 2 cores. machine_cache.py keeps the result in memory and on disk.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ class MachineProfile:
     """A small model's real training step here: its ATen ops as a trace counts them ('ops', 'op_bytes',
     'flop_calls', 'flops') and its median time ('step_s'); {} in profiles from before it was measured."""
     layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """'ddp', 'zero1', 'fsdp' -> the reference step in that layout, counted and timed as `reference` is,
+    """'ddp', 'zero1', 'fsdp', 'tp' -> the reference step in that layout, counted and timed as `reference` is,
     with its collectives ('comm') and the plain reference step timed in turn with it ('plain_s'); {} for one
     rank."""
     collectives: dict[str, list[list[float]]] = field(default_factory=dict)
-    """kind -> [[bytes each rank sends per call (ring wire bytes), seconds per call], ...] at a few sizes; {} for
-    one rank."""
+    """kind -> [[bytes each rank sends per call (ring wire bytes), seconds of a call that didn't stall], ...] at
+    a few sizes; {} for one rank."""
+    collective_stall_s: float = 0.0
+    """What a collective waits beyond that on average (for a peer's thread to be scheduled), measured over every
+    collective timed."""
     measured_s: float = 0.0
     busy_cores: float = 0.0
     """Other processes' CPU use while this was measured, in cores on average."""
@@ -80,8 +84,9 @@ class MachineProfile:
         return self.batch[0] + self.batch[1] * samples
 
     def collective_s(self, kind: str, count: float, wire_bytes: float) -> float:
-        """`count` calls sending `wire_bytes` in all: each call's time between the sizes measured (log-log), the
-        smallest's below them, and the largest's plus the last interval's bandwidth beyond them."""
+        """`count` calls sending `wire_bytes` in all: each call's typical time between the sizes measured (log-log),
+        the smallest's below them, and the largest's plus the last interval's bandwidth beyond them; plus the
+        mean stall each."""
         if not count:
             return 0.0
         points = self.collectives.get(kind) or self.collectives["all_reduce"]
@@ -89,8 +94,8 @@ class MachineProfile:
         (x0, t0), (x1, t1) = points[-2], points[-1]
         if per_call > x1:
             bandwidth = (x1 - x0) / (t1 - t0) if t1 > t0 else x1 / t1
-            return count * (t1 + (per_call - x1) / bandwidth)
-        return count * _interpolate(points, max(per_call, 1.0))
+            return count * (t1 + (per_call - x1) / bandwidth + self.collective_stall_s)
+        return count * (_interpolate(points, max(per_call, 1.0)) + self.collective_stall_s)
 
     def latency_bandwidth(self, kind: str = "all_reduce") -> tuple[float, float]:
         """(seconds of the smallest call, bytes per second between the two largest) of a collective."""
@@ -106,7 +111,8 @@ class MachineProfile:
                  f"elementwise {1 / self.seconds_per_byte('copy', 2**20) / 1e9:.1f} GB/s written at 1 MiB"]
         if self.collectives:
             sizes = ", ".join(f"{fmt_seconds(t)} for {fmt_bytes(int(x))}" for x, t in self.collectives["all_reduce"])
-            parts.append(f"gloo all-reduce {sizes} sent per rank")
+            parts.append(f"gloo all-reduce {sizes} sent per rank without a stall, and "
+                         f"{fmt_seconds(self.collective_stall_s)} of stalls per collective on average")
         return ", ".join(parts)
 
 
@@ -164,6 +170,7 @@ def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, de
                           elementwise=figures["elementwise"], batch=figures["batch"], jitter=figures["jitter"],
                           dtensor_op_s=figures["dtensor_op_s"], collectives=figures.get("collectives", {}),
                           reference=figures["reference"], layouts=figures.get("layouts", {}),
+                          collective_stall_s=figures.get("collective_stall_s", 0.0),
                           measured_s=wall, busy_cores=busy, measured_at=time.time())
 
 

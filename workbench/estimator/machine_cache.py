@@ -117,8 +117,8 @@ def _write(path: Path, ident: dict[str, str], profiles: dict[str, MachineProfile
 def from_dict(data: dict[str, Any]) -> MachineProfile:
     """A profile from its JSON; ValueError when a table or figure is missing, or a figure isn't a positive number."""
     p = MachineProfile(**data)
-    numbers: list[Any] = [p.op_s, p.step_op_s, p.dtensor_op_s, p.ranks, p.threads, p.busy_cores, p.measured_at,
-                          *p.batch, *p.jitter]
+    numbers: list[Any] = [p.op_s, p.step_op_s, p.dtensor_op_s, p.collective_stall_s, p.ranks, p.threads,
+                          p.busy_cores, p.measured_at, *p.batch, *p.jitter]
     for table in (p.matmul, p.attention, p.elementwise):
         numbers += [x for points in table.values() for point in points for x in point]
     numbers += [x for points in p.collectives.values() for point in points for x in point]

@@ -3,7 +3,9 @@ is made of, and gloo's collectives. Also how an ATen op of a traced step is clas
 the profile's per-op figures are defined by the same classes.
 
 Every compute figure is the best of many short rounds: other processes only ever add time, so the best round is
-what the machine itself does. Collectives are their mean: every step pays its share of their stalls.
+what the machine itself does. Collectives are a call that didn't stall, plus the mean stall of all of them: every
+step pays its share of their stalls. Real steps (a reference model, plain and in each layout family) are their
+mean, as a run's log reports its steps.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 import torch
 
-VERSION = 3
+from workbench.estimator.machine_reference import layout_references, reference_step
+
+VERSION = 4
 """Bumped when what is measured changes: stored profiles of another version are measured again."""
 KINDS = ("copy", "inplace", "math", "random")
 """Elementwise kinds: out-of-place arithmetic, in-place arithmetic, transcendental (gelu, exp), random (dropout)."""
@@ -93,112 +97,7 @@ def compute_figures() -> dict[str, Any]:
     tiny = torch.ones(1)
     op_s = best(lambda: torch.add(tiny, tiny))
     return {"matmul": _matmul(), "attention": _attention(), "op_s": op_s, "step_op_s": _step_op_s(op_s),
-            "elementwise": _elementwise(), "batch": _batch(), "jitter": _jitter(), "reference": _reference()}
-
-
-REFERENCE_STEPS = 40
-
-
-def _reference_model() -> tuple[Any, Any]:
-    """The reference step's model and batch (machine.py's `reference`)."""
-    from torch import nn
-
-    torch.manual_seed(0)
-    width = 384
-    model = nn.Sequential(nn.Linear(128, 2 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * width, width),
-                          nn.LayerNorm(width), nn.GELU(), nn.Dropout(0.1), nn.Linear(width, 16))
-    return model, (torch.randn(32, 128), torch.randint(0, 16, (32,)))
-
-
-def _train_step(model: Any, batch: tuple[Any, Any], optimizer_of: Any = torch.optim.AdamW) -> Callable[[], None]:
-    """A training step of `model` (AdamW, clipping, the loss read back), as the trainer's."""
-    optimizer = optimizer_of(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
-
-    return step
-
-
-def _counted_and_timed(step: Callable[[], None], comm: bool = False, steps: int = REFERENCE_STEPS) -> dict[str, Any]:
-    """One steady step's ATen ops as a trace counts them (and its collectives, `comm`), then the median of
-    `steps` steps."""
-    from workbench.estimator.fake_world import CollectiveCounter, flop_call_rows
-
-    for _ in range(3):
-        step()
-    counter = CollectiveCounter(gpus_per_node=1 << 30)  # one node
-    with counter:
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    calls = flop_call_rows(counter.flop_calls)
-    out = {"ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes), "flop_calls": calls,
-           "flops": sum(flops * n for _, flops, n in calls), "step_s": statistics.median(times) if times else 0.0}
-    if comm:
-        out["comm"] = {key: dict(rec) for key, rec in counter.comm.items()}
-    return out
-
-
-def _reference() -> dict[str, Any]:
-    """A small model's whole training step as it runs here (beside the other ranks), with its ATen ops counted
-    as a trace counts them: the estimate prices these ops like a traced step's and scales every step by how much
-    slower the real one ran than its price (op_time.py). Each figure above is a kernel at its best; a real step
-    also pays for allocating its outputs, caches its kernels evict, the Python between ops and peers that share
-    the cores."""
-    model, batch = _reference_model()
-    return _counted_and_timed(_train_step(model, batch))
-
-
-def _layout_references(ranks: int) -> dict[str, dict[str, Any]]:
-    """The reference step under each family of layouts, side by side with the other ranks, counted and timed as
-    `reference` is, with their collectives (DDP's buckets too: on a real process group they pass the
-    dispatcher): how much slower each runs here than its ops and collectives priced alone. DDP's buckets fire
-    during backward on the cores backward uses; ZeRO-1 adds its optimizer's broadcasts; FSDP2 its hooks, copy-in
-    and copy-out in Python. (Tensor parallel's, tried the same way, moved by 2x between measurements.)"""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    plain = _train_step(*_reference_model())
-    out = {}
-    model, batch = _reference_model()
-    out["ddp"] = _paired(plain, _train_step(DistributedDataParallel(model), batch))
-    model, batch = _reference_model()
-    out["zero1"] = _paired(plain, _train_step(DistributedDataParallel(model), batch, lambda params, **kw:
-                                              ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)))
-    mesh = init_device_mesh("cpu", (ranks,))
-    model, batch = _reference_model()
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    out["fsdp"] = _paired(plain, _train_step(model, batch))
-    return out
-
-
-def _paired(plain: Callable[[], None], layout: Callable[[], None]) -> dict[str, Any]:
-    """`layout`'s step counted, then it and the `plain` reference step timed in turn (each the median of
-    REFERENCE_STEPS // 2), so both see the same moments of a shared machine: 'step_s' and 'plain_s'."""
-    plain()
-    out = _counted_and_timed(layout, comm=True, steps=0)
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(REFERENCE_STEPS // 2):
-        for fn, into in ((plain, times[0]), (layout, times[1])):
-            start = time.perf_counter()
-            fn()
-            into.append(time.perf_counter() - start)
-    out["plain_s"], out["step_s"] = statistics.median(times[0]), statistics.median(times[1])
-    return out
+            "elementwise": _elementwise(), "batch": _batch(), "jitter": _jitter(), "reference": reference_step()}
 
 
 def _jitter() -> list[float]:
@@ -323,8 +222,8 @@ def distributed_figures(rank: int, ranks: int, store: str) -> dict[str, Any]:
     try:
         out: dict[str, Any] = {"dtensor_op_s": _dtensor_op_s(ranks)}
         if ranks > 1:
-            out["collectives"] = _collectives(dist, rank, ranks)
-            out["layouts"] = _layout_references(ranks)
+            out["collectives"], out["collective_stall_s"] = _collectives(dist, rank, ranks)
+            out["layouts"] = layout_references(ranks)
         return out
     finally:
         dist.destroy_process_group()
@@ -348,21 +247,32 @@ def _dtensor_op_s(ranks: int) -> float:
     return max(0.0, (best(lambda: ops(a, b)) - best(lambda: ops(la, lb))) / 6)
 
 
-def _collectives(dist: Any, rank: int, ranks: int) -> dict[str, list[list[float]]]:
-    """kind -> [[wire bytes each rank sends per call (ring), seconds per call], ...] at COLLECTIVE_BYTES, between
-    this machine's `ranks` processes."""
+def _collectives(dist: Any, rank: int, ranks: int) -> tuple[dict[str, list[list[float]]], float]:
+    """kind -> [[wire bytes each rank sends per call (ring), seconds of a call that didn't stall], ...] at
+    COLLECTIVE_BYTES, between this machine's `ranks` processes; and the mean stall, over every call timed.
+
+    gloo's times here are two populations: some calls take their own time, and others wait milliseconds for a
+    peer's thread to be scheduled (a quarter to over half of them on a shared 2-core box, about a scheduler tick
+    each). The lower quartile of each size is a call that didn't stall, and stable; the stall each call pays on
+    average is measured over all of them pooled, which a few dozen calls of one size can't tell from luck."""
     from workbench.estimator.fake_world import wire_bytes
 
-    return {kind: [[wire_bytes(kind, nbytes, 2 if kind == "send" else ranks),
-                    _collective_s(dist, kind, nbytes, rank, ranks)] for nbytes in COLLECTIVE_BYTES]
-            for kind in COLLECTIVES}
+    table: dict[str, list[list[float]]] = {}
+    excess: list[float] = []
+    for kind in COLLECTIVES:
+        table[kind] = []
+        for nbytes in COLLECTIVE_BYTES:
+            times = sorted(_collective_times(dist, kind, nbytes, rank, ranks))
+            typical = times[len(times) // 4]  # the lower quartile: a call that didn't stall
+            table[kind].append([wire_bytes(kind, nbytes, 2 if kind == "send" else ranks), typical])
+            excess += [t - typical for t in times]
+    kept = sorted(excess)[:max(1, len(excess) - len(excess) // 50)]  # the slowest fiftieth: accidents
+    return table, max(0.0, statistics.fmean(kept))
 
 
-def _collective_s(dist: Any, kind: str, nbytes: int, rank: int, ranks: int) -> float:
-    """Rank 0's mean time of one collective of `nbytes` (the full buffer), each started together (a barrier
-    before it). The mean, not the median: on a shared machine a collective now and then waits milliseconds for
-    a rank's threads to be scheduled, and every step pays its share of those waits. The slowest tenth is left
-    out, so one long stall doesn't decide it."""
+def _collective_times(dist: Any, kind: str, nbytes: int, rank: int, ranks: int) -> list[float]:
+    """Rank 0's times of one collective of `nbytes` (the full buffer), each started together (a barrier before
+    it); a send is half its round trip."""
     part = torch.ones(max(1, nbytes // 4 // ranks))
     full = torch.ones(part.numel() * ranks)
     ops = {"all_reduce": lambda: dist.all_reduce(full),
@@ -375,9 +285,8 @@ def _collective_s(dist: Any, kind: str, nbytes: int, rank: int, ranks: int) -> f
         start = time.perf_counter()
         ops[kind]()
         if i >= 2:  # two to warm up
-            times.append(time.perf_counter() - start)
-    kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
-    return statistics.fmean(kept) / (2 if kind == "send" else 1)
+            times.append((time.perf_counter() - start) / (2 if kind == "send" else 1))
+    return times
 
 
 def _ping(dist: Any, tensor: torch.Tensor, rank: int) -> None:

@@ -98,9 +98,9 @@ class _Kernels:
         return self.matmul + self.elementwise + self.dispatch
 
 
-def _kernels(counts: Any, dtype: str, profile: MachineProfile) -> _Kernels:
+def _kernels(counts: Any, dtype: str, profile: MachineProfile, dtensor_s: float | None = None) -> _Kernels:
     """The ops of `counts` (a StepTrace, or anything with its ops, op_bytes, flops and flop_calls), each at its
-    best measured here."""
+    best measured here; an op on DTensors at `dtensor_s` more (dtensor_op_cost() unless given)."""
     ops = by_kind(counts)
     matmul, flops_words = _flop_time(counts, ops.get("flop", []), dtype, profile)
     elementwise = sum(nbytes * profile.seconds_per_byte(kind, nbytes / count)
@@ -109,19 +109,42 @@ def _kernels(counts: Any, dtype: str, profile: MachineProfile) -> _Kernels:
     views = sum(count for _, count, _ in ops.get("view", []))
     sharded = sum(count for _, count, _ in ops.get("dtensor", []))
     working = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
-    dispatch = views * profile.op_s + working * profile.step_op_s + sharded * profile.dtensor_op_s
+    if dtensor_s is None:
+        dtensor_s = dtensor_op_cost(profile)
+    dispatch = views * profile.op_s + working * profile.step_op_s + sharded * dtensor_s
     return _Kernels(matmul, elementwise, dispatch, working, views, sharded, flops_words)
+
+
+def _counts(ref: dict[str, Any]) -> SimpleNamespace:
+    """A measured reference step's op counts, in the shape of a StepTrace's."""
+    return SimpleNamespace(**{key: ref[key] for key in ("ops", "op_bytes", "flops", "flop_calls")})
+
+
+def dtensor_op_cost(profile: MachineProfile) -> float:
+    """What an op on DTensors costs beyond its local op inside a real step: from the tensor-parallel reference
+    step (its time less its other ops, at the slowdown of the plain step timed in turn with it, and less its
+    collectives, over its ops on DTensors); the pointwise ops measured alone where there is none. A real step's
+    DTensor ops (matmuls, transposes, views, sharding propagation with autograd around it) cost 5x those here."""
+    ref = profile.layouts.get("tp")
+    if not ref:
+        return profile.dtensor_op_s
+    k = _kernels(_counts(ref), "fp32", profile, dtensor_s=0.0)
+    plain = _kernels(_counts(profile.reference), "fp32", profile, dtensor_s=0.0).total
+    here = max(1.0, ref["plain_s"] / plain) if plain > 0 else 1.0
+    comm = sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
+               for key, rec in ref["comm"].items() if rec["count"])
+    left = ref["step_s"] - k.total * here - comm
+    return max(profile.dtensor_op_s, left / here / k.sharded) if k.sharded else profile.dtensor_op_s
 
 
 def slowdown(profile: MachineProfile) -> tuple[float, str]:
     """How much slower a real step runs here than its kernels at their best: the measured reference step over
-    its own price (machine_probe._reference), never below 1; the jitter burst's mean over best in profiles
+    its own price (machine_reference.reference_step), never below 1; the jitter burst's mean over best in profiles
     without one."""
     ref = profile.reference
     if not ref:
         return profile.jitter[0], "as much slower than its best as the same work runs here on average (measured)"
-    priced = _kernels(SimpleNamespace(**{k: ref[k] for k in ("ops", "op_bytes", "flops", "flop_calls")}),
-                      "fp32", profile).total
+    priced = _kernels(_counts(ref), "fp32", profile).total
     factor = max(1.0, ref["step_s"] / priced) if priced > 0 else 1.0
     return factor, (f"as much slower than their best as a small model's real training step runs here "
                     f"({fmt_seconds(ref['step_s'])} against {fmt_seconds(priced)} priced alike, measured)")
@@ -131,7 +154,9 @@ def layout_family(cfg: RunConfig) -> str | None:
     """Which of the machine's layout references (MachineProfile.layouts) a run's step is like."""
     from workbench.config import SHARDED
 
-    if cfg.tp > 1 or cfg.pp > 1:  # their collectives sit in forward; a reference for them measured too noisy
+    if cfg.tp > 1 or cfg.pp > 1:
+        # tensor parallel's reference sets the cost of an op on DTensors instead (dtensor_op_cost): as a factor on
+        # the whole step it overshot char-gpt's tp step by 25-45%; a pipeline has none
         return None
     if cfg.parallelism in SHARDED:
         return "fsdp"
@@ -140,19 +165,16 @@ def layout_family(cfg: RunConfig) -> str | None:
 
 def layout_factor(profile: MachineProfile, family: str | None) -> float:
     """How much slower the reference step runs in `family`'s layout here than its ops and collectives priced
-    alone: 1.0 without one."""
+    alike, its ops at the slowdown of the plain step timed in turn with it: 1.0 without one."""
     ref = profile.layouts.get(family or "")
     if not ref:
         return 1.0
-    counts = SimpleNamespace(**{k: ref[k] for k in ("ops", "op_bytes", "flops", "flop_calls")})
-    comm = [(_collective_kind(key), rec["count"], rec["wire_bytes"]) for key, rec in ref["comm"].items()]
     plain = profile.reference
-    plain_priced = _kernels(SimpleNamespace(**{k: plain[k] for k in ("ops", "op_bytes", "flops", "flop_calls")}),
-                            "fp32", profile).total
-    # the plain step timed in turn with this one: the slowdown of the same moments
+    plain_priced = _kernels(_counts(plain), "fp32", profile).total
     here = max(1.0, ref["plain_s"] / plain_priced) if plain_priced > 0 else slowdown(profile)[0]
-    priced = _kernels(counts, "fp32", profile).total * here + sum(
-        profile.collective_s(kind, count, nbytes) for kind, count, nbytes in comm if count)
+    priced = _kernels(_counts(ref), "fp32", profile).total * here + sum(
+        profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
+        for key, rec in ref["comm"].items() if rec["count"])
     return min(MAX_FACTOR, max(1 / MAX_FACTOR, ref["step_s"] / priced)) if priced > 0 else 1.0
 
 
@@ -170,12 +192,11 @@ def cpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
     comm = sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
                for key, rec in [*trace.comm.items(), *extra_comm.items()] if rec["count"])
     factor, why = slowdown(profile)
-    compute = (k.total + data) * factor
     family = layout_family(cfg) if trace.world > 1 else None
     in_layout = layout_factor(profile, family)
-    compute, comm = compute * in_layout, comm * in_layout
+    compute, comm = (k.total + data) * factor * in_layout, comm * in_layout
     peak = max(r for _, r in profile.matmul.get(dtype) or profile.matmul["fp32"])
-    on_dtensors = (f", {k.sharded} ops on DTensors at {1e6 * profile.dtensor_op_s:.1f} us more" if k.sharded
+    on_dtensors = (f", {k.sharded} ops on DTensors at {1e6 * dtensor_op_cost(profile):.1f} us more" if k.sharded
                    else "")
     assumptions = [
         f"this machine measured ({profile.describe()})",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,8 +111,18 @@ def replicated_comm(cfg: RunConfig, trace: StepTrace, world: int, nodes: int) ->
     if not (cfg.parallelism in ("ddp", "zero1") and world > 1 and cfg.tp == 1 and cfg.pp == 1):
         return {}
     volume = trace.held["grads"] * COMPRESSION.get(cfg.grad_compression, 1.0)
-    return {"all_reduce@ddp": {"count": 1, "bytes": volume, "group": world, "spans_nodes": nodes > 1,
+    # DDP's buckets: the first holds about 1 MiB (so the first all-reduce starts early), the others 25 MiB
+    first, cap = float(dist_defaults("first")), float(dist_defaults("cap"))
+    buckets = 1 + max(0, math.ceil((trace.held["grads"] - first) / cap))
+    return {"all_reduce@ddp": {"count": buckets, "bytes": volume, "group": world, "spans_nodes": nodes > 1,
                                "wire_bytes": wire_bytes("all_reduce", volume, world), "dim": "dp_replicate"}}
+
+
+def dist_defaults(which: str) -> int:
+    """DDP's default bucket sizes in bytes: 'first' and 'cap'."""
+    import torch.distributed as dist
+
+    return int(dist._DEFAULT_FIRST_BUCKET_BYTES) if which == "first" else 25 * 1024 * 1024
 
 
 def past_run_estimator(target: Accelerator, network: str) -> Callable[[RunConfig, int, bool], float]:
