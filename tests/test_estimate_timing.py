@@ -217,6 +217,21 @@ def test_an_op_on_dtensors_costs_what_the_tensor_parallel_reference_left_over_pe
     assert more == pytest.approx(100 * (70e-6 - best.dtensor_op_s))
 
 
+def test_the_trace_counts_the_steady_step_and_keeps_the_first_for_the_gpu_constants_fitted_to_it() -> None:
+    from workbench.estimator.trace import trace_step
+    from workbench.tasks import get_task
+
+    trace = trace_step(CFG.replace(parallelism="zero3"), get_task("digits"), world=2)
+    assert trace.first_ops.get("dtensor.aten.zeros_like", 0) > 0, "the first step creates AdamW's state"
+    assert "dtensor.aten.zeros_like" not in trace.ops and sum(trace.ops.values()) < sum(trace.first_ops.values())
+    assert trace.ops.get("dtensor.aten.lerp_", 0) > 0, "ops on DTensors counted inside FSDP's tracker"
+    h100 = lookup("H100-SXM-80GB")
+    steady = made_up_trace(1e6, {"aten.add_": (100, 0)})
+    with_first = dataclasses.replace(steady, first_ops={"aten.add_": 300}, first_op_bytes={"aten.add_": 0})
+    assert gpu_step(CFG, with_first, {}, h100, 1, "infiniband").compute_s == pytest.approx(
+        gpu_step(CFG, steady, {}, h100, 1, "infiniband").compute_s + 200 * GPU_LAUNCH_S)
+
+
 def test_collectives_cost_the_time_measured_for_their_size_and_none_hides_on_cpu() -> None:
     p = made_up_profile(collectives={**{k: sized(1e-4, 1e9) for k in COLLECTIVES}, "all_gather": sized(3e-4, 5e8)})
     ops = {"aten.mm": (4, 0)}
@@ -266,9 +281,29 @@ def test_a_completed_run_corrects_the_estimate_and_the_estimate_says_which(
     assert f"learnt from 1 completed run(s) (digits, ddp on 2 rank(s)): {result.dir.path.name}" in note
     assert f"{measured / raw.step_s:.2f}" in note
 
-    # another layout learns from the same machine's runs of any kind on as many ranks, and says so
+    # another layout on this CPU learns nothing from it, and says why
     other = estimate(cfg.replace(parallelism="zero3"))
-    assert any("learnt from 1 completed run(s) (any task and layout on 2 rank(s))" in a for a in other.assumptions)
+    assert any("nothing learnt: no completed run of digits, zero3" in a and "only the same task and layout" in a
+               for a in other.assumptions)
+
+
+def test_on_a_gpu_any_run_of_the_device_class_teaches_and_on_this_cpu_only_the_same_task_and_layout(
+        tmp_path: Path) -> None:
+    from workbench.estimator.learning import learn
+    from workbench.rundir import RunDir, Status
+
+    for device_class in ("cpu", "cuda-H100"):
+        run = RunDir(tmp_path / device_class)
+        run.path.mkdir()
+        run.write_config(CFG)  # digits, ddp on 2 ranks
+        run.set_status(Status.COMPLETED, device_class=device_class, world_size=2, started_at=1.0)
+        run.write_timings([0.03] * 10)
+    zero3 = CFG.replace(parallelism="zero3")
+    gpu = learn(zero3, 2, "cuda-H100", tmp_path, "key", lambda *a: 0.01)
+    assert gpu.ratio == pytest.approx(3.0) and "any task and layout on 2 rank(s)" in gpu.note
+    cpu = learn(zero3, 2, "cpu", tmp_path, "key", lambda *a: 0.01)
+    assert cpu.ratio == 1.0 and cpu.runs == [] and "only the same task and layout teach" in cpu.note
+    assert learn(CFG, 2, "cpu", tmp_path, "key", lambda *a: 0.01).ratio == pytest.approx(3.0)
 
 
 def test_a_damaged_run_among_the_runs_teaches_nothing_and_stops_nothing(tmp_path: Path) -> None:

@@ -282,18 +282,22 @@ def update(strategy: Any, cfg: RunConfig, grads: list[Any]) -> None:
     strategy.step()
 
 
-def count_then_track(strategy: Any, step: Any, inputs: tuple[Any, ...], counter: Any) -> tuple[float, dict[str, int]]:
-    """Run `step` twice: with FLOPs counted (the first creates the optimizer state), then the steady state under
-    PyTorch's memory tracker (its peak), with its collectives and ATen ops counted: the first step's extra ops
-    (AdamW creating its state) are not what every step pays."""
+def count_then_track(strategy: Any, step: Any, inputs: tuple[Any, ...], counter: Any,
+                     first: Any = None) -> tuple[float, dict[str, int]]:
+    """Run `step` twice: with FLOPs counted (the first creates the optimizer state; `first`, a second counter,
+    counts its ATen ops), then the steady state under PyTorch's memory tracker (its peak), with its collectives
+    and ATen ops counted by `counter`: the first step's extra ops (AdamW creating its state, FSDP's lazy
+    initialization) are not what every step pays."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
     from workbench.training.memory import tracked
 
-    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as flops:
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as flops, \
+            (first if first is not None else contextlib.nullcontext()):
         step()
     gc.collect()
+
     def counted() -> None:
         with counter:  # inside the tracker's mode: the counter sees ops on DTensors before DTensor handles them
             step()

@@ -1,8 +1,9 @@
 """Learning from completed runs: an estimate is scaled by the median of measured / estimated step time over the
 newest completed runs on the same device class that are most like it: the same task and layout (parallelism, tp,
-pp, ranks) first, else the same layout with any task (what the trainer's layout adds, DDP's hooks or DTensor's
-bookkeeping, is the task's as much as another's), else any run on as many ranks (more ranks than cores share
-them), else any run on that device class.
+pp, ranks) first; on a GPU, else the same layout with any task (what the trainer's layout adds, DDP's hooks or
+DTensor's bookkeeping, is the task's as much as another's), else any run on as many ranks, else any run on that
+device class (the GPU model rests on a datasheet and a typical efficiency, which every run there corrects alike).
+On this machine's CPU, whose model is measured here, only the same task and layout teach.
 
 A run's "estimated" is today's model re-applied to its config (config.yaml, with the micro-batch it ran), so a
 better model or a new machine profile never leaves stale figures behind; its trace is the estimate's own cache's,
@@ -160,6 +161,10 @@ def _learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profil
              (same, f"any task, {describe_layout(layout)}"),
              ([r for r in runs if r.world == world], f"any task and layout on {world} rank(s)"),
              (runs, f"any task and layout on {device_class}")]
+    if device_class == "cpu":
+        # this machine is measured, and what its model misses is the task's and layout's own: another task's or
+        # layout's ratio moved the bench's rows away from the measured more often than towards it
+        tiers = tiers[:1]
     chosen, scope = next((tier for tier in tiers if tier[0]), tiers[-1])
     ratios, names, complete, fresh = [], [], True, 0
     for run in chosen:
@@ -172,7 +177,9 @@ def _learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profil
             names.append(run.name)
         complete = complete and estimated is not None
     if not ratios:
-        return Lesson(note=f"nothing learnt: no completed run on {device_class} in {runs_dir} to learn from"
+        only = (f" of {cfg.task}, {describe_layout(layout)} (on this machine only the same task and layout teach)"
+                if device_class == "cpu" and runs else "")
+        return Lesson(note=f"nothing learnt: no completed run{only} on {device_class} in {runs_dir} to learn from"
                            + (f" ({piped} pipeline run(s) there teach nothing yet)" if piped else "")), complete
     ratio = statistics.median(ratios)
     return Lesson(ratio=ratio, runs=names, note=(

@@ -249,7 +249,8 @@ def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
     if peak is None:
         raise ValueError(f"precision={cfg.precision!r}: {target.name} lists no peak for it "
                          f"(it lists {', '.join(target.peak_flops)})")
-    ops = by_kind(trace)
+    # the host constants were fitted on an H100 to the first step's op counts (see StepTrace.first_ops)
+    ops = by_kind(SimpleNamespace(ops=trace.first_ops or trace.ops, op_bytes=trace.first_op_bytes or trace.op_bytes))
     matmul = trace.flops / (peak * GPU_EFFICIENCY)
     memory = sum(nbytes for kind, rows in ops.items() if kind not in ("flop", "view", "dtensor")
                  for _, _, nbytes in rows)

@@ -86,6 +86,7 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     mesh = init_device_mesh("cpu", (cfg.pp, replicas), mesh_dim_names=("pp", "dp_replicate"))
     placement = Placement(device, world, rank, mesh, stage_params=stage_params(task, cfg))
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
+    first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     with fake:
         with torch.device("meta"):
             model = task.build_model(cfg)
@@ -95,7 +96,7 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
         received, sent = _boundary_shapes(task, cfg, model, micro[0][0], stage)
         strategy = PipelineParallel(cfg, placement, model, task, optimizer_for(cfg, task, gpu_target))
         run = _StageStep(cfg, strategy, micro, (received, sent), counter, replicas)
-        flops, memory = count_then_track(strategy, run, (*micro, *run.buffers), counter)
+        flops, memory = count_then_track(strategy, run, (*micro, *run.buffers), counter, first)
         held = dict(strategy.held_bytes)
         pieces = state_pieces(strategy) + run.grads
     mesh_dims = [("pp", cfg.pp), ("dp_replicate", replicas)]
@@ -106,7 +107,8 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     after_forward = memory.pop("activations_after_forward")
     return {"memory": memory, "activations_after_forward": after_forward, "held": held, "flops": flops,
             "comm": {k: dict(v) for k, v in counter.comm.items()}, "units": 1, "zero_partition": [],
-            "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes),
+            "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes), "first_ops": dict(first.ops),
+            "first_op_bytes": dict(first.op_bytes),
             "flop_calls": flop_call_rows(counter.flop_calls), "state": checked_state(pieces, mesh_dims, rank, held),
             "mesh_dims": mesh_dims, "stage": stage,
             "in_flight": in_flight(run.order), "p2p_bytes": max(_nbytes(received), _nbytes(sent))}

@@ -57,6 +57,10 @@ class StepTrace:
     """ATen ops the step dispatches, by name ('aten.mm', 'aten.add_', ...): a step's fixed cost per op."""
     op_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of the tensors each ATen op returns, by name: the memory traffic of ops that aren't FLOP-bound."""
+    first_ops: dict[str, int] = field(default_factory=dict)
+    """`ops` of the first step (the optimizer creating its state, FSDP initializing): what the GPU host-time
+    constants (op_time.py) were fitted to, until a GPU session fits them to the steady step's."""
+    first_op_bytes: dict[str, int] = field(default_factory=dict)
     flop_calls: list[list[Any]] = field(default_factory=list)
     """[op name, FLOPs per call, calls]: the FLOP-bound ops by size, each priced at the rate of its own size."""
     trace_s: float = 0.0
@@ -210,6 +214,7 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     mesh = (tensor_parallel_mesh(cfg, "cpu", world) if cfg.tp > 1 else
             data_parallel_mesh(cfg, "cpu", world) if cfg.parallelism in SHARDED else None)
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
+    first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     with fake:
         with torch.device("meta"):
             model = task.build_model(cfg)
@@ -225,7 +230,7 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
             accumulate(strategy, task, iter(fake_batches), cfg.grad_accum_steps, device)
             update(strategy, cfg, grads)
 
-        flops, memory = count_then_track(strategy, step, tuple(fake_batches), counter)
+        flops, memory = count_then_track(strategy, step, tuple(fake_batches), counter, first)
         mesh_dims = list(zip(mesh.mesh_dim_names, mesh.mesh.shape)) if mesh is not None else []
         held = dict(strategy.held_bytes)  # measured at the first update, before the gradients were cleared
         pieces = state_pieces(strategy) + grads
@@ -235,6 +240,7 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     return {"memory": memory, "activations_after_forward": after_forward, "held": held, "flops": flops,
             "comm": {k: dict(v) for k, v in counter.comm.items()}, "units": 1 + sum(1 for _ in _units_of(task, cfg)),
             "zero_partition": partition, "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes),
+            "first_ops": dict(first.ops), "first_op_bytes": dict(first.op_bytes),
             "flop_calls": flop_call_rows(counter.flop_calls), "state": state,
             "mesh_dims": [(n, int(s)) for n, s in mesh_dims]}
 

@@ -74,7 +74,10 @@ class EstimateRow:
     estimated_step_s: float | None = None
     """The estimate's step time from the model alone (nothing learnt from runs)."""
     learnt_step_s: float | None = None
-    """The estimate's step time learnt from the other rows' runs (other tasks or layouts, never this row's own)."""
+    """The estimate's step time once this row's run has completed, learnt from it (and, on a GPU, from the other
+    rows' runs), as a user's next estimate of the same run would be."""
+    repeat_step_s: float | None = None
+    """A second real run of the row, after the estimate learnt from the first: what the learnt estimate is for."""
     run_name: str | None = None
     """The real run's directory name."""
     busy_cores: float | None = None
@@ -92,7 +95,7 @@ class EstimateRow:
 
     @property
     def learnt_error(self) -> float | None:
-        return _ratio(self.learnt_step_s, self.measured_step_s)
+        return _ratio(self.learnt_step_s, self.repeat_step_s)
 
 
 def _ratio(estimated: float | None, measured: float | None) -> float | None:
@@ -106,17 +109,18 @@ class EstimateReport:
 
     def table(self) -> str:
         lines = [(f"workbench bench estimate on {self.device}: peak per rank, estimated (tensors) against measured "
-                  "(max over ranks); step time, estimated (model alone, and learnt from the other rows' runs) against "
-                  "measured (median after warm-up); busy: other processes' cores during the run"),
+                  "(max over ranks); step time measured (median after warm-up) against the model alone; then a "
+                  "second run of the row against the estimate learnt from the first; busy: other processes' cores "
+                  "during the first run"),
                  f"  {'shape':32} {'layout':13} {'measured':>10} {'estimated':>10} {'error':>7} {'model state':>12}"
-                 f" {'step':>9} {'estimated':>9} {'error':>7} {'learnt':>9} {'error':>7} {'busy':>5}"]
+                 f" {'step':>9} {'estimated':>9} {'error':>7} {'again':>9} {'learnt':>9} {'error':>7} {'busy':>5}"]
         for r in self.rows:
             measured = fmt_bytes(r.measured_bytes) if r.measured_bytes is not None else "-"
             estimated = fmt_bytes(r.estimated_bytes) if r.estimated_bytes is not None else "-"
             error = f"{r.error:+7.1%}" if r.error is not None else f"{'-':>7}"
             state = "-" if r.model_state_exact is None else "exact" if r.model_state_exact else "DIFFERS"
-            times = " ".join(f"{_ms(v):>9} {_pct(e):>7}" for v, e in ((r.estimated_step_s, r.step_error),
-                                                                       (r.learnt_step_s, r.learnt_error)))
+            times = (f"{_ms(r.estimated_step_s):>9} {_pct(r.step_error):>7} {_ms(r.repeat_step_s):>9} "
+                     f"{_ms(r.learnt_step_s):>9} {_pct(r.learnt_error):>7}")
             busy = f"{r.busy_cores:5.1f}" if r.busy_cores is not None else f"{'-':>5}"
             note = f"  ({r.note})" if r.note else ""
             lines.append(f"  {r.shape:32} {r.layout:13} {measured:>10} {estimated:>10} {error} {state:>12} "
@@ -151,7 +155,7 @@ def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, layouts: dict[
                     rows.append(_compare(shape, layout, cfg, hw, device == "cuda"))
                 except ValueError as e:  # the task can't run this layout: said in words by the config checks
                     rows.append(EstimateRow(shape, layout, None, None, None, note=str(e).split(";")[0].split(" (")[0]))
-        _learn_from_the_other_rows(rows, Path(tmp), hw)
+        _learn_from_a_first_run(rows, Path(tmp), hw)
     report = EstimateReport(device=hw.describe(device), rows=rows)
     if json_path is not None:
         Path(json_path).write_text(json.dumps({"device": report.device, "rows": [asdict(r) for r in rows]}, indent=2))
@@ -197,24 +201,25 @@ def _compare(shape: str, layout: str, cfg: RunConfig, hw: Any, cuda: bool) -> Es
                        busy_cores=busy, run_name=result.dir.path.name)
 
 
-def _learn_from_the_other_rows(rows: list[EstimateRow], runs: Path, hw: Any) -> None:
-    """Each row's estimate learnt from the other rows' runs: its own run is set aside while it is estimated."""
+def _learn_from_a_first_run(rows: list[EstimateRow], runs: Path, hw: Any) -> None:
+    """Each row's estimate once its first run has completed (learnt from it, with every row's first run there),
+    against a second real run of the same config."""
     from workbench.estimator import estimate
+    from workbench.estimator.learning import measured_step_s
     from workbench.rundir import RunDir
 
-    done, aside = runs / "done", runs / "aside"
-    aside.mkdir(exist_ok=True)
+    done, again = runs / "done", runs / "again"
+    again.mkdir(exist_ok=True)
     for row in rows:
         if row.run_name is None:
             continue
-        cfg = RunDir(done / row.run_name).config()
-        shutil.move(str(done / row.run_name), str(aside / row.run_name))
-        try:
-            cuda = resolve_device(cfg, hw) == "cuda"
-            row.learnt_step_s = estimate(cfg, hw.gpus[0].name if cuda else None, cfg.num_processes,
-                                         runs_dir=done).step_s
-        finally:
-            shutil.move(str(aside / row.run_name), str(done / row.run_name))
+        cfg = RunDir(done / row.run_name).config().replace(runs_dir=str(runs), run_name=None)
+        cuda = resolve_device(cfg, hw) == "cuda"
+        row.learnt_step_s = estimate(cfg, hw.gpus[0].name if cuda else None, cfg.num_processes,
+                                     runs_dir=done).step_s
+        result = launch(cfg)
+        shutil.move(str(result.dir.path), str(again / result.dir.path.name))
+        row.repeat_step_s = measured_step_s(again / result.dir.path.name)
 
 
 class BusyMeter:
