@@ -14,6 +14,8 @@ from workbench.version import __version__
 
 if TYPE_CHECKING:
     from workbench import data, tasks
+    from workbench.cluster import Slurm
+    from workbench.cluster.slurm_run import SlurmRun, attach
     from workbench.config import RunConfig
     from workbench.estimator.estimation import estimate
     from workbench.launcher.launch import Run, launch, start
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "RunConfig": "workbench.config",
+    "Slurm": "workbench.cluster",
+    "SlurmRun": "workbench.cluster.slurm_run",
+    "attach": "workbench.cluster.slurm_run",
     "estimate": "workbench.estimator.estimation",
     "Run": "workbench.launcher.launch",
     "launch": "workbench.launcher.launch",

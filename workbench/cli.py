@@ -23,17 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train from a RunConfig YAML file (accelerate launch under the hood)")
-    t.add_argument("config", type=Path, help="RunConfig YAML")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set max_steps=200 --set task_options.n_layer=4")
-    t.add_argument("--mode", choices=["subprocess", "fork"], default="subprocess",
-                   help="subprocess: accelerate launch (default); fork: notebook_launcher in this process")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--prepare-only", action="store_true",
-                   help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "
-                        "yourself (multi-node, Slurm)")
-
+    _train_parser(sub)
     _estimate_parser(sub)
 
     st = sub.add_parser("status", help="how a run stands: status (a run whose processes are gone says so), "
@@ -167,6 +157,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _train_parser(sub: Any) -> None:
+    t = sub.add_parser("train", help="train from a RunConfig YAML file (accelerate launch under the hood)")
+    t.add_argument("config", type=Path, help="RunConfig YAML")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set max_steps=200 --set task_options.n_layer=4")
+    t.add_argument("--mode", choices=["subprocess", "fork"], default="subprocess",
+                   help="subprocess: accelerate launch (default); fork: notebook_launcher in this process")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--prepare-only", action="store_true",
+                   help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "
+                        "yourself (multi-node, Slurm)")
+    t.add_argument("--slurm", metavar="KEY=VALUE,...",
+                   help="submit to Slurm instead of running here, e.g. partition=gpu,nodes=2,gpus_per_node=8 "
+                        "(time, mem, account, qos, constraint, cpus_per_task, processes_per_node; others are "
+                        "sbatch options); prints the job id and the run directory")
+    t.add_argument("--follow", action="store_true", help="with --slurm: wait for the job and print how it ended")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     handlers = {"train": _train, "check": _train, "estimate": _estimate, "status": _status, "demo": _demo,
                 "data": _data, "regress": _regress, "bench": _bench, "doctor": _doctor}
@@ -195,6 +203,8 @@ def _train(args: argparse.Namespace) -> int:
             print(f"warning: {warning}", file=sys.stderr)
         print(f"a valid plan for {target.describe(cfg)}: {cfg.dims.describe()}, global batch {cfg.global_batch_size}")
         return 0
+    if getattr(args, "slurm", None) and not args.prepare_only:
+        return _submit(cfg, args)
     from workbench.launcher.launch import check_launch
 
     cfg, _ = check_launch(cfg, None, args.mode)  # --prepare-only too: the same checks as a launch
@@ -221,6 +231,25 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     finally:
         take_received()  # delivered again by the launch once the ranks were safe: acted on
+    _print_summary(result.summary, result.run_dir)
+    return 0
+
+
+def _submit(cfg: Any, args: argparse.Namespace) -> int:
+    from workbench.cluster.slurm import from_spec
+    from workbench.cluster.submit import submit
+    from workbench.rundir import RunFailedError, RunPreemptedError
+
+    run = submit(cfg, from_spec(args.slurm))
+    print(f"submitted: Slurm job {run.job_id}")
+    print(run.run_dir)
+    if not args.follow:
+        return 0
+    try:
+        result = run.wait()
+    except (RunFailedError, RunPreemptedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     _print_summary(result.summary, result.run_dir)
     return 0
 

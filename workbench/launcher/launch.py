@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 from workbench.config import RunConfig
 from workbench.config.preflight import preflight
@@ -25,6 +25,10 @@ from workbench.rundir import (
     prepare,
 )
 from workbench.tasks import Task, get_task
+
+if TYPE_CHECKING:
+    from workbench.cluster import Slurm
+    from workbench.cluster.slurm_run import SlurmRun
 
 log = logging.getLogger("workbench")
 
@@ -47,8 +51,12 @@ def check_launch(cfg: RunConfig, task: Task | None, mode: Mode) -> tuple[RunConf
     return cfg, task or get_task(cfg.task)
 
 
-def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", progress: bool = False) -> Run:
+def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", progress: bool = False,
+          cluster: Slurm | None = None) -> Run | SlurmRun:
     """Start `cfg` on cfg.num_processes ranks and return the `Run` handle at once (see `launch` to block).
+
+    `cluster=wb.Slurm(...)` submits it to that cluster instead (checked against the cluster first) and returns
+    its SlurmRun, which has the same status, wait(), stop() and result().
 
     mode='fork' (notebooks, any Python process) forks ranks through accelerate.notebook_launcher, so tasks
     defined in a notebook cell work, or, per cfg.start_method (when CUDA is already initialised here), spawns
@@ -57,6 +65,10 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
     preemption signal `workbench train` caught while it checked and prepared ends the run 'preempted' here,
     before any rank starts (RunPreemptedError).
     """
+    if cluster is not None:
+        from workbench.cluster.submit import submit
+
+        return submit(cfg, cluster, task)
     cfg, task = check_launch(cfg, task, mode)
     plan = plan_start(cfg, task, mode)  # may refuse: still nothing created
     cfg, run_dir, token = prepare(cfg)
@@ -79,26 +91,26 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
 
 @overload
 def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[True] = True, mode: Mode = "fork",
-           progress: bool = False) -> RunResult: ...
+           progress: bool = False, cluster: Slurm | None = None) -> RunResult: ...
 
 
 @overload
 def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[False], mode: Mode = "fork",
-           progress: bool = False) -> Run: ...
+           progress: bool = False, cluster: Slurm | None = None) -> Run | SlurmRun: ...
 
 
 def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode: Mode = "fork",
-           progress: bool = False) -> RunResult | Run:
+           progress: bool = False, cluster: Slurm | None = None) -> RunResult | Run | SlurmRun:
     """Run `cfg` on cfg.num_processes ranks and block until it ends: returns the RunResult, or raises
-    RunFailedError naming the failing rank. `start()` is the same without blocking.
+    RunFailedError naming the failing rank. `start()` is the same without blocking; `cluster=` as there.
 
     `wait=False` is the older spelling of `start()` and is deprecated.
     """
     if not wait:
         warnings.warn("launch(cfg, wait=False) is deprecated: use wb.start(cfg), which returns the Run handle",
                       DeprecationWarning, stacklevel=2)
-        return start(cfg, task, mode=mode, progress=progress)
-    run = start(cfg, task, mode=mode, progress=progress)
+        return start(cfg, task, mode=mode, progress=progress, cluster=cluster)
+    run = start(cfg, task, mode=mode, progress=progress, cluster=cluster)
     try:
         return run.wait()
     except BaseException:

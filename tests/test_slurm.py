@@ -1,0 +1,235 @@
+"""Runs submitted to a real two-node Slurm cluster (Debian's slurm-wlm + munge, two slurmd on this host), brought
+up by scripts/slurm-local/up.sh for this module and taken down after it when it wasn't up before."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+from workbench.rundir import RunFailedError, Status
+
+REPO = Path(__file__).resolve().parents[1]
+UP, DOWN = REPO / "scripts" / "slurm-local" / "up.sh", REPO / "scripts" / "slurm-local" / "down.sh"
+pytestmark = pytest.mark.slow
+
+
+def _cluster_answers() -> bool:
+    return shutil.which("scontrol") is not None and subprocess.run(
+        ["scontrol", "ping"], capture_output=True, text=True, timeout=30, check=False).returncode == 0 and \
+        "UP" in subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30).stdout
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    """The local cluster, up: skipped with the reason only where Slurm can't be installed or run (not root)."""
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (slurmd, munged and /etc/hosts)")
+    was_up = _cluster_answers()
+    if not was_up:
+        done = subprocess.run(["bash", str(UP)], capture_output=True, text=True, timeout=110, check=False)
+        if done.returncode != 0:
+            if shutil.which("slurmctld") is None:
+                pytest.skip(f"Slurm can't be installed here: {(done.stderr or done.stdout).strip()[-400:]}")
+            pytest.fail(f"scripts/slurm-local/up.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    try:
+        yield
+    finally:
+        if not was_up:
+            subprocess.run(["bash", str(DOWN)], capture_output=True, text=True, timeout=110, check=False)
+
+
+def _cfg(tmp_path: Path, **fields: object) -> wb.RunConfig:
+    base = {"task": "digits", "num_processes": 2, "max_steps": 30, "log_every": 5, "seed": 0,
+            "runs_dir": str(tmp_path / "runs")}
+    return wb.RunConfig(**{**base, **fields})
+
+
+def _jobs() -> set[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30, check=True)
+    return set(out.stdout.split())
+
+
+def _wait_for(predicate: object, what: str, deadline_s: float = 90.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {deadline_s:.0f} s")
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def cancel_after() -> Iterator[list[wb.SlurmRun]]:
+    """Runs a test submitted: their jobs are cancelled when the test ends, passed or not."""
+    runs: list[wb.SlurmRun] = []
+    yield runs
+    for run in runs:
+        subprocess.run(["scancel", run.job_id], capture_output=True, timeout=30, check=False)
+
+
+def test_a_ddp_run_submitted_to_two_nodes_ends_completed_with_the_losses_of_the_same_run_here(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    cfg = _cfg(tmp_path)
+    run = wb.start(cfg, cluster=wb.Slurm(nodes=2, time="5:00"))
+    cancel_after.append(run)
+    assert isinstance(run, wb.SlurmRun) and run.job_id.isdigit()
+    there = run.wait(timeout=110)
+    assert there.status is Status.COMPLETED and there.summary["world_size"] == 2
+    here = wb.launch(cfg.replace(run_name="local"))
+    losses = [(m["step"], m["loss"]) for m in there.metrics if "loss" in m]
+    assert [s for s, _ in losses] == [5, 10, 15, 20, 25, 30]
+    assert [v for _, v in losses] == pytest.approx([m["loss"] for m in here.metrics if "loss" in m], rel=1e-6)
+    events = [e["event"] for e in there.events]
+    assert "submitted" in events and events[-1] == "completed", events
+
+
+def test_an_unknown_partition_and_too_many_gpus_are_refused_before_anything_is_submitted(
+        cluster: None, tmp_path: Path) -> None:
+    before = _jobs()
+    with pytest.raises(ValueError, match=r"partition='gpu-nope': not a partition of this cluster \(sinfo lists "
+                                         r"debug\); choose one of those"):
+        wb.start(_cfg(tmp_path), cluster=wb.Slurm(partition="gpu-nope", nodes=2))
+    with pytest.raises(ValueError, match=r"gpus_per_node=8: partition 'debug' has 0 GPU\(s\) per node"):
+        wb.start(_cfg(tmp_path), cluster=wb.Slurm(nodes=2, gpus_per_node=8))
+    with pytest.raises(ValueError, match=r"nodes=3: partition 'debug' has 2 node\(s\)"):
+        wb.start(_cfg(tmp_path, num_processes=3), cluster=wb.Slurm(nodes=3))
+    with pytest.raises(ValueError, match=r"num_processes=2: the job runs 2 node\(s\) x 2 rank\(s\) = 4; set "
+                                         r"num_processes=4"):
+        wb.start(_cfg(tmp_path), cluster=wb.Slurm(nodes=2, processes_per_node=2))
+    assert _jobs() == before and not (tmp_path / "runs").exists(), "nothing submitted, no run directory"
+
+
+def test_a_job_that_ends_before_any_rank_starts_is_failed_with_slurms_words_never_starting(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    run = wb.start(_cfg(tmp_path), cluster=wb.Slurm(nodes=2, setup=["echo 'no such module: cuda/12' >&2",
+                                                                    "exit 3"]))
+    cancel_after.append(run)
+    with pytest.raises(RunFailedError, match=rf"the Slurm job {run.job_id} ended FAILED"):
+        run.wait(timeout=90)
+    summary = run.dir.summary()
+    assert summary.status is Status.FAILED and "before the run recorded an ending" in summary.error["message"]
+    assert run.status is Status.FAILED
+
+
+def test_a_held_job_says_pending_with_slurms_reason_and_stop_cancels_it(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    run = wb.start(_cfg(tmp_path), cluster=wb.Slurm(nodes=2, extra={"hold": True}))
+    cancel_after.append(run)
+    _wait_for(lambda: run.job()[0] == "PENDING", "the held job was not listed as pending")
+    assert run.job() == ("PENDING", "JobHeldUser") and "PENDING (JobHeldUser)" in run.describe()
+    assert run.status is Status.STARTING, "a pending job's run is still starting, not failed"
+    run.stop()
+    assert run.dir.summary().status is Status.STOPPED
+    _wait_for(lambda: run.job()[0] not in ("PENDING", "RUNNING"), "the cancelled job left the queue")
+    assert run.wait(timeout=30).status is Status.STOPPED
+
+
+def test_attach_from_a_fresh_interpreter_follows_a_running_job_to_its_end(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    run = wb.start(_cfg(tmp_path, max_steps=60), cluster=wb.Slurm(nodes=2))
+    cancel_after.append(run)
+    code = ("import sys, workbench as wb; r = wb.attach(sys.argv[1]); "
+            "print(r.job_id, r.wait(timeout=100).status.value, flush=True)")
+    follower = subprocess.run([sys.executable, "-c", code, str(run.run_dir)], capture_output=True, text=True,
+                              timeout=110, check=False)
+    assert follower.returncode == 0, follower.stderr[-2000:]
+    assert follower.stdout.split() == [run.job_id, "completed"]
+    assert wb.RunResult(run.run_dir).summary["steps"] == 60
+    with pytest.raises(ValueError, match=r"no slurm.json naming a job; attach\(\) follows runs submitted"):
+        wb.attach(tmp_path)
+
+
+def test_stop_ends_a_running_job_stopped_with_a_checkpoint_and_an_scancel_is_reported_as_such(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    slurm = wb.Slurm(nodes=2)
+    run = wb.start(_cfg(tmp_path, max_steps=100000, log_every=10, run_name="stopped"), cluster=slurm)
+    cancel_after.append(run)
+    _wait_for(lambda: len(run.metrics) >= 2, "the submitted run logged no steps")
+    run.stop()
+    result = run.wait(timeout=90)
+    assert result.status is Status.STOPPED and list((run.run_dir / "checkpoints").iterdir())
+    cancelled = wb.start(_cfg(tmp_path, max_steps=100000, log_every=10, run_name="cancelled"), cluster=slurm)
+    cancel_after.append(cancelled)
+    _wait_for(lambda: len(cancelled.metrics) >= 1, "the second run logged no steps")
+    subprocess.run(["scancel", cancelled.job_id], check=True, timeout=30)
+    assert cancelled.wait(timeout=90).status is Status.STOPPED, "cancelled on purpose: not a preemption to requeue"
+    said = [e for e in cancelled.events if e["event"] == "cancelled"]
+    assert len(said) == 1 and said[0]["job_id"] == cancelled.job_id and "scancel" in said[0]["reason"]
+    assert list((cancelled.run_dir / "checkpoints").iterdir()), "the ranks checkpointed on the way out"
+
+
+def test_the_shell_submits_prints_the_job_and_run_directory_and_follows_it(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    config = tmp_path / "run.yaml"
+    _cfg(tmp_path, max_steps=10).to_yaml(config)
+    cli = [sys.executable, "-m", "workbench.cli", "train", str(config)]
+    done = subprocess.run([*cli, "--slurm", "nodes=2,time=0:05:00", "--follow"], capture_output=True, text=True,
+                          timeout=110, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.splitlines()[:2]
+    job_id = first.removeprefix("submitted: Slurm job ")
+    assert job_id.isdigit() and Path(second).is_dir() and wb.attach(second).job_id == job_id
+    assert wb.RunResult(Path(second)).status is Status.COMPLETED
+    refused = subprocess.run([*cli, "--slurm", "partition=nope,nodes=2"], capture_output=True, text=True,
+                             timeout=60, check=False)
+    assert refused.returncode == 2 and "partition='nope': not a partition of this cluster" in refused.stderr
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nodes=two", r"--slurm nodes='two': a whole number"),
+    ("partition", r"--slurm 'partition': write key=value"),
+    ("nodes=0", r"Slurm nodes=0: a whole number of at least 1"),
+    ("time=1h", r"Slurm time='1h': minutes, or 'D-HH:MM:SS'"),
+])
+def test_a_bad_slurm_spec_is_refused_with_the_item_and_the_fix(spec: str, message: str) -> None:
+    from workbench.cluster.slurm import from_spec
+
+    with pytest.raises(ValueError, match=message):
+        from_spec(spec)
+
+
+def test_slurm_time_limits_read_as_slurm_writes_them() -> None:
+    from workbench.cluster.slurm import from_spec, minutes
+
+    assert [minutes(t) for t in (90, "90", "30:30", "1:30:00", "2-12", "2-12:30", "1-00:00:01")] == \
+        [90, 90, 31, 90, 3600, 3630, 1441]
+    spec = from_spec("partition=gpu,nodes=2,gpus_per_node=8,time=4:00:00,setup=module load cuda;source v/bin/activate,"
+                     "exclusive=true,mail_type=END")
+    assert (spec.partition, spec.nodes, spec.gpus_per_node, spec.minutes) == ("gpu", 2, 8, 240)
+    assert spec.setup == ("module load cuda", "source v/bin/activate")
+    assert spec.extra == {"exclusive": True, "mail-type": "END"}
+
+
+def test_the_readme_multinode_recipe_runs_on_two_nodes_and_a_job_whose_ranks_never_start_reads_failed(
+        cluster: None, tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    _cfg(tmp_path, max_steps=10).to_yaml(config)
+    cli = [sys.executable, "-m", "workbench.cli"]
+    recipe = REPO / "scripts" / "slurm" / "multinode.sbatch"
+    python_bin = str(Path(sys.executable).parent)
+    runs = {}
+    for name, py_bin in (("good", python_bin), ("broken", str(tmp_path / "no-python-here"))):
+        run_dir = subprocess.run([*cli, "train", str(config), "--prepare-only", "--set", f"run_name={name}"],
+                                 capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+        sub = subprocess.run(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1", "-o",
+                              str(tmp_path / f"{name}.out"), str(recipe), run_dir], capture_output=True,
+                             text=True, timeout=30, check=True, env={**os.environ, "PY_BIN": py_bin})
+        runs[name] = (run_dir, sub.stdout.strip().split(";")[0])
+    try:
+        for name, (_, job_id) in runs.items():
+            _wait_for(lambda job_id=job_id: job_id not in _jobs(), f"the {name} recipe job did not end", 100)
+        good = subprocess.run([*cli, "status", runs["good"][0]], capture_output=True, text=True, timeout=60)
+        assert good.returncode == 0 and "completed" in good.stdout, good.stdout + good.stderr
+        broken = subprocess.run([*cli, "status", runs["broken"][0]], capture_output=True, text=True, timeout=60)
+        assert broken.returncode == 1 and "failed" in broken.stdout, broken.stdout + broken.stderr
+        assert f"Slurm job {runs['broken'][1]} is no longer running" in broken.stdout + broken.stderr
+    finally:
+        for _, job_id in runs.values():
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)

@@ -1,0 +1,70 @@
+"""Submitting a run to Slurm: every check first (the config, the task, the cluster), then the run directory,
+then one sbatch through submitit. A submission that fails leaves the run directory saying so, never
+'starting', and no job behind."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from workbench.cluster.job import run_rank
+from workbench.cluster.slurm import SLURM_FILE, Slurm, check, python_for_jobs
+from workbench.cluster.slurm_run import SlurmRun
+from workbench.rundir import Status, lock, prepare
+from workbench.utils.files import write_json
+
+if TYPE_CHECKING:
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
+
+log = logging.getLogger("workbench")
+
+
+def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
+    """Check `cfg` against the cluster, prepare its run directory (on the shared filesystem), submit one job of
+    nodes x ranks-per-node Slurm tasks, each a rank, and return the handle."""
+    import submitit
+
+    from workbench.tasks import get_task
+
+    if task is not None:
+        raise ValueError("a cluster run can't take a task object from this process: its ranks start in fresh "
+                         "interpreters on the nodes. Register the task in an importable module (or name it "
+                         "'module:Class' in cfg.task) and pass no task=")
+    get_task(cfg.task)  # an unknown task is refused here, not on the nodes
+    partition = check(cfg, slurm)
+    cfg, run, token = prepare(cfg)
+    folder = run.path / "slurm"
+    try:
+        executor = submitit.SlurmExecutor(folder=folder, python=python_for_jobs())
+        executor.update_parameters(**_parameters(cfg, slurm, partition))
+        job = executor.submit(run_rank, str(run.path), token)
+    except Exception as e:
+        run.set_status(Status.FAILED, error={"type": type(e).__name__, "message": f"sbatch refused the job: {e}"})
+        run.event("failed", type=type(e).__name__, message=f"sbatch refused the job: {e}")
+        lock.release(run, token)
+        raise ValueError(f"Slurm: the job was not submitted: {e}") from e
+    write_json(run.path / SLURM_FILE, {"job_id": job.job_id, "folder": str(folder), "partition": partition,
+                                       "nodes": slurm.nodes, "ranks_per_node": slurm.per_node(cfg),
+                                       "submitted_at": time.time()})
+    run.event("submitted", job_id=job.job_id, partition=partition, nodes=slurm.nodes)
+    lock.set_runner(run, token, {"slurm_job_id": job.job_id})
+    log.info("submitted %s to Slurm: job %s on partition %s, %d node(s) x %d rank(s) -> %s", cfg.run_name,
+             job.job_id, partition, slurm.nodes, slurm.per_node(cfg), run.path)
+    return SlurmRun(run.path, cfg, job.job_id, token)
+
+
+def _parameters(cfg: RunConfig, slurm: Slurm, partition: str) -> dict[str, object]:
+    params: dict[str, object] = {
+        "job_name": slurm.job_name or f"workbench-{cfg.run_name}", "partition": partition, "nodes": slurm.nodes,
+        "ntasks_per_node": slurm.per_node(cfg), "time": slurm.minutes, "setup": list(slurm.setup),
+        "stderr_to_stdout": False}
+    if slurm.gpus_per_node:
+        params["gpus_per_node"] = slurm.gpus_per_node
+    optional = {"cpus_per_task": slurm.cpus_per_task, "mem": slurm.mem, "account": slurm.account,
+                "qos": slurm.qos, "constraint": slurm.constraint}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    if slurm.extra:
+        params["additional_parameters"] = dict(slurm.extra)
+    return params
