@@ -233,3 +233,30 @@ def test_the_readme_multinode_recipe_runs_on_two_nodes_and_a_job_whose_ranks_nev
     finally:
         for _, job_id in runs.values():
             subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
+
+
+def test_a_job_warned_of_its_time_limit_checkpoints_is_requeued_and_completes_with_the_uninterrupted_curve(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    cfg = _cfg(tmp_path, max_steps=600, log_every=50, max_restarts=2, run_name="requeued")
+    run = wb.start(cfg, cluster=wb.Slurm(nodes=2, time=10, grace_s=90))
+    cancel_after.append(run)
+    script = next((run.run_dir / "slurm").glob("*submission.sh")).read_text()
+    assert "#SBATCH --signal=USR2@90" in script and "#SBATCH --requeue" in script
+    _wait_for(lambda: len([m for m in run.metrics if "loss" in m]) >= 2, "the submitted run logged no steps")
+    # Slurm's warning, grace_s before the limit, is this signal to the job's tasks (sent now: Slurm may send
+    # its own up to a minute early, so a test can't wait for it to the second)
+    subprocess.run(["scancel", "--signal=USR2", run.job_id], check=True, timeout=30)
+    result = run.wait(timeout=100)
+    assert result.status is Status.COMPLETED and result.summary["steps"] == 600
+    events = [e for e in result.events if e["event"] in ("preempted", "requeued", "requeue_started", "resumed")]
+    assert [e["event"] for e in events][:3] == ["preempted", "requeued", "requeue_started"], events
+    assert events[0]["signal"] == "SIGUSR2" and events[1]["job_id"] == run.job_id and events[1]["attempt"] == 2
+    assert len(result.dir.config_paths()) == 2 and result.dir.config().resume
+    here = wb.launch(cfg.replace(run_name="uninterrupted", max_restarts=0))
+    curve = {m["step"]: m["loss"] for m in result.metrics if "loss" in m}
+    uninterrupted = {m["step"]: m["loss"] for m in here.metrics if "loss" in m}
+    # a logged loss is its window's mean: the window the preemption cut is averaged over its resumed part only
+    cut = -(-events[0]["step"] // 50) * 50
+    common = sorted((set(curve) & set(uninterrupted)) - {cut})
+    assert common[-1] == 600 and len(common) >= 10
+    assert [curve[s] for s in common] == pytest.approx([uninterrupted[s] for s in common], rel=1e-5)

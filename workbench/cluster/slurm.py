@@ -54,12 +54,15 @@ class Slurm:
     'mail-type': 'END'})."""
     job_name: str | None = None
     """The job's name in squeue; None: 'workbench-<run name>'."""
+    grace_s: int = 120
+    """Seconds before the time limit at which Slurm warns the ranks (SIGUSR2): they checkpoint, and the job is
+    requeued to resume while the run's max_restarts allows."""
 
     def __post_init__(self) -> None:
         for name in ("nodes",):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Slurm {name}={getattr(self, name)!r}: a whole number of at least 1")
-        for name in ("gpus_per_node",):
+        for name in ("gpus_per_node", "grace_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"Slurm {name}={getattr(self, name)!r}: a whole number, 0 for no GPU")
         for name in ("processes_per_node", "cpus_per_task"):
@@ -84,7 +87,7 @@ class Slurm:
         return max(1, cfg.num_processes // self.nodes)
 
 
-_INTS = ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task")
+_INTS = ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task", "grace_s")
 
 
 def from_spec(spec: str) -> Slurm:

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from workbench.cluster.job import run_rank
+from workbench.cluster.job import WARNING_SIGNAL, run_rank
 from workbench.cluster.slurm import SLURM_FILE, Slurm, check, python_for_jobs
 from workbench.cluster.slurm_run import SlurmRun
 from workbench.rundir import Status, lock, prepare
@@ -33,6 +33,11 @@ def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
                          "interpreters on the nodes. Register the task in an importable module (or name it "
                          "'module:Class' in cfg.task) and pass no task=")
     get_task(cfg.task)  # an unknown task is refused here, not on the nodes
+    if cfg.preempt_signal not in (None, WARNING_SIGNAL):
+        raise ValueError(f"preempt_signal={cfg.preempt_signal!r}: Slurm warns a run with {WARNING_SIGNAL} "
+                         f"grace_s={slurm.grace_s} s before its time limit; leave preempt_signal unset or set it "
+                         f"to {WARNING_SIGNAL!r}")
+    cfg = cfg.replace(preempt_signal=WARNING_SIGNAL)
     partition = check(cfg, slurm)
     cfg, run, token = prepare(cfg)
     folder = run.path / "slurm"
@@ -59,12 +64,13 @@ def _parameters(cfg: RunConfig, slurm: Slurm, partition: str) -> dict[str, objec
     params: dict[str, object] = {
         "job_name": slurm.job_name or f"workbench-{cfg.run_name}", "partition": partition, "nodes": slurm.nodes,
         "ntasks_per_node": slurm.per_node(cfg), "time": slurm.minutes, "setup": list(slurm.setup),
-        "stderr_to_stdout": False}
+        "stderr_to_stdout": False, "signal_delay_s": slurm.grace_s}
     if slurm.gpus_per_node:
         params["gpus_per_node"] = slurm.gpus_per_node
     optional = {"cpus_per_task": slurm.cpus_per_task, "mem": slurm.mem, "account": slurm.account,
                 "qos": slurm.qos, "constraint": slurm.constraint}
     params.update({k: v for k, v in optional.items() if v is not None})
-    if slurm.extra:
-        params["additional_parameters"] = dict(slurm.extra)
+    extra = {**({"requeue": True} if cfg.max_restarts > 0 else {}), **slurm.extra}
+    if extra:
+        params["additional_parameters"] = extra
     return params
