@@ -260,3 +260,51 @@ def test_a_job_warned_of_its_time_limit_checkpoints_is_requeued_and_completes_wi
     common = sorted((set(curve) & set(uninterrupted)) - {cut})
     assert common[-1] == 600 and len(common) >= 10
     assert [curve[s] for s in common] == pytest.approx([uninterrupted[s] for s in common], rel=1e-5)
+
+
+def test_the_dashboard_follows_a_cluster_run_to_its_end(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    from workbench.notebook.dashboard import Dashboard
+
+    run = wb.start(_cfg(tmp_path, max_steps=200, log_every=10), cluster=wb.Slurm(nodes=2))
+    cancel_after.append(run)
+    dash = Dashboard(run, interval=0.2, figure_interval=0.5).start()
+    try:
+        _wait_for(lambda: not dash.polling, "the dashboard did not see the cluster run end", 100)
+    finally:
+        dash.stop()
+    assert dash.reading.observed[0] == "completed" and dash.reading.train_rows[-1].step == 200
+    assert dash.figures_drawn >= 1 and dash.figure_png().startswith(b"\x89PNG")
+    assert run.wait(timeout=30).status is Status.COMPLETED
+
+
+def test_regress_on_slurm_runs_each_case_as_an_array_task_and_writes_one_report_and_junit_file(
+        cluster: None, tmp_path: Path) -> None:
+    import json
+    import xml.etree.ElementTree as ET
+
+    import yaml
+
+    fixtures = REPO / "tests" / "fixtures" / "notebooks"
+    suite = tmp_path / "suite.yaml"
+    nb = os.path.relpath(fixtures / "records_metric.ipynb", tmp_path)
+    suite.write_text(yaml.safe_dump({"name": "t", "cases": [
+        {"notebook": nb, "name": "inside", "parameters": {"value": 1.05}},
+        {"notebook": nb, "name": "outside", "parameters": {"value": 1.5}},
+        {"notebook": os.path.relpath(fixtures / "raises_error.ipynb", tmp_path), "name": "broken"}]}))
+    for case in ("t.inside", "t.outside"):
+        path = tmp_path / "baselines" / "cpu" / f"{case}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"metrics": {"val_loss": {"value": 1.0}, "steps": {"value": 10}}}))
+    out, junit = tmp_path / "report", tmp_path / "junit.xml"
+    done = subprocess.run([sys.executable, "-m", "workbench.cli", "regress", str(suite), "--out", str(out),
+                           "--junit", str(junit), "--slurm", "time=10"], capture_output=True, text=True,
+                          timeout=115, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]  # a case that errors wins over one that regressed
+    assert "as job array" in done.stderr
+    results = {c["case"]: c["status"] for c in json.loads((out / "results.json").read_text())["cases"]}
+    assert results == {"t.inside": "passed", "t.outside": "failed", "t.broken": "error"}
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    assert set(cases) == {"inside", "outside", "broken"} and cases["outside"].find("failure") is not None
+    assert (out / "cases" / "t.inside" / "records_metric.ipynb").is_file()
+    assert len(list((out / "slurm").glob("*_log.out"))) == 3, "each array task logged under the report"

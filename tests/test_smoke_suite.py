@@ -20,7 +20,7 @@ from conftest import REPO
 
 from workbench.regress.judging import PASSED
 from workbench.regress.report import write_junit, write_report
-from workbench.regress.runner import run_case
+from workbench.regress.case_run import run_case
 from workbench.regress.suite import load_targets
 from workbench.utils.hardware import detect
 

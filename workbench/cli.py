@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workbench.commands.arguments import bench_parser, doctor_parser, estimate_parser, train_parser
+
 log = logging.getLogger("workbench")
 
 
@@ -23,8 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    _train_parser(sub)
-    _estimate_parser(sub)
+    train_parser(sub)
+    estimate_parser(sub)
 
     st = sub.add_parser("status", help="how a run stands: status (a run whose processes are gone says so), "
                                        "progress, ending or error, checkpoints")
@@ -61,84 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
     r.add_argument("--junit", type=Path, default=None, help="also write a JUnit XML file")
     r.add_argument("--profile", default=None, help="only cases of this profile (e.g. smoke, full)")
+    r.add_argument("--slurm", metavar="KEY=VALUE,...", default=None,
+                   help="run each case as a task of one Slurm job array (partition=gpu,gpus_per_node=1,time=60, "
+                        "...); the report and JUnit file are written here")
 
-    _bench_parser(sub)
-    _doctor_parser(sub)
+    bench_parser(sub)
+    doctor_parser(sub)
     return p
-
-
-def _estimate_parser(sub: argparse._SubParsersAction) -> None:
-    e = sub.add_parser("estimate", help="memory, time and cost per rank before launching, on this machine or an "
-                                        "accelerator to rent")
-    e.add_argument("config", type=Path)
-    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    e.add_argument("--gpu", default=None, help="catalog name, e.g. H100-SXM-80GB (default: this machine)")
-    e.add_argument("--gpus", type=int, default=None, help="GPUs (ranks) per node (default: num_processes)")
-    e.add_argument("--nodes", type=int, default=1)
-    e.add_argument("--network", choices=["infiniband", "ethernet"], default="infiniband")
-    e.add_argument("--compare", action="store_true", help="the same run on every catalog accelerator")
-    e.add_argument("--suggest", action="store_true", help="when it doesn't fit: changes that would, each estimated")
-
-
-def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    o = bsub.add_parser("overhead", help="trainer against a hand-written Accelerate loop, side by side")
-    o.add_argument("--steps", type=int, default=200)
-    o.add_argument("--repeats", type=int, default=9,
-                   help="back-to-back pairs of runs (the overhead is the median of their differences)")
-    o.add_argument("--num-processes", type=int, default=2)
-    o.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    pr = bsub.add_parser("precision", help="the same run in every precision this machine supports, side by side")
-    pr.add_argument("config", type=Path, nargs="?", default=None,
-                    help="RunConfig YAML (default: char-gpt 'small' on one device, 50 steps)")
-    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pr.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    pa = bsub.add_parser("parallelism", help="the same run under every parallel layout (data, tensor, pipeline), side "
-                               "by side")
-    pa.add_argument("config", type=Path, nargs="?", default=None,
-                    help="RunConfig YAML (default: char-gpt 'tiny' on 2 processes, 30 steps)")
-    pa.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pa.add_argument("--modes", nargs="+", default=None,
-                    help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp)")
-    pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    im = bsub.add_parser("imports", help="importing the rank side against `import torch, accelerate`, in fresh "
-                                         "interpreters side by side")
-    im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")
-    im.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
-    es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    da = bsub.add_parser("dashboard", help="the quickstart run headless against the same run with a live dashboard, "
-                                           "side by side: what the dashboard costs the ranks")
-    da.add_argument("--steps", type=int, default=2000)
-    da.add_argument("--pairs", type=int, default=4, help="back-to-back pairs, order alternating")
-    da.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    sp = bsub.add_parser("estimate-speed", help="the first estimate in a fresh interpreter (library and panel box), "
-                                                "and changes answered from the trace in memory")
-    sp.add_argument("--models", nargs="+", default=None, help="digits and/or gpt2-small (default: both)")
-    sp.add_argument("--gpu", default="H100-SXM-80GB", help="catalog accelerator of the target")
-    sp.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target")
-    sp.add_argument("--repeats", type=int, default=3, help="fresh interpreters per model and way in")
-    sp.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-
-
-def _doctor_parser(sub: argparse._SubParsersAction) -> None:
-    dr = sub.add_parser("doctor", help="what this machine offers for distributed training (devices, links, "
-                                       "versions, environment, all-reduce bandwidth, input pipeline, data cache) "
-                                       "and what to fix")
-    dr.add_argument("--json", action="store_true", help="print the report as JSON")
-    dr.add_argument("--quick", action="store_true", help="fewer and smaller all-reduce sizes, shorter timings")
-    dr.add_argument("--task", default=None, help="task whose input pipeline to measure (default: digits, or the "
-                                                 "config's), e.g. char-gpt")
-    dr.add_argument("--config", type=Path, default=None, help="RunConfig YAML: its task, micro_batch_size, "
-                                                              "num_workers")
-    dr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    dr.add_argument("--ranks", type=int, default=None, help="all-reduce ranks (default: every GPU, or 2 on CPU)")
-    dr.add_argument("--timeout", type=float, default=120.0, help="seconds the all-reduce sweep may take before its "
-                                                                 "ranks are killed (default 120)")
-    dr.add_argument("--skip", action="append", default=[], metavar="SECTION",
-                    choices=["devices", "versions", "environment", "allreduce", "input_pipeline", "cache_read"],
-                    help="leave a section out (repeatable)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,24 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     except (DataUnavailableError, RunDirWriteError) as e:  # the message says what is missing or could not be written
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-
-def _train_parser(sub: Any) -> None:
-    t = sub.add_parser("train", help="train from a RunConfig YAML file (accelerate launch under the hood)")
-    t.add_argument("config", type=Path, help="RunConfig YAML")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set max_steps=200 --set task_options.n_layer=4")
-    t.add_argument("--mode", choices=["subprocess", "fork"], default="subprocess",
-                   help="subprocess: accelerate launch (default); fork: notebook_launcher in this process")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--prepare-only", action="store_true",
-                   help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "
-                        "yourself (multi-node, Slurm)")
-    t.add_argument("--slurm", metavar="KEY=VALUE,...",
-                   help="submit to Slurm instead of running here, e.g. partition=gpu,nodes=2,gpus_per_node=8 "
-                        "(time, mem, account, qos, constraint, cpus_per_task, processes_per_node; others are "
-                        "sbatch options); prints the job id and the run directory")
-    t.add_argument("--follow", action="store_true", help="with --slurm: wait for the job and print how it ended")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -328,10 +241,12 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _regress(args: argparse.Namespace) -> int:
+    from workbench.cluster.slurm import from_spec
     from workbench.regress.runner import run
 
     return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
-               update_baselines=args.update_baselines, junit=args.junit, profile=args.profile)
+               update_baselines=args.update_baselines, junit=args.junit, profile=args.profile,
+               slurm=from_spec(args.slurm) if args.slurm else None)
 
 
 def _bench(args: argparse.Namespace) -> int:

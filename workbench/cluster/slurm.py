@@ -180,6 +180,21 @@ def check(cfg: RunConfig, slurm: Slurm) -> str:
     """Refuse, before anything is submitted, what this cluster can't run: a missing command, an unknown
     partition, more nodes or GPUs per node than it has, a world size that isn't nodes x ranks per node.
     Returns the partition the job goes to."""
+    name = check_cluster(slurm)
+    world = slurm.nodes * slurm.per_node(cfg)
+    if cfg.num_processes != world:
+        raise ValueError(f"num_processes={cfg.num_processes}: the job runs {slurm.nodes} node(s) x "
+                         f"{slurm.per_node(cfg)} rank(s) = {world}; set num_processes={world}, or change the nodes "
+                         "or processes_per_node")
+    if slurm.gpus_per_node == 0 and cfg.device == "cuda":
+        raise ValueError("device='cuda' with Slurm gpus_per_node=0: ask for GPUs (gpus_per_node=...) or set "
+                         "device='cpu'")
+    return name
+
+
+def check_cluster(slurm: Slurm) -> str:
+    """The cluster's side of check(): its commands, the partition, nodes and GPUs per node. Returns the
+    partition."""
     for name in COMMANDS:
         slurm_command(name)
     known = partitions()
@@ -196,14 +211,6 @@ def check(cfg: RunConfig, slurm: Slurm) -> str:
     if slurm.gpus_per_node > part["gpus"]:
         raise ValueError(f"Slurm gpus_per_node={slurm.gpus_per_node}: partition {name!r} has "
                          f"{part['gpus']} GPU(s) per node (sinfo's GRES); ask for at most that many")
-    world = slurm.nodes * slurm.per_node(cfg)
-    if cfg.num_processes != world:
-        raise ValueError(f"num_processes={cfg.num_processes}: the job runs {slurm.nodes} node(s) x "
-                         f"{slurm.per_node(cfg)} rank(s) = {world}; set num_processes={world}, or change the nodes "
-                         "or processes_per_node")
-    if slurm.gpus_per_node == 0 and cfg.device == "cuda":
-        raise ValueError("device='cuda' with Slurm gpus_per_node=0: ask for GPUs (gpus_per_node=...) or set "
-                         "device='cpu'")
     return name
 
 

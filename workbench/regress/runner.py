@@ -4,84 +4,22 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from workbench.regress.baselines import baseline_path, load_baseline, write_baseline
-from workbench.regress.execution import CaseError, execute
-from workbench.regress.judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, compare, exit_code
-from workbench.regress.recording import Records, decode_value, read_records
+from workbench.regress.baselines import baseline_path, load_baseline
+from workbench.regress.case_run import run_case
+from workbench.regress.execution import CaseError
+from workbench.regress.judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, exit_code
 from workbench.regress.report import write_junit, write_report
 from workbench.regress.suite import Case, load_targets, parse_parameters, select_profile
 from workbench.utils.hardware import detect
 
+if TYPE_CHECKING:
+    from workbench.cluster import Slurm
+
 log = logging.getLogger("workbench")
-
-def _execute(case: Case, params: dict[str, Any], case_dir: Path, result: CaseResult) -> list[Records]:
-    """Every repeat of `case` under case_dir, the records of each; stops at the first that fails (result.error)."""
-    if case_dir.exists():  # a previous report in the same --out: its runs must not mix with these
-        shutil.rmtree(case_dir)
-    runs = []
-    for k in range(case.repeats):
-        work = case_dir if case.repeats == 1 else case_dir / f"repeat{k + 1}"
-        work.mkdir(parents=True)
-        executed = work / case.notebook.name
-        result.notebooks.append(executed)
-        error = execute(case.notebook, executed, work, params, case.timeout_s)
-        if error is not None:
-            result.status, result.error = ERROR, error
-            break
-        runs.append(read_records(executed))
-    return runs
-
-
-def run_case(case: Case, overrides: Mapping[str, Any], out: Path, *, device_class: str, has_cuda: bool,
-             update_baselines: bool) -> CaseResult:
-    """Execute one case (all its repeats) under out/cases/<id>/ and judge it; never raises for the case's faults."""
-    params = {**case.parameters, **overrides}
-    result = CaseResult(case, SKIPPED, params, baseline_path=baseline_path(case, device_class))
-    if case.needs_gpu and not has_cuda:
-        result.notes.append("skipped: needs_gpu is set and this machine has no CUDA GPU")
-        return result
-    started = time.monotonic()
-    runs = _execute(case, params, out / "cases" / case.id, result)
-    result.duration_s = time.monotonic() - started
-    if result.error is not None:
-        return result
-    try:
-        baseline = load_baseline(result.baseline_path)
-    except ValueError as e:  # changed while the notebook ran, or about to be rewritten
-        if not update_baselines:
-            result.status, result.error = ERROR, CaseError("bad baseline", str(e))
-            return result
-        baseline = None
-        result.notes.append(f"the old baseline could not be used and is replaced: {e}")
-    result.metrics = compare(case, runs, baseline, device_class)
-    result.curves = runs[0].curves
-    result.baseline_curves = {k: [[p[0], decode_value(p[1])] for p in v]
-                              for k, v in (baseline or {}).get("curves", {}).items()}
-    for name in sorted({n for rec in runs for n in rec.repeated}):
-        result.notes.append(f"{name} was recorded more than once in one execution; the last value counts")
-    if not result.metrics:
-        result.notes.append("the notebook recorded no metrics: call wb.record(name, value) or launch a run")
-    if baseline is not None and baseline.get("parameters", params) != params:
-        result.notes.append(f"parameters differ from the baseline's ({baseline.get('parameters')}): the "
-                            "comparison may be meaningless")
-    if update_baselines:
-        write_baseline(result.baseline_path, case, params, result.metrics, result.curves, device_class)
-        result.status = UPDATED
-        result.notes.append(f"baseline written to {result.baseline_path}")
-    elif baseline is None:
-        result.status = NEW
-        result.notes.append(f"no baseline for {device_class} yet ({result.baseline_path}): run again with "
-                            "--update-baselines to create it")
-    else:
-        result.status = FAILED if result.failed_metrics else PASSED
-    return result
-
 
 def unusable_baselines(cases: list[Case], device_class: str) -> dict[str, str]:
     """Case id -> what is wrong with its baseline file, for every case whose baseline exists but can't be used.
@@ -115,8 +53,9 @@ def _check_writable(directory: Path, option: str) -> None:
 
 
 def run(targets: list[Path], *, parameters: dict[str, str], out: Path, baselines: Path | None,
-        update_baselines: bool, junit: Path | None, profile: str | None) -> int:
-    """`workbench regress`: execute every case, compare to baselines, write the report; returns the exit code."""
+        update_baselines: bool, junit: Path | None, profile: str | None, slurm: Slurm | None = None) -> int:
+    """`workbench regress`: execute every case, compare to baselines, write the report; returns the exit code.
+    `slurm`: every case as a task of one Slurm job array (regress/on_slurm.py); the report is written here."""
     cases = select_profile(load_targets(targets, baselines), profile)  # every ValueError before anything runs
     overrides = parse_parameters(parameters)
     hw = detect()
@@ -126,6 +65,8 @@ def run(targets: list[Path], *, parameters: dict[str, str], out: Path, baselines
         _check_writable(Path(junit).resolve().parent, "--junit")
     broken = {} if update_baselines else unusable_baselines(cases, hw.device_class)  # --update-baselines rewrites
     out.mkdir(parents=True, exist_ok=True)
+    if slurm is not None:
+        return _run_on_slurm(cases, overrides, out, slurm, update_baselines, broken, junit, hw.device_class)
     results = []
     for i, case in enumerate(cases, 1):
         log.info("[%d/%d] %s: %s", i, len(cases), case.id, case.notebook)
@@ -136,7 +77,23 @@ def run(targets: list[Path], *, parameters: dict[str, str], out: Path, baselines
                               update_baselines=update_baselines)
         log.info("  %s", result.summary_line())
         results.append(result)
-    report = write_report(results, out, device_class=hw.device_class)
+    return _report(results, out, junit, hw.device_class)
+
+
+def _run_on_slurm(cases: list[Case], overrides: dict[str, Any], out: Path, slurm: Slurm, update_baselines: bool,
+                  broken: dict[str, str], junit: Path | None, here: str) -> int:
+    from workbench.regress.on_slurm import run_cases_on_slurm
+
+    runnable = [c for c in cases if c.id not in broken]
+    ran, device_class = (run_cases_on_slurm(runnable, overrides, out, slurm, update_baselines) if runnable
+                         else ([], None))
+    by_id = {r.case.id: r for r in ran}
+    results = [by_id.get(c.id) or _bad_baseline(c, overrides, device_class or here, broken[c.id]) for c in cases]
+    return _report(results, out, junit, device_class or here)
+
+
+def _report(results: list[CaseResult], out: Path, junit: Path | None, device_class: str) -> int:
+    report = write_report(results, out, device_class=device_class)
     if junit is not None:
         try:
             write_junit(results, Path(junit))
@@ -147,5 +104,5 @@ def run(targets: list[Path], *, parameters: dict[str, str], out: Path, baselines
     log.info("%s; report: %s", ", ".join(f"{n} {s}" for s, n in counts.items() if n), report)
     if counts[NEW]:
         log.info("%d case(s) have no baseline for %s: check the report, then run again with --update-baselines",
-                 counts[NEW], hw.device_class)
+                 counts[NEW], device_class)
     return code
