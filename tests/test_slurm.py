@@ -308,3 +308,25 @@ def test_regress_on_slurm_runs_each_case_as_an_array_task_and_writes_one_report_
     assert set(cases) == {"inside", "outside", "broken"} and cases["outside"].find("failure") is not None
     assert (out / "cases" / "t.inside" / "records_metric.ipynb").is_file()
     assert len(list((out / "slurm").glob("*_log.out"))) == 3, "each array task logged under the report"
+
+
+def test_a_node_failure_requeues_the_job_and_the_run_resumes_from_its_newest_checkpoint(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    cfg = _cfg(tmp_path, max_steps=800, log_every=50, checkpoint_every=100, max_restarts=1, run_name="node-fail")
+    run = wb.start(cfg, cluster=wb.Slurm(nodes=2, time=10))
+    cancel_after.append(run)
+    _wait_for(lambda: run.dir.latest_checkpoint() is not None, "the run wrote no checkpoint")
+    subprocess.run(["scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=workbench-node-fail-test"],
+                   check=True, timeout=30)
+    try:
+        _wait_for(lambda: "Restarts=1" in subprocess.run(["scontrol", "show", "job", run.job_id],
+                                                         capture_output=True, text=True, timeout=30).stdout,
+                  "Slurm did not requeue the job whose node failed", 60)
+    finally:  # with ReturnToService=2 a node whose slurmd answers is back by itself; RESUME is refused then
+        subprocess.run(["scontrol", "update", "NodeName=node2", "State=RESUME"], capture_output=True, timeout=30,
+                       check=False)
+    result = run.wait(timeout=90)
+    assert result.status is Status.COMPLETED and result.summary["steps"] == 800
+    started = [e for e in result.events if e["event"] == "requeue_started"]
+    assert len(started) == 1 and started[0]["job_id"] == run.job_id and started[0]["attempt"] == 2
+    assert len(result.dir.config_paths()) == 2 and any(e["event"] == "resumed" for e in result.events)
