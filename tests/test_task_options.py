@@ -64,7 +64,9 @@ def test_values_outside_the_declaration_are_refused_by_name(task: str, options: 
     ("digits", {"hidden": 1, "dropout": 0.0, "eval_fraction": 0.01}),
 ])
 def test_values_inside_the_declaration_pass(task: str, options: dict) -> None:
-    check(task, options)
+    check(task, options)  # raises ValueError for a value outside its declaration
+    used = get_task(task).options(wb.RunConfig(task=task, task_options=options))
+    assert {key: used[key] for key in options} == options, "kept as given, not dropped or coerced"
 
 
 def test_the_declaration_is_checked_before_launch() -> None:

@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from workbench.config import RunConfig
 
-SLURM_FILE = "slurm.json"
-"""In the run directory: the job id, its submission folder and the cluster it went to."""
 COMMANDS = ("sbatch", "squeue", "sinfo", "scancel", "scontrol")
 _TIME = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+)(?::(\d+))?$")
 
@@ -59,9 +57,8 @@ class Slurm:
     requeued to resume while the run's max_restarts allows."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Slurm {name}={getattr(self, name)!r}: a whole number of at least 1")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"Slurm nodes={self.nodes!r}: a whole number of at least 1")
         for name in ("gpus_per_node", "grace_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"Slurm {name}={getattr(self, name)!r}: a whole number, 0 for no GPU")
@@ -212,6 +209,23 @@ def check_cluster(slurm: Slurm) -> str:
         raise ValueError(f"Slurm gpus_per_node={slurm.gpus_per_node}: partition {name!r} has "
                          f"{part['gpus']} GPU(s) per node (sinfo's GRES); ask for at most that many")
     return name
+
+
+def executor_parameters(slurm: Slurm, partition: str, *, job_name: str, nodes: int, tasks_per_node: int,
+                        requeue: bool = False) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters for a job of `nodes` x `tasks_per_node` tasks asking what `slurm`
+    asks; `requeue`: the job may be requeued (--requeue)."""
+    params: dict[str, Any] = {"job_name": slurm.job_name or job_name, "partition": partition, "nodes": nodes,
+                              "ntasks_per_node": tasks_per_node, "time": slurm.minutes, "setup": list(slurm.setup)}
+    if slurm.gpus_per_node:
+        params["gpus_per_node"] = slurm.gpus_per_node
+    optional = {"cpus_per_task": slurm.cpus_per_task, "mem": slurm.mem, "account": slurm.account,
+                "qos": slurm.qos, "constraint": slurm.constraint}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    extra = {**({"requeue": True} if requeue else {}), **slurm.extra}
+    if extra:
+        params["additional_parameters"] = extra
+    return params
 
 
 def python_for_jobs() -> str:

@@ -16,7 +16,7 @@ from workbench.config import RunConfig
 from workbench.launcher.result import RunResult
 from workbench.launcher.run import raise_for_ending
 from workbench.rundir import RunDir, RunFiles, Status, lock
-from workbench.rundir.scheduler import ACTIVE, GONE, job_state
+from workbench.rundir.scheduler import ACTIVE, JOB_FILE, job_state
 from workbench.utils.files import read_json
 
 POLL_S = 1.0
@@ -129,7 +129,7 @@ class SlurmRun(RunFiles):
 
     def stderr_tail(self) -> str:
         """The end of the job's standard error, every task's (submitit's log files)."""
-        info = read_json(self.run_dir / "slurm.json") or {}
+        info = read_json(self.run_dir / JOB_FILE) or {}
         folder = Path(info.get("folder", self.run_dir / "slurm"))
         parts = [p.read_text(errors="replace")[-STDERR_TAIL:] for p in sorted(folder.glob(f"{self.job_id}_*.err"))]
         return "\n".join(parts)[-STDERR_TAIL:]
@@ -146,7 +146,7 @@ def attach(run_dir: str | Path) -> SlurmRun:
     """The handle of a run submitted to Slurm, from its directory (a new kernel, another machine that sees the
     shared filesystem). ValueError when the directory holds no submitted run."""
     run = RunDir(run_dir)
-    info = read_json(run.path / "slurm.json")
+    info = read_json(run.path / JOB_FILE)
     if not isinstance(info, dict) or not info.get("job_id"):
         raise ValueError(f"{run.path}: no slurm.json naming a job; attach() follows runs submitted to a cluster "
                          "(wb.start(cfg, cluster=wb.Slurm(...))); a local run's results are wb.RunResult(run_dir)")
@@ -156,5 +156,3 @@ def attach(run_dir: str | Path) -> SlurmRun:
     held = run.lock_owner() or {}
     return SlurmRun(run.path, cfg, str(info["job_id"]), held.get("token"))
 
-
-__all__ = ["GONE", "SlurmRun", "attach"]

@@ -9,9 +9,10 @@ import time
 from typing import TYPE_CHECKING
 
 from workbench.cluster.job import WARNING_SIGNAL, run_rank
-from workbench.cluster.slurm import SLURM_FILE, Slurm, check, python_for_jobs
+from workbench.cluster.slurm import Slurm, check, executor_parameters, python_for_jobs
 from workbench.cluster.slurm_run import SlurmRun
 from workbench.rundir import Status, lock, prepare
+from workbench.rundir.scheduler import JOB_FILE
 from workbench.utils.files import write_json
 
 if TYPE_CHECKING:
@@ -43,14 +44,17 @@ def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
     folder = run.path / "slurm"
     try:
         executor = submitit.SlurmExecutor(folder=folder, python=python_for_jobs())
-        executor.update_parameters(**_parameters(cfg, slurm, partition))
+        executor.update_parameters(
+            **executor_parameters(slurm, partition, job_name=f"workbench-{cfg.run_name}", nodes=slurm.nodes,
+                                  tasks_per_node=slurm.per_node(cfg), requeue=cfg.max_restarts > 0),
+            stderr_to_stdout=False, signal_delay_s=slurm.grace_s)
         job = executor.submit(run_rank, str(run.path), token)
     except Exception as e:
         run.set_status(Status.FAILED, error={"type": type(e).__name__, "message": f"sbatch refused the job: {e}"})
         run.event("failed", type=type(e).__name__, message=f"sbatch refused the job: {e}")
         lock.release(run, token)
         raise ValueError(f"Slurm: the job was not submitted: {e}") from e
-    write_json(run.path / SLURM_FILE, {"job_id": job.job_id, "folder": str(folder), "partition": partition,
+    write_json(run.path / JOB_FILE, {"job_id": job.job_id, "folder": str(folder), "partition": partition,
                                        "nodes": slurm.nodes, "ranks_per_node": slurm.per_node(cfg),
                                        "submitted_at": time.time()})
     run.event("submitted", job_id=job.job_id, partition=partition, nodes=slurm.nodes)
@@ -58,19 +62,3 @@ def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
     log.info("submitted %s to Slurm: job %s on partition %s, %d node(s) x %d rank(s) -> %s", cfg.run_name,
              job.job_id, partition, slurm.nodes, slurm.per_node(cfg), run.path)
     return SlurmRun(run.path, cfg, job.job_id, token)
-
-
-def _parameters(cfg: RunConfig, slurm: Slurm, partition: str) -> dict[str, object]:
-    params: dict[str, object] = {
-        "job_name": slurm.job_name or f"workbench-{cfg.run_name}", "partition": partition, "nodes": slurm.nodes,
-        "ntasks_per_node": slurm.per_node(cfg), "time": slurm.minutes, "setup": list(slurm.setup),
-        "stderr_to_stdout": False, "signal_delay_s": slurm.grace_s}
-    if slurm.gpus_per_node:
-        params["gpus_per_node"] = slurm.gpus_per_node
-    optional = {"cpus_per_task": slurm.cpus_per_task, "mem": slurm.mem, "account": slurm.account,
-                "qos": slurm.qos, "constraint": slurm.constraint}
-    params.update({k: v for k, v in optional.items() if v is not None})
-    extra = {**({"requeue": True} if cfg.max_restarts > 0 else {}), **slurm.extra}
-    if extra:
-        params["additional_parameters"] = extra
-    return params

@@ -97,12 +97,6 @@ class MachineProfile:
             return count * (t1 + (per_call - x1) / bandwidth + self.collective_stall_s)
         return count * (_interpolate(points, max(per_call, 1.0)) + self.collective_stall_s)
 
-    def latency_bandwidth(self, kind: str = "all_reduce") -> tuple[float, float]:
-        """(seconds of the smallest call, bytes per second between the two largest) of a collective."""
-        points = self.collectives[kind]
-        (x0, t0), (x1, t1) = points[-2], points[-1]
-        return points[0][1], (x1 - x0) / (t1 - t0) if t1 > t0 else x1 / t1
-
     def describe(self) -> str:
         fp32 = max(rate for _, rate in self.matmul["fp32"])
         parts = [(f"{self.ranks} rank(s) x {self.threads} thread(s), measured side by side: matmul up to "

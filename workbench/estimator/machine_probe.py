@@ -173,18 +173,6 @@ def _batch() -> list[float]:
     return [max(0.0, per_batch[0] - per_sample), per_sample]
 
 
-class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ATen ops by name, as the estimate's trace does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _step_op_s(op_s: float) -> float:
     """Seconds per op of a tiny training step (an MLP of width 8: its kernels do next to nothing), the op's views
     at `op_s` each: what every op of a real step pays before its kernel does any work."""
@@ -201,8 +189,10 @@ def _step_op_s(op_s: float) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    from workbench.estimator.fake_world import CollectiveCounter
+
     step()  # the optimizer's state exists from here on
-    with _OpCounter() as counter:
+    with CollectiveCounter(gpus_per_node=1) as counter:
         step()
     kinds = Counter({kind: 0 for kind in ("free", "view")})
     for name, n in counter.ops.items():

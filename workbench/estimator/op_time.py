@@ -129,12 +129,21 @@ def dtensor_op_cost(profile: MachineProfile) -> float:
     if not ref:
         return profile.dtensor_op_s
     k = _kernels(_counts(ref), "fp32", profile, dtensor_s=0.0)
-    plain = _kernels(_counts(profile.reference), "fp32", profile, dtensor_s=0.0).total
-    here = max(1.0, ref["plain_s"] / plain) if plain > 0 else 1.0
-    comm = sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
-               for key, rec in ref["comm"].items() if rec["count"])
-    left = ref["step_s"] - k.total * here - comm
+    here = _slowdown_beside(profile, ref)
+    left = ref["step_s"] - k.total * here - _reference_comm_s(profile, ref)
     return max(profile.dtensor_op_s, left / here / k.sharded) if k.sharded else profile.dtensor_op_s
+
+
+def _slowdown_beside(profile: MachineProfile, ref: dict[str, Any]) -> float:
+    """How much slower than its price the plain reference step ran while timed in turn with layout reference
+    `ref` (its 'plain_s'): the slowdown of those same moments, never below 1."""
+    plain = _kernels(_counts(profile.reference), "fp32", profile, dtensor_s=0.0).total
+    return max(1.0, ref["plain_s"] / plain) if plain > 0 else 1.0
+
+
+def _reference_comm_s(profile: MachineProfile, ref: dict[str, Any]) -> float:
+    return sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
+               for key, rec in ref["comm"].items() if rec["count"])
 
 
 def slowdown(profile: MachineProfile) -> tuple[float, str]:
@@ -169,12 +178,8 @@ def layout_factor(profile: MachineProfile, family: str | None) -> float:
     ref = profile.layouts.get(family or "")
     if not ref:
         return 1.0
-    plain = profile.reference
-    plain_priced = _kernels(_counts(plain), "fp32", profile).total
-    here = max(1.0, ref["plain_s"] / plain_priced) if plain_priced > 0 else slowdown(profile)[0]
-    priced = _kernels(_counts(ref), "fp32", profile).total * here + sum(
-        profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
-        for key, rec in ref["comm"].items() if rec["count"])
+    priced = (_kernels(_counts(ref), "fp32", profile).total * _slowdown_beside(profile, ref)
+              + _reference_comm_s(profile, ref))
     return min(MAX_FACTOR, max(1 / MAX_FACTOR, ref["step_s"] / priced)) if priced > 0 else 1.0
 
 
@@ -206,8 +211,8 @@ def cpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
         f"each{on_dtensors}, {fmt_seconds(k.dispatch)}; {cfg.grad_accum_steps} batch fetch(es) of {batch}, "
         f"{fmt_seconds(data)}; all of it x {factor:.2f}, {why}",
         f"communication {fmt_seconds(comm)}: each collective at gloo's time measured here for its kind and size "
-        "(the mean, stalls included; between the sizes measured, interpolated); none of it hides behind compute "
-        "(the ranks use every core, and gloo copies and sums on them)"]
+        "(a call that didn't stall, interpolated between the sizes measured, plus the mean stall); none of it hides "
+        "behind compute (the ranks use every core, and gloo copies and sums on them)"]
     if in_layout != 1.0:
         assumptions.append(f"layout ({family}): the step x {in_layout:.2f}, as much slower as a small model's "
                            f"{family} step runs here than its ops and collectives priced alike (measured)")

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.estimator.machine import MachineProfile
 
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+"""DDP's default buckets (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25): the first is small so
+the first all-reduce starts early in backward."""
 MODEL_VERSION = 3
 """Bumped when the step-time model changes: past runs are then estimated again before they teach."""
 
@@ -111,18 +115,9 @@ def replicated_comm(cfg: RunConfig, trace: StepTrace, world: int, nodes: int) ->
     if not (cfg.parallelism in ("ddp", "zero1") and world > 1 and cfg.tp == 1 and cfg.pp == 1):
         return {}
     volume = trace.held["grads"] * COMPRESSION.get(cfg.grad_compression, 1.0)
-    # DDP's buckets: the first holds about 1 MiB (so the first all-reduce starts early), the others 25 MiB
-    first, cap = float(dist_defaults("first")), float(dist_defaults("cap"))
-    buckets = 1 + max(0, math.ceil((trace.held["grads"] - first) / cap))
+    buckets = 1 + max(0, math.ceil((trace.held["grads"] - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_CAP_BYTES))
     return {"all_reduce@ddp": {"count": buckets, "bytes": volume, "group": world, "spans_nodes": nodes > 1,
                                "wire_bytes": wire_bytes("all_reduce", volume, world), "dim": "dp_replicate"}}
-
-
-def dist_defaults(which: str) -> int:
-    """DDP's default bucket sizes in bytes: 'first' and 'cap'."""
-    import torch.distributed as dist
-
-    return int(dist._DEFAULT_FIRST_BUCKET_BYTES) if which == "first" else 25 * 1024 * 1024
 
 
 def past_run_estimator(target: Accelerator, network: str) -> Callable[[RunConfig, int, bool], float]:

@@ -195,8 +195,8 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     from workbench.config import SHARDED
     from workbench.estimator.fake_world import (
         CollectiveCounter,
-        flop_call_rows,
         count_then_track,
+        flop_call_rows,
         materialize,
         mesh_groups,
         optimizer_for,

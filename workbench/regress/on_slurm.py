@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.cluster.slurm import Slurm, check_cluster, python_for_jobs
+from workbench.cluster.slurm import Slurm, check_cluster, executor_parameters, python_for_jobs
 
 if TYPE_CHECKING:
     from workbench.regress.judging import CaseResult
@@ -42,13 +42,8 @@ def run_cases_on_slurm(cases: list[Case], overrides: Mapping[str, Any], out: Pat
 
     partition = check_cluster(slurm)
     executor = submitit.SlurmExecutor(folder=out / "slurm", python=python_for_jobs())
-    executor.update_parameters(job_name=slurm.job_name or "workbench-regress", partition=partition, nodes=1,
-                               ntasks_per_node=1, time=slurm.minutes, setup=list(slurm.setup),
-                               **({"gpus_per_node": slurm.gpus_per_node} if slurm.gpus_per_node else {}),
-                               **{k: v for k, v in (("cpus_per_task", slurm.cpus_per_task), ("mem", slurm.mem),
-                                                    ("account", slurm.account), ("qos", slurm.qos),
-                                                    ("constraint", slurm.constraint)) if v is not None},
-                               **({"additional_parameters": dict(slurm.extra)} if slurm.extra else {}))
+    executor.update_parameters(**executor_parameters(slurm, partition, job_name="workbench-regress", nodes=1,
+                                                     tasks_per_node=1))
     n = len(cases)
     jobs = executor.map_array(run_case_job, cases, [overrides] * n, [out] * n, [update_baselines] * n)
     log.info("submitted %d case(s) to Slurm as job array %s", n, jobs[0].job_id.split("_")[0] if jobs else "-")

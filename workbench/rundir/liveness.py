@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from workbench.rundir.scheduler import ACTIVE, JOB_FILE, job_state
 from workbench.utils.files import read_json
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ def is_alive(identity: dict[str, Any] | None) -> bool | None:
     """True/False for a process of this host (a reused pid counts as gone), or a Slurm job ({'slurm_job_id'}:
     queued or running counts as alive); None when it can't be told."""
     if identity and identity.get("slurm_job_id"):
-        from workbench.rundir.scheduler import ACTIVE, job_state
-
         state = job_state(str(identity["slurm_job_id"]))
         return None if state is None else state[0].split()[0] in ACTIVE
     if not identity or identity.get("host") != socket.gethostname() or not identity.get("pid"):
@@ -69,20 +68,19 @@ def observe(run: RunDir) -> Observation:
     beats = heartbeats(run)
     held = run.lock_owner()
     runner = held.get("runner") if held and isinstance(held.get("runner"), dict) else None
-    if runner is None and isinstance(job := read_json(run.path / "slurm.json"), dict) and job.get("job_id"):
-        runner = {"slurm_job_id": job["job_id"]}  # a job submitted by hand (the README's sbatch recipe)
-    owners = [b for b in beats] + ([held] if held else [])
-    if runner is not None and runner.get("slurm_job_id"):
-        # the process that submitted a Slurm job runs nothing of it: the job, and its ranks' heartbeats, tell
-        owners = [b for b in beats] + [runner]
+    recorded = read_json(run.path / JOB_FILE) if runner is None else None
+    if isinstance(recorded, dict) and recorded.get("job_id"):
+        runner = {"slurm_job_id": recorded["job_id"]}  # a job submitted by hand (the README's sbatch recipe)
+    job = runner.get("slurm_job_id") if runner is not None else None
+    # the process that submitted a Slurm job runs nothing of it: the job, and its ranks' heartbeats, tell
+    owners = [*beats, runner] if job else [*beats, *([held] if held else [])]
     verdicts = [is_alive(o) for o in owners]
     last_step = max((b.get("step", 0) for b in beats), default=None)
     if any(v is True for v in verdicts):
         return Observation(True, "its processes are running", last_step)
     if verdicts and all(v is False for v in verdicts):
-        if runner is not None and runner.get("slurm_job_id"):
-            return Observation(False, f"its Slurm job {runner['slurm_job_id']} is no longer running and no rank "
-                                      "is alive", last_step)
+        if job:
+            return Observation(False, f"its Slurm job {job} is no longer running and no rank is alive", last_step)
         return Observation(False, f"every process of the run is gone ({len(owners)} checked by pid)", last_step)
     newest = max((b.get("time", 0) for b in beats), default=None)
     if newest is not None and time.time() - newest > STALE_AFTER_S:

@@ -9,6 +9,9 @@ import subprocess
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"})
 """Job states in which the job may still run ranks (or is waiting to)."""
+JOB_FILE = "slurm.json"
+"""In a run directory: the Slurm job that runs it (job_id; a submitted run adds its submission folder and
+partition), written by submit.py or by hand (scripts/slurm/multinode.sbatch)."""
 GONE = "GONE"
 """The controller no longer knows the job (it ended long enough ago to be purged)."""
 
