@@ -330,3 +330,37 @@ def test_a_node_failure_requeues_the_job_and_the_run_resumes_from_its_newest_che
     started = [e for e in result.events if e["event"] == "requeue_started"]
     assert len(started) == 1 and started[0]["job_id"] == run.job_id and started[0]["attempt"] == 2
     assert len(result.dir.config_paths()) == 2 and any(e["event"] == "resumed" for e in result.events)
+
+
+def test_the_panel_submits_to_a_partition_sinfo_lists_and_follows_the_job_to_its_end(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    panel = wb.Panel(_cfg(tmp_path, max_steps=40), display=False, estimate=False)
+    t = panel.target_controls
+    t.where.value = "slurm"
+    assert t.slurm.partition.value == "debug"
+    assert t.slurm.partition.label.startswith("debug (default): 2 nodes (") and "no GPU" in t.slurm.partition.label
+    t.nodes.value, t.gpus_per_node.value = 2, 1
+    assert panel.controls["num_processes"].value == 2 and not panel.launch_button.disabled, panel.state.problem
+    run = panel.launch()
+    cancel_after.append(run)
+    assert isinstance(run, wb.SlurmRun) and run.job_id.isdigit()
+    result = panel.wait(timeout=100, show=False)
+    assert result.status is Status.COMPLETED and result.summary["world_size"] == 2
+    assert panel.state.status == "completed" and panel.dashboard is not None
+    assert panel.dashboard.reading.train_rows[-1].step == 40, "the panel's dashboard followed the job"
+    shown = subprocess.run(["scontrol", "show", "job", run.job_id], capture_output=True, text=True, timeout=30,
+                           check=True)
+    assert "NodeList=node[1-2]" in shown.stdout, "the job the panel submitted spans both nodes"
+
+
+def test_the_panel_says_a_held_job_is_pending_with_slurms_reason_and_its_stop_cancels_it(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
+    panel = wb.Panel(_cfg(tmp_path), display=False, estimate=False, cluster=wb.Slurm(nodes=2, extra={"hold": True}))
+    assert panel.target_controls.slurm.options.value == "hold=true"
+    run = panel.launch()
+    cancel_after.append(run)
+    _wait_for(lambda: "PENDING (JobHeldUser)" in panel.status_box.value, "the panel did not say the job waits", 30)
+    assert "Stop cancels the job" in panel.status_box.value and not panel.stop_button.disabled
+    panel.stop()
+    assert panel.wait(timeout=60, show=False).status is Status.STOPPED
+    _wait_for(lambda: run.job()[0] not in ("PENDING", "RUNNING"), "the cancelled job left the queue")

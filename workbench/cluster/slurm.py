@@ -143,26 +143,39 @@ def slurm_command(name: str) -> str:
 
 
 def partitions() -> dict[str, dict[str, Any]]:
-    """The cluster's partitions, from `sinfo`: name -> nodes, CPUs per node, GPUs per node, idle nodes, default."""
+    """The cluster's partitions, from `sinfo`: name -> nodes, CPUs per node, GPUs per node, the GPUs' type as
+    GRES names it ('' when untyped), idle nodes, default."""
     out = _run([slurm_command("sinfo"), "-h", "-o", "%P|%D|%c|%G|%t"])
     found: dict[str, dict[str, Any]] = {}
     for line in out.splitlines():
         name, nodes, cpus, gres, state = (line.split("|") + [""] * 5)[:5]
         default = name.endswith("*")
         name = name.rstrip("*")
-        rec = found.setdefault(name, {"nodes": 0, "cpus": 0, "gpus": 0, "idle": 0, "default": default})
+        rec = found.setdefault(name, {"nodes": 0, "cpus": 0, "gpus": 0, "gpu_type": "", "idle": 0,
+                                      "default": default})
         count = int(nodes or 0)
         rec["nodes"] += count
         rec["cpus"] = max(rec["cpus"], int(re.sub(r"\D", "", cpus) or 0))
-        rec["gpus"] = max(rec["gpus"], _gpus(gres))
+        gpus, gpu_type = _gpus(gres)
+        if gpus > rec["gpus"]:
+            rec["gpus"], rec["gpu_type"] = gpus, gpu_type
         rec["idle"] += count if state.startswith("idle") else 0
     return found
 
 
-def _gpus(gres: str) -> int:
-    """GPUs per node in sinfo's GRES column ('gpu:8', 'gpu:h100:8(S:0-1)', '(null)')."""
-    match = re.search(r"gpu(?::[^:,(]+)?:(\d+)", gres)
-    return int(match.group(1)) if match else 0
+def _gpus(gres: str) -> tuple[int, str]:
+    """GPUs per node and their type in sinfo's GRES column ('gpu:8', 'gpu:h100:8(S:0-1)', '(null)')."""
+    match = re.search(r"gpu(?::([^:,(]+))?:(\d+)", gres)
+    return (int(match.group(2)), match.group(1) or "") if match else (0, "")
+
+
+def describe_partition(name: str, part: dict[str, Any]) -> str:
+    """One line for a partition: 'gpu: 4 nodes (2 idle), 8 x h100 GPUs and 64 CPUs per node'."""
+    gpus = (f"{part['gpus']} x {part['gpu_type']} GPUs" if part["gpu_type"] else f"{part['gpus']} GPUs") \
+        if part["gpus"] else "no GPU"
+    default = " (default)" if part["default"] else ""
+    return (f"{name}{default}: {part['nodes']} node{'s' * (part['nodes'] != 1)} ({part['idle']} idle), {gpus} and "
+            f"{part['cpus']} CPUs per node")
 
 
 def _run(cmd: list[str]) -> str:

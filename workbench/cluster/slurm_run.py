@@ -44,11 +44,15 @@ class SlurmRun(RunFiles):
         state = job_state(self.job_id)
         return state if state is not None else ("UNKNOWN", "squeue/scontrol are not on PATH here")
 
-    def describe(self) -> str:
-        """One line: the run's status and the job's, with Slurm's reason while it waits."""
+    def job_line(self) -> str:
+        """The job as Slurm tells it now: 'Slurm job 42 RUNNING', 'Slurm job 42 PENDING (Resources)'."""
         state, reason = self.job()
         waiting = f" ({reason})" if reason and state == "PENDING" else ""
-        return f"{self.run_dir.name}: {self.status.value}; Slurm job {self.job_id} {state}{waiting}"
+        return f"Slurm job {self.job_id} {state}{waiting}"
+
+    def describe(self) -> str:
+        """One line: the run's status and the job's, with Slurm's reason while it waits."""
+        return f"{self.run_dir.name}: {self.status.value}; {self.job_line()}"
 
     def done(self) -> bool:
         """The job has ended (Slurm no longer runs or queues it); where Slurm can't be asked, the run recorded an

@@ -104,6 +104,15 @@ def lookup(name: str, catalog: dict[str, Accelerator] | None = None) -> Accelera
     return catalog[name]
 
 
+def by_model(gpu_type: str, catalog: dict[str, Accelerator]) -> str | None:
+    """The catalog entry for a GPU model as Slurm's GRES names it ('h100', 'a100_80g',
+    'nvidia_h100_80gb_hbm3'): the first entry of that model, or None when the catalog has none (or no type)."""
+    from workbench.utils.hardware import gpu_model
+
+    model = gpu_model(gpu_type.replace("_", " ")).upper() if gpu_type else ""
+    return next((name for name in catalog if model and name.upper().split("-")[0] == model), None)
+
+
 @functools.cache
 def _cpu_matmul_flops(dtype_name: str) -> float:
     """FLOP/s this process reaches on a mid-sized matmul: the CPU's practical peak (about 0.2 s to measure)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,9 +71,10 @@ def stage_traces(cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool,
 
 def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, nodes: int = 1, *,
              task: Task | None = None, network: str = "infiniband", catalog: str | Path | None = None,
-             runs_dir: str | Path | None = None) -> Estimate:
+             runs_dir: str | Path | None = None, partition: str | None = None, cpus_per_node: int = 0) -> Estimate:
     """Estimate `cfg` per rank on `gpus` x `nodes` of accelerator `gpu` (a catalog name; default: this
-    machine). The trace runs here, on the CPU, without allocating the model."""
+    machine). `partition`: the Slurm partition the run goes to (with no gpu: its CPU nodes, of `cpus_per_node`
+    cores, taken to be like this machine). The trace runs here, on the CPU, without allocating the model."""
     from workbench.tasks import get_task
 
     if network not in NETWORKS:
@@ -81,8 +83,10 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
         raise ValueError(f"gpus={gpus}, nodes={nodes}: both must be at least 1")
     local = not gpu or gpu == THIS_MACHINE
     plan = Target(gpu=gpu or THIS_MACHINE, gpus_per_node=gpus or cfg.num_processes, nodes=nodes,
-                  catalog=str(catalog) if catalog else None)
+                  catalog=str(catalog) if catalog else None, partition=partition, cpus_per_node=cpus_per_node)
     target = plan.accelerator()
+    if partition and local:
+        target = replace(target, name=f"Slurm partition {partition}: CPU nodes taken as this machine's")
     gpus = plan.gpus_per_node
     world = gpus * nodes
     task = task or get_task(cfg.task)
@@ -94,6 +98,9 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     trace = cached_trace(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)
     est = price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
     est.assumptions += [f"as planned: {w}" for w in warned]
+    if partition and local:
+        est.assumptions.append(f"Slurm partition {partition}: CPU nodes, priced as this machine's cores and its gloo "
+                               "collectives (between nodes, the cluster's network decides)")
     return est
 
 

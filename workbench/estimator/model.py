@@ -136,7 +136,8 @@ class Estimate:
     def where(self) -> str:
         """'1 x 8 x H100-SXM-80GB' (nodes x GPUs per node x accelerator); on a CPU, its processes."""
         if self.target.kind == "cpu":
-            return f"{self.target.name}, {self.gpus} process" + "es" * (self.gpus != 1)
+            nodes = f"{self.nodes} nodes x " if self.nodes > 1 else ""
+            return f"{self.target.name}, {nodes}{self.gpus} process" + "es" * (self.gpus != 1)
         return f"{self.nodes} x {self.gpus} x {self.target.name}"
 
     def settings(self) -> str:

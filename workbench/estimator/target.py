@@ -1,6 +1,7 @@
-"""Where a run is planned to go: this machine, or a catalog accelerator x GPUs per node x nodes. A plan is
-checked against its target's devices, not against the box the notebook sits on: 8 processes, fp16 and
-hsdp 2 x 4 are a valid plan for 8 x H100 on a 2-core laptop, and only launching it here is refused."""
+"""Where a run is planned to go: this machine, a catalog accelerator x GPUs per node x nodes, or a Slurm
+partition's nodes. A plan is checked against its target's devices, not against the box the notebook sits on:
+8 processes, fp16 and hsdp 2 x 4 are a valid plan for 8 x H100 on a 2-core laptop, and only launching it here is
+refused (a Slurm target is launched by submitting it)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ class Target:
     """Machines the run spans."""
     catalog: str | None = None
     """A YAML file of extra accelerators (as WORKBENCH_ACCELERATORS), or None."""
+    partition: str | None = None
+    """The Slurm partition the run is submitted to, or None. With gpu 'this-machine' the partition's nodes are
+    CPU nodes taken to be like this one (gpus_per_node then counts ranks per node)."""
+    cpus_per_node: int = 0
+    """A Slurm CPU partition's cores per node (sinfo's); 0: as this machine has."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0 or self.nodes < 1:
@@ -36,12 +42,23 @@ class Target:
         if self.local and self.nodes != 1:
             raise ValueError(f"target this machine with nodes={self.nodes}: this machine is one node; pick a "
                              "catalog accelerator to plan for several nodes")
-        if not self.local:
+        if not self.cpu_nodes:
             self.accelerator()  # an unknown name is refused now, with the catalog's names
 
     @property
     def local(self) -> bool:
+        """The run goes to this machine's own devices (launched here)."""
+        return self.gpu == THIS_MACHINE and self.partition is None
+
+    @property
+    def cpu_nodes(self) -> bool:
+        """The devices are CPUs like this machine's: this machine, or a Slurm CPU partition."""
         return self.gpu == THIS_MACHINE
+
+    @property
+    def launchable(self) -> bool:
+        """Launch can start it from here: on this machine, or by submitting it to its Slurm partition."""
+        return self.local or self.partition is not None
 
     def accelerator(self) -> Accelerator:
         return lookup(self.gpu, load_catalog(self.catalog) if not self.local else None)
@@ -54,12 +71,22 @@ class Target:
         if self.local:
             return "this machine"
         per_node = self.gpus_per_node or (cfg.num_processes if cfg else 0)
-        return (f"{self.nodes} x " if self.nodes > 1 else "") + f"{per_node} x {self.gpu}"
+        nodes = f"{self.nodes} x " if self.nodes > 1 else ""
+        if self.cpu_nodes:
+            cores = f" ({self.cpus_per_node} cores each)" if self.cpus_per_node else ""
+            ranks = f"{per_node} CPU rank" + "s" * (per_node != 1)
+            return f"{self.nodes} node{'s' * (self.nodes != 1)}{cores} x {ranks} on Slurm partition {self.partition}"
+        where = f" on Slurm partition {self.partition}" if self.partition else ""
+        return f"{nodes}{per_node} x {self.gpu}{where}"
 
     def hardware(self, cfg: RunConfig) -> Hardware:
-        """The devices checks run against: this machine's, or the target's as the catalog describes them."""
+        """The devices checks run against: this machine's, a CPU partition's nodes, or the target's GPUs as the
+        catalog describes them."""
         if self.local:
             return detect()
+        if self.cpu_nodes:
+            return Hardware(cpu_count=self.cpus_per_node or detect().cpu_count, nodes=self.nodes,
+                            planned=self.describe(cfg))
         accel = self.accelerator()
         # what the catalog lists a peak for is what the device runs natively (bf16 from 8.0, fp8 from 8.9)
         capability = (8, 9) if accel.peak("fp8") else (8, 0) if accel.peak("bf16") else (7, 0)
@@ -74,24 +101,25 @@ def check_plan(cfg: RunConfig, target: Target, task: Task | None = None) -> list
     Returns the warnings it gave (e.g. ranks sharing cores), for the estimate to state."""
     from workbench.config.preflight import preflight
 
-    if not target.local and cfg.device == "cpu":
+    if not target.cpu_nodes and cfg.device == "cpu":
         raise ValueError(f"device='cpu' with target {target.describe(cfg)}: the target's devices are GPUs; use "
                          "device='auto' (or 'cuda'), or set the target to this machine")
     world = target.world(cfg)
     if cfg.num_processes != world:
+        unit = "rank" if target.cpu_nodes else "GPU"
         raise ValueError(f"num_processes={cfg.num_processes} with target {target.describe(cfg)}: the target has "
-                         f"{world} GPU(s) in all; use num_processes={world}, or change the target's GPUs per node "
-                         "or nodes")
+                         f"{world} {unit}(s) in all; use num_processes={world}, or change the target's {unit}s per "
+                         "node or nodes")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        preflight(cfg.replace(device="auto") if not target.local else cfg, task=task,
+        preflight(cfg.replace(device="auto") if not target.cpu_nodes else cfg, task=task,
                   hardware=target.hardware(cfg))
     return [str(w.message) for w in caught]
 
 
 def check_here(cfg: RunConfig, target: Target) -> None:
     """A plan for another target can't be launched on this machine: say so, and what to do instead."""
-    if target.local:
+    if target.launchable:
         return
     here = detect()
     raise ValueError(f"this run is planned for {target.describe(cfg)}; this machine has "

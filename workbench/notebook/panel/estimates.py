@@ -272,7 +272,7 @@ class EstimateBox:
         from workbench.estimator import estimate
 
         return estimate(cfg, target.gpu, target.gpus_per_node or cfg.num_processes, target.nodes, task=task,
-                        catalog=target.catalog)
+                        catalog=target.catalog, partition=target.partition, cpus_per_node=target.cpus_per_node)
 
     def _publish(self, generation: int, **traits: Any) -> bool:
         """Set the traits at once if `generation` is still the latest request; False when it isn't."""

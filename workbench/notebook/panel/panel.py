@@ -16,6 +16,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from workbench.cluster.slurm import Slurm
 from workbench.config import PARALLELISM_MODES, RunConfig
 from workbench.config.mesh_checks import default_shard_group
 from workbench.estimator.target import Target, check_plan
@@ -54,16 +55,20 @@ class Panel(RunActions):
     """Controls for a RunConfig, what they imply, Launch/Stop, and the live dashboard of the run.
 
     `Panel(cfg)` fills the controls from `cfg`; fields without a control keep cfg's values. Pass your own
-    Task object as `task=` to offer it beside the built-in tasks. In a notebook the panel displays itself.
+    Task object as `task=` to offer it beside the built-in tasks; `target=` plans for catalog GPUs;
+    `cluster=wb.Slurm(...)` starts with "where" on that Slurm cluster (Launch submits). In a notebook the panel
+    displays itself.
     """
 
     poll_interval = 1.0
     """Seconds between dashboard reads of the run directory."""
 
     def __init__(self, cfg: RunConfig | None = None, *, task: Task | None = None, target: Target | str | None = None,
-                 display: bool = True, estimate: bool = True) -> None:
+                 cluster: Slurm | None = None, display: bool = True, estimate: bool = True) -> None:
         if task is not None and not isinstance(task, Task):
             raise TypeError(f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()")
+        if cluster is not None and not isinstance(cluster, Slurm):
+            raise TypeError(f"cluster={cluster!r}: pass a workbench.Slurm, e.g. cluster=wb.Slurm(partition='gpu')")
         if cfg is not None and not isinstance(cfg, RunConfig):
             raise TypeError(f"cfg={cfg!r}: pass a workbench.RunConfig, e.g. wb.Panel(wb.RunConfig(task='digits'))")
         self.user_task = task
@@ -79,10 +84,12 @@ class Panel(RunActions):
         self._finished = threading.Event()
         self._final_shown = False
         self._filling = False
+        self._processes_here: int | None = None
+        """The processes box's value on this machine while the target is elsewhere (restored on return)."""
         self._lock = threading.RLock()  # the waiting thread and the kernel both change status
         self.live_estimate = estimate
         """Estimate memory, time and cost as the controls change (it traces a step in this process)."""
-        self._build_widgets(base, Target(gpu=target) if isinstance(target, str) else target)
+        self._build_widgets(base, Target(gpu=target) if isinstance(target, str) else target, cluster)
         self.state.observe(self._render)
         self._fill(base)
         self._displayed_in: int | None = None
@@ -95,10 +102,9 @@ class Panel(RunActions):
             self._displayed_in = get_ipython().execution_count
 
     # ---- widgets ------------------------------------------------------------------------------------
-    def _build_widgets(self, base: RunConfig, target: Target | None) -> None:
-        self.target_controls = TargetControls(target)
-        for control in (self.target_controls.gpu, self.target_controls.gpus_per_node, self.target_controls.nodes):
-            control.observe(self._on_target, names="value")
+    def _build_widgets(self, base: RunConfig, target: Target | None, cluster: Slurm | None) -> None:
+        self.target_controls = TargetControls(target, cluster, base)
+        self.target_controls.on_change(self._on_target)
         self.device = resolve_device(base, detect())
         self.controls, self.precision_reasons = build_controls(self.device, self._task_options(base.task))
         for control in self.controls.values():
@@ -220,17 +226,19 @@ class Panel(RunActions):
                                        if change["new"] == "hsdp" else 0)
         self._derive()
 
-    def _on_target(self, change: dict[str, Any]) -> None:
+    def _on_target(self) -> None:
         if self._filling:
             return
-        self.target_controls.refresh()
         self._relabel_precisions()
-        world = self.target_controls.world
-        if world is not None:
-            with self._quietly():  # the processes box follows GPUs x nodes
-                self.controls["num_processes"].value = world
+        world, processes = self.target_controls.world, self.controls["num_processes"]
+        with self._quietly():
+            if world is None and self._processes_here is not None:  # back on this machine: its own count
+                processes.value, self._processes_here = self._processes_here, None
+            elif world is not None and not self.target_controls.problem():  # it follows GPUs x nodes
+                if self._processes_here is None:
+                    self._processes_here = processes.value
+                processes.value = world
         self._derive()
-
 
     def _task_object(self, name: str) -> Task | None:
         """The task named `name` (the user's or the registry's), or None when no task has that name."""
@@ -247,8 +255,10 @@ class Panel(RunActions):
         cfg: RunConfig | None = None
         try:
             cfg = self.config
-            check_plan(cfg, self.target, self.task_for(cfg.task))
-            problem = ""
+            # where the run goes comes first: a plan for a cluster that can't be read says that, not a size
+            problem = self.target_controls.problem()
+            if not problem:
+                check_plan(cfg, self.target, self.task_for(cfg.task))
         except ValueError as e:  # cfg stays None when RunConfig itself refused the values
             problem = str(e)
         with self.state.hold_trait_notifications():
@@ -277,9 +287,7 @@ class Panel(RunActions):
             self.yaml_path.disabled = s.busy
             cfg = s.config
             self.batch_info.value = batch_html(cfg)
-            self.launch_info.value = ("" if cfg is None else "<i>not launchable as set: see the problem below</i>"
-                                      if s.problem else html.escape(describe_launch(cfg)) if self.target.local else
-                                      f"planned for {html.escape(self.target.describe(cfg))}")
+            self.launch_info.value = self._launch_html(cfg, s.problem)
             self.limit.value = self.target_controls.limit_html(cfg)
             self._show_fields(cfg)
             self.layout_box.value = layout_html(cfg, s.problem)
@@ -290,11 +298,24 @@ class Panel(RunActions):
                                                 resumable=self._resumable(), blocked=blocked)
             self.error_box.value = error_html(s.error)
 
+    def _launch_html(self, cfg: RunConfig | None, problem: str) -> str:
+        """How Launch starts the run: its processes here, the Slurm job it submits, or only a plan."""
+        target = self.target
+        if cfg is None:
+            return ""
+        if problem:
+            return "<i>not launchable as set: see the problem below</i>"
+        if target.local:
+            return html.escape(describe_launch(cfg))
+        if target.partition:
+            return f"Launch submits a Slurm job: {html.escape(target.describe(cfg))}"
+        return f"planned for {html.escape(target.describe(cfg))}"
+
     def _relabel_precisions(self) -> None:
         """Precisions are marked unavailable for the target's devices, not this machine's."""
         target = self.target
         hw = target.hardware(self._base)
-        device = self.device if target.local else "cuda"
+        device = self.device if target.local else "cpu" if target.cpu_nodes else "cuda"
         options, self.precision_reasons = precision_options(device, hw)
         control = self.controls["precision"]
         with self._quietly():

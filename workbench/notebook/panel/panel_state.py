@@ -24,5 +24,7 @@ class PanelState(traitlets.HasTraits):
     """The last failure: a rank's RunFailedError text, or an exception raised by a button's action."""
     message = traitlets.Unicode("")
     """A note for the user, e.g. where the YAML went."""
+    job = traitlets.Unicode("")
+    """A submitted run's Slurm job as Slurm tells it: 'Slurm job 42 PENDING (Resources)'; '' for a local run."""
     busy = traitlets.Bool(False)
     """A button's action is running: every button is off until it returns."""

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from workbench.notebook.panel.panel import Panel
 
 log = logging.getLogger("workbench")
+JOB_POLL_S = 2.0
+"""Seconds between asking Slurm for a submitted run's job state (the status line shows it)."""
 
 
 def error_text(exc: BaseException) -> str:
@@ -82,11 +84,12 @@ class RunActions:
             self.state.message = ""
             cfg = make_config()
             check_here(cfg, self.target)
-            self.state.error = ""
+            cluster = self.target_controls.cluster()  # a Slurm job Launch submits, or None: this machine
+            self.state.error, self.state.job = "", ""
             before, self.state.status = self.state.status, status
             self.estimate_box.cancel()
         try:
-            run = start(cfg, task=self.task_for(cfg.task))
+            run = start(cfg, task=self.task_for(cfg.task), cluster=cluster)
         except BaseException:
             self.state.status = before if status == "resuming" else "ready"
             raise
@@ -106,10 +109,13 @@ class RunActions:
     def _watch(self: Panel, run: Run, dashboard: Dashboard, finished: threading.Event) -> None:
         """Wait for the run in a thread, so the kernel stays free; then record how it ended."""
         result, failure = None, None
+        job = getattr(run, "job_line", None)  # a Slurm run: its job's state, Slurm's reason while it waits
         try:
             while True:
+                if job is not None:
+                    self.state.job = job()
                 try:
-                    result = run.wait()
+                    result = run.wait(timeout=JOB_POLL_S if job is not None else None)
                     break
                 except TimeoutError:
                     # Run.stop() polls the process from the kernel's thread; if that poll reaped the exit first,
@@ -126,6 +132,7 @@ class RunActions:
             status = result.status if result is not None else run.dir.observed_status()[0]
             with self.state.hold_trait_notifications():
                 self.state.error = "" if failure is None else error_text(failure)
+                self.state.job = ""
                 self.state.status = str(status if status in ENDED else Status.FAILED)
         finished.set()
         self._request_estimate()  # the cores are free again: the box shows what the settings imply
@@ -138,9 +145,10 @@ class RunActions:
             self.estimate_box.show_measured(last.step_time_s, last.peak_memory_bytes, last.samples_per_s)
 
     def measures_the_settings(self: Panel) -> bool:
-        """The last run ran what the controls say now (on this machine): its figures belong beside the estimate."""
+        """The last run ran what the controls say now (here or on the cluster planned for): its figures belong beside
+        the estimate."""
         cfg = self.state.config
-        if self.run is None or cfg is None or not self.target.local:
+        if self.run is None or cfg is None or not self.target.launchable:
             return False
         ran = self.run.config
         return describe_settings(cfg.to_dict(), cfg.num_processes) == describe_settings(ran.to_dict(),

@@ -1,72 +1,165 @@
-"""The panel's target: the hardware a run is planned for (this machine, or a catalog accelerator x GPUs per
-node x nodes). Its world size is the run's: with a catalog target, the processes box and GPUs x nodes are one
-number, kept equal whichever of them the user changes."""
+"""The panel's "where": this machine (run here, or plan for catalog GPUs to rent), or a Slurm cluster (a partition
+`sinfo` lists; Launch submits). The target is the hardware a run is planned for; its world size is the run's:
+the processes box and GPUs (or ranks) per node x nodes are one number, kept equal whichever the user changes."""
 
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
+from typing import Any
 
 import ipywidgets as widgets
 
+from workbench.cluster.slurm import Slurm
 from workbench.config import RunConfig
-from workbench.estimator.catalog import THIS_MACHINE, load_catalog
+from workbench.estimator.catalog import THIS_MACHINE, by_model, load_catalog
 from workbench.estimator.target import Target
+from workbench.notebook.panel.slurm_controls import SlurmControls
 from workbench.utils.hardware import detect, resolve_device
 
 STYLE = {"description_width": "140px"}
+HERE, SLURM = "here", "slurm"
 
 
 class TargetControls:
-    """Dropdown of targets, GPUs per node and nodes (shown for catalog targets only), and the line that says
-    what the target has."""
+    """Where the run goes (this machine or a Slurm cluster), the device it is planned for, GPUs (ranks) per node
+    and nodes, and the line that says what the target has. `on_change` callbacks run once per change."""
 
-    def __init__(self, target: Target | None = None) -> None:
+    def __init__(self, target: Target | None = None, cluster: Slurm | None = None,
+                 cfg: RunConfig | None = None) -> None:
         target = target or Target()
-        names = sorted(load_catalog(target.catalog))
         self.catalog = target.catalog
-        self.gpu = widgets.Dropdown(options=[("this machine", THIS_MACHINE), *[(n, n) for n in names]],
-                                    value=target.gpu, description="target", style=STYLE,
-                                    layout=widgets.Layout(width="380px"),
+        self.names = sorted(load_catalog(target.catalog))
+        self.where = widgets.ToggleButtons(options=[("this machine", HERE), ("Slurm cluster", SLURM)],
+                                           value=SLURM if cluster else HERE, description="where", style=STYLE,
+                                           tooltips=["run here, or plan for GPUs to rent",
+                                                     "submit to a Slurm cluster's partition (sinfo's)"])
+        self.gpu = widgets.Dropdown(options=self._gpu_options(), value=target.gpu, description="target",
+                                    style=STYLE, layout=widgets.Layout(width="380px"),
                                     tooltip="the hardware the run is planned for: checks, rank layout and "
                                             "estimate are for it")
         small = {"description_width": "90px"}
-        self.gpus_per_node = widgets.BoundedIntText(value=target.gpus_per_node or 8, min=1, max=1024,
+        per_node = cluster.per_node(cfg or RunConfig()) if cluster else None
+        self.gpus_per_node = widgets.BoundedIntText(value=per_node or target.gpus_per_node or 8, min=1, max=1024,
                                                     description="GPUs per node", style=small,
                                                     layout=widgets.Layout(width="170px"))
-        self.nodes = widgets.BoundedIntText(value=target.nodes, min=1, max=4096, description="nodes", style=small,
-                                            layout=widgets.Layout(width="170px"))
-        for control, css in ((self.gpu, "wb-target"), (self.gpus_per_node, "wb-target-gpus"),
+        self.nodes = widgets.BoundedIntText(value=cluster.nodes if cluster else target.nodes, min=1, max=4096,
+                                            description="nodes", style=small, layout=widgets.Layout(width="170px"))
+        for control, css in ((self.where, "wb-where"), (self.gpu, "wb-target"), (self.gpus_per_node, "wb-target-gpus"),
                              (self.nodes, "wb-target-nodes")):
             control.add_class(css)
+        self.slurm = SlurmControls(cluster)
         self.size_box = widgets.HBox([self.gpus_per_node, self.nodes], layout=widgets.Layout(margin="0 0 0 144px"))
-        self.widget = widgets.VBox([self.gpu, self.size_box])
+        self.widget = widgets.VBox([self.where, self.slurm.widget, self.gpu, self.size_box])
+        self._callbacks: list[Callable[[], None]] = []
+        self._refreshing = False
+        for control in (self.where, self.gpu, self.gpus_per_node, self.nodes, self.slurm.partition,
+                        self.slurm.time, self.slurm.options):
+            control.observe(self._changed, names="value")
+        self.slurm.on_read(self._changed)
+        if cluster is not None:
+            self.slurm.read()
         self.refresh()
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def _changed(self, change: Any = None) -> None:
+        if self._refreshing:
+            return
+        if change is not None and change.get("owner") is self.where and change["new"] == SLURM \
+                and not self.slurm.found:
+            self.slurm.read()  # calls back here once the partitions are in
+            return
+        self.refresh()
+        for callback in self._callbacks:
+            callback()
+
+    @property
+    def on_slurm(self) -> bool:
+        return self.where.value == SLURM
 
     @property
     def local(self) -> bool:
-        return self.gpu.value == THIS_MACHINE
+        return not self.on_slurm and self.gpu.value == THIS_MACHINE
 
     @property
     def target(self) -> Target:
+        if self.on_slurm:
+            part = self.slurm.part or {"gpus": 0, "cpus": 0}
+            return Target(gpu=self.gpu.value if part["gpus"] else THIS_MACHINE, gpus_per_node=self.gpus_per_node.value,
+                          nodes=self.nodes.value, catalog=self.catalog, partition=self.slurm.partition.value or "?",
+                          cpus_per_node=0 if part["gpus"] else part["cpus"])
         if self.local:
             return Target(catalog=self.catalog)
         return Target(gpu=self.gpu.value, gpus_per_node=self.gpus_per_node.value, nodes=self.nodes.value,
                       catalog=self.catalog)
+
+    def cluster(self) -> Slurm | None:
+        """The Slurm job Launch submits, or None when the run goes to this machine."""
+        if not self.on_slurm:
+            return None
+        return self.slurm.slurm(nodes=self.nodes.value, per_node=self.gpus_per_node.value)
+
+    def problem(self) -> str:
+        """Why the where-controls can't form a target to launch on ('' when they can)."""
+        return self.slurm.problem() if self.on_slurm else ""
 
     @property
     def world(self) -> int | None:
         """Ranks the target has in all, or None on this machine (the processes box decides)."""
         return None if self.local else self.gpus_per_node.value * self.nodes.value
 
+    def _gpu_options(self, *, with_this_machine: bool = True) -> list[tuple[str, str]]:
+        return [("this machine", THIS_MACHINE)] * with_this_machine + [(n, n) for n in self.names]
+
     def refresh(self) -> None:
-        self.size_box.layout.display = "none" if self.local else None
+        """Show what the choice needs: Slurm's box, the GPU model for a GPU partition, the sizes, their bounds."""
+        self._refreshing = True
+        try:
+            self.slurm.widget.layout.display = None if self.on_slurm else "none"
+            self.slurm.info.value = self.slurm.info_html()
+            part = self.slurm.part if self.on_slurm else None
+            gpus = bool(part and part["gpus"])
+            if self.on_slurm:
+                self._bound_to(part)
+            else:
+                self.gpus_per_node.max, self.nodes.max = 1024, 4096
+            options = self._gpu_options(with_this_machine=not self.on_slurm)
+            if self.gpu.options != tuple(options):
+                keep = self.gpu.value if self.gpu.value in self.names else self.names[0]
+                self.gpu.options = options  # back on this machine, the plan is for it again
+                self.gpu.value = keep if self.on_slurm else THIS_MACHINE
+            if gpus and part is not None and part["gpu_type"]:
+                self.gpu.value = by_model(part["gpu_type"], load_catalog(self.catalog)) or self.gpu.value
+            self.gpu.description = "GPU model" if self.on_slurm else "target"
+            self.gpu.layout.display = None if not self.on_slurm or gpus else "none"
+            self.gpus_per_node.description = "GPUs per node" if not self.on_slurm or gpus else "ranks per node"
+            self.size_box.layout.display = "none" if self.local else None
+        finally:
+            self._refreshing = False
+
+    def _bound_to(self, part: dict[str, Any] | None) -> None:
+        """Nodes and GPUs (CPU partitions: ranks) per node within what the partition has."""
+        if part is None:
+            return
+        per_node = part["gpus"] or max(1, part["cpus"])
+        self.nodes.max, self.gpus_per_node.max = max(1, part["nodes"]), per_node
+        self.nodes.value = min(self.nodes.value, self.nodes.max)
+        self.gpus_per_node.value = min(self.gpus_per_node.value, per_node)
 
     def follow_processes(self, processes: int) -> bool:
         """The processes box changed: make GPUs per node follow it when the nodes divide it. False when they
         don't (the plan's check then says what would work)."""
         if self.local or processes < 1 or processes % self.nodes.value:
             return False
-        self.gpus_per_node.value = processes // self.nodes.value
+        if processes // self.nodes.value > self.gpus_per_node.max:
+            return False
+        self._refreshing = True
+        try:
+            self.gpus_per_node.value = processes // self.nodes.value
+        finally:
+            self._refreshing = False
         return True
 
     def limit_html(self, cfg: RunConfig | None) -> str:
@@ -76,5 +169,9 @@ class TargetControls:
             device = resolve_device(cfg, hw) if cfg else ("cuda" if hw.has_cuda else "cpu")
             text = f"up to {hw.max_processes(device)} on {hw.describe(device)}"
         else:
-            text = f"= {self.gpus_per_node.value} GPUs × {self.nodes.value} node" + "s" * (self.nodes.value > 1)
+            part = self.slurm.part if self.on_slurm else None
+            unit = "GPU" if not self.on_slurm or (part and part["gpus"]) else "rank"
+            per_node = self.gpus_per_node.value
+            text = (f"= {per_node} {unit}{'s' * (per_node != 1)} × {self.nodes.value} node"
+                    + "s" * (self.nodes.value > 1))
         return f"<small style='white-space:nowrap'>{html.escape(text)}</small>"

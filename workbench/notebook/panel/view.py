@@ -36,7 +36,7 @@ def blocked_reason(s: PanelState, target: Target) -> str:
         return s.problem or "the settings don't form a run"
     if s.problem:
         return s.problem
-    if not target.local:
+    if not target.launchable:
         return (f"planned for {target.describe(s.config)}, not this machine: set the target to 'this machine' to "
                 "launch here, or Save as YAML and run `workbench train` where that hardware is")
     return ""
@@ -50,7 +50,10 @@ def status_html(s: PanelState, run_name: str, *, resumable: bool, blocked: str =
         "ready": (f"not launchable: {html.escape(first)}" if blocked else "ready: pick the settings, then Launch"),
         "launching": "launching…",
         "resuming": f"resuming <b>{name}</b> from its last checkpoint…",
-        Status.RUNNING: f"running <b>{name}</b>: Stop makes the ranks save a checkpoint and exit",
+        Status.RUNNING: (f"pending <b>{name}</b>: {html.escape(s.job)}; Stop cancels the job"
+                         if " PENDING" in s.job else
+                         f"running <b>{name}</b>{' as ' + html.escape(s.job) if s.job else ''}: Stop makes the "
+                         "ranks save a checkpoint and exit"),
         "stopping": f"stopping <b>{name}</b>: the ranks finish a step, save a checkpoint and exit…",
         Status.COMPLETED: f"completed <b>{name}</b>; change the settings and Launch again to compare, or raise "
                           "the steps and Resume",
