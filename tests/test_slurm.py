@@ -103,6 +103,9 @@ def test_an_unknown_partition_and_too_many_gpus_are_refused_before_anything_is_s
     with pytest.raises(ValueError, match=r"num_processes=2: the job runs 2 node\(s\) x 2 rank\(s\) = 4; set "
                                          r"num_processes=4"):
         wb.start(_cfg(tmp_path), cluster=wb.Slurm(nodes=2, processes_per_node=2))
+    with pytest.raises(ValueError, match=r"runs_dir='/proc/wb-runs': can't write there \(.*\); a cluster run's "
+                                         r"directory is the only channel back .* set runs_dir to a writable folder"):
+        wb.start(_cfg(tmp_path, runs_dir="/proc/wb-runs"), cluster=wb.Slurm(nodes=2))
     assert _jobs() == before and not (tmp_path / "runs").exists(), "nothing submitted, no run directory"
 
 

@@ -13,7 +13,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -199,7 +201,22 @@ def check(cfg: RunConfig, slurm: Slurm) -> str:
     if slurm.gpus_per_node == 0 and cfg.device == "cuda":
         raise ValueError("device='cuda' with Slurm gpus_per_node=0: ask for GPUs (gpus_per_node=...) or set "
                          "device='cpu'")
+    check_shared_folder(cfg.runs_dir)  # last: it creates the folder
     return name
+
+
+def check_shared_folder(runs_dir: str) -> None:
+    """The run directory is the only channel back from the nodes: its folder must take files before a job is
+    submitted (created if missing, a probe file written and removed). ValueError with the fix otherwise."""
+    folder = Path(runs_dir).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".wb-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"runs_dir={runs_dir!r}: can't write there ({e.strerror or e}); a cluster run's directory "
+                         "is the only channel back from its nodes: set runs_dir to a writable folder on the "
+                         "filesystem the nodes share (e.g. ~/runs or /scratch/$USER/runs)") from e
 
 
 def check_cluster(slurm: Slurm) -> str:
