@@ -17,7 +17,9 @@ def test_the_dry_run_lists_every_step_and_why_one_is_skipped_here() -> None:
     lines = done.stdout.splitlines()
     assert lines[0].startswith("gpu-check on 0 x no CUDA GPU, torch ")
     steps = {line.strip().split("  ")[0]: line for line in lines[1:]}
-    assert list(steps) == ["gpu tests", "doctor", "bench precision", "bench estimate", "bench parallelism"]
+    assert list(steps) == ["gpu tests", "doctor", "bench precision", "bench estimate", "bench compile",
+                           "bench parallelism"]
+    assert "bench compile --set num_processes=1 --layouts ddp --json gpu-check/compile.json" in steps["bench compile"]
     assert "-m pytest -m gpu" in steps["gpu tests"] and "(skipped: --skip)" in steps["doctor"]
     assert "bench estimate --json gpu-check/estimate.json" in steps["bench estimate"]
     assert "skipped: needs 2 GPUs" in steps["bench parallelism"] and "this machine has 0" in steps["bench parallelism"]
@@ -31,7 +33,7 @@ def test_without_a_gpu_it_refuses_to_run_and_says_what_to_do() -> None:
 def test_a_step_name_that_does_not_exist_is_refused_with_the_names() -> None:
     done = subprocess.run([str(REPO / "scripts" / "gpu-check"), "--dry-run", "--skip", "docter"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--skip 'docter': no such step; the steps are bench estimate" in done.stderr
+    assert done.returncode == 2 and "--skip 'docter': no such step; the steps are bench compile, bench estimate" in done.stderr
 
 
 def test_with_gpus_enough_the_parallelism_bench_runs_on_them(tmp_path: Path) -> None:

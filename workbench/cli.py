@@ -267,6 +267,12 @@ def _bench(args: argparse.Namespace) -> int:
                                json_path=args.json)
         print(speed.table())
         return 0 if speed.passed else 1
+    if args.bench_command == "compile":
+        from workbench.commands.bench.compile_speed import COMPILE_BENCH, LAYOUTS, compile_bench
+
+        cfg = (RunConfig.from_yaml(args.config) if args.config else COMPILE_BENCH).with_overrides(args.overrides)
+        print(compile_bench(cfg, tuple(args.layouts or LAYOUTS), json_path=args.json).table())
+        return 0
     if args.bench_command == "dashboard":
         from workbench.commands.bench.dashboard_cost import dashboard_cost
 

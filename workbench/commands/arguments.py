@@ -42,6 +42,13 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     pa.add_argument("--modes", nargs="+", default=None,
                     help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp)")
     pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    co = bsub.add_parser("compile", help="eager against torch.compile per layout (ddp, zero3, tp, pp), side by side: "
+                                         "step time, first step cold and warm, losses")
+    co.add_argument("config", type=Path, nargs="?", default=None,
+                    help="RunConfig YAML (default: char-gpt 4 x 256, context 128, 2 ranks, 20 steps, compile blocks)")
+    co.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    co.add_argument("--layouts", nargs="+", default=None, help="layouts to run (default: ddp zero3 tp pp)")
+    co.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     im = bsub.add_parser("imports", help="importing the rank side against `import torch, accelerate`, in fresh "
                                          "interpreters side by side")
     im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")

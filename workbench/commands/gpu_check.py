@@ -42,6 +42,9 @@ def plan(gpus: int, out: Path) -> list[Step]:
         Step("doctor", [*cli, "doctor", "--quick"], 180, table=False),
         Step("bench precision", [*cli, "bench", "precision", "--json", str(out / "precision.json")], 600),
         Step("bench estimate", [*cli, "bench", "estimate", "--json", str(out / "estimate.json")], 900),
+        Step("bench compile", [*cli, "bench", "compile", "--set", f"num_processes={2 if gpus >= 2 else 1}",
+                               *(["--layouts", "ddp"] if gpus < 2 else []), "--json", str(out / "compile.json")],
+             900),
         Step("bench parallelism", [*cli, "bench", "parallelism", "--set", f"num_processes={min(max(gpus, 2), 8)}",
                                    "--json", str(out / "parallelism.json")], 900, skipped=two),
     ]

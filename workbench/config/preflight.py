@@ -52,7 +52,7 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
     task.check_options(cfg)
     task.check_data(cfg)
     check_parallel_task(cfg, task)
-    if cfg.activation_checkpointing != "none":
+    if cfg.activation_checkpointing != "none" or cfg.compile == "blocks":
         _check_checkpoint_units(cfg, task)
 
 
@@ -84,14 +84,18 @@ def check_tools(cfg: RunConfig, device: str) -> None:
 
 
 def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
-    """Activation checkpointing needs blocks to checkpoint: look at the model built on the meta device
+    """Activation checkpointing and compile='blocks' need blocks: look at the model built on the meta device
     (no memory, no data loaded into it)."""
     try:
         with torch.device("meta"):
             model = task.build_model(cfg)
     except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
         return
-    checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+    units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+    if cfg.compile == "blocks" and not units:
+        raise ValueError(f"compile='blocks': the {cfg.task} model has no repeated blocks to compile (no ModuleList "
+                         "of blocks); set compile='model' to compile it whole, or define Task.shard_units(model) "
+                         "to name them")
 
 
 def check_parallel_task(cfg: RunConfig, task: Any) -> None:

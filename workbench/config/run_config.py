@@ -69,6 +69,13 @@ class RunConfig:
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward, per shard unit: 'full' keeps only each block's input, 'selective'
     also keeps matmul and attention outputs. Less memory, more compute; same losses."""
+    compile: Literal["off", "model", "blocks"] = "off"
+    """torch.compile: 'blocks' compiles each repeated block (torchtitan's way: after tensor parallel and activation
+    checkpointing, before FSDP); 'model' the whole model once it is parallel; 'off' trains eagerly. The first
+    steps compile (seconds to a minute, cached for later launches): it pays on long runs (README, "Compile")."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend: 'inductor' generates fused kernels; 'aot_eager' traces forward and backward
+    without generating code (a quick check that a model compiles); 'eager' captures graphs only."""
     cpu_offload: bool = False
     """zero3/hsdp on GPUs: keep sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
     grad_compression: GradCompression = "none"
@@ -247,6 +254,10 @@ class RunConfig:
 
     def _check_parallelism(self) -> None:
         check_layout(self)
+        if self.compile != "off" and self.track_memory:
+            raise ValueError(f"track_memory=True with compile={self.compile!r}: the memory tracker follows eager "
+                             "ops, not compiled graphs; set track_memory=False (the process peak is still "
+                             "reported), or compile='off' to measure by category")
 
 
     # ---- copies and files ----------------------------------------------------------------------------

@@ -98,6 +98,10 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     trace = cached_trace(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)
     est = price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
     est.assumptions += [f"as planned: {w}" for w in warned]
+    if cfg.compile != "off":
+        est.assumptions.append(f"compile={cfg.compile!r}: the step is priced as eager's (compiled steps measured "
+                               "0.84-1.23x eager's on a 2-core CPU: README, Compile); the first step also compiles, "
+                               "15-26 s with an empty cache and 3-5 s warm there, outside the step time")
     if partition and local:
         est.assumptions.append(f"Slurm partition {partition}: CPU nodes, priced as this machine's cores and its gloo "
                                "collectives (between nodes, the cluster's network decides)")

@@ -29,11 +29,12 @@ import traitlets
 from workbench.notebook.reading import (
     Reading,
     RowTail,
-    eta_s,
+    compile_line,
     fmt_num,
     idle_warnings,
     lower_thread_priority,
     monitor_items,
+    progress_line,
     run_average,
     session_start,
     throughput_items,
@@ -41,7 +42,7 @@ from workbench.notebook.reading import (
 from workbench.notebook.snapshot import dashboard_html, shown_breakdown, table
 from workbench.rundir import ENDED, MetricsRow, RunDir, Status
 from workbench.utils.kernel import in_kernel
-from workbench.utils.units import fmt_bytes, fmt_duration
+from workbench.utils.units import fmt_bytes
 
 log = logging.getLogger("workbench")
 
@@ -192,6 +193,7 @@ class Dashboard(widgets.VBox):
             reading = Reading(rows=self._tail.read(), summary=self.dir.summary().to_dict(),
                               observed=tuple(str(x) for x in self.dir.observed_status()),
                               session_step=session_step, warnings=idle_warnings(events, session_step),
+                              compile=compile_line(events, session_step),
                               profiles=tuple(str(p) for p in self.dir.profile_traces()))
             self._hold_figure = True  # the observer re-derives the numbers; the figure follows, outside the lock
             try:
@@ -249,17 +251,7 @@ class Dashboard(widgets.VBox):
         return "drawing the figure…"
 
     def progress_line(self) -> str:
-        max_steps, step = self.max_steps, self.step
-        total = f"/{max_steps}" if max_steps else ""
-        pct = f" ({100 * step / max_steps:.0f}%)" if max_steps else ""
-        if self.ended:
-            wall = self.summary.get("wall_time_s")
-            tail = self.status + (f" in {fmt_duration(wall)}" if wall else "")
-        elif self.train_rows:
-            tail = f"ETA {fmt_duration(eta_s(self.reading, max_steps, step))}"
-        else:
-            tail = "starting the ranks…"
-        return f"step {step}{total}{pct} · {tail}"
+        return progress_line(self.reading, self.max_steps, self.step, self.status if self.ended else None)
 
     def stat_items(self, show_error: bool | None = None) -> list[tuple[str, str]]:
         """The numbers as (label, value): loss, eval, throughput (window and run average), memory, lr, the device
@@ -279,6 +271,7 @@ class Dashboard(widgets.VBox):
             items.append(("peak memory", f"{fmt_bytes(last.peak_memory_bytes)} (max over ranks)"))
         items.append(("learning rate", fmt_num(last.lr if last else None, ".3g")))
         items += monitor_items(last)
+        items += [("compile", self.reading.compile)] * bool(self.reading.compile)
         items += [("warning", line) for line in self.reading.warnings]
         if self.reading.profiles:
             items.append(("profile", ", ".join(self.reading.profiles) + " (Chrome traces: open in ui.perfetto.dev "

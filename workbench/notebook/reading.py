@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.rundir.metrics_row import MetricsRow
-from workbench.utils.units import fmt_bytes
+from workbench.utils.units import fmt_bytes, fmt_duration
 
 log = logging.getLogger("workbench")
 
@@ -49,6 +50,8 @@ class Reading:
     """Warning lines from events.jsonl for the numbers table (a GPU left idle)."""
     profiles: tuple[str, ...] = ()
     """Profile traces written so far (profile_steps), in rank order."""
+    compile: str = ""
+    """torch.compile in this session: 'compiling … for 12 s', then what it cost and found ('' when off)."""
 
     # Cached: a render asks for them a dozen times, and a Reading never changes (frozen; equality and hashing
     # look at the fields only).
@@ -132,6 +135,25 @@ def session_start(events: Sequence[dict[str, Any]]) -> int:
     """The step the latest session started at: its 'started' or 'resumed' event."""
     starts = [e for e in events if e.get("event") in ("started", "resumed")]
     return int(starts[-1].get("step") or 0) if starts else 0
+
+
+def compile_line(events: Sequence[dict[str, Any]], session_step: int = 0, now: float | None = None) -> str:
+    """What torch.compile is doing or did in this session, from the ranks' events ('' when it is off)."""
+    from workbench.training.compiling import describe
+
+    mine = {e.get("event"): e for e in events if e.get("event") in ("compiling", "compiled", "compile_report")
+            and (e.get("step") or 0) >= session_step}
+    if "compile_report" in mine:
+        return describe(mine["compile_report"])
+    if "compiled" in mine:
+        done = mine["compiled"]
+        return f"compiled in {done.get('seconds', 0):.1f} s (step {done.get('step')})"
+    if "compiling" in mine:
+        began = mine["compiling"]
+        since = max(0.0, (now or time.time()) - float(began.get("time") or 0))
+        return (f"compiling {began.get('module', 'the model')} ({began.get('mode')}, {began.get('backend')}): "
+                f"{since:.0f} s so far")
+    return ""
 
 
 def idle_warnings(events: Sequence[dict[str, Any]], session_step: int = 0,
@@ -287,3 +309,19 @@ def throughput_items(reading: Reading, average: float | None) -> list[tuple[str,
     if last.step_time_s is not None:
         items.append(("step time", f"{1000 * last.step_time_s:.1f} ms ({window})"))
     return items
+
+
+def progress_line(reading: Reading, max_steps: int | None, step: int, ended: str | None) -> str:
+    """'step 40/100 (40%) · ETA 1m 10s'; while compiling, what compiles; `ended`: the status a run ended with."""
+    total = f"/{max_steps}" if max_steps else ""
+    pct = f" ({100 * step / max_steps:.0f}%)" if max_steps else ""
+    if ended:
+        wall = reading.summary.get("wall_time_s")
+        tail = ended + (f" in {fmt_duration(wall)}" if wall else "")
+    elif reading.compile.startswith("compiling"):
+        tail = reading.compile
+    elif reading.train_rows:
+        tail = f"ETA {fmt_duration(eta_s(reading, max_steps, step))}"
+    else:
+        tail = "starting the ranks…"
+    return f"step {step}{total}{pct} · {tail}"

@@ -97,6 +97,9 @@ class Summary:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: pid, device, compute dtype, threads, peak memory, bytes held for parameters, gradients and
     optimizer state, weights sha256 (replicated modes)."""
+    compile: dict[str, Any] | None = None
+    """compile on: mode, backend, the first step's seconds (compiling), graphs, graph breaks by reason,
+    recompilations and inductor's cache folder (rank 0's)."""
     weights_sha256: str | None = None
     """sha256 of the full weights written to model.safetensors at the end of the session."""
     eval: dict[str, float] = field(default_factory=dict)

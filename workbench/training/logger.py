@@ -50,6 +50,8 @@ class MetricsLogger:
             global_batch, tokens_per_sample, mfu, epoch_of, held_bytes
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self.steps = 0
+        self.untimed = 0
+        """Steps of this window that compiled: left out of its step time."""
         self.window_start = time.perf_counter()
         self.last_row: MetricsRow | None = None
         self.monitor = monitor
@@ -68,6 +70,12 @@ class MetricsLogger:
         self.window_start = time.perf_counter()
         if self.breakdown is not None:
             self.breakdown.restart()
+
+    def untime_steps_so_far(self) -> None:
+        """The window's steps so far compiled: their time is compile time, not the training pace the row reports
+        (they still count for the loss)."""
+        self.restart_clock()
+        self.untimed = self.steps
 
     def write(self, row: MetricsRow) -> None:
         """Rank 0: one row (training or eval) to metrics.jsonl and the trackers, so they always hold the same."""
@@ -95,14 +103,15 @@ class MetricsLogger:
         """One all-gather: the window's row, written by rank 0."""
         mean_loss = self.loss_sum / self.steps
         held = self.held_bytes()
-        own_step_time = (time.perf_counter() - self.window_start) / self.steps
+        timed = max(1, self.steps - self.untimed)
+        own_step_time = (time.perf_counter() - self.window_start) / timed
         parts = self.breakdown.window() if self.breakdown is not None else {}
         local = torch.tensor([mean_loss.item(), peak_memory_bytes(self.device), state.skipped_steps,
                               *(held.get(k, 0) for k in HELD), own_step_time, *parts.values(),
                               *(self.monitor.window_vector() if self.monitor is not None else ())],
                              device=self.device, dtype=torch.float64)
         everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
-        step_time = (time.perf_counter() - self.window_start) / self.steps  # the gather counts, as it always did
+        step_time = (time.perf_counter() - self.window_start) / timed  # the gather counts, as it always did
         monitored = everyone[:, OWN_TIME + 1 + len(parts):] if self.monitor is not None else None
         row = self._row(state, everyone, step_time, elapsed_s, lr, monitored)
         if parts:
@@ -111,7 +120,7 @@ class MetricsLogger:
             row.grad_norm = float(grad_norm)
         self.write(row)
         self.loss_sum.zero_()
-        self.steps = 0
+        self.steps = self.untimed = 0
         self.restart_clock()
         self.last_row = row
         return row

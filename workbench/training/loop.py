@@ -30,6 +30,8 @@ from workbench.training.agreement import Agreement, Verdict, votes_every_step
 from workbench.training.batches import ShardedBatches
 from workbench.training.breakdown import StepBreakdown, phase_of
 from workbench.training.checkpoint import Checkpointer
+from workbench.training.compiling import CompileWatch, compiled_module
+from workbench.training.compiling import describe as describe_compile
 from workbench.training.evaluation import evaluate
 from workbench.training.guard import Guard
 from workbench.training.logger import MetricsLogger
@@ -83,6 +85,7 @@ class Trainer:
         model = self._build_model()
         train_ds, self.eval_ds = task.build_datasets(cfg)
         self.collate_fn = task.collate_fn(cfg)
+        self.compiled = CompileWatch(cfg, compiled_module(cfg, model))  # named before FSDP renames its class
         self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task))
         self.model = self.parallel.model
         if cfg.micro_batch_size == "auto":
@@ -143,11 +146,16 @@ class Trainer:
         batches = self.batches.iterate(self.state.micro_batches)
         self.model.train()
         bar = self._progress_bar()
+        self.compiled.session_starts_at(self.state.step)
+        if self.compiled.on and self.main:
+            self.run.event("compiling", step=self.state.step + 1, **self.compiled.what())
+            if bar is not None:
+                bar.set_postfix_str(f"compiling ({self.cfg.compile}, {self.cfg.compile_backend})…")
         self.metrics.restart_clock()  # the first window starts with the first step, not when the logger was made
         step_start = time.perf_counter()
         try:
             while self.state.step < self.cfg.max_steps:
-                with self.profiler.step(self.state.step + 1):
+                with self.profiler.step(self.state.step + 1), self.compiled.step(self.state.step + 1):
                     grad_norm, verdict = self._tracked_step(batches) if self._track_this_step() else \
                         self._step(batches)
                 self.breakdown.step_done()
@@ -156,6 +164,8 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 status = self._after_step(grad_norm, verdict, bar)
+                if self.compiled.compiled_now:
+                    self._compiled_a_step(bar)
                 now = time.perf_counter()
                 self.step_times.append(now - step_start)
                 step_start = now
@@ -166,6 +176,17 @@ class Trainer:
             self.profiler.close()  # a run that ends inside profile_steps keeps the steps it recorded
             if bar is not None:
                 bar.close()
+
+    def _compiled_a_step(self, bar: Any) -> None:
+        """A step that compiled: said once (the first), and left out of the pace its window reports."""
+        self.metrics.untime_steps_so_far()
+        step, seconds = self.compiled.compiling_steps[-1]
+        if len(self.compiled.compiling_steps) == 1 and self.main:
+            self.run.event("compiled", step=step, seconds=round(seconds, 3))
+            self.log.info("compiled (%s, %s) in the first step: %.1f s", self.cfg.compile,
+                          self.cfg.compile_backend, seconds)
+            if bar is not None:
+                bar.set_postfix_str(f"compiled in {seconds:.1f} s")
 
     def _at(self, step: int, where: str) -> None:
         """Where the rank is: for the hang watchdog, and the step-time breakdown's phase."""
@@ -272,6 +293,8 @@ class Trainer:
             value = self.task.rank_value(self.parallel.model, self.cfg)
             if value is not None:
                 save_rank_value(self.run, self.rank, value)
+        if self.compiled.on:
+            fields["compile"] = self._compile_report()
         if self.main:
             self.run.set_status(status, **running_fields(self), **fields, ending=self.ending)
             self.run.write_timings(self.step_times)
@@ -279,6 +302,16 @@ class Trainer:
                 self.run.event("completed", step=self.state.step)
         self.accelerator.wait_for_everyone()
         return fields
+
+    def _compile_report(self) -> dict[str, Any]:
+        """Once per run (rank 0): what compiling cost and found; graph breaks and recompilations warned."""
+        report = self.compiled.report()
+        if self.main:
+            self.run.event("compile_report", **report)
+            if report["graph_breaks"] or report["recompiles"]:
+                self.log.warning("compile: %s (graph breaks: %s)", describe_compile(report),
+                                 "; ".join(f"{n} x {why}" for why, n in report["graph_breaks"].items()) or "none")
+        return report
 
     # ---- pieces ---------------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -293,7 +326,7 @@ class Trainer:
         self.tokens_per_sample = task.tokens_per_sample(cfg)
         gpus = detect().gpus
         self.peak_flops = peak_flops(gpus[0].name, cfg.precision) if self.device.type == "cuda" and gpus else None
-        self.compute_dtype = first_leaf_dtype(model)
+        self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
         return model
 
     def _track_this_step(self) -> bool:

@@ -70,6 +70,11 @@ def build_controls(device: str, task_options: list[tuple[str, str]]
                                         layout=_wide(), tooltip="1F1B needs grad accumulation >= stages"),
         "activation_checkpointing": widgets.Dropdown(options=list(get_args(ActivationCheckpointing)),
                                                      description="activation ckpt", style=STYLE, layout=_wide()),
+        "compile": widgets.Dropdown(options=[("off (eager)", "off"), ("each block", "blocks"),
+                                             ("the whole model", "model")],
+                                    description="torch.compile", style=STYLE, layout=_wide(),
+                                    tooltip="the first steps compile (cached for later launches); pays on long "
+                                            "runs, see the README's Compile section"),
         "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=_wide(),
                                       tooltip="; ".join(reasons.values()) or None),
         # Text, not a number box: 'auto' (the largest that fits, chosen by the ranks) is a value too.

@@ -137,7 +137,7 @@ class Panel(RunActions):
         left = widgets.VBox([c["task"], self.task_controls.widget, self.target_controls.widget,
                              widgets.HBox([c["num_processes"], self.limit]), c["oversubscribe"], c["parallelism"],
                              self.mode_info, c["dp_shard"], c["tp"], c["pp"], c["pp_schedule"],
-                             c["activation_checkpointing"], c["precision"], c["micro_batch_size"],
+                             c["activation_checkpointing"], c["compile"], c["precision"], c["micro_batch_size"],
                              c["grad_accum_steps"], c["max_steps"], c["lr"], c["run_name"]])
         self.layout_box = _html("wb-layout-box")
         right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,

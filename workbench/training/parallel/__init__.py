@@ -17,6 +17,7 @@ import torch
 
 from workbench.config import SHARDED
 from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.training.compiling import compile_blocks, compile_model
 from workbench.training.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -51,8 +52,15 @@ def strategy_module(cfg: RunConfig) -> str:
 
 def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
-    """Make `model` parallel as cfg.parallelism asks, with activation checkpointing per shard unit; the loop
-    then trains through the returned strategy."""
+    """Make `model` parallel as cfg.parallelism asks, with activation checkpointing and compile per shard unit
+    (compile='model': the parallel model); the loop then trains through the returned strategy."""
+    strategy = _parallel(cfg, accelerator, model, task, make_optimizer)
+    compile_model(cfg, strategy.model, tracing=getattr(accelerator, "tracing", False))
+    return strategy
+
+
+def _parallel(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
+              make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
     # Each strategy's module is imported only when its mode runs: torch's pipelining, tensor-parallel and
     # FSDP modules cost a rank a second of start-up between them.
     if cfg.pp > 1:  # each rank keeps its stage of the model
@@ -66,6 +74,7 @@ def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module
         ensure_process_group(accelerator)
         return TensorParallel(cfg, accelerator, model, task, make_optimizer)
     units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+    compile_blocks(cfg, units, tracing=getattr(accelerator, "tracing", False))  # before FSDP or DDP wrap them
     if cfg.parallelism in (*SHARDED, "zero1"):
         ensure_process_group(accelerator)
     if cfg.parallelism in SHARDED:

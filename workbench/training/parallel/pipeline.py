@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from workbench.tasks.blocks import shard_units
+from workbench.training.compiling import compile_blocks
 from workbench.training.evaluation import split_loss
 from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
 from workbench.utils.distributed import single_process_dcp
@@ -85,6 +87,10 @@ class PipelineParallel(Strategy):
         if module is None:
             raise ValueError(f"pp={cfg.pp}: task {task.name!r} has no pipeline stages")
         self.model = self.module = on_device(module, accelerator)
+        # the stage's share of the model's blocks (the task's stage holds the same block objects)
+        held = {id(m) for m in module.modules()}
+        compile_blocks(cfg, [u for u in shard_units(model, task) if id(u) in held],
+                       tracing=getattr(accelerator, "tracing", False))
         self._tied = self._tied_groups(tied)
         self.stage = PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.pp_group)
         self.schedule = SCHEDULES[cfg.pp_schedule](self.stage, n_microbatches=cfg.grad_accum_steps,

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from workbench.config.mesh import ParallelDims
 from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.training.compiling import compile_blocks
 from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
 from workbench.utils.distributed import single_process_dcp
 
@@ -97,6 +98,7 @@ class TensorParallel(Strategy):
             raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan")
         parallelize_module(model, self.mesh["tp"], plan)
         units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+        compile_blocks(cfg, units, tracing=getattr(accelerator, "tracing", False))  # TP, AC, compile, then FSDP
         dtype = DTYPES.get(cfg.precision)
         self.data_parallel = "dp_shard" in (self.mesh.mesh_dim_names or ())
         if self.data_parallel:

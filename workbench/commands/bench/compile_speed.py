@@ -1,0 +1,123 @@
+"""`workbench bench compile`: eager against torch.compile, side by side in one run, per layout.
+
+Per layout (ddp, zero3, tp, pp over the config's ranks): an eager run, then the same run compiled twice with the
+inductor cache emptied before the first ('cold': every kernel generated) and kept for the second ('warm': a
+relaunch). Reported: the median step time after warm-up of eager and of the warm compiled run and their ratio,
+the first step of each compiled run (compiling, cold and warm), graphs and graph breaks, and the largest relative
+difference of the logged losses from eager's. Runs go eager, cold, warm in that order, each layout in turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.config import RunConfig
+from workbench.launcher.launch import launch
+from workbench.utils.files import read_json
+
+WARMUP_STEPS = 5
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp": {"parallelism": "ddp"},
+    "zero3": {"parallelism": "zero3"},
+    "tp": {"parallelism": "zero3", "tp": 2},
+    "pp": {"parallelism": "ddp", "pp": 2, "pp_schedule": "1f1b", "grad_accum_steps": 2},  # 1F1B: micro-batches >= pp
+}
+COMPILE_BENCH = RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=20, lr=1e-3, log_every=1,
+                          eval_batches=1, compile="blocks",
+                          task_options={"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128})
+"""The issue's model: char-gpt 4 blocks x 256 wide, context 128, 20 steps logged every step (fp32)."""
+
+
+@dataclass
+class CompileRow:
+    layout: str
+    eager_ms: float
+    compiled_ms: float
+    speedup: float
+    first_step_cold_s: float
+    first_step_warm_s: float
+    eager_first_step_s: float
+    graphs: int
+    graph_breaks: int
+    max_loss_rel_diff: float
+
+
+@dataclass
+class CompileReport:
+    rows: list[CompileRow]
+    config: dict[str, Any]
+
+    def table(self) -> str:
+        cfg = self.config
+        head = (f"compile={cfg['compile']} ({cfg['compile_backend']}) against eager: {cfg['task']} "
+                f"{cfg['task_options']}, {cfg['num_processes']} ranks, micro-batch {cfg['micro_batch_size']}, "
+                f"{cfg['max_steps']} steps, {cfg['precision']}")
+        lines = [head, "| layout | eager ms/step | compiled ms/step | speed-up | first step: eager / compiling cold / "
+                       "warm (s) | graphs, breaks | losses: max rel diff |",
+                 "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r.layout} | {r.eager_ms:.0f} | {r.compiled_ms:.0f} | {r.speedup:.2f}x | "
+                  f"{r.eager_first_step_s:.1f} / {r.first_step_cold_s:.1f} / {r.first_step_warm_s:.1f} | "
+                  f"{r.graphs}, {r.graph_breaks} | {r.max_loss_rel_diff:.1e} |" for r in self.rows]
+        return "\n".join(lines)
+
+
+def _steady_ms(run_dir: Path) -> float:
+    times = (read_json(run_dir / "timings.json") or {}).get("step_time_s") or []
+    steady = times[WARMUP_STEPS:] or times
+    return 1e3 * statistics.median(steady)
+
+
+def _first_s(run_dir: Path) -> float:
+    times = (read_json(run_dir / "timings.json") or {}).get("step_time_s") or [0.0]
+    return float(times[0])
+
+
+def _losses(metrics: list[dict[str, Any]]) -> list[float]:
+    return [m["loss"] for m in metrics if "loss" in m]
+
+
+def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tuple(LAYOUTS), *,
+                  json_path: Path | None = None) -> CompileReport:
+    """Each layout eager, compiled cold and compiled warm, in this process's ranks (forked)."""
+    rows: list[CompileRow] = []
+    saved = {k: os.environ.get(k) for k in ("WORKBENCH_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    with tempfile.TemporaryDirectory(prefix="wb-bench-compile-") as tmp:
+        try:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            for layout in layouts:
+                if layout not in LAYOUTS:
+                    raise ValueError(f"layout {layout!r}: choose from {', '.join(LAYOUTS)}")
+                base = cfg.replace(runs_dir=str(Path(tmp) / "runs"), **LAYOUTS[layout])
+                cache = Path(tmp) / f"cache-{layout}"
+                os.environ["WORKBENCH_CACHE_DIR"] = str(cache)
+                shutil.rmtree(cache, ignore_errors=True)
+                eager = launch(base.replace(compile="off", run_name=f"{layout}-eager"))
+                cold = launch(base.replace(run_name=f"{layout}-cold"))
+                warm = launch(base.replace(run_name=f"{layout}-warm"))
+                report = warm.summary.get("compile") or {}
+                diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(_losses(warm.metrics), _losses(eager.metrics),
+                                                                        strict=True)]
+                eager_ms, compiled_ms = _steady_ms(eager.run_dir), _steady_ms(warm.run_dir)
+                rows.append(CompileRow(layout=layout, eager_ms=eager_ms, compiled_ms=compiled_ms,
+                                       speedup=eager_ms / compiled_ms, first_step_cold_s=_first_s(cold.run_dir),
+                                       first_step_warm_s=_first_s(warm.run_dir),
+                                       eager_first_step_s=_first_s(eager.run_dir), graphs=int(report.get("graphs", 0)),
+                                       graph_breaks=sum((report.get("graph_breaks") or {}).values()),
+                                       max_loss_rel_diff=max(diffs, default=0.0)))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    result = CompileReport(rows=rows, config=cfg.to_dict())
+    if json_path is not None:
+        json_path.write_text(json.dumps(asdict(result), indent=2))
+    return result
