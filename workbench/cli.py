@@ -267,6 +267,12 @@ def _bench(args: argparse.Namespace) -> int:
                                json_path=args.json)
         print(speed.table())
         return 0 if speed.passed else 1
+    if args.bench_command == "launch":
+        from workbench.commands.bench.launch_latency import launch_latency
+
+        latency = launch_latency(args.pairs, cold_pairs=args.cold_pairs, json_path=args.json)
+        print(latency.table())
+        return 0 if latency.passed else 1
     if args.bench_command == "compile":
         from workbench.commands.bench.compile_speed import COMPILE_BENCH, LAYOUTS, compile_bench
 

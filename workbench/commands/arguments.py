@@ -49,6 +49,11 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     co.add_argument("--layouts", nargs="+", default=None, help="layouts to run (default: ddp zero3 tp pp)")
     co.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    la = bsub.add_parser("launch", help="wb.launch of a 1-step 2-rank run against accelerate.notebook_launcher "
+                                        "running the equivalent function, interleaved")
+    la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")
+    la.add_argument("--cold-pairs", type=int, default=1, help="first launches in fresh interpreters, each side")
+    la.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     im = bsub.add_parser("imports", help="importing the rank side against `import torch, accelerate`, in fresh "
                                          "interpreters side by side")
     im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")

@@ -76,6 +76,10 @@ class RunConfig:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile's backend: 'inductor' generates fused kernels; 'aot_eager' traces forward and backward
     without generating code (a quick check that a model compiles); 'eager' captures graphs only."""
+    tf32: bool = True
+    """CUDA: fp32 matmuls and convolutions run on TF32 tensor cores (7x the fp32 peak on an H100, 10-bit mantissa
+    products, fp32 accumulation), as PyTorch advises for training; False keeps full fp32. No effect on CPU or on
+    bf16/fp16 compute."""
     cpu_offload: bool = False
     """zero3/hsdp on GPUs: keep sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
     grad_compression: GradCompression = "none"

@@ -104,6 +104,16 @@ def lookup(name: str, catalog: dict[str, Accelerator] | None = None) -> Accelera
     return catalog[name]
 
 
+def peak_flops(gpu_name: str, precision: str, *, tf32: bool = False) -> float | None:
+    """The catalog's dense datasheet peak for this GPU (by model: 'NVIDIA H100 80GB HBM3' is the H100 entry) in
+    `precision` (fp32 on TF32 tensor cores with tf32); None when the catalog has no entry for it."""
+    try:
+        accel = lookup(gpu_name)
+    except ValueError:
+        return None
+    return (tf32 and precision == "fp32" and accel.peak("tf32")) or accel.peak(precision)
+
+
 def by_model(gpu_type: str, catalog: dict[str, Accelerator]) -> str | None:
     """The catalog entry for a GPU model as Slurm's GRES names it ('h100', 'a100_80g',
     'nvidia_h100_80gb_hbm3'): the first entry of that model, or None when the catalog has none (or no type)."""

@@ -246,10 +246,18 @@ def _flop_time(trace: Any, rows: list[tuple[str, int, int]], dtype: str,
                      "GFLOP/s on average")
 
 
+def matmul_precision(cfg: RunConfig, target: Accelerator) -> str:
+    """The catalog peak a step's matmuls run at: fp32 on TF32 tensor cores when cfg.tf32 (and the accelerator lists
+    a TF32 peak); fp8 as bf16 where the accelerator has no fp8."""
+    if cfg.precision == "fp32" and cfg.tf32 and target.peak("tf32"):
+        return "tf32"
+    return "bf16" if cfg.precision == "fp8" and target.peak("fp8") is None else cfg.precision
+
+
 def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]], target: Accelerator,
              nodes: int, network: str) -> RawStep:
     """The step on a catalog GPU, from its datasheet."""
-    precision = "bf16" if cfg.precision == "fp8" and target.peak("fp8") is None else cfg.precision
+    precision = matmul_precision(cfg, target)
     peak = target.peak(precision)
     if peak is None:
         raise ValueError(f"precision={cfg.precision!r}: {target.name} lists no peak for it "

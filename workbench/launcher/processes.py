@@ -101,7 +101,9 @@ def start_processes(cfg: RunConfig, task: Task | None, run: RunDir, token: str, 
     if plan.method != "subprocess":
         log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
     if plan.method == "fork":
-        from workbench.launcher.supervisor import supervise
+        from workbench.launcher.supervisor import load_rank_modules, supervise
+
+        load_rank_modules(cfg)
 
         ctx = multiprocessing.get_context("fork")
         process: Any = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token,

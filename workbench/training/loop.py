@@ -35,7 +35,6 @@ from workbench.training.compiling import describe as describe_compile
 from workbench.training.evaluation import evaluate
 from workbench.training.guard import Guard
 from workbench.training.logger import MetricsLogger
-from workbench.training.measures import peak_flops
 from workbench.training.memory import tracked
 from workbench.training.optim import build_optimizer, set_lr
 from workbench.training.outcome import export_weights, first_leaf_dtype, running_fields, summary_fields
@@ -325,7 +324,11 @@ class Trainer:
         self.flops_per_sample = task.flops_per_sample(cfg, model)
         self.tokens_per_sample = task.tokens_per_sample(cfg)
         gpus = detect().gpus
-        self.peak_flops = peak_flops(gpus[0].name, cfg.precision) if self.device.type == "cuda" and gpus else None
+        self.peak_flops = None
+        if self.device.type == "cuda" and gpus:  # the catalog's peaks, loaded on GPU ranks only
+            from workbench.estimator.catalog import peak_flops
+
+            self.peak_flops = peak_flops(gpus[0].name, cfg.precision, tf32=cfg.tf32)
         self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
         return model
 

@@ -8,23 +8,6 @@ import sys
 
 import torch
 
-# Dense peak FLOP/s per GPU by (name fragment, precision): vendor datasheets, no sparsity.
-_PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
-    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
-    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
-]
-
-
-def peak_flops(gpu_name: str, precision: str) -> float | None:
-    """The datasheet peak for this GPU and precision, or None when the GPU isn't in the table."""
-    for fragment, table in _PEAK_FLOPS:
-        if fragment in gpu_name:
-            return table.get(precision)
-    return None
-
 
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: max allocated by PyTorch on this device; CPU: this process's peak resident set size."""

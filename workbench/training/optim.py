@@ -22,13 +22,20 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def all_on_cuda(model: torch.nn.Module) -> bool:
+    """Every trainable parameter lives on a CUDA device: AdamW's fused kernel (one launch for all of them) applies.
+    Parameters offloaded to the CPU, or a CPU run, keep the default foreach kernels."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, task: Task | None = None) -> torch.optim.Optimizer:
-    """The task's optimizer (Task.configure_optimizers) or AdamW; every param group remembers its lr as the
-    peak (`initial_lr`, PyTorch's schedulers' key) that the schedule scales."""
+    """The task's optimizer (Task.configure_optimizers) or AdamW (fused when every parameter is on a GPU); every
+    param group remembers its lr as the peak (`initial_lr`, PyTorch's schedulers' key) that the schedule scales."""
     optimizer = task.configure_optimizers(model, cfg) if task is not None else None
     if optimizer is None:
         optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                      eps=cfg.eps)
+                                      eps=cfg.eps, fused=all_on_cuda(model) or None)
     elif not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{type(task).__name__}.configure_optimizers returned {type(optimizer).__name__}: return a "
                         "torch.optim.Optimizer over the model's parameters, or None for AdamW")

@@ -64,6 +64,8 @@ def rank_info(t: Trainer) -> list[dict[str, Any]]:
             "peak_memory_bytes": peak_memory_bytes(t.device),
             "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
             "agreement_votes": t.agreement.votes,
+            "fused_optimizer": bool(t.parallel.local_optimizer().defaults.get("fused")),
+            "tf32": t.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest",
             **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
             "weights_sha256": t.parallel.weights_digest(), "tracked_memory": t.tracked_memory,
             "profile_trace": str(t.profiler.trace) if t.profiler.trace else None}
