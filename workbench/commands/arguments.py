@@ -23,7 +23,10 @@ def estimate_parser(sub: argparse._SubParsersAction) -> None:
 def bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    o = bsub.add_parser("overhead", help="trainer against a hand-written Accelerate loop, side by side")
+    o = bsub.add_parser("overhead", help="trainer against a hand-written loop (ddp, zero3, tp or pp), side by side")
+    o.add_argument("--mode", choices=["ddp", "zero3", "tp", "pp"], default="ddp",
+                   help="layout of both loops: ddp (Accelerate, digits MLP), zero3 (FSDP2), tp (tensor parallel over "
+                        "all ranks) or pp (a 1F1B pipeline, a stage per rank); the last three on char-gpt 'tiny'")
     o.add_argument("--steps", type=int, default=200)
     o.add_argument("--repeats", type=int, default=9,
                    help="back-to-back pairs of runs (the overhead is the median of their differences)")
