@@ -2,7 +2,7 @@
 running the equivalent hand-written function, side by side in one process.
 
 Both start 2 forked CPU ranks from this process, build the same model and data, train one step and end; the
-hand-written side is bench/overhead.py's loop (Accelerate's own prepare, no run directory). Pairs run back to
+hand-written side is bench/hand_loops.py's ddp loop (Accelerate's own prepare, no run directory). Pairs run back to
 back, which goes first alternating; the verdict is on the ratio of the medians. `wb.launch` does more (checks,
 a run directory, metrics, a summary, the weights, a lock), and what it costs is the latency a notebook user
 feels between pressing Shift-Enter and having a RunResult back.
@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from workbench.commands.bench.overhead import hand_loop
+from workbench.commands.bench.hand_loops import hand_loop
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
 from workbench.launcher.processes import free_port
@@ -73,7 +73,7 @@ def _notebook_launcher(cfg: RunConfig, out_dir: str) -> float:
 
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):  # accelerate announces its processes on stdout
-        notebook_launcher(hand_loop, args=(cfg, get_task(cfg.task), out_dir), num_processes=cfg.num_processes,
+        notebook_launcher(hand_loop, args=(cfg, get_task(cfg.task), out_dir, "ddp"), num_processes=cfg.num_processes,
                           use_port=str(free_port()))
     return time.perf_counter() - start
 
