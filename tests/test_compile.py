@@ -131,7 +131,7 @@ def test_a_compiled_run_reports_its_compile_once_and_keeps_it_out_of_the_pace(ru
 def test_bench_compile_puts_eager_and_compiled_side_by_side(tmp_path: Path) -> None:
     from workbench.commands.bench.compile_speed import compile_bench
 
-    cfg = wb.RunConfig(task="char-gpt", task_options=TINY, num_processes=2, micro_batch_size=4, max_steps=8,
+    cfg = wb.RunConfig(task="char-gpt", task_options=TINY, num_processes=2, micro_batch_size=4, max_steps=6,
                        log_every=1, eval_batches=1, compile="blocks", compile_backend="aot_eager")
     report = compile_bench(cfg, ("ddp",), json_path=tmp_path / "compile.json")
     (row,) = report.rows
