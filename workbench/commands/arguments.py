@@ -20,6 +20,15 @@ def estimate_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--suggest", action="store_true", help="when it doesn't fit: changes that would, each estimated")
 
 
+def _config_bench(bsub: argparse._SubParsersAction, name: str, text: str, default: str) -> argparse.ArgumentParser:
+    """A bench that runs a RunConfig: an optional YAML (`default` without one), --set overrides, --json."""
+    parser = bsub.add_parser(name, help=text)
+    parser.add_argument("config", type=Path, nargs="?", default=None, help=f"RunConfig YAML (default: {default})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    return parser
+
+
 def bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -32,26 +41,16 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="back-to-back pairs of runs (the overhead is the median of their differences)")
     o.add_argument("--num-processes", type=int, default=2)
     o.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    pr = bsub.add_parser("precision", help="the same run in every precision this machine supports, side by side")
-    pr.add_argument("config", type=Path, nargs="?", default=None,
-                    help="RunConfig YAML (default: char-gpt 'small' on one device, 50 steps)")
-    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pr.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    pa = bsub.add_parser("parallelism", help="the same run under every parallel layout (data, tensor, pipeline), side "
-                               "by side")
-    pa.add_argument("config", type=Path, nargs="?", default=None,
-                    help="RunConfig YAML (default: char-gpt 'tiny' on 2 processes, 30 steps)")
-    pa.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _config_bench(bsub, "precision", "the same run in every precision this machine supports, side by side",
+                  "char-gpt 'small' on one device, 50 steps")
+    pa = _config_bench(bsub, "parallelism", "the same run under every parallel layout (data, tensor, pipeline), "
+                       "side by side", "char-gpt 'tiny' on 2 processes, 30 steps")
     pa.add_argument("--modes", nargs="+", default=None,
                     help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp)")
-    pa.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
-    co = bsub.add_parser("compile", help="eager against torch.compile per layout (ddp, zero3, tp, pp), side by side: "
-                                         "step time, first step cold and warm, losses")
-    co.add_argument("config", type=Path, nargs="?", default=None,
-                    help="RunConfig YAML (default: char-gpt 4 x 256, context 128, 2 ranks, 20 steps, compile blocks)")
-    co.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    co = _config_bench(bsub, "compile", "eager against torch.compile per layout (ddp, zero3, tp, pp), side by side: "
+                       "step time, first step cold and warm, losses",
+                       "char-gpt 4 x 256, context 128, 2 ranks, 20 steps, compile blocks")
     co.add_argument("--layouts", nargs="+", default=None, help="layouts to run (default: ddp zero3 tp pp)")
-    co.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     la = bsub.add_parser("launch", help="wb.launch of a 1-step 2-rank run against accelerate.notebook_launcher "
                                         "running the equivalent function, interleaved")
     la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")

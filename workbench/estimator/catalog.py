@@ -94,10 +94,9 @@ def lookup(name: str, catalog: dict[str, Accelerator] | None = None) -> Accelera
         # A GPU's marketing name ('NVIDIA H100 80GB HBM3') finds its entry by model.
         from workbench.utils.hardware import gpu_model
 
-        model = gpu_model(name)
-        matches = [a for a in catalog.values() if a.name.upper().startswith(model.upper())]
-        if model != name and matches:
-            return matches[0]
+        match = by_model(name, catalog) if gpu_model(name) != name else None
+        if match is not None:
+            return catalog[match]
         raise ValueError(f"gpu={name!r}: not in the accelerator catalog{did_you_mean(name, list(catalog))}; "
                          f"known: {', '.join(sorted(catalog))}, or {THIS_MACHINE!r} (add your own with "
                          "WORKBENCH_ACCELERATORS=file.yaml)")

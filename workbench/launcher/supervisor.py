@@ -125,7 +125,6 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     if resolve_device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
-    load_rank_modules(cfg)  # already loaded by the caller (start_processes): then a no-op
     run = RunDir(run_dir)
     expect_forked_ranks(cfg.num_processes)
     error: BaseException | None = None

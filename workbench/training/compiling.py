@@ -122,8 +122,8 @@ class CompileWatch:
         self.compiled_now = False
         """The step just run compiled something (its time is compile time, not training pace)."""
         self._start = _counters()[0] if self.on else 0
-        self._in_steps: list[int] = []
-        """Frames compiled during each compiling step."""
+        self._in_steps = 0
+        """Frames compiled during steps."""
         self._late = 0
         """Frames compiled after the first steps: recompilations."""
         self._steps_before: int = 0
@@ -149,7 +149,7 @@ class CompileWatch:
         self.compiled_now = frames > 0
         if frames:
             self.compiling_steps.append((step, time.perf_counter() - start))
-            self._in_steps.append(frames)
+            self._in_steps += frames
             if step > self.first_steps + self._steps_before:
                 self._late += frames
 
@@ -178,7 +178,7 @@ class CompileWatch:
                 "compile_steps": [s for s, _ in self.compiling_steps],
                 "graphs": graphs, "graph_breaks": breaks,
                 "recompiles": self._late,
-                "eval_compiles": max(0, frames - self._start - sum(self._in_steps)),
+                "eval_compiles": max(0, frames - self._start - self._in_steps),
                 "cache_hits": inductor["fxgraph_cache_hit"], "cache_misses": inductor["fxgraph_cache_miss"],
                 "cache_dir": str(inductor_cache())}
 

@@ -68,15 +68,10 @@ class CompileReport:
         return "\n".join(lines)
 
 
-def _steady_ms(run_dir: Path) -> float:
-    times = (read_json(run_dir / "timings.json") or {}).get("step_time_s") or []
-    steady = times[WARMUP_STEPS:] or times
-    return 1e3 * statistics.median(steady)
-
-
-def _first_s(run_dir: Path) -> float:
+def _step_times(run_dir: Path) -> tuple[float, float]:
+    """(first step s, median ms of the steps after warm-up) from the run's timings."""
     times = (read_json(run_dir / "timings.json") or {}).get("step_time_s") or [0.0]
-    return float(times[0])
+    return float(times[0]), 1e3 * statistics.median(times[WARMUP_STEPS:] or times)
 
 
 def _losses(metrics: list[dict[str, Any]]) -> list[float]:
@@ -104,11 +99,12 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                 report = warm.summary.get("compile") or {}
                 diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(_losses(warm.metrics), _losses(eager.metrics),
                                                                         strict=True)]
-                eager_ms, compiled_ms = _steady_ms(eager.run_dir), _steady_ms(warm.run_dir)
+                (eager_first, eager_ms), (warm_first, compiled_ms) = (_step_times(eager.run_dir),
+                                                                      _step_times(warm.run_dir))
                 rows.append(CompileRow(layout=layout, eager_ms=eager_ms, compiled_ms=compiled_ms,
-                                       speedup=eager_ms / compiled_ms, first_step_cold_s=_first_s(cold.run_dir),
-                                       first_step_warm_s=_first_s(warm.run_dir),
-                                       eager_first_step_s=_first_s(eager.run_dir), graphs=int(report.get("graphs", 0)),
+                                       speedup=eager_ms / compiled_ms, first_step_cold_s=_step_times(cold.run_dir)[0],
+                                       first_step_warm_s=warm_first, eager_first_step_s=eager_first,
+                                       graphs=int(report.get("graphs", 0)),
                                        graph_breaks=sum((report.get("graph_breaks") or {}).values()),
                                        max_loss_rel_diff=max(diffs, default=0.0)))
         finally:

@@ -34,6 +34,7 @@ import torch
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.processes import free_port
 from workbench.tasks import Task, get_task
+from workbench.training.evaluation import split_loss
 from workbench.training.measures import state_digest
 from workbench.training.optim import build_optimizer
 from workbench.utils.hardware import detect, resolve_device
@@ -63,8 +64,7 @@ class HandRun:
 
 
 def _loss(task: Task, model: Any, batch: Any) -> torch.Tensor:
-    loss = task.loss(model, batch)
-    return loss[0] if isinstance(loss, tuple) else loss
+    return split_loss(task.loss(model, batch))[0]
 
 
 def _accumulate(cfg: RunConfig, task: Task, model: torch.nn.Module, batches: Iterator[Any], device: torch.device,
