@@ -13,8 +13,8 @@ PipelineStage does them:
 A stage other than the first receives each micro-batch's activations into buffers made once for all of them,
 a stage other than the last receives the output gradients likewise (PipelineStage keeps both for every
 micro-batch across steps); they are counted as communication buffers. The loss is taken on the last stage per
-micro-batch and kept until its backward. Then the trainer's own after_schedule (loss broadcast, tied gradients
-summed, replicas averaged), clipping and update run as they do in a real step. The activations and gradients sent
+micro-batch and kept until its backward. Then the trainer's own after_schedule (tied gradients summed, replicas
+averaged), clipping and update run as they do in a real step. The activations and gradients sent
 to the neighbouring stages are recorded as point-to-point traffic ('send@2:pp'), one of each per micro-batch.
 """
 
@@ -174,9 +174,7 @@ class _StageStep:
         for p in strategy.module.parameters():  # the schedule's scale_grads: the mean over micro-batches
             if p.grad is not None:
                 p.grad.div_(m)
-        loss = (torch.stack([losses[i] for i in range(m)]).mean().detach().float() if self.last
-                else torch.zeros((), device=strategy.device))
-        strategy.after_schedule(loss)
+        strategy.after_schedule()
         update(strategy, self.cfg, self.grads)
         self.steps += 1
 

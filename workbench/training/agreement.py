@@ -12,7 +12,8 @@ tiny asynchronous one, cost this trainer more than all its other bookkeeping tog
 Elsewhere (fp16 scaling, whose infinite gradients are overflows to skip; the pipeline, whose loss is known
 only after its backward) every step votes, with the non-finite loss flags in the vote. A vote is one
 all-reduce, started before the last backward and waited for before the update. It is a sum: each rank writes
-only its own slots, so a sum tells every rank's signal and loss apart.
+only its own slots, so a sum tells every rank's signal and loss apart. A pipeline's loss exists only on its last
+stage: the vote carries it to the other stages (one slot per replica), which saves a broadcast per step.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def votes_every_step(cfg: RunConfig, strategy: Strategy) -> bool:
 
 
 @dataclass(frozen=True)
+class CarriedLoss:
+    """A loss the vote carries from the rank that has it to the ranks that don't (a pipeline's last stage to
+    the others of its replica)."""
+
+    slots: int
+    """How many losses the vote carries (one per pipeline replica)."""
+    slot: int
+    """The one this rank reads (and writes, when it is the `writer`)."""
+    writer: bool
+    """This rank computed the loss."""
+
+
+@dataclass(frozen=True)
 class Verdict:
     stop: bool = False
     """Rank 0 found a stop request (Run.stop(), the Stop button, a first Ctrl-C)."""
@@ -73,12 +87,20 @@ class Verdict:
 class Agreement:
     """`every_step`: vote on every step, the loss flags included (see the module docstring for when)."""
 
-    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard, *, every_step: bool) -> None:
+    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard, *, every_step: bool,
+                 carried: CarriedLoss | None = None) -> None:
         self.accelerator, self.run, self.guard, self.every_step = accelerator, run, guard, every_step
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.device = accelerator.device
-        # [stop (rank 0), next vote interval (rank 0), signal per rank..., non-finite loss per rank (every_step)...]
-        self.flags = torch.zeros(2 + (2 if every_step else 1) * self.world, device=self.device)
+        if carried is not None and not every_step:
+            raise AssertionError("a carried loss needs a vote on every step")
+        self.carried = carried
+        # [stop (rank 0), next vote interval (rank 0), signal per rank..., non-finite loss per rank (every_step)...,
+        #  carried losses...]
+        self._loss_base = 2 + 2 * self.world
+        self.flags = torch.zeros(2 + (2 if every_step else 1) * self.world + (carried.slots if carried else 0),
+                                 device=self.device)
+        self._step_loss: torch.Tensor | None = None
         self._pending: Any = None
         self._voting = False
         self._bad_loss: Any = False
@@ -93,6 +115,7 @@ class Agreement:
         """Collective (every rank, once per step, before the last backward). Returns what to multiply the last
         micro-batch's loss by (NaN poisons a non-finite step's gradients), or None to leave it."""
         self._steps += 1
+        self._step_loss = step_loss
         poison = None
         if step_loss.device.type == "cpu":
             self._bad_loss = not math.isfinite(step_loss.item())
@@ -120,12 +143,18 @@ class Agreement:
             self.flags = torch.tensor(votes, device=self.device)
             return self.flags
         bad = 2 + self.world + self.rank
+        carried = self.carried is not None and self.carried.writer
+        at = self._loss_base + self.carried.slot if self.carried is not None else 0
         if self.device.type == "cpu":  # a handful of Python floats, one tensor: cheaper than indexing one
             votes[bad] = float(self._bad_loss)
+            if carried:
+                votes[at] = self._step_loss.item()  # type: ignore[union-attr]
             self.flags = torch.tensor(votes)
         else:  # no host sync on a GPU: the loss check stays on the device
             self.flags.copy_(torch.tensor(votes), non_blocking=True)
             self.flags[bad] = self._bad_loss.float()
+            if carried:
+                self.flags[at] = self._step_loss
         return self.flags
 
     def _next_interval(self) -> int:
@@ -147,7 +176,9 @@ class Agreement:
             values = self.flags.tolist()
             stop, self._until_vote = values[0] > 0.5, int(values[1]) - 1
             signal = int(max(values[2:2 + self.world], default=0))
-            bad_ranks = [r for r, v in enumerate(values[2 + self.world:]) if v > 0.5]
+            bad_ranks = [r for r, v in enumerate(values[2 + self.world:self._loss_base]) if v > 0.5]
+            if self.carried is not None and self._step_loss is not None:
+                self._step_loss.fill_(values[self._loss_base + self.carried.slot])
         else:
             self._until_vote = max(0, self._until_vote - 1)
         if self.world == 1:

@@ -96,8 +96,10 @@ class Trainer:
         # must draw the same ones (their replicated parameters would drift apart otherwise).
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
+        carried = getattr(self.parallel, "carried_loss", None)
         self.agreement = Agreement(self.accelerator, self.run, self.guard,
-                                   every_step=votes_every_step(cfg, self.parallel))
+                                   every_step=votes_every_step(cfg, self.parallel),
+                                   carried=carried() if carried is not None else None)
         # Started by fit(), stopped by close(): model building and data loading are not idle training time.
         self.breakdown = StepBreakdown(self.device, self.parallel.comm_stats)
         self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)

@@ -6,7 +6,8 @@ after the schedule their gradients are averaged in one all-reduce (DDP's result;
 schedules' repeated backward passes). A step is one schedule run (GPipe or 1F1B) over the step's
 grad_accum_steps micro-batches, concatenated and split again by the schedule into the same micro-batches;
 scale_grads divides the gradients by their number, as accumulate's `loss / accum` does. The loss is computed on
-the last stage (the task's `loss` with the stage output standing in for the model) and broadcast to every rank.
+the last stage (the task's `loss` with the stage output standing in for the model); the trainer's per-step vote
+carries it to the replica's other stages (agreement.CarriedLoss).
 
 Parameters tied across stages (char-gpt's embedding and head) become one copy per stage; their gradients are
 summed between the stages holding them within a replica (Megatron's embedding group), so the copies stay equal and
@@ -33,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from workbench.tasks.blocks import shard_units
+from workbench.training.agreement import CarriedLoss
 from workbench.training.compiling import compile_blocks
 from workbench.training.evaluation import split_loss
 from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
@@ -143,7 +145,8 @@ class PipelineParallel(Strategy):
     def pipeline_step(self, batches: Iterator[Any], accum: int, at: Callable[[str], None] | None = None,
                       before_last_backward: Callable[[torch.Tensor], torch.Tensor | None] | None = None
                       ) -> torch.Tensor:
-        """The step's micro-batches through the schedule; the replica's mean micro-batch loss on its every rank."""
+        """The step's micro-batches through the schedule; the replica's mean micro-batch loss on its last stage, a
+        zero elsewhere that `before_last_backward` (the vote) fills in by the end of the step."""
         if at is not None:
             at("data")
         micro = [send_to_device(next(batches), self.device, non_blocking=True) for _ in range(accum)]
@@ -160,15 +163,18 @@ class PipelineParallel(Strategy):
             else:
                 self.schedule.step()
         loss = torch.stack(losses).mean().detach().float() if self.last_stage else torch.zeros((), device=self.device)
-        self.after_schedule(loss)
         if before_last_backward is not None:
-            before_last_backward(loss)
+            before_last_backward(loss)  # the vote: started now, it overlaps the gradients' all-reduces
+        self.after_schedule()
         return loss
 
-    def after_schedule(self, loss: torch.Tensor) -> None:
-        """The step's communication after the schedule (a traced estimate runs it after its own schedule): the
-        loss to every stage, tied gradients summed between their stages, gradients averaged over the replicas."""
-        dist.broadcast(loss, group=self.pp_group, group_src=self.stages - 1)
+    def carried_loss(self) -> CarriedLoss:
+        """The loss the vote carries: from the last stage of each replica to its other stages."""
+        return CarriedLoss(slots=self.replicas, slot=self.replica, writer=self.last_stage)
+
+    def after_schedule(self) -> None:
+        """The step's communication after the schedule (a traced estimate runs it after its own schedule): tied
+        gradients summed between their stages, gradients averaged over the replicas."""
         for group, param, _ in self._tied:
             if param is not None and param.grad is not None:
                 dist.all_reduce(param.grad, group=group)
