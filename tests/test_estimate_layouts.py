@@ -85,14 +85,14 @@ def _schedule_worker(rank: int, world: int, port: int, fields: dict[str, Any], o
         task = get_task(cfg.task)
         strategy = PipelineParallel(cfg, Placement(torch.device("cpu"), world, rank, tracing=False),
                                     task.build_model(cfg), task, optimizer_for(cfg, task, False))
-        forward = strategy.stage.forward_one_chunk
+        forward = strategy.pipeline_stages[0].forward_one_chunk
 
         def each_on_its_own(chunk: int, *args: Any, **kwargs: Any) -> Any:
             if chunk > 0:
                 next_micro_batch()
             return forward(chunk, *args, **kwargs)
 
-        strategy.stage.forward_one_chunk = each_on_its_own
+        strategy.pipeline_stages[0].forward_one_chunk = each_on_its_own
         loader = ShardedBatches(task.build_datasets(cfg)[0], cfg, rank, world, task.collate_fn(cfg)).iterate(0)
         batches = [next(loader) for _ in range(cfg.grad_accum_steps)]
 
@@ -102,7 +102,7 @@ def _schedule_worker(rank: int, world: int, port: int, fields: dict[str, Any], o
             strategy.step()
 
         step()
-        stage = strategy.stage
+        stage = strategy.pipeline_stages[0]
         buffers = [info.buffer for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
                    for info in infos if getattr(info, "buffer", None) is not None]
         _, memory = tracked(strategy, step, (*batches, *buffers))

@@ -30,7 +30,7 @@ def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
     """char-gpt tiny (2 blocks), 32-character windows, 2 micro-batches of 4 per step."""
     base = dict(task="char-gpt", num_processes=1, device="cpu", micro_batch_size=4, grad_accum_steps=2,
                 max_steps=STEPS, log_every=1, lr=3e-3, grad_clip=0.5, runs_dir=str(runs_dir), seed=3,
-                oversubscribe=True, dist_timeout_s=120,
+                oversubscribe=True, dist_timeout_s=120, eval_batches=1,
                 task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
     return wb.RunConfig(**{**base, **fields})
 
@@ -106,8 +106,6 @@ def test_balanced_split() -> None:
 
 @pytest.mark.parametrize("fields, match", [
     ({"num_processes": 3, "pp": 2}, r"pp x tp must divide"),
-    ({"num_processes": 4, "pp": 2, "parallelism": "zero3"}, r"combine with replicated data parallelism only"),
-    ({"num_processes": 4, "pp": 2, "tp": 2}, r"pipeline x tensor parallel is not supported yet"),
     ({"num_processes": 2, "pp": 2, "grad_accum_steps": 1}, r"1F1B needs at least as many micro-batches"),
     ({"num_processes": 2, "pp": 0}, r"must be at least 1"),
     ({"num_processes": 2, "pp": 2, "track_memory": True}, r"track_memory=True with pp=2: not supported"),
@@ -125,9 +123,12 @@ def test_task_without_stages_is_refused(tmp_path: Path) -> None:
         preflight(cfg, task=TinyBlocks())
 
 
-def test_too_many_stages_for_char_gpt(tmp_path: Path) -> None:
-    cfg = cfg_for(tmp_path, num_processes=4, pp=4, grad_accum_steps=4, oversubscribe=True)
-    with pytest.raises(ValueError, match=r"n_layer=2 blocks, fewer than the pipeline stages"):
+@pytest.mark.parametrize("fields, what", [(dict(num_processes=4, pp=4), "pp=4"),
+                                         (dict(num_processes=2, pp=2, pp_schedule="interleaved_1f1b"),
+                                          "pp=2 x 2 chunks per rank")])
+def test_too_many_stages_for_char_gpt(tmp_path: Path, fields: dict[str, Any], what: str) -> None:
+    cfg = cfg_for(tmp_path, grad_accum_steps=4, oversubscribe=True, **fields)
+    with pytest.raises(ValueError, match=rf"{what}: task 'char-gpt' has n_layer=2 blocks, fewer than the 4 pipeline"):
         preflight(cfg)
 
 

@@ -26,6 +26,17 @@ SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
 """Parallelism modes that shard parameters over the dp_shard dimension (FSDP2)."""
 
 
+INTERLEAVED = ("interleaved_1f1b", "zero_bubble")
+"""Pipeline schedules that run several model chunks (virtual stages) per rank."""
+
+
+def virtual_stages(cfg: RunConfig) -> int:
+    """Model chunks per rank: cfg.pp_virtual_stages, or the schedule's own (2 interleaved, else 1)."""
+    if cfg.pp_virtual_stages:
+        return cfg.pp_virtual_stages
+    return 2 if cfg.pp_schedule in INTERLEAVED else 1
+
+
 def shards(parallelism: str) -> bool:
     """Whether `parallelism` shards parameters (FSDP2) rather than replicating them."""
     return parallelism in SHARDED

@@ -82,31 +82,82 @@ def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
 
 
 def _check_pipeline(cfg: RunConfig) -> None:
-    """pp > 1: every rank one stage, replicated pipelines (ddp) for the rest; micro-batches enough for the
-    schedule."""
-    pp, n, tp, accum = cfg.pp, cfg.num_processes, cfg.tp, cfg.grad_accum_steps
+    """pp > 1: the stages split the ranks evenly, and inside each stage the other dimensions must be a layout
+    that works without a pipeline; micro-batches enough for the schedule."""
+    pp, n, tp, p = cfg.pp, cfg.num_processes, cfg.tp, cfg.parallelism
     if pp < 1:
         raise ValueError(f"pp={pp}: the number of pipeline stages must be at least 1 (1 turns pipelining off)")
     if n % (pp * tp):
         raise ValueError(f"pp={pp} with tp={tp} and num_processes={n}: pp x tp must divide the number of ranks; "
-                         f"use num_processes={pp * tp}, or pp={' or '.join(map(str, _divisors(n // tp or 1)))}")
-    if tp > 1:
-        raise ValueError(f"pp={pp} with tp={tp}: pipeline x tensor parallel is not supported yet; set tp=1 "
-                         "(pipeline parallel alone), or pp=1")
-    if n // pp > 1 and cfg.parallelism != "ddp":
-        raise ValueError(f"pp={pp} with parallelism={cfg.parallelism!r} on num_processes={n} (data-parallel size "
-                         f"{n // pp}): pipelines combine with replicated data parallelism only for now; set "
-                         f"parallelism='ddp' (replicated pipelines), or num_processes={pp} (pure pipeline parallel)")
-    if cfg.pp_schedule == "1f1b" and accum < pp:
+                         f"use num_processes={pp * tp * max(1, n // (pp * tp))}, or "
+                         f"pp={' or '.join(str(d) for d in _divisors(n // tp or 1) if d > 1) or 1}")
+    per_stage = n // pp
+    if p == "none" or (p == "zero1" and per_stage // tp > 1):
+        raise ValueError(f"parallelism={p!r} with pp={pp}: " + (
+            "a pipeline runs several processes; set parallelism='ddp' (or a sharded mode)" if p == "none" else
+            "ZeRO-1's ZeroRedundancyOptimizer needs DDP, which breaks under a pipeline schedule's repeated "
+            "backward passes; use parallelism='zero2' (FSDP2: optimizer state and gradients sharded within each "
+            "stage) or 'ddp'"))
+    _check_inside_stage(cfg, per_stage)
+    _check_schedule(cfg)
+    _refuse_unsupported(cfg, f"pp={pp}", "pipeline parallelism", "pp=1", {
+        "grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
+        "cpu_offload": (cfg.cpu_offload and p not in ("zero3", "fsdp", "hsdp"),
+                        "offloading needs FSDP2's sharded parameters: set parallelism='zero3', or cpu_offload=False"),
+        "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
+        # PyTorch's MemTracker refuses a module called once per micro-batch in one step
+        "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")})
+
+
+def _check_inside_stage(cfg: RunConfig, per_stage: int) -> None:
+    """The ranks of one stage (num_processes / pp) take a layout that works as a whole run; 'ddp' takes tp too
+    (the pipeline averages its replicas itself: DDP is never built under a schedule)."""
+    import dataclasses
+
+    dp = per_stage // cfg.tp
+    if cfg.parallelism == "hsdp" and dp < 4:
+        raise ValueError(f"parallelism='hsdp' with pp={cfg.pp}, tp={cfg.tp} and num_processes={cfg.num_processes}: "
+                         f"each stage has {dp} data-parallel rank(s), too few for hsdp's groups (at least 2 groups "
+                         "of 2); use parallelism='zero3' or 'ddp', or more processes")
+    if dp == 1 or cfg.parallelism == "ddp":
+        return
+    try:
+        dataclasses.replace(cfg, num_processes=per_stage, pp=1, pp_schedule="1f1b", pp_virtual_stages=0)
+    except ValueError as e:
+        raise ValueError(f"pp={cfg.pp} on num_processes={cfg.num_processes} leaves {per_stage} rank(s) per stage, "
+                         f"and there: {e}") from None
+
+
+def _check_schedule(cfg: RunConfig) -> None:
+    from workbench.config.mesh import INTERLEAVED, virtual_stages
+
+    pp, accum, schedule, v = cfg.pp, cfg.grad_accum_steps, cfg.pp_schedule, virtual_stages(cfg)
+    if cfg.pp_virtual_stages < 0:
+        raise ValueError(f"pp_virtual_stages={cfg.pp_virtual_stages}: chunks per rank must be at least 1 (0 picks "
+                         "the schedule's own)")
+    if schedule in INTERLEAVED:
+        if v < 2:
+            raise ValueError(f"pp_virtual_stages={v} with pp_schedule={schedule!r}: an interleaved schedule runs "
+                             "several model chunks per rank; set pp_virtual_stages=2 or more (or 0), or "
+                             "pp_schedule='1f1b'")
+        rounds = max(1, accum // pp)
+        if accum % rounds:
+            raise ValueError(f"pp_schedule={schedule!r} with pp={pp} and grad_accum_steps={accum}: PyTorch's "
+                             f"interleaved schedules need the micro-batches in whole rounds of pp; set "
+                             f"grad_accum_steps={pp * rounds} (or another multiple of pp)")
+    elif v != 1:
+        raise ValueError(f"pp_virtual_stages={v} with pp_schedule={schedule!r}: {schedule} runs one chunk per rank; "
+                         "use pp_schedule='interleaved_1f1b' or 'zero_bubble', or pp_virtual_stages=0")
+    if schedule == "zero_bubble" and cfg.parallelism in ("zero3", "fsdp", "hsdp"):
+        raise ValueError(f"pp_schedule='zero_bubble' with parallelism={cfg.parallelism!r}: the zero-bubble schedule "
+                         "runs each weight-gradient pass after FSDP2 has resharded the parameters it needs "
+                         "(reshard after forward), and the ranks hang (PyTorch 2.13); use parallelism='zero2' "
+                         "(parameters kept gathered through the step, as torchtitan does under a pipeline), or "
+                         "pp_schedule='interleaved_1f1b'")
+    if schedule == "1f1b" and accum < pp:
         raise ValueError(f"pp_schedule='1f1b' with pp={pp} and grad_accum_steps={accum}: 1F1B needs at least as "
                          f"many micro-batches per step (grad_accum_steps) as stages; set grad_accum_steps={pp} or "
                          "more, or pp_schedule='gpipe'")
-    _refuse_unsupported(cfg, f"pp={pp}", "pipeline parallelism", "pp=1", {
-        **_common_unsupported(cfg),
-        "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
-        "activation_checkpointing": (cfg.activation_checkpointing != "none", "set activation_checkpointing='none'"),
-        # PyTorch's MemTracker refuses a module called once per micro-batch in one step
-        "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")})
 
 
 def _common_unsupported(cfg: RunConfig) -> dict[str, tuple[bool, str]]:

@@ -107,11 +107,15 @@ def check_parallel_task(cfg: RunConfig, task: Any) -> None:
 
 
 def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
-    """pp > 1: Task.pipeline_stages gives a stage for every stage index, built on the meta device."""
-    for stage in range(cfg.pp):
+    """pp > 1: Task.pipeline_stages gives a stage for every stage index (pp x chunks per rank), built on the meta
+    device."""
+    from workbench.config.mesh import virtual_stages
+
+    total = cfg.pp * virtual_stages(cfg)
+    for stage in range(total):
         with torch.device("meta"):
             model = task.build_model(cfg)
-        part = task.pipeline_stages(model, cfg, stage, cfg.pp)
+        part = task.pipeline_stages(model, cfg, stage, total)
         if part is None:
             raise ValueError(f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "
                              f"({type(task).__name__}.pipeline_stages returns None); set pp=1, or implement "

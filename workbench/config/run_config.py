@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 GradCompression = Literal["none", "fp16", "bf16", "powersgd"]
 
 PARALLELISM_MODES: dict[str, str] = {
@@ -60,12 +61,21 @@ class RunConfig:
     """hsdp: ranks in one shard group (a divisor of the data-parallel size, the rest replicate); 0 otherwise."""
     tp: int = 1
     """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
-    The data-parallel size is num_processes / tp; above 1 it combines with zero2/zero3/hsdp only (FSDP x TP)."""
+    The data-parallel size is num_processes / (tp x pp); above 1 it combines with zero2/zero3/hsdp (FSDP x TP)."""
     pp: int = 1
-    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages). The data-parallel size
-    num_processes / pp gives replicas of the whole pipeline (parallelism='ddp'); tp must be 1 with pp > 1."""
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """Pipeline schedule over the step's grad_accum_steps micro-batches; '1f1b' needs grad_accum_steps >= pp."""
+    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages), pp outermost. Inside each
+    stage the other dimensions apply as without a pipeline: num_processes / pp ranks per stage, tp of them
+    splitting matrices and the rest data-parallel (replicated pipelines with 'ddp', sharded with zero2, zero3
+    or hsdp)."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule over the step's grad_accum_steps micro-batches: 'gpipe' (all forwards, then all
+    backwards), '1f1b' (needs grad_accum_steps >= pp), or with several model chunks per rank (virtual stages,
+    pp_virtual_stages) 'interleaved_1f1b' or 'zero_bubble' (backward split into input and weight gradients,
+    the weight part filling the bubble); both need grad_accum_steps a multiple of pp."""
+    pp_virtual_stages: int = 0
+    """Model chunks per rank under a pipeline: the task is split into pp x this many stages, rank r holding
+    stages r, r + pp, ... (PyTorch's loop placement). 0 means the schedule's own: 1 for gpipe and 1f1b, 2 for
+    the interleaved ones."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in backward, per shard unit: 'full' keeps only each block's input, 'selective'
     also keeps matmul and attention outputs. Less memory, more compute; same losses."""

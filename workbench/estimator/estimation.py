@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workbench.config.mesh import ParallelDims, shards
+from workbench.config.mesh import ParallelDims, shards, virtual_stages
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
 from workbench.estimator.held import held_for
 from workbench.estimator.layout_time import layout_time
@@ -69,6 +69,18 @@ def stage_traces(cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool,
                                   gpus_per_node=gpus) for s in range(1, cfg.pp))]
 
 
+def _refuse_untraced_pipelines(cfg: RunConfig) -> None:
+    """The pipeline trace follows one chunk per rank (GPipe, 1F1B) with replicated pipelines; the layouts inside
+    a stage (FSDP, TP) and virtual stages train but are not traced yet."""
+    inside = [what for what, on in (("tp > 1", cfg.tp > 1),
+                                    (f"parallelism={cfg.parallelism!r}", shards(cfg.parallelism)),
+                                    (f"pp_schedule={cfg.pp_schedule!r}", virtual_stages(cfg) > 1)) if on]
+    if cfg.pp > 1 and inside:
+        raise ValueError(f"pp={cfg.pp} with {' and '.join(inside)}: the estimate traces pipelines of one chunk per "
+                         "rank with replicated stages only (parallelism='ddp', tp=1, pp_schedule 'gpipe' or '1f1b'); "
+                         "estimate that layout for the pipeline's cost, or the same layout without pp")
+
+
 def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, nodes: int = 1, *,
              task: Task | None = None, network: str = "infiniband", catalog: str | Path | None = None,
              runs_dir: str | Path | None = None, partition: str | None = None, cpus_per_node: int = 0) -> Estimate:
@@ -93,6 +105,7 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     # One world size: the estimate is of the run on its target, whatever num_processes said.
     run = cfg.replace(num_processes=world, oversubscribe=True, track_memory=False,
                       device="cpu" if local and target.kind == "cpu" else cfg.device if local else "auto")
+    _refuse_untraced_pipelines(run)
     warned = check_plan(run, plan, task)
     run = run.replace(device="cuda" if target.kind == "cuda" else "cpu")
     trace = cached_trace(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)

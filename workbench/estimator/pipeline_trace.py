@@ -196,7 +196,7 @@ class _StageStep:
                 if i > 0:
                     next_micro_batch()  # the memory tracker takes each forward of the stage on its own
                 x = inputs[i] if self.first else self.inputs[i].requires_grad_(True)
-                out = self.strategy.module(x)
+                out = self.strategy.module[0](x)  # one chunk per rank: the layouts the estimate traces
                 cache[i], forwards = (out, x), forwards + 1
                 if self.last:
                     losses[i] = self.strategy.stage_loss(out, targets[i])

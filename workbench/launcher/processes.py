@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 import psutil
 
 from workbench.config import PARALLELISM_MODES, RunConfig
+from workbench.config.mesh import virtual_stages
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.signals import elastic_signals
 from workbench.launcher.spawn import SpawnedRanks, StartPlan, die_with_caller, write_task
@@ -60,8 +61,11 @@ def describe_launch(cfg: RunConfig) -> str:
             data_parallel = f" x {cfg.parallelism} (data-parallel {cfg.dp_size})" if cfg.dp_size > 1 else ""
             mode = f"tensor parallel tp={cfg.tp}{data_parallel}"
         if cfg.pp > 1:
-            mode = (f"pipeline parallel pp={cfg.pp} ({cfg.pp_schedule}, {cfg.grad_accum_steps} micro-batches a step)"
-                    + f" x {cfg.dp_size} replicas" * (cfg.dp_size > 1))
+            chunks = virtual_stages(cfg)
+            inside = [f"{cfg.parallelism} (data-parallel {cfg.dp_size})"] * (cfg.dp_size > 1) + [f"tp={cfg.tp}"] * (
+                cfg.tp > 1)
+            mode = (f"pipeline parallel pp={cfg.pp} ({cfg.pp_schedule}, {cfg.grad_accum_steps} micro-batches a step"
+                    + f", {chunks} chunks per rank" * (chunks > 1) + ")" + "".join(f" x {d}" for d in inside))
         how = f"{cfg.num_processes} {what}, {mode} over {backend}"
     extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
     extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from workbench.config.mesh import virtual_stages
 from workbench.tasks.base import Task
 from workbench.tasks.options import TaskOption
 
@@ -268,6 +269,8 @@ class CharGPTTask(Task):
             raise ValueError(f"tp={cfg.tp}: task 'char-gpt' has n_head={m['n_head']} attention heads, which tensor "
                              f"parallelism can't split over {cfg.tp} ranks; use tp={' or '.join(map(str, ok))}, or "
                              f"task_options.n_head={cfg.tp * max(1, m['n_head'] // cfg.tp)} (a multiple of tp)")
-        if cfg.pp > m["n_layer"]:
-            raise ValueError(f"pp={cfg.pp}: task 'char-gpt' has n_layer={m['n_layer']} blocks, fewer than the "
-                             f"pipeline stages; use pp={m['n_layer']} or fewer, or task_options.n_layer={cfg.pp}")
+        stages = cfg.pp * virtual_stages(cfg) if cfg.pp > 1 else 1
+        if stages > m["n_layer"]:
+            what = f"pp={cfg.pp}" + (f" x {stages // cfg.pp} chunks per rank" if stages > cfg.pp else "")
+            raise ValueError(f"{what}: task 'char-gpt' has n_layer={m['n_layer']} blocks, fewer than the {stages} "
+                             f"pipeline stages; use fewer stages, or task_options.n_layer={stages}")

@@ -28,10 +28,11 @@ from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.units import fmt_bytes
 
 WARMUP_STEPS = 5
-MODES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "zero3xtp", "ppxddp")
+MODES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "zero3xtp", "ppxddp", "ppinterleaved", "ppzerobubble",
+         "ppxzero3xtp")
 
 PARALLELISM_BENCH = RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=30, lr=1e-3,
-                              log_every=10, eval_batches=2, task_options={"preset": "tiny"})
+                              log_every=10, eval_batches=2, task_options={"preset": "tiny", "n_layer": 4})
 """char-gpt 'tiny' (2 blocks): a shard unit per block, quick on a CPU."""
 
 
@@ -84,11 +85,19 @@ def _layout(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
     if mode in ("hsdp", "zero3xtp", "ppxddp") and (n < 4 or n % 2):
         return None, f"{mode} needs an even num_processes >= 4 (2 groups of 2); try --set num_processes=4 " \
                      "--set oversubscribe=true"
+    if mode == "ppxzero3xtp" and n % 8:
+        return None, f"{mode} needs num_processes a multiple of 8 (2 stages x 2 shards x tp 2); try --set " \
+                     "num_processes=8 --set oversubscribe=true"
     layouts = {"hsdp": dict(parallelism="hsdp", dp_shard=2),
                "tp": dict(parallelism="ddp", tp=n, grad_accum_steps=accum * n),
                "pp": dict(parallelism="ddp", pp=n, grad_accum_steps=accum * n, pp_schedule="1f1b"),
                "zero3xtp": dict(parallelism="zero3", tp=2, grad_accum_steps=accum * 2),
-               "ppxddp": dict(parallelism="ddp", pp=2, grad_accum_steps=accum * 2, pp_schedule="1f1b")}
+               "ppxddp": dict(parallelism="ddp", pp=2, grad_accum_steps=accum * 2, pp_schedule="1f1b"),
+               # the interleaved schedules: 2 chunks per rank, the same micro-batches as pp's 1F1B
+               "ppinterleaved": dict(parallelism="ddp", pp=n, grad_accum_steps=accum * n,
+                                     pp_schedule="interleaved_1f1b"),
+               "ppzerobubble": dict(parallelism="ddp", pp=n, grad_accum_steps=accum * n, pp_schedule="zero_bubble"),
+               "ppxzero3xtp": dict(parallelism="zero3", pp=2, tp=2, grad_accum_steps=accum * 4)}
     return cfg.replace(**{"parallelism": mode, "dp_shard": 0, **layouts.get(mode, {})}), ""
 
 

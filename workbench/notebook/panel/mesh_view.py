@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
+from workbench.config.mesh import virtual_stages
+
 if TYPE_CHECKING:
     from workbench.config import RunConfig
 
@@ -33,6 +35,7 @@ def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
     sizes = dims.sizes
     tp, shards, stages = dims.tp, dims.dp_shard, dims.pp
     per_stage = dims.dp
+    chunks = virtual_stages(cfg) if stages > 1 else 1
     columns = []
     for stage in range(stages):
         rows = []
@@ -40,7 +43,8 @@ def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
             ranks = range(dp_index * tp, (dp_index + 1) * tp)
             cells = "".join(_cell(r, dims.coordinates(r), shards) for r in ranks)
             rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px;margin:2px 0'>{cells}</div>")
-        title = f"<small>stage {stage}</small>" if stages > 1 else ""
+        held = ", ".join(str(stage + k * stages) for k in range(chunks))
+        title = f"<small>stage{'s' * (chunks > 1)} {held}</small>" if stages > 1 else ""
         columns.append(f"<div class='wb-layout-stage' data-stage='{stage}'>{title}{''.join(rows)}</div>")
     arrow = "<div style='align-self:center'>→</div>"
     body = f"<div style='display:flex;gap:8px'>{arrow.join(columns)}</div>"
@@ -50,6 +54,9 @@ def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
     if stages > 1:
         legend.append(f"columns: {stages} pipeline stages, each a slice of the model's blocks (activations flow "
                       "left to right, micro-batch by micro-batch)")
+    if chunks > 1:
+        legend.append(f"{cfg.pp_schedule}: each rank holds {chunks} model chunks, so the activations pass every "
+                      f"column {chunks} times (the model is cut into {stages * chunks} stages)")
     if sizes["dp_replicate"] > 1:
         legend.append(f"colours: {sizes['dp_replicate']} model replicas (gradients all-reduced between them)")
     if shards > 1:

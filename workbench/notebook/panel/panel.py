@@ -18,6 +18,7 @@ import ipywidgets as widgets
 
 from workbench.cluster.slurm import Slurm
 from workbench.config import PARALLELISM_MODES, RunConfig
+from workbench.config.mesh import INTERLEAVED
 from workbench.config.mesh_checks import default_shard_group
 from workbench.estimator.target import Target, check_plan
 from workbench.launcher.launch import Run
@@ -137,6 +138,7 @@ class Panel(RunActions):
         left = widgets.VBox([c["task"], self.task_controls.widget, self.target_controls.widget,
                              widgets.HBox([c["num_processes"], self.limit]), c["oversubscribe"], c["parallelism"],
                              self.mode_info, c["dp_shard"], c["tp"], c["pp"], c["pp_schedule"],
+                             c["pp_virtual_stages"],
                              c["activation_checkpointing"], c["compile"], c["precision"], c["micro_batch_size"],
                              c["grad_accum_steps"], c["max_steps"], c["lr"], c["run_name"]])
         self.layout_box = _html("wb-layout-box")
@@ -327,7 +329,9 @@ class Panel(RunActions):
         c = self.controls
         parallelism = c["parallelism"].value
         c["dp_shard"].layout.display = None if parallelism == "hsdp" else "none"
-        c["pp_schedule"].layout.display = None if (cfg.pp if cfg else c["pp"].value) > 1 else "none"
+        piped = (cfg.pp if cfg else c["pp"].value) > 1
+        c["pp_schedule"].layout.display = None if piped else "none"
+        c["pp_virtual_stages"].layout.display = None if piped and c["pp_schedule"].value in INTERLEAVED else "none"
         cpu_here = self.target.local and not detect().has_cuda
         c["oversubscribe"].layout.display = None if cpu_here else "none"
         self.mode_info.value = f"<small>{html.escape(PARALLELISM_MODES.get(parallelism, ''))}</small>"

@@ -3,9 +3,9 @@
 Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the strategy to
 hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
 looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp'
-(FSDP2); tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); pipeline.py: pp > 1 (one stage per
-rank); strategy.py: what every strategy shares (precision, checkpoints through DCP, the bytes each rank
-holds).
+(FSDP2); tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); pipeline.py: pp > 1 (stage chunks per
+rank, each with the other dimensions inside: pipeline_parts.py, pipeline_state.py); strategy.py: what every
+strategy shares (precision, checkpoints through DCP, the bytes each rank holds).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module
     """Make `model` parallel as cfg.parallelism asks, with activation checkpointing and compile per shard unit
     (compile='model': the parallel model); the loop then trains through the returned strategy."""
     strategy = _parallel(cfg, accelerator, model, task, make_optimizer)
-    compile_model(cfg, strategy.model, tracing=getattr(accelerator, "tracing", False))
+    if not getattr(strategy, "pipelined", False):  # a pipeline compiles each of its chunks itself
+        compile_model(cfg, strategy.model, tracing=getattr(accelerator, "tracing", False))
     return strategy
 
 

@@ -1,44 +1,59 @@
-"""Pipeline parallelism (torch.distributed.pipelining): each rank runs one stage of the task's model.
+"""Pipeline parallelism (torch.distributed.pipelining), with the other mesh dimensions inside each stage.
 
-The mesh is ('pp', 'dp_replicate'), pp outermost: rank = stage x dp + replica, every replica a whole pipeline
-holding stage `stage` (Task.pipeline_stages, parameter names as in the full model). Replicas see different batches;
-after the schedule their gradients are averaged in one all-reduce (DDP's result; DDP itself breaks under the
-schedules' repeated backward passes). A step is one schedule run (GPipe or 1F1B) over the step's
-grad_accum_steps micro-batches, concatenated and split again by the schedule into the same micro-batches;
-scale_grads divides the gradients by their number, as accumulate's `loss / accum` does. The loss is computed on
-the last stage (the task's `loss` with the stage output standing in for the model); the trainer's per-step vote
-carries it to the replica's other stages (agreement.CarriedLoss).
+The mesh is ('pp', 'dp_replicate', 'dp_shard', 'tp'), pp outermost: rank = stage x (ranks per stage) + column,
+a column being one data-parallel and tensor-parallel coordinate, i.e. one whole pipeline. Each rank holds one
+model chunk (gpipe, 1f1b) or several (interleaved_1f1b, zero_bubble: virtual stages), cut by Task.pipeline_stages
+under the full model's parameter names and made parallel in torchtitan's order (pipeline_parts.py). The
+data-parallel ranks of a stage see different batches: FSDP2 reduces their gradients itself (zero2, zero3, hsdp;
+PipelineStage holds its gradient sync back to the last micro-batch); replicated pipelines ('ddp') average theirs
+in one flat all-reduce after the schedule (DDP breaks under the schedules' repeated backward passes).
 
-Parameters tied across stages (char-gpt's embedding and head) become one copy per stage; their gradients are
-summed between the stages holding them within a replica (Megatron's embedding group), so the copies stay equal and
-the model trains as the tied one does. Gradient clipping sums squares over all stages, each tied parameter once.
+A step is one schedule run over the step's grad_accum_steps micro-batches, concatenated and split again by the
+schedule into the same micro-batches; scale_grads divides the gradients by their number, as accumulate's
+`loss / accum` does. The loss is computed on the last stage (the task's `loss` with the stage output standing in
+for the model); the trainer's per-step vote carries it to the pipeline's other ranks (agreement.CarriedLoss).
+fp16 scales the loss in the stage's loss function; ShardedGradScaler agrees on overflows over every rank.
 
-Checkpoints are saved in the one-process format, so they load under any layout: model keys are the full model's
-names; a tied parameter's optimizer state is saved once, under the name the full model gives it (the first of its
-names), and the param groups are merged over the stages.
+Parameters tied across stages (char-gpt's embedding and head) become one copy per stage, their gradients summed
+between the stages holding them (pipeline_parts.TiedCopies). Gradient clipping sums squares over all stages,
+each tied parameter once. Checkpoints are in the one-process format (pipeline_state.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from accelerate.utils import send_to_device
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.tensor import DTensor
 
-from workbench.tasks.blocks import shard_units
+from workbench.config.mesh import INTERLEAVED, shards, virtual_stages
 from workbench.training.agreement import CarriedLoss
-from workbench.training.compiling import compile_blocks
 from workbench.training.evaluation import split_loss
-from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
-from workbench.utils.distributed import single_process_dcp
+from workbench.training.parallel.pipeline_parts import (
+    TiedCopies,
+    dim_size,
+    held_prefixes,
+    local_grad,
+    local_rank,
+    make_chunks,
+    sum_of_squares,
+    pipeline_mesh,
+    tied_names,
+)
+from workbench.training.parallel.pipeline_state import PipelineCheckpoints
+from workbench.training.parallel.strategy import DTYPES
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -46,28 +61,16 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                             "interleaved_1f1b": ScheduleInterleaved1F1B,
+                             "zero_bubble": ScheduleInterleavedZeroBubble}
+
+__all__ = ["PipelineParallel", "tied_names"]
 
 
-def tied_names(model: torch.nn.Module) -> list[list[str]]:
-    """Groups of names that share one parameter in the full model (e.g. ['tok.weight', 'head.weight'])."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return sorted(names for names in groups.values() if len(names) > 1)
-
-
-def held_prefixes(stage: torch.nn.Module) -> list[str]:
-    """What a stage holds, by module: 'blocks.3' for a repeated block, 'tok' for a top-level module."""
-    held = set()
-    for name, _ in stage.named_parameters():
-        parts = name.split(".")
-        held.add(".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0])
-    return sorted(held, key=lambda s: (s.split(".")[0], int(s.split(".")[1]) if "." in s else -1))
-
-
-class PipelineParallel(Strategy):
-    """One stage per rank, a GPipe or 1F1B schedule over the step's micro-batches; replicas average gradients."""
+class PipelineParallel(PipelineCheckpoints):
+    """This rank's chunks of the pipeline, the schedule over the step's micro-batches, and the reductions the
+    schedule leaves to us (tied copies, replicated pipelines, the norm over stages)."""
 
     sharded = True
     pipelined = True
@@ -75,115 +78,110 @@ class PipelineParallel(Strategy):
     def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
-        self.task, self.stages, self.replicas = task, cfg.pp, cfg.dp_size
+        self.task, self.stages, self.chunks_per_rank = task, cfg.pp, virtual_stages(cfg)
         # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
-        self.mesh = getattr(accelerator, "mesh", None) or init_device_mesh(
-            self.device.type, (self.stages, self.replicas), mesh_dim_names=("pp", "dp_replicate"))
-        self.stage_index = self.mesh.get_local_rank("pp")
-        self.replica = self.mesh.get_local_rank("dp_replicate")
-        self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp_replicate")
-        self.name = f"pp{cfg.pp} {cfg.pp_schedule}" + (f" x ddp{self.replicas}" if self.replicas > 1 else "")
+        self.mesh = getattr(accelerator, "mesh", None) or pipeline_mesh(cfg, self.device.type,
+                                                                        accelerator.num_processes)
+        self.columns = accelerator.num_processes // self.stages
+        self.stage_index = local_rank(self.mesh, "pp")
+        self.column = accelerator.process_index % self.columns
+        self.replicas = dim_size(self.mesh, "dp_replicate") if not shards(cfg.parallelism) else 1
+        self.pp_group = self.mesh.get_group("pp")
+        self.dp_group = self.mesh.get_group("dp_replicate") if self.replicas > 1 else None
+        self.total_stages = self.stages * self.chunks_per_rank
+        self.stage_ids = [self.stage_index + k * self.stages for k in range(self.chunks_per_rank)]
+        self.name = self._describe()
         tied = tied_names(model)
         self._canonical = {name: names[0] for names in tied for name in names}
-        module = task.pipeline_stages(model, cfg, self.stage_index, self.stages)
-        if module is None:
-            raise ValueError(f"pp={cfg.pp}: task {task.name!r} has no pipeline stages")
-        self.model = self.module = on_device(module, accelerator)
-        # the stage's share of the model's blocks (the task's stage holds the same block objects)
-        held = {id(m) for m in module.modules()}
-        compile_blocks(cfg, [u for u in shard_units(model, task) if id(u) in held],
-                       tracing=getattr(accelerator, "tracing", False))
-        self._tied = self._tied_groups(tied)
-        self.stage = PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.pp_group)
-        self.schedule = SCHEDULES[cfg.pp_schedule](self.stage, n_microbatches=cfg.grad_accum_steps,
+        self.model = self.module = make_chunks(cfg, task, model, self.stage_ids, self.total_stages, self.mesh,
+                                               accelerator)
+        self._tied = TiedCopies(self.module, tied, self.column, self.columns,
+                                getattr(accelerator, "stage_params", None), self._stage_of_rank)
+        self.pipeline_stages = [PipelineStage(chunk, s, self.total_stages, self.device, group=self.pp_group)
+                                for chunk, s in zip(self.module, self.stage_ids)]
+        stages = self.pipeline_stages if cfg.pp_schedule in INTERLEAVED else self.pipeline_stages[0]
+        self.schedule = SCHEDULES[cfg.pp_schedule](stages, n_microbatches=cfg.grad_accum_steps,
                                                    loss_fn=self.stage_loss, scale_grads=True)
         self.optimizer = make_optimizer(self.module)
+        if any(isinstance(p, DTensor) for p in self.module.parameters()):
+            from workbench.training.parallel.tensor import split_groups_by_mesh
 
-    def stage_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
-        """The task's loss on the last stage's output: the output stands in for the model."""
-        loss, _ = split_loss(self.task.loss(lambda *_: output, (None, target)))  # type: ignore[arg-type]
-        return loss
+            self._origin = split_groups_by_mesh(self.optimizer)
+        if cfg.precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    def _tied_groups(self, tied: list[list[str]]) -> list[tuple[Any, torch.nn.Parameter | None, bool]]:
-        """Per tied parameter held by several stages of this replica: (process group of those stages, this rank's
-        copy or None, whether this rank counts it in the gradient norm and saves its optimizer state).
-        Collective: every rank creates every group (one per tied parameter and replica)."""
-        params = dict(self.module.named_parameters())
-        mine = [[n for n in names if n in params] for names in tied]
-        everyone = self._holdings(tied, (self.replica, [bool(m) for m in mine]))
-        groups = []
-        for i, names in enumerate(mine):
-            for replica in range(self.replicas):
-                ranks = [r for r, (rep, held) in enumerate(everyone) if rep == replica and held[i]]
-                if len(ranks) < 2:
-                    continue
-                group = dist.new_group(ranks)
-                if replica == self.replica:
-                    groups.append((group, params[names[0]] if names else None, dist.get_rank() == ranks[0]))
-        return groups
+            self.scaler = ShardedGradScaler(device=self.device.type)  # overflows agreed over every rank
 
-    def _holdings(self, tied: list[list[str]], mine: tuple[int, list[bool]]) -> list[tuple[int, list[bool]]]:
-        """Every rank's (replica, which tied parameters its stage holds), gathered; a traced estimate, whose fake
-        process group can't gather, names every stage's parameters instead (its Placement's stage_params)."""
-        stage_params = getattr(self.accelerator, "stage_params", None)
-        if stage_params is None:
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            return everyone
-        return [(rank % self.replicas, [any(n in stage_params[rank // self.replicas] for n in names) for names in tied])
-                for rank in range(self.stages * self.replicas)]
+    def _describe(self) -> str:
+        inner = [f"{self.cfg.parallelism}{self.columns // dim_size(self.mesh, 'tp')}"] \
+            if self.columns // dim_size(self.mesh, "tp") > 1 else []
+        inner += [f"tp{dim_size(self.mesh, 'tp')}"] if dim_size(self.mesh, "tp") > 1 else []
+        chunks = f", {self.chunks_per_rank} chunks/rank" if self.chunks_per_rank > 1 else ""
+        return f"pp{self.stages} {self.cfg.pp_schedule}{chunks}" + "".join(f" x {d}" for d in inner)
 
-    # ---- the step ------------------------------------------------------------------------------------
-    def forward_context(self) -> Any:
-        dtype = DTYPES.get(self.cfg.precision)
-        return torch.autocast(self.device.type, dtype=dtype) if dtype else super().forward_context()
+    def _stage_of_rank(self, rank: int) -> int:
+        return rank // self.columns
+
+    @property
+    def first_stage(self) -> bool:
+        return 0 in self.stage_ids
 
     @property
     def last_stage(self) -> bool:
-        return self.stage_index == self.stages - 1
+        return self.total_stages - 1 in self.stage_ids
+
+    def forward_context(self) -> Any:
+        """Autocast without FSDP; FSDP2 casts the parameters itself (MixedPrecisionPolicy)."""
+        dtype = DTYPES.get(self.cfg.precision)
+        return torch.autocast(self.device.type, dtype=dtype) if dtype and not shards(self.cfg.parallelism) \
+            else nullcontext()
+
+    def stage_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        """The task's loss on the last stage's output (the output stands in for the model); scaled under fp16."""
+        loss, _ = split_loss(self.task.loss(lambda *_: output, (None, target)))  # type: ignore[arg-type]
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def _step_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+        """The mean of the schedule's micro-batch losses (unscaled) on the last stage, a zero elsewhere."""
+        if losses is None:
+            return torch.zeros((), device=self.device)
+        loss = torch.stack(losses).detach().float().mean()
+        return loss / self.scaler.get_scale() if self.scaler is not None else loss
 
     def pipeline_step(self, batches: Iterator[Any], accum: int, at: Callable[[str], None] | None = None,
                       before_last_backward: Callable[[torch.Tensor], torch.Tensor | None] | None = None
                       ) -> torch.Tensor:
-        """The step's micro-batches through the schedule; the replica's mean micro-batch loss on its last stage, a
-        zero elsewhere that `before_last_backward` (the vote) fills in by the end of the step."""
+        """The step's micro-batches through the schedule; the mean micro-batch loss on the last stage, a zero
+        elsewhere that `before_last_backward` (the vote) fills in by the end of the step."""
         if at is not None:
             at("data")
         micro = [send_to_device(next(batches), self.device, non_blocking=True) for _ in range(accum)]
-        inputs = torch.cat([m[0] for m in micro])
-        target = torch.cat([m[1] for m in micro])
         if at is not None:
             at("pipeline schedule (Task.loss on the last stage)")
-        losses: list[torch.Tensor] = []
+        args = (torch.cat([m[0] for m in micro]),) if self.first_stage else ()
+        kwargs = {"target": torch.cat([m[1] for m in micro]), "losses": []} if self.last_stage else {}
         with self.forward_context():
-            if self.stage_index == 0:
-                self.schedule.step(inputs)
-            elif self.last_stage:
-                self.schedule.step(target=target, losses=losses, return_outputs=False)
-            else:
-                self.schedule.step()
-        loss = torch.stack(losses).mean().detach().float() if self.last_stage else torch.zeros((), device=self.device)
+            self.schedule.step(*args, **kwargs, return_outputs=False)
+        loss = self._step_loss(kwargs.get("losses"))
         if before_last_backward is not None:
             before_last_backward(loss)  # the vote: started now, it overlaps the gradients' all-reduces
         self.after_schedule()
         return loss
 
     def carried_loss(self) -> CarriedLoss:
-        """The loss the vote carries: from the last stage of each replica to its other stages."""
-        return CarriedLoss(slots=self.replicas, slot=self.replica, writer=self.last_stage)
+        """The loss the vote carries: from the last stage of each pipeline column to its other ranks."""
+        return CarriedLoss(slots=self.columns, slot=self.column, writer=self.last_stage)
 
     def after_schedule(self) -> None:
         """The step's communication after the schedule (a traced estimate runs it after its own schedule): tied
-        gradients summed between their stages, gradients averaged over the replicas."""
-        for group, param, _ in self._tied:
-            if param is not None and param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+        gradients summed between their stages, gradients averaged over replicated pipelines."""
+        self._tied.sum_gradients()
         if self.replicas > 1:
             self._average_replicas()
 
     def _average_replicas(self) -> None:
         """DDP's result without DDP: every gradient averaged over the replicas in one flat all-reduce."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [g for p in self.module.parameters() if (g := local_grad(p)) is not None]
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dp_group)
         flat.div_(self.replicas)
@@ -194,98 +192,64 @@ class PipelineParallel(Strategy):
         raise RuntimeError("pipeline parallel: the schedule runs backward (pipeline_step), not Strategy.backward")
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global norm over all stages; a tied parameter counts once (on the first stage holding it)."""
-        skip = {id(param) for _, param, counts in self._tied if param is not None and not counts}
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.module.parameters():
-            if p.grad is not None and id(p) not in skip:
-                squares = squares + p.grad.float().pow(2).sum()
+        """Global norm over all stages; a tied parameter counts once."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        skip = self._tied.uncounted()
+        squares = sum_of_squares([p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip],
+                                 self.device)
         dist.all_reduce(squares, group=self.pp_group)
         total = squares.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
         return total
+
+    # ---- what this rank holds ------------------------------------------------------------------------
+    def facts(self) -> dict[str, Any]:
+        """This rank's stages and place in the mesh, and the modules it holds (blocks by their index)."""
+        names = self.mesh.mesh_dim_names or ()
+        coords = self.mesh.get_coordinate() or []
+        split = {n: {"placements": [repr(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
+                     "global_shape": list(p.shape)}
+                 for n, p in self.named_full_parameters() if isinstance(p, DTensor)}
+        return {"pp_stage": self.stage_index, "pp_stages": self.stages, "pp_schedule": self.cfg.pp_schedule,
+                "pp_stage_ids": self.stage_ids, "dp_replica": local_rank(self.mesh, "dp_replicate"),
+                "mesh": dict(zip(names, self.mesh.mesh.shape)), "coordinates": dict(zip(names, coords)),
+                "pp_holds": held_prefixes(self.module),
+                "pp_params": sorted(n for n, _ in self.named_full_parameters()), "split_params": split}
 
     # ---- evaluation: a forward-only pass through the stages --------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]] | None:
-        """The batch through every stage of this replica (activations sent point-to-point); the task's loss and
-        metrics on the last stage, None on the others."""
+        """The batch through every stage of this column in order (activations sent point-to-point between the
+        ranks holding consecutive stages); the task's loss and metrics on the last stage, None elsewhere."""
         inputs, target = batch[0], batch[1]
-        if self.stage_index == 0:
-            x = inputs
-        else:
-            shape = torch.zeros(3, dtype=torch.int64)
-            dist.recv(shape, group=self.pp_group, group_src=self.stage_index - 1)
-            x = torch.empty(*[int(d) for d in shape if d > 0], device=self.device)
-            dist.recv(x, group=self.pp_group, group_src=self.stage_index - 1)
-        with self.forward_context():
-            out = self.module(x)
+        x = inputs if self.first_stage else None
+        for chunk, s in zip(self.module, self.stage_ids):
+            if s > 0:  # consecutive stages sit on different ranks (pp > 1, loop placement)
+                x = self._receive(s)
+            with self.forward_context():
+                x = chunk(x)
+            if s < self.total_stages - 1:
+                self._send(x, s)
         if not self.last_stage:
-            out = out.float().contiguous()
-            dims = list(out.shape) + [0] * (3 - out.dim())
-            dist.send(torch.tensor(dims, dtype=torch.int64), group=self.pp_group, group_dst=self.stage_index + 1)
-            dist.send(out, group=self.pp_group, group_dst=self.stage_index + 1)
             return None
+        out = x
         return split_loss(self.task.loss(lambda *_: out, (None, target)))  # type: ignore[arg-type]
 
-    # ---- what this rank holds ------------------------------------------------------------------------
-    def facts(self) -> dict[str, Any]:
-        """This rank's stage and replica, and the modules it holds (blocks by their index in the full model)."""
-        return {"pp_stage": self.stage_index, "pp_stages": self.stages, "pp_schedule": self.cfg.pp_schedule,
-                "dp_replica": self.replica, "pp_holds": held_prefixes(self.module),
-                "pp_params": sorted(name for name, _ in self.module.named_parameters())}
+    def _receive(self, stage: int) -> torch.Tensor:
+        src = (stage - 1) % self.stages
+        shape = torch.zeros(3, dtype=torch.int64)
+        dist.recv(shape, group=self.pp_group, group_src=src)
+        x = torch.empty(*[int(d) for d in shape if d > 0], device=self.device)
+        dist.recv(x, group=self.pp_group, group_src=src)
+        return x
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every stage's weights (full names), gathered on rank 0 (other ranks get {})."""
-        mine = {k: v.detach().cpu() for k, v in self.module.state_dict().items()} if self.replica == 0 else {}
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-        full: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            full.update(part)
-        return full
-
-    # ---- checkpoints: the one-process format -------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Model keyed by full names; optimizer state under canonical names (a tied parameter once); the param
-        groups merged over the stages (collective)."""
-        model, optim = get_state_dict(self.module, self.optimizer)
-        saves = {id(p) for _, p, counts in self._tied if p is not None and counts}
-        params = dict(self.module.named_parameters())
-        state = {self._canonical.get(name, name): value for name, value in optim["state"].items()
-                 if name not in self._canonical or id(params[name]) in saves}
-        mine = [{**g, "params": [self._canonical.get(n, n) for n in g["params"]]} for g in optim["param_groups"]]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return {"model": model, "optim": {"state": state, "param_groups": merge_param_groups(everyone)}}
-
-    def load(self, path: Path) -> None:
-        """Read this stage's parameters and their optimizer state from a checkpoint of any layout."""
-        model, optim = get_state_dict(self.module, self.optimizer)
-        template = {"state": {self._canonical.get(n, n): v for n, v in optim["state"].items()},
-                    "param_groups": optim["param_groups"]}
-        with single_process_dcp():
-            dcp.load({"model": model}, checkpoint_id=str(path / "model"))
-            dcp.load({"optim": template}, checkpoint_id=str(path / "optim"))
-        local = {self._canonical.get(n, n): n for n, _ in self.module.named_parameters()}
-        state = {local[c]: v for c, v in template["state"].items()}
-        groups = [{**g, "params": [local[c] for c in g["params"] if c in local]} for g in template["param_groups"]]
-        set_state_dict(self.module, self.optimizer, model_state_dict=model,
-                       optim_state_dict={"state": state, "param_groups": groups})
-
-
-def merge_param_groups(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The stages' param groups as the full model's optimizer has them: group i holds every stage's group-i
-    parameters (each name once), with the hyperparameters the stages share."""
-    counts = {len(groups) for groups in per_rank}
-    if len(counts) != 1:
-        raise ValueError(f"pipeline stages built different numbers of optimizer param groups ({sorted(counts)}); "
-                         "Task.configure_optimizers must make the same groups on every stage (empty ones included)")
-    merged = [dict(g, params=[]) for g in per_rank[0]]
-    for groups in per_rank:
-        for target, group in zip(merged, groups):
-            target["params"] += [n for n in group["params"] if n not in target["params"]]
-    return merged
+    def _send(self, out: torch.Tensor, stage: int) -> None:
+        dst = (stage + 1) % self.stages
+        out = out.float().contiguous()
+        dims = list(out.shape) + [0] * (3 - out.dim())
+        dist.send(torch.tensor(dims, dtype=torch.int64), group=self.pp_group, group_dst=dst)
+        dist.send(out, group=self.pp_group, group_dst=dst)

@@ -1,0 +1,208 @@
+"""The pieces of a pipeline rank: its mesh, its model chunks (virtual stages), each made parallel inside its stage
+in torchtitan's order (tensor parallel, then activation checkpointing and compilation per block, then FSDP), and
+the parameters tied across stages.
+
+A rank holds chunks r, r + pp, r + 2 pp, ... of the pp x virtual_stages stages the task cuts (PyTorch's loop
+placement, which ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble expect). The chunks sit in one
+nn.ModuleList, so one optimizer steps them all; `full_name` turns the list's parameter names back into the
+full model's, which checkpoints use, so any layout loads them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from workbench.config.mesh import MESH_DIMS, ParallelDims, shards
+from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.training.compiling import compile_blocks
+from workbench.training.parallel.strategy import DTYPES, on_device
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from workbench.config import RunConfig
+    from workbench.tasks import Task
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def pipeline_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
+    """The 4-D mesh ('pp', 'dp_replicate', 'dp_shard', 'tp'), size-1 dimensions included, pp outermost."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = ParallelDims.of(cfg, world)
+    return init_device_mesh(device_type, tuple(dims.sizes.values()), mesh_dim_names=MESH_DIMS)
+
+
+def dim_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of mesh dimension `name`, 1 where the mesh has none (a traced estimate's 2-D mesh)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(name)) if name in names else 1
+
+
+def local_rank(mesh: DeviceMesh, name: str) -> int:
+    return mesh.get_local_rank(name) if name in (mesh.mesh_dim_names or ()) else 0
+
+
+def full_name(name: str) -> str:
+    """A chunk list's parameter name as the full model has it: '1.blocks.3._checkpoint_wrapped_module.attn.q.weight'
+    is 'blocks.3.attn.q.weight'."""
+    name = name.split(".", 1)[1]
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def tied_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of names that share one parameter in the full model (e.g. ['tok.weight', 'head.weight'])."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return sorted(names for names in groups.values() if len(names) > 1)
+
+
+def held_prefixes(chunks: torch.nn.Module) -> list[str]:
+    """What a rank holds, by module: 'blocks.3' for a repeated block, 'tok' for a top-level module."""
+    held = set()
+    for name, _ in chunks.named_parameters():
+        parts = full_name(name).split(".")
+        held.add(".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0])
+    return sorted(held, key=lambda s: (s.split(".")[0], int(s.split(".")[1]) if "." in s else -1))
+
+
+def make_chunks(cfg: RunConfig, task: Task, model: torch.nn.Module, stage_ids: list[int], total: int,
+                mesh: DeviceMesh, accelerator: Any) -> torch.nn.ModuleList:
+    """This rank's stages of `model`, each made parallel over the mesh's other dimensions."""
+    chunks = []
+    for stage in stage_ids:
+        chunk = task.pipeline_stages(model, cfg, stage, total)
+        if chunk is None:
+            raise ValueError(f"pp={cfg.pp}: task {task.name!r} has no pipeline stages")
+        chunks.append(chunk)
+    _refuse_shared(chunks, stage_ids)
+    return torch.nn.ModuleList([_parallel_chunk(cfg, task, model, c, mesh, accelerator) for c in chunks])
+
+
+def _refuse_shared(chunks: list[torch.nn.Module], stage_ids: list[int]) -> None:
+    """Two chunks of one rank holding one parameter would step it twice (and FSDP can't own it twice)."""
+    seen: dict[int, int] = {}
+    for chunk, stage in zip(chunks, stage_ids):
+        for p in chunk.parameters():
+            if seen.setdefault(id(p), stage) != stage:
+                raise ValueError(f"pipeline stages {seen[id(p)]} and {stage} sit on one rank and share a parameter "
+                                 "(tied weights); use fewer virtual stages (pp_virtual_stages) or more stages (pp)")
+
+
+def _parallel_chunk(cfg: RunConfig, task: Task, model: torch.nn.Module, chunk: torch.nn.Module, mesh: DeviceMesh,
+                    accelerator: Any) -> torch.nn.Module:
+    """Tensor parallel over 'tp', then activation checkpointing and compilation per block, then FSDP2 over the
+    data-parallel dimensions for the sharded modes (HSDP: 'dp_replicate' x 'dp_shard')."""
+    tracing = getattr(accelerator, "tracing", False)
+    if not cfg.cpu_offload:
+        chunk = on_device(chunk, accelerator)
+    if dim_size(mesh, "tp") > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        names = {name for name, _ in chunk.named_modules()}
+        plan = task.tensor_parallel_plan(model, cfg) or {}
+        parallelize_module(chunk, mesh["tp"], {k: v for k, v in plan.items() if k in names})
+    held = {id(m) for m in chunk.modules()}
+    units = [u for u in shard_units(model, task) if id(u) in held]
+    if units:  # a stage without blocks (the head alone, say) has nothing to checkpoint
+        units = checkpoint_units(chunk, units, cfg.activation_checkpointing)
+    compile_blocks(cfg, units, tracing=tracing)
+    if cfg.compile == "model" and not tracing:
+        chunk.compile(backend=cfg.compile_backend)
+    if shards(cfg.parallelism):
+        _shard(cfg, [*units, chunk], mesh)
+    return chunk
+
+
+def _shard(cfg: RunConfig, units: list[torch.nn.Module], mesh: DeviceMesh) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    dtype = DTYPES.get(cfg.precision)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.parallelism == "hsdp" else mesh["dp_shard"]
+    precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=cfg.parallelism != "zero2", mp_policy=precision,
+                    offload_policy=offload)
+
+
+def sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared 2-norm of `grads` as if every DTensor were whole: the squares of the local shards, summed over
+    the mesh dimensions each is sharded on, in one all-reduce per (mesh, dimensions) rather than one per tensor."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    sharded: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}
+    for g in grads:
+        if not isinstance(g, DTensor):
+            total += g.float().pow(2).sum()
+            continue
+        dims = tuple(i for i, placement in enumerate(g.placements) if isinstance(placement, (Shard, _StridedShard)))
+        mesh, part = sharded.get((id(g.device_mesh), dims), (g.device_mesh, torch.zeros_like(total)))
+        sharded[(id(mesh), dims)] = (mesh, part + g.to_local().float().pow(2).sum())
+    for (_, dims), (mesh, part) in sorted(sharded.items(), key=lambda kv: (kv[0][1], str(kv[1][0]))):
+        for d in dims:
+            dist.all_reduce(part, group=mesh.get_group(d))
+        total += part
+    return total
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient this rank holds for `p` (a DTensor's local shard), to reduce in place."""
+    if p.grad is None:
+        return None
+    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+
+
+class TiedCopies:
+    """Parameters the full model ties (char-gpt's embedding and head) held by several stages: one copy per stage,
+    their gradients summed between the ranks holding them in one pipeline column (same data-parallel and
+    tensor-parallel coordinates: their shards line up), so the copies stay equal and train as the tied one."""
+
+    def __init__(self, chunks: torch.nn.Module, tied: list[list[str]], column: int, columns: int,
+                 stage_params: list[set[str]] | None, stage_of_rank: Any) -> None:
+        params = {full_name(n): p for n, p in chunks.named_parameters()}
+        mine = [[n for n in names if n in params] for names in tied]
+        everyone = _holdings(tied, (column, [bool(m) for m in mine]), stage_params, stage_of_rank, columns)
+        self.groups: list[tuple[Any, torch.nn.Parameter | None, bool]] = []
+        """(process group of the holders, this rank's copy or None, whether this copy counts: in the gradient
+        norm and in checkpoints, the first holder's)."""
+        for i, names in enumerate(mine):
+            for col in range(columns):
+                ranks = [r for r, (c, held) in enumerate(everyone) if c == col and held[i]]
+                if len(ranks) < 2:
+                    continue
+                group = dist.new_group(ranks)  # collective: every rank makes every group, in one order
+                if col == column:
+                    rank = dist.get_rank()
+                    self.groups.append((group, params[names[0]] if names else None, rank == ranks[0]))
+
+    def sum_gradients(self) -> None:
+        for group, param, _ in self.groups:
+            grad = local_grad(param) if param is not None else None
+            if grad is not None:
+                dist.all_reduce(grad, group=group)
+
+    def uncounted(self) -> set[int]:
+        """ids of the copies the gradient norm and the checkpoint leave out (counted once, elsewhere)."""
+        return {id(p) for _, p, counts in self.groups if p is not None and not counts}
+
+
+def _holdings(tied: list[list[str]], mine: tuple[int, list[bool]], stage_params: list[set[str]] | None,
+              stage_of_rank: Any, columns: int) -> list[tuple[int, list[bool]]]:
+    """Every rank's (column, which tied parameters it holds), gathered; a traced estimate, whose fake process group
+    can't gather, names every stage's parameters instead (its Placement's stage_params)."""
+    if stage_params is None:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
+    world = len(stage_params) * columns
+    return [(rank % columns, [any(n in stage_params[stage_of_rank(rank)] for n in names) for names in tied])
+            for rank in range(world)]
