@@ -109,8 +109,9 @@ class LocalShardGradScaler(ShardedGradScaler):
                         grads[local.device, local.dtype].append(local)
             found = {found_inf.device: found_inf}  # a flag per device (offloaded shards are on the CPU)
             for (device, _), local_grads in grads.items():
-                flag = found.setdefault(device, found_inf.to(device, copy=True))
-                torch._amp_foreach_non_finite_check_and_unscale_(local_grads, flag, inv_scale.to(device))
+                if device not in found:
+                    found[device] = found_inf.to(device, copy=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(local_grads, found[device], inv_scale.to(device))
         return found
 
 
