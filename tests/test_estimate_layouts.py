@@ -196,7 +196,7 @@ def test_fp16_estimates_on_an_h100_with_its_loss_scaler(parallelism: str) -> Non
 @pytest.mark.parametrize(("fields", "match"), [
     (dict(task="digits", tp=2, task_options={}), r"tp=2: task 'digits' has no tensor-parallel plan"),
     (dict(task="digits", pp=2, task_options={}), r"pp=2: task 'digits' can't be split into pipeline stages"),
-    (dict(tp=2, precision="fp16", device="auto"), r"precision='fp16' with tp=2: not supported"),
+    (dict(num_processes=4, tp=2, parallelism="zero1"), r"tp=2 with parallelism='zero1' .*set parallelism='zero2'"),
 ])
 def test_a_layout_that_cannot_run_is_refused_in_words(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
     """A ValueError that names the setting and the fix (what the panel shows), never a trace's RuntimeError."""

@@ -67,18 +67,24 @@ def check_layout(cfg: RunConfig) -> None:
 
 
 def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
+    """tp > 1 without a pipeline: TP composes with ddp (FSDP2's replicate), zero2/zero3 and hsdp; what it can't
+    take is refused with PyTorch's reason and the nearest layout that runs."""
     p, n, tp = cfg.parallelism, cfg.num_processes, cfg.tp
-    if dp > 1 and p in ("ddp", "zero1"):
-        raise ValueError(f"tp={tp} with parallelism={p!r} on num_processes={n} (data-parallel size {dp}): only the "
-                         "sharded modes combine with tensor parallelism (FSDP x TP on a 2-D mesh); set "
-                         f"parallelism='zero3' (or 'zero2', 'hsdp'), or tp={n} for pure tensor parallelism")
-    if p == "hsdp":
-        raise ValueError(f"parallelism='hsdp' with tp={tp}: hsdp x tp (a 3-D mesh) is not supported yet; use "
-                         f"parallelism='zero3' (FSDP x TP over data-parallel size {dp}), or tp=1")
-    _refuse_unsupported(cfg, f"tp={tp}", "tensor parallelism", "tp=1", _common_unsupported(cfg))
-    if cfg.micro_batch_size == "auto":
-        raise ValueError(f"micro_batch_size='auto' with tp={tp}: the automatic micro-batch search does not handle "
-                         "tensor parallelism yet; set micro_batch_size to a number")
+    if dp > 1 and p == "zero1":
+        raise ValueError(f"tp={tp} with parallelism='zero1' on num_processes={n} (data-parallel size {dp}): ZeRO-1's "
+                         "ZeroRedundancyOptimizer broadcasts each rank's updated parameters, and PyTorch has no rule "
+                         "for broadcasting the DTensors TP makes ('c10d.broadcast_.default does not have a sharding "
+                         "strategy registered'); set parallelism='zero2' (FSDP2 shards the optimizer state and the "
+                         "gradients and keeps the parameters gathered from forward to backward), or 'ddp'")
+    if cfg.grad_compression != "none":
+        raise ValueError(f"grad_compression={cfg.grad_compression!r} with tp={tp}: compression hooks are "
+                         "DistributedDataParallel's, which refuses the DTensor parameters TP makes ('got mixed "
+                         "torch.Tensor and DTensor'); ddp x tp all-reduces through FSDP2's replicate, which takes no "
+                         "hooks. Set grad_compression='none', or tp=1")
+    if cfg.cpu_offload and dp == 1:
+        raise ValueError(f"cpu_offload=True with tp={tp} on num_processes={n} (pure tensor parallelism): offloading "
+                         "is FSDP2's (CPUOffloadPolicy), which needs a data-parallel dimension to shard over; set "
+                         f"num_processes={2 * tp} with parallelism='zero3', or cpu_offload=False")
 
 
 def _check_pipeline(cfg: RunConfig) -> None:

@@ -61,7 +61,8 @@ class RunConfig:
     """hsdp: ranks in one shard group (a divisor of the data-parallel size, the rest replicate); 0 otherwise."""
     tp: int = 1
     """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
-    The data-parallel size is num_processes / (tp x pp); above 1 it combines with zero2/zero3/hsdp (FSDP x TP)."""
+    The data-parallel size is num_processes / (tp x pp); above 1 TP combines with zero2/zero3 (FSDP x TP), hsdp
+    (a 3-D mesh) or ddp (FSDP2's replicate); not with zero1, whose optimizer can't broadcast DTensors."""
     pp: int = 1
     """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages), pp outermost. Inside each
     stage the other dimensions apply as without a pipeline: num_processes / pp ranks per stage, tp of them
@@ -91,11 +92,14 @@ class RunConfig:
     products, fp32 accumulation), as PyTorch advises for training; False keeps full fp32. No effect on CPU or on
     bf16/fp16 compute."""
     cpu_offload: bool = False
-    """zero3/hsdp on GPUs: keep sharded parameters and optimizer state in CPU memory (FSDP2 offload)."""
+    """zero3/hsdp on GPUs, with or without tp: keep sharded parameters and optimizer state in CPU memory (FSDP2
+    offload; pure tensor parallelism has no FSDP to offload)."""
     grad_compression: GradCompression = "none"
-    """ddp/zero1: compress gradients for the all-reduce ('fp16', 'bf16' on NCCL, 'powersgd' low rank)."""
+    """ddp/zero1 without tp: compress gradients for DDP's all-reduce ('fp16', 'bf16' on NCCL, 'powersgd' low
+    rank)."""
     precision: Precision = "fp32"
-    """Compute precision: 'bf16'/'fp16' autocast (fp16 with dynamic loss scaling); 'fp8' is rejected for now."""
+    """Compute precision: 'bf16'/'fp16' autocast, or parameters cast by FSDP2 (fp16 with dynamic loss scaling, in
+    every layout tp included); 'fp8' is rejected for now."""
     device: Device = "auto"
     """'auto' picks CUDA when present, else CPU."""
     start_method: Literal["auto", "fork", "spawn"] = "auto"
@@ -103,7 +107,8 @@ class RunConfig:
     interpreters, the task pickled with cloudpickle); 'auto' forks unless CUDA is already initialised in this
     process and the run uses CUDA, then spawns. `workbench train` always starts fresh interpreters."""
     micro_batch_size: int | Literal["auto"] = 32
-    """Samples per rank per forward/backward; 'auto' picks the largest that fits (see target_global_batch)."""
+    """Samples per rank per forward/backward; 'auto' picks the largest that fits (see target_global_batch; the
+    ranks of a TP group take the same size, as they share batches)."""
     target_global_batch: int = 0
     """With micro_batch_size='auto': choose grad_accum_steps so the global batch is this (0: keep it)."""
     memory_budget_gb: float = 0.0

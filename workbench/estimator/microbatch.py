@@ -41,7 +41,7 @@ def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
         return max(r.tensors for r in est.ranks)
 
     train, _ = task.build_datasets(cfg)
-    most = max(1, len(train) // cfg.num_processes)  # samples each rank has
+    most = max(1, len(train) // cfg.dims.dp)  # samples each data-parallel rank has (a TP group shares them)
     one, two = peak(1), peak(2)
     per_sample = max(1, two - one)
     m = max(1, min(most, int((usable - one) // per_sample) + 1))

@@ -205,13 +205,13 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     )
     from workbench.estimator.held import checked_state, state_pieces
     from workbench.training.parallel import parallelize
+    from workbench.training.parallel.layout import layout_mesh
     from workbench.training.parallel.sharded import data_parallel_mesh
-    from workbench.training.parallel.tensor import tensor_parallel_mesh
     from workbench.training.step import accumulate
 
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
     # A DeviceMesh needs real tensors: it is built before fake mode, and the strategy takes it from the Placement.
-    mesh = (tensor_parallel_mesh(cfg, "cpu", world) if cfg.tp > 1 else
+    mesh = (layout_mesh(cfg, "cpu", world) if cfg.tp > 1 else
             data_parallel_mesh(cfg, "cpu", world) if cfg.parallelism in SHARDED else None)
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))

@@ -25,7 +25,7 @@ from workbench.training.memory import tracked
 from workbench.utils.files import read_json, write_json
 
 if TYPE_CHECKING:
-    from workbench.config import RunConfig
+    from workbench.config import ParallelDims, RunConfig
     from workbench.rundir import RunDir
     from workbench.tasks import Task
     from workbench.training.parallel import Strategy
@@ -77,16 +77,18 @@ def _trial_peak(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, m:
     return peak + 2 * strategy.measure_held_bytes()["params"]  # AdamW's moments, created at the first update
 
 
-def choose(cfg: RunConfig, strategy: Strategy, task: Task, dataset: Any, run: RunDir, world: int,
+def choose(cfg: RunConfig, strategy: Strategy, task: Task, dataset: Any, run: RunDir, dims: ParallelDims,
            collate: Any) -> RunConfig:
-    """Resolve micro_batch_size='auto' on every rank (collective); returns the config with the sizes chosen."""
+    """Resolve micro_batch_size='auto' on every rank (collective); returns the config with the sizes chosen.
+    `dims`: the run's layout; the batch arithmetic counts its data-parallel ranks (a TP group shares batches)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world, data_ranks = dims.world_size, dims.dp
     proposal = (read_json(run.path / AUTOBATCH) or {}).get("proposed") or 1
     # What doesn't grow with the batch: parameters, gradients and AdamW's two moments.
     fixed = 4 * strategy.measure_held_bytes()["params"]
     limit = memory_limit(strategy.device, cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     usable = limit * (1 - MARGIN)
-    per_rank = len(dataset) // world
+    per_rank = len(dataset) // data_ranks
     m, tries, own = max(1, min(int(proposal), per_rank)), [], None
     rng = torch.get_rng_state()
     while True:
@@ -113,8 +115,8 @@ def choose(cfg: RunConfig, strategy: Strategy, task: Task, dataset: Any, run: Ru
     chosen = m
     accum = cfg.grad_accum_steps
     if cfg.target_global_batch:
-        chosen = max(d for d in range(1, chosen + 1) if cfg.target_global_batch % (d * world) == 0)
-        accum = cfg.target_global_batch // (chosen * world)
+        chosen = max(d for d in range(1, chosen + 1) if cfg.target_global_batch % (d * data_ranks) == 0)
+        accum = cfg.target_global_batch // (chosen * data_ranks)
     everyone = [None] * world
     if world > 1:
         dist.all_gather_object(everyone, {"rank": rank, "limit_bytes": limit, "own_choice": own, "tries": tries})
@@ -122,9 +124,10 @@ def choose(cfg: RunConfig, strategy: Strategy, task: Task, dataset: Any, run: Ru
         everyone = [{"rank": rank, "limit_bytes": limit, "own_choice": own, "tries": tries}]
     if rank == 0:
         record = {**(read_json(run.path / AUTOBATCH) or {}), "ranks": everyone, "chosen": chosen,
-                  "grad_accum_steps": accum, "global_batch": chosen * accum * world}
+                  "grad_accum_steps": accum, "global_batch": chosen * accum * data_ranks}
         write_json(run.path / AUTOBATCH, record)
-        run.event("micro_batch_chosen", micro_batch=chosen, grad_accum_steps=accum, global_batch=chosen * accum * world)
+        run.event("micro_batch_chosen", micro_batch=chosen, grad_accum_steps=accum,
+                  global_batch=chosen * accum * data_ranks)
         log.info("micro_batch_size='auto': %d per rank x %d accumulation (global batch %d)", chosen, accum,
-                 chosen * accum * world)
+                 chosen * accum * data_ranks)
     return cfg.replace(micro_batch_size=chosen, grad_accum_steps=accum, target_global_batch=0)

@@ -88,7 +88,7 @@ class Trainer:
         self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task))
         self.model = self.parallel.model
         if cfg.micro_batch_size == "auto":
-            self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.world, self.collate_fn)
+            self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.dims, self.collate_fn)
         # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
         self.global_batch = self.dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps)
         self.batches = ShardedBatches(train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type)

@@ -63,6 +63,8 @@ def rank_info(t: Trainer) -> list[dict[str, Any]]:
             "world_size": t.world, "torch_threads": torch.get_num_threads(),
             "peak_memory_bytes": peak_memory_bytes(t.device),
             "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
+            # fp16: the loss scale the run ended with (it halves at each overflow the scaler skipped)
+            "loss_scale": t.parallel.scaler.get_scale() if t.parallel.scaler is not None else None,
             "agreement_votes": t.agreement.votes,
             "fused_optimizer": bool(t.parallel.local_optimizer().defaults.get("fused")),
             "tf32": t.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest",

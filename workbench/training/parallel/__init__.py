@@ -3,9 +3,10 @@
 Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the strategy to
 hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
 looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp'
-(FSDP2); tensor.py: tp > 1, alone or inside FSDP2 (FSDP x TP); pipeline.py: pp > 1 (stage chunks per
-rank, each with the other dimensions inside: pipeline_parts.py, pipeline_state.py); strategy.py: what every
-strategy shares (precision, checkpoints through DCP, the bytes each rank holds).
+(FSDP2); tensor.py: tp > 1, alone or with data parallelism (FSDP, HSDP or DDP x TP, laid out by
+layout.py); pipeline.py: pp > 1 (stage chunks per rank, each with the other dimensions inside:
+pipeline_parts.py, pipeline_state.py); strategy.py: what every strategy shares (precision, checkpoints
+through DCP, the bytes each rank holds).
 """
 
 from __future__ import annotations

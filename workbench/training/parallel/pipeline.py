@@ -48,12 +48,17 @@ from workbench.training.parallel.pipeline_parts import (
     local_grad,
     local_rank,
     make_chunks,
-    sum_of_squares,
     pipeline_mesh,
     tied_names,
 )
 from workbench.training.parallel.pipeline_state import PipelineCheckpoints
 from workbench.training.parallel.strategy import DTYPES
+from workbench.training.parallel.tensor import (
+    LocalShardGradScaler,
+    scale_gradients_,
+    split_groups_by_mesh,
+    squared_norm,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -104,13 +109,9 @@ class PipelineParallel(PipelineCheckpoints):
                                                    loss_fn=self.stage_loss, scale_grads=True)
         self.optimizer = make_optimizer(self.module)
         if any(isinstance(p, DTensor) for p in self.module.parameters()):
-            from workbench.training.parallel.tensor import split_groups_by_mesh
-
             self._origin = split_groups_by_mesh(self.optimizer)
-        if cfg.precision == "fp16":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device=self.device.type)  # overflows agreed over every rank
+        if cfg.precision == "fp16":  # overflows agreed over every rank, DTensor shards unscaled where they are
+            self.scaler = LocalShardGradScaler(device=self.device.type)
 
     def _describe(self) -> str:
         inner = [f"{self.cfg.parallelism}{self.columns // dim_size(self.mesh, 'tp')}"] \
@@ -196,14 +197,12 @@ class PipelineParallel(PipelineCheckpoints):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         skip = self._tied.uncounted()
-        squares = sum_of_squares([p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip],
-                                 self.device)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        squares = squared_norm([p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip],
+                               self.device)
         dist.all_reduce(squares, group=self.pp_group)
         total = squares.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        scale_gradients_(grads, total, max_norm)
         return total
 
     # ---- what this rank holds ------------------------------------------------------------------------

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
 from workbench.config.mesh import MESH_DIMS, ParallelDims, shards
 from workbench.tasks.blocks import checkpoint_units, shard_units
 from workbench.training.compiling import compile_blocks
-from workbench.training.parallel.strategy import DTYPES, on_device
+from workbench.training.parallel.layout import apply_layout
+from workbench.training.parallel.strategy import on_device
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -100,58 +100,29 @@ def _refuse_shared(chunks: list[torch.nn.Module], stage_ids: list[int]) -> None:
 
 def _parallel_chunk(cfg: RunConfig, task: Task, model: torch.nn.Module, chunk: torch.nn.Module, mesh: DeviceMesh,
                     accelerator: Any) -> torch.nn.Module:
-    """Tensor parallel over 'tp', then activation checkpointing and compilation per block, then FSDP2 over the
-    data-parallel dimensions for the sharded modes (HSDP: 'dp_replicate' x 'dp_shard')."""
+    """layout.apply_layout on the stage's own dimensions: tensor parallel over 'tp', activation checkpointing and
+    compilation per block, then FSDP2 over the data-parallel dimensions for the sharded modes (HSDP:
+    'dp_replicate' x 'dp_shard'). Replicated pipelines ('ddp') are averaged by the pipeline, never wrapped."""
     tracing = getattr(accelerator, "tracing", False)
     if not cfg.cpu_offload:
         chunk = on_device(chunk, accelerator)
-    if dim_size(mesh, "tp") > 1:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        names = {name for name, _ in chunk.named_modules()}
-        plan = task.tensor_parallel_plan(model, cfg) or {}
-        parallelize_module(chunk, mesh["tp"], {k: v for k, v in plan.items() if k in names})
+    names = [*(("dp_replicate",) * (cfg.parallelism == "hsdp")), *(("dp_shard",) * shards(cfg.parallelism)),
+             *(("tp",) * (dim_size(mesh, "tp") > 1))]
     held = {id(m) for m in chunk.modules()}
     units = [u for u in shard_units(model, task) if id(u) in held]
-    if units:  # a stage without blocks (the head alone, say) has nothing to checkpoint
-        units = checkpoint_units(chunk, units, cfg.activation_checkpointing)
-    compile_blocks(cfg, units, tracing=tracing)
+    if not units and cfg.activation_checkpointing != "none":  # a stage without blocks: nothing to checkpoint
+        cfg = cfg.replace(activation_checkpointing="none")
+    modules = {name for name, _ in chunk.named_modules()}
+    plan = {k: v for k, v in (task.tensor_parallel_plan(model, cfg) or {}).items() if k in modules} \
+        if "tp" in names else None
+    if names:
+        apply_layout(chunk, mesh[tuple(names)] if len(names) > 1 else mesh[names[0]], cfg, plan, units,
+                     tracing=tracing)
+    else:
+        compile_blocks(cfg, checkpoint_units(chunk, units, cfg.activation_checkpointing), tracing=tracing)
     if cfg.compile == "model" and not tracing:
         chunk.compile(backend=cfg.compile_backend)
-    if shards(cfg.parallelism):
-        _shard(cfg, [*units, chunk], mesh)
     return chunk
-
-
-def _shard(cfg: RunConfig, units: list[torch.nn.Module], mesh: DeviceMesh) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    dtype = DTYPES.get(cfg.precision)
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.parallelism == "hsdp" else mesh["dp_shard"]
-    precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
-    for unit in units:
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=cfg.parallelism != "zero2", mp_policy=precision,
-                    offload_policy=offload)
-
-
-def sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The squared 2-norm of `grads` as if every DTensor were whole: the squares of the local shards, summed over
-    the mesh dimensions each is sharded on, in one all-reduce per (mesh, dimensions) rather than one per tensor."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    sharded: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}
-    for g in grads:
-        if not isinstance(g, DTensor):
-            total += g.float().pow(2).sum()
-            continue
-        dims = tuple(i for i, placement in enumerate(g.placements) if isinstance(placement, (Shard, _StridedShard)))
-        mesh, part = sharded.get((id(g.device_mesh), dims), (g.device_mesh, torch.zeros_like(total)))
-        sharded[(id(mesh), dims)] = (mesh, part + g.to_local().float().pow(2).sum())
-    for (_, dims), (mesh, part) in sorted(sharded.items(), key=lambda kv: (kv[0][1], str(kv[1][0]))):
-        for d in dims:
-            dist.all_reduce(part, group=mesh.get_group(d))
-        total += part
-    return total
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:

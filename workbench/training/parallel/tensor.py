@@ -1,35 +1,36 @@
-"""Tensor parallelism (Megatron style, torch.distributed.tensor.parallel), alone or inside FSDP2 (FSDP x TP).
+"""Tensor parallelism (Megatron style, torch.distributed.tensor.parallel), alone or with data parallelism.
 
 The task's plan (Task.tensor_parallel_plan) splits its matrices over the 'tp' dimension of the mesh: each rank
 of a TP group holds a slice of every planned Linear (a DTensor), the rest stays replicated. With a data-parallel
-size above 1 the TP'd model is then sharded by fully_shard over the data-parallel dimension(s), TP first as
-torchtitan does: a 2-D mesh ('dp_shard', 'tp'). The ranks of one TP group see the same batches and draw the
-same dropout masks (the loop seeds by the data-parallel coordinate).
+size above 1 the TP'd model is then made data parallel over the mesh's other dimensions (layout.py, torchtitan's
+order): FSDP x TP ('dp_shard', 'tp'), HSDP x TP ('dp_replicate', 'dp_shard', 'tp') or DDP x TP ('dp_replicate',
+'tp', PyTorch's FSDP2-based replicate). The ranks of one TP group see the same batches and draw the same dropout
+masks (the loop seeds by the data-parallel coordinate).
 
-Two things the built-ins don't do with a mix of DTensor and plain parameters, or DTensors on different meshes:
-foreach/fused optimizer kernels (so each param group is split by mesh) and clip_grad_norm_ (so the norm is
-summed here, one full_tensor() per DTensor gradient). Checkpoints go through DCP like every other mode, with
-the optimizer's param groups merged back to the task's own grouping, so any layout can load them.
+Three things the built-ins don't do with a mix of DTensor and plain parameters, or DTensors on different meshes:
+foreach/fused optimizer kernels (so each param group is split by mesh), clip_grad_norm_ (so the norm is summed
+here, one full_tensor() per DTensor gradient) and fp16's loss scaler (so it unscales each rank's local shards).
+Checkpoints go through DCP like every other mode, with the optimizer's param groups merged back to the task's
+own grouping, so any layout can load them.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
-from workbench.config.mesh import ParallelDims
-from workbench.tasks.blocks import checkpoint_units, shard_units
-from workbench.training.compiling import compile_blocks
+from workbench.tasks.blocks import shard_units
+from workbench.training.parallel.layout import apply_layout, data_dims, layout_mesh
 from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
 from workbench.utils.distributed import single_process_dcp
 
@@ -38,14 +39,6 @@ if TYPE_CHECKING:
 
     from workbench.config import RunConfig
     from workbench.tasks import Task
-
-
-def tensor_parallel_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
-    """('tp',) for pure TP, ('dp_shard', 'tp') for FSDP x TP; rank = dp index x tp + tp index."""
-    dims = ParallelDims.of(cfg, world)
-    if dims.dp == 1:
-        return init_device_mesh(device_type, (dims.tp,), mesh_dim_names=("tp",))
-    return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp_shard", "tp"))
 
 
 def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> list[int]:
@@ -63,25 +56,78 @@ def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> list[int]:
     return origin
 
 
-def clip_mixed_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over plain and DTensor gradients on any meshes: a DTensor's norm is made whole
-    (full_tensor sums the squares of its shards), a replicated plain gradient counts once."""
-    grads = [p.grad for p in params if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+@torch.no_grad()
+def squared_norm(grads: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """The squared 2-norm of plain and DTensor gradients on any meshes, as if each DTensor were whole. Each rank
+    sums the squares of its local shards per (mesh, placements); an all-reduce per such group and split dimension
+    makes the sum whole (not a DTensor reduction per gradient), and a replicated gradient counts once. The sums
+    are taken on `device` (default: the first gradient's): offloaded shards sit on the CPU, and NCCL reduces GPU
+    tensors only."""
+    device = device or (grads[0].device if grads else None)
+    sums: dict[Any, torch.Tensor] = {}
     for g in grads:
-        norm = torch.linalg.vector_norm(g, 2)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares = squares + norm.float() ** 2
-    total = squares.sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        local = g.to_local() if isinstance(g, DTensor) else g
+        square = torch.linalg.vector_norm(local, 2, dtype=torch.float32).to(device) ** 2
+        sums[key] = sums[key] + square if key in sums else square
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for key, square in sums.items():
+        if key is not None:
+            mesh, placements = key
+            # Summed along every mesh dimension the values are split on: all but Replicate (FSDP x TP's
+            # _StridedShard included); plain all-reduces, as a DTensor redistribution costs more on a scalar.
+            for dim, placement in enumerate(placements):
+                if not placement.is_replicate():
+                    dist.all_reduce(square, group=mesh.get_group(dim))
+        total = total + square
     return total
 
 
+@torch.no_grad()
+def scale_gradients_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale each gradient this rank holds so the norm `total` becomes at most `max_norm`."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.device, local.dtype))
+
+
+def clip_mixed_grad_norm_(params: list[torch.Tensor], max_norm: float,
+                          device: torch.device | None = None) -> torch.Tensor:
+    """clip_grad_norm_ over plain and DTensor gradients on any meshes (the built-in refuses a mix)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = squared_norm(grads, device).sqrt()
+    scale_gradients_(grads, total, max_norm)
+    return total
+
+
+class LocalShardGradScaler(ShardedGradScaler):
+    """fp16 loss scaling for DTensor gradients: each rank checks and unscales the shards it holds, and
+    ShardedGradScaler's all-reduce of the overflow flag makes every rank skip the same steps. PyTorch's own unscale
+    takes DTensors only in a list of nothing else, and pure TP mixes them with plain gradients (embeddings, norms):
+    'aten._amp_foreach_non_finite_check_and_unscale_: got mixed torch.Tensor and DTensor'."""
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                        if not allow_fp16 and local.dtype == torch.float16:
+                            raise ValueError("Attempting to unscale FP16 gradients.")
+                        grads[local.device, local.dtype].append(local)
+            found = {found_inf.device: found_inf}  # a flag per device (offloaded shards are on the CPU)
+            for (device, _), local_grads in grads.items():
+                if device not in found:
+                    found[device] = found_inf.to(device, copy=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(local_grads, found[device], inv_scale.to(device))
+        return found
+
+
 class TensorParallel(Strategy):
-    """parallelize_module with the task's plan over 'tp', then fully_shard over 'dp_shard' when dp > 1."""
+    """The task's plan over 'tp', then data parallelism over the mesh's other dimensions (layout.py)."""
 
     sharded = True
 
@@ -89,36 +135,42 @@ class TensorParallel(Strategy):
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
         world = accelerator.num_processes
-        self.name = f"tp{cfg.tp}" if world == cfg.tp else f"{cfg.parallelism}x tp{cfg.tp}"
+        self.name = f"tp{cfg.tp}" if world == cfg.tp else f"{cfg.parallelism} x tp{cfg.tp}"
         # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
-        self.mesh = getattr(accelerator, "mesh", None) or tensor_parallel_mesh(cfg, self.device.type, world)
-        model = on_device(model, accelerator)
+        self.mesh = getattr(accelerator, "mesh", None) or layout_mesh(cfg, self.device.type, world)
+        if not cfg.cpu_offload:  # offloaded, FSDP2 moves each shard to the device as it's needed
+            model = on_device(model, accelerator)
         plan = task.tensor_parallel_plan(model, cfg)
         if plan is None:
             raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan")
-        parallelize_module(model, self.mesh["tp"], plan)
-        units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
-        compile_blocks(cfg, units, tracing=getattr(accelerator, "tracing", False))  # TP, AC, compile, then FSDP
-        dtype = DTYPES.get(cfg.precision)
-        self.data_parallel = "dp_shard" in (self.mesh.mesh_dim_names or ())
-        if self.data_parallel:
-            precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-            reshard = cfg.parallelism != "zero2"
-            for unit in [*units, model]:
-                fully_shard(unit, mesh=self.mesh["dp_shard"], reshard_after_forward=reshard, mp_policy=precision)
+        tracing = getattr(accelerator, "tracing", False)
+        apply_layout(model, self.mesh, cfg, plan, shard_units(model, task), tracing=tracing)
+        self.data_parallel = data_dims(self.mesh)
         self.model = self.module = model
         self.optimizer = make_optimizer(model)
         self._origin = split_groups_by_mesh(self.optimizer)
+        if cfg.precision == "fp16":
+            self.scaler = LocalShardGradScaler(device=self.device.type)
 
     def forward_context(self) -> Any:
-        """Pure TP computes under autocast; FSDP x TP casts parameters instead (MixedPrecisionPolicy)."""
+        """Pure TP computes under autocast; with data parallelism FSDP2 casts parameters instead
+        (MixedPrecisionPolicy)."""
         dtype = DTYPES.get(self.cfg.precision)
         if dtype is None or self.data_parallel:
             return super().forward_context()
         return torch.autocast(self.device.type, dtype=dtype)
 
+    def sync_gradients(self, last_micro_batch: bool) -> Any:
+        """DDP x TP all-reduces gradients on the micro-batch that ends the step only, as DDP's no_sync does;
+        FSDP2's sharded layouts reduce-scatter every micro-batch (held back, each rank would keep full gradients)."""
+        if self.data_parallel == ("dp_replicate",):
+            self.module.set_requires_gradient_sync(last_micro_batch)  # type: ignore[operator]
+        return super().sync_gradients(last_micro_batch)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_mixed_grad_norm_(list(self.module.parameters()), max_norm)
+        if self.scaler is not None:  # the norm and the clipping are of the true gradients, not the scaled ones
+            self.scaler.unscale_(self.optimizer)
+        return clip_mixed_grad_norm_(list(self.module.parameters()), max_norm, self.device)
 
     def facts(self) -> dict[str, Any]:
         """The mesh, this rank's place in it, and how each split parameter is placed and what it holds here."""
