@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,17 @@ def copy_for_resume(saved: RunDir, target: RunDir, step: int) -> None:
         (target.path / item).write_bytes((saved.path / item).read_bytes())
     target.checkpoints_path.mkdir()
     shutil.copytree(dict(saved.checkpoints())[step], target.checkpoints_path / f"step_{step}")
+
+
+@contextmanager
+def cpu_refusals_lifted() -> Iterator[None]:
+    """wb.launch with preflight's CPU refusals of fp16 and cpu_offload lifted (every other check still runs), so
+    a gloo run can prove a layout takes them: fp16 computes in half precision on the CPU too, and the offload
+    policy is accepted (though there is no GPU memory to offload from)."""
+    from workbench.launcher import launch as launching
+
+    checked = launching.preflight
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launching, "preflight", lambda cfg, task=None: checked(
+            cfg.replace(precision="fp32", cpu_offload=False), task=task))
+        yield

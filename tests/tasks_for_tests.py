@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import workbench as wb
+from workbench.tasks.char_gpt import CharGPTTask
 
 
 class SlowSamples(torch.utils.data.Dataset):
@@ -154,3 +155,21 @@ class HeldAtStart(TinyRegression):
         deadline = time.monotonic() + 120
         while not (hold / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+
+class SpikedCharGPT(CharGPTTask):
+    """char-gpt whose loss is multiplied by 1e6 at each rank's `spike_at`-th training loss: fp16's scaled gradients
+    overflow there, so every rank's scaler must skip that update and halve its scale."""
+
+    def __init__(self, spike_at: int) -> None:
+        super().__init__()
+        self.spike_at, self.losses = spike_at, 0
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = super().loss(model, batch)
+        if torch.is_grad_enabled():
+            self.losses += 1
+            if self.losses == self.spike_at:
+                return loss * 1e6
+        return loss

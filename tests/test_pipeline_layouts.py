@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import copy_for_resume
+import torch
+from conftest import copy_for_resume, cpu_refusals_lifted
+from tasks_for_tests import SpikedCharGPT
 
 import workbench as wb
 from workbench.rundir import RunDir
@@ -134,6 +136,22 @@ def test_pp_zero3_tp_checkpoint_resumes_under_another_layout(runs: Runs,
     resumed = wb.launch(cfg_for(runs_dir, run_name=name, resume=True, resume_allow=["pp", "tp"], **target))
     assert resumed.summary["steps_this_session"] == STEPS - SAVED_AT
     assert worst_relative(losses(resumed)[SAVED_AT:], expected) < 1e-5
+
+
+def test_fp16_offload_and_checkpointing_inside_an_interleaved_pipeline(runs: Runs) -> None:
+    # The last stage scales the loss; a spike at its 6th loss (step 2) overflows, and every rank skips the update.
+    cfg = cfg_for(runs.runs_dir, run_name="fp16", num_processes=4, pp=2, parallelism="zero3", micro_batch_size=2,
+                  pp_schedule="interleaved_1f1b", precision="fp16", cpu_offload=True, activation_checkpointing="full")
+    with cpu_refusals_lifted():
+        fp16 = wb.launch(cfg, task=SpikedCharGPT(spike_at=6))
+    assert fp16.status == "completed" and fp16.summary["skipped_steps"] == 1
+    everyone = ranks(fp16)
+    assert [r["loss_scale"] for r in everyone] == [2.0**15] * 4, "every stage halved its scale"
+    assert all(r["compute_dtype"] == "float16" for r in everyone)
+    assert all("_checkpoint_wrapped_module" not in n for r in everyone for n in r["pp_params"]), "full names"
+    got, fp32 = losses(fp16), losses(runs["single"])
+    assert got[1] > 1e5 * fp32[1] and torch.isfinite(torch.tensor(got)).all()
+    assert abs(got[0] - fp32[0]) / fp32[0] < 2e-4, "before the spike: fp16 close to fp32"
 
 
 @pytest.mark.parametrize("fields, match", [

@@ -16,22 +16,20 @@ memory to offload), yet workbench's strategies cast, scale and offload on gloo r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import copy_for_resume
+from conftest import copy_for_resume, cpu_refusals_lifted
 from safetensors.torch import load_file
-from tasks_for_tests import TinyBlocks
+from tasks_for_tests import SpikedCharGPT, TinyBlocks
 
 import workbench as wb
 from workbench.config import ParallelDims
 from workbench.estimator import estimate
 from workbench.rundir import RunDir
-from workbench.tasks.char_gpt import GPT, CharGPTTask
+from workbench.tasks.char_gpt import GPT
 
 pytestmark = pytest.mark.slow
 
@@ -58,35 +56,6 @@ def losses(result: wb.RunResult) -> list[float]:
 def worst_relative(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-@contextmanager
-def cpu_refusals_lifted() -> Iterator[None]:
-    """wb.launch with preflight's CPU refusals of fp16 and cpu_offload lifted (every other check still runs)."""
-    from workbench.launcher import launch as launching
-
-    checked = launching.preflight
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launching, "preflight", lambda cfg, task=None: checked(
-            cfg.replace(precision="fp32", cpu_offload=False), task=task))
-        yield
-
-
-class SpikedCharGPT(CharGPTTask):
-    """char-gpt whose loss is multiplied by 1e6 at every rank's SPIKE_AT-th training forward: fp16's scaled
-    gradients overflow there, so every rank's scaler must skip that update and halve its scale."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forwards = 0
-
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        loss = super().loss(model, batch)
-        if torch.is_grad_enabled():
-            self.forwards += 1
-            if self.forwards == SPIKE_AT:
-                return loss * 1e6
-        return loss
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +222,7 @@ def test_fp16_loss_scaling_skips_an_overflow_on_every_rank(runs: dict[str, wb.Ru
     fields = {"num_processes": 2} if layout == "tp2" else {"num_processes": 4, "parallelism": "zero3",
                                                            "micro_batch_size": 4}
     with cpu_refusals_lifted():
-        fp16 = wb.launch(cfg_for(runs_dir, tp=2, precision="fp16", **fields), task=SpikedCharGPT())
+        fp16 = wb.launch(cfg_for(runs_dir, tp=2, precision="fp16", **fields), task=SpikedCharGPT(SPIKE_AT))
     assert fp16.status == "completed" and fp16.summary["skipped_steps"] == 1
     ranks = fp16.summary["ranks"]
     assert all(r["compute_dtype"] == "float16" for r in ranks)

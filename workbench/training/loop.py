@@ -86,6 +86,8 @@ class Trainer:
         self.collate_fn = task.collate_fn(cfg)
         self.compiled = CompileWatch(cfg, compiled_module(cfg, model))  # named before FSDP renames its class
         self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task))
+        if getattr(self.parallel, "pipelined", False):  # the probe in what this rank runs, not stage 0's part
+            self.compute_dtype = first_leaf_dtype(self.parallel.module, compiled=cfg.compile != "off")
         self.model = self.parallel.model
         if cfg.micro_batch_size == "auto":
             self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.dims, self.collate_fn)

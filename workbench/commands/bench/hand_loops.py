@@ -13,7 +13,8 @@ clipping, AdamW, the layout's own reductions), so its final weights can be compa
 
 What a loop takes from workbench is what a user would take from a library: the task (model, data, loss, TP
 plan, stages, LR schedule), the optimizer factory, the data-parallel mesh, and for TP the two helpers no
-built-in replaces (foreach kernels and clip_grad_norm_ refuse DTensors mixed with plain tensors).
+built-in replaces (foreach kernels and clip_grad_norm_ refuse DTensors mixed with plain tensors; pp sums its
+stages' squared norms with the same one).
 """
 
 from __future__ import annotations
@@ -169,16 +170,12 @@ def _clip_stages(stage: torch.nn.Module, tied: list[tuple[Any, torch.nn.Paramete
     """Clip to the norm over every stage's gradients, a tied parameter counted once."""
     import torch.distributed as dist
 
+    from workbench.training.parallel.tensor import scale_gradients_, squared_norm
+
     skip = {id(p) for _, p, counts in tied if not counts}
-    grads = [p.grad for p in stage.parameters() if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    for p in stage.parameters():
-        if p.grad is not None and id(p) not in skip:
-            squares = squares + p.grad.float().pow(2).sum()
+    squares = squared_norm([p.grad for p in stage.parameters() if p.grad is not None and id(p) not in skip])
     dist.all_reduce(squares)
-    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    scale_gradients_([p.grad for p in stage.parameters() if p.grad is not None], squares.sqrt(), max_norm)
 
 
 def _stages_gathered(stage: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -112,6 +112,8 @@ class PipelineParallel(PipelineCheckpoints):
             self._origin = split_groups_by_mesh(self.optimizer)
         if cfg.precision == "fp16":  # overflows agreed over every rank, DTensor shards unscaled where they are
             self.scaler = LocalShardGradScaler(device=self.device.type)
+            # Only the last stage scales a loss; every stage unscales the gradients that flow back from it.
+            self.scaler.scale(torch.ones((), device=self.device))
 
     def _describe(self) -> str:
         inner = [f"{self.cfg.parallelism}{self.columns // dim_size(self.mesh, 'tp')}"] \
