@@ -62,11 +62,11 @@ class ParallelismReport:
         lines = [f"workbench bench parallelism on {self.device}: task {c['task']}, {c['num_processes']} ranks, "
                  f"micro-batch {c['micro_batch_size']} x {c['grad_accum_steps']}, {c['precision']}, "
                  f"{c['max_steps']} steps (median step after {WARMUP_STEPS} warm-up); bytes per rank (max over ranks)",
-                 f"  {'layout':8} {'ms/step':>8} {'vs ddp':>7} {'params':>10} {'grads':>10} {'optimizer':>10} "
+                 f"  {'layout':13} {'ms/step':>8} {'vs ddp':>7} {'params':>10} {'grads':>10} {'optimizer':>10} "
                  f"{'step peak':>10} {'RSS peak':>10} {'loss':>8} {'vs ddp':>9}"]
         for r in self.rows:
             if not r.available:
-                lines.append(f"  {r.mode:8} unavailable: {r.reason}")
+                lines.append(f"  {r.mode:13} unavailable: {r.reason}")
                 continue
             ratio = f"{r.step_ms / ddp.step_ms:.2f}x" if ddp and ddp.step_ms else "-"
             diff = f"{r.final_loss - ddp.final_loss:+.1e}" if ddp and ddp.final_loss is not None else "-"
@@ -74,7 +74,7 @@ class ParallelismReport:
             def kib(values: list[int]) -> str:
                 return f"{max(values) / 1024:,.1f} KiB" if values else "-"
 
-            lines.append(f"  {r.mode:8} {r.step_ms:8.2f} {ratio:>7} {kib(r.params_bytes):>10} {kib(r.grads_bytes):>10} "
+            lines.append(f"  {r.mode:13} {r.step_ms:8.2f} {ratio:>7} {kib(r.params_bytes):>10} {kib(r.grads_bytes):>10} "
                          f"{kib(r.optimizer_bytes):>10} {kib(r.tracked_peak_bytes):>10} "
                          f"{fmt_bytes(r.peak_memory_bytes, 'MiB'):>10} {r.final_loss:8.4f} {diff:>9}")
         return "\n".join(lines)
