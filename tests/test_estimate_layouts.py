@@ -27,6 +27,7 @@ LAYOUTS = {
     "pp2": dict(num_processes=2, pp=2, grad_accum_steps=4),
     "zero3 x tp2": dict(num_processes=4, tp=2, parallelism="zero3", micro_batch_size=4, track_memory=True),
     "pp2 x ddp2": dict(num_processes=4, pp=2, micro_batch_size=4),
+    "pp2 x zero3 x tp2": dict(num_processes=8, pp=2, tp=2, parallelism="zero3", micro_batch_size=2),
 }
 
 
@@ -197,6 +198,8 @@ def test_fp16_estimates_on_an_h100_with_its_loss_scaler(parallelism: str) -> Non
     (dict(task="digits", tp=2, task_options={}), r"tp=2: task 'digits' has no tensor-parallel plan"),
     (dict(task="digits", pp=2, task_options={}), r"pp=2: task 'digits' can't be split into pipeline stages"),
     (dict(num_processes=4, tp=2, parallelism="zero1"), r"tp=2 with parallelism='zero1' .*set parallelism='zero2'"),
+    (dict(pp=2, pp_schedule="interleaved_1f1b", task_options={**GPT, "n_layer": 4}),
+     r"pp_schedule='interleaved_1f1b' \(2 chunks per rank\): the estimate traces pipelines of one chunk per rank"),
 ])
 def test_a_layout_that_cannot_run_is_refused_in_words(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
     """A ValueError that names the setting and the fix (what the panel shows), never a trace's RuntimeError."""

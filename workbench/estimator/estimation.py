@@ -70,15 +70,13 @@ def stage_traces(cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool,
 
 
 def _refuse_untraced_pipelines(cfg: RunConfig) -> None:
-    """The pipeline trace follows one chunk per rank (GPipe, 1F1B) with replicated pipelines; the layouts inside
-    a stage (FSDP, TP) and virtual stages train but are not traced yet."""
-    inside = [what for what, on in (("tp > 1", cfg.tp > 1),
-                                    (f"parallelism={cfg.parallelism!r}", shards(cfg.parallelism)),
-                                    (f"pp_schedule={cfg.pp_schedule!r}", virtual_stages(cfg) > 1)) if on]
-    if cfg.pp > 1 and inside:
-        raise ValueError(f"pp={cfg.pp} with {' and '.join(inside)}: the estimate traces pipelines of one chunk per "
-                         "rank with replicated stages only (parallelism='ddp', tp=1, pp_schedule 'gpipe' or '1f1b'); "
-                         "estimate that layout for the pipeline's cost, or the same layout without pp")
+    """The pipeline trace replays one chunk per rank in GPipe's or 1F1B's order; the interleaved schedules (several
+    chunks per rank) train but are not traced yet."""
+    if cfg.pp > 1 and virtual_stages(cfg) > 1:
+        raise ValueError(f"pp_schedule={cfg.pp_schedule!r} ({virtual_stages(cfg)} chunks per rank): the estimate "
+                         "traces pipelines of one chunk per rank; estimate pp_schedule='1f1b' for the stages' memory "
+                         "and a step with a larger bubble ((pp - 1) / (micro-batches + pp - 1) against the "
+                         "interleaved (pp - 1) / (chunks x micro-batches + pp - 1))")
 
 
 def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, nodes: int = 1, *,

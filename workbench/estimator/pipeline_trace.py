@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_map
 
+from workbench.config.mesh import ParallelDims
+
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
@@ -67,8 +69,6 @@ def stage_params(task: Task, cfg: RunConfig) -> list[set[str]]:
 def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: int, fake: Any, gpu_target: bool,
                 gpus_per_node: int) -> dict[str, Any]:
     """StepTrace fields for `rank`'s stage (see the module docstring)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from workbench.estimator.fake_world import (
         CollectiveCounter,
         Placement,
@@ -80,10 +80,11 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     )
     from workbench.estimator.held import checked_state, state_pieces
     from workbench.training.parallel.pipeline import PipelineParallel
+    from workbench.training.parallel.pipeline_parts import pipeline_mesh
 
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
-    replicas = world // cfg.pp
-    mesh = init_device_mesh("cpu", (cfg.pp, replicas), mesh_dim_names=("pp", "dp_replicate"))
+    replicas = world // cfg.pp  # ranks per stage: a column each, one whole pipeline
+    mesh = pipeline_mesh(cfg, "cpu", world)
     placement = Placement(device, world, rank, mesh, stage_params=stage_params(task, cfg))
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
@@ -99,7 +100,7 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
         flops, memory = count_then_track(strategy, run, (*micro, *run.buffers), counter, first)
         held = dict(strategy.held_bytes)
         pieces = state_pieces(strategy) + run.grads
-    mesh_dims = [("pp", cfg.pp), ("dp_replicate", replicas)]
+    mesh_dims = list(ParallelDims.of(cfg, world).sizes.items())
     # the receive buffers are tracked as inputs (temporaries); they are communication buffers
     moved = min(run.buffer_bytes, memory["temporaries"])
     memory["temporaries"] -= moved
