@@ -382,7 +382,7 @@ def test_the_rank_layout_picture_follows_the_sizes(runs_dir: Path) -> None:
     import re
 
     panel = wb.Panel(tiny(runs_dir, task="char-gpt", num_processes=2, oversubscribe=True,
-                          task_options={"preset": "tiny"}), estimate=False)
+                          task_options={"preset": "tiny", "n_layer": 4}), estimate=False)
 
     def cells() -> list[dict[str, int]]:
         html_ = panel.layout_box.value
@@ -411,7 +411,14 @@ def test_the_rank_layout_picture_follows_the_sizes(runs_dir: Path) -> None:
         ["0", "0", "0", "1", "0", "1", "2", "1", "0", "3", "1", "1"]
     assert panel.layout_box.value.count("wb-layout-stage") == 2 and "pp 2 × dp_replicate 2" in panel.layout_box.value
     assert "2 pipeline stages" in panel.layout_box.value
-    c["pp"].value = 1
+    # the same 4 ranks as pp 2 x zero3, interleaved (each rank holds 2 chunks; the schedule's control appears)
+    assert c["pp_virtual_stages"].layout.display == "none"
+    c["parallelism"].value, c["pp_schedule"].value = "zero3", "interleaved_1f1b"
+    assert panel.state.problem == "", panel.state.problem
+    assert c["pp_virtual_stages"].layout.display is None
+    assert "stages 0, 2" in panel.layout_box.value and "stages 1, 3" in panel.layout_box.value
+    assert "pp 2 × dp_shard 2" in panel.layout_box.value and "cut into 4 stages" in panel.layout_box.value
+    c["pp"].value, c["pp_schedule"].value, c["parallelism"].value = 1, "1f1b", "ddp"
     # impossible: 3 does not divide 4; the picture says so instead of drawing a layout
     c["parallelism"].value, c["dp_shard"].value, c["tp"].value = "zero3", 0, 3
     assert "data-layout='impossible'" in panel.layout_box.value and "tp=3" in panel.layout_box.value
