@@ -28,6 +28,8 @@ LAYOUTS = {
     "zero3 x tp2": dict(num_processes=4, tp=2, parallelism="zero3", micro_batch_size=4, track_memory=True),
     "pp2 x ddp2": dict(num_processes=4, pp=2, micro_batch_size=4),
     "pp2 x zero3 x tp2": dict(num_processes=8, pp=2, tp=2, parallelism="zero3", micro_batch_size=2),
+    "pp2 interleaved": dict(num_processes=2, pp=2, pp_schedule="interleaved_1f1b", grad_accum_steps=4,
+                            task_options={**GPT, "n_layer": 4}),
 }
 
 
@@ -169,6 +171,12 @@ def test_the_pipeline_bubble_is_in_the_step_time(needs_mirror: Path, tmp_path: P
         assert idle == pytest.approx(est.compute_s * (2 - 1) / m, rel=1e-6), m
         assert any(f"(pp - 1) / (m + pp - 1) = {1 / (m + 1):.0%}" in a for a in est.assumptions)
     assert few.step_s > few.compute_s + few.exposed_comm_s
+    # two chunks per rank: each stage boundary idles a chunk's share of a micro-batch, half of GPipe's
+    interleaved = estimate(cfg_for(tmp_path, pp=2, grad_accum_steps=2, pp_schedule="interleaved_1f1b",
+                                   task_options={**GPT, "n_layer": 4}))
+    idle = interleaved.step_s - interleaved.compute_s - interleaved.exposed_comm_s
+    assert idle == pytest.approx(interleaved.compute_s / (2 * 2), rel=1e-6)
+    assert any("(pp - 1) / (v x m + pp - 1) = 20%" in a for a in interleaved.assumptions)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -178,12 +186,14 @@ def test_every_layout_is_priced_on_a_catalog_gpu(needs_mirror: Path, tmp_path: P
     est = estimate(cfg, "H100-SXM-80GB", cfg.num_processes)
     assert len(est.ranks) == cfg.num_processes and est.fits and est.step_s > 0 and est.target.kind == "cuda"
     assert all(r.held["params"] > 0 and r.activations > 0 for r in est.ranks)
-    if cfg.tp > 1:
-        assert any(a.startswith("tensor parallel: the TP group's") for a in est.assumptions)
+    if cfg.tp > 1:  # exposed: the TP group's collectives wait for the matrix multiplies around them
+        lead = "tensor parallel: the TP group's" if cfg.pp == 1 else "the stage's other collectives"
+        assert any(a.startswith(lead) for a in est.assumptions), est.assumptions
         assert est.exposed_comm_s > 0
     if cfg.pp > 1:
         groups = est.rank_groups()
-        assert len(groups) == 2 and groups[0][0] != groups[1][0], groups  # the two stages, each its own row
+        # the two stages, each its own rows (a sharded stage's ranks may hold shards of different sizes)
+        assert len(groups) >= 2 and groups[0][1] != groups[-1][1], groups
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "zero3"])
@@ -198,8 +208,6 @@ def test_fp16_estimates_on_an_h100_with_its_loss_scaler(parallelism: str) -> Non
     (dict(task="digits", tp=2, task_options={}), r"tp=2: task 'digits' has no tensor-parallel plan"),
     (dict(task="digits", pp=2, task_options={}), r"pp=2: task 'digits' can't be split into pipeline stages"),
     (dict(num_processes=4, tp=2, parallelism="zero1"), r"tp=2 with parallelism='zero1' .*set parallelism='zero2'"),
-    (dict(pp=2, pp_schedule="interleaved_1f1b", task_options={**GPT, "n_layer": 4}),
-     r"pp_schedule='interleaved_1f1b' \(2 chunks per rank\): the estimate traces pipelines of one chunk per rank"),
 ])
 def test_a_layout_that_cannot_run_is_refused_in_words(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
     """A ValueError that names the setting and the fix (what the panel shows), never a trace's RuntimeError."""

@@ -69,16 +69,6 @@ def stage_traces(cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool,
                                   gpus_per_node=gpus) for s in range(1, cfg.pp))]
 
 
-def _refuse_untraced_pipelines(cfg: RunConfig) -> None:
-    """The pipeline trace replays one chunk per rank in GPipe's or 1F1B's order; the interleaved schedules (several
-    chunks per rank) train but are not traced yet."""
-    if cfg.pp > 1 and virtual_stages(cfg) > 1:
-        raise ValueError(f"pp_schedule={cfg.pp_schedule!r} ({virtual_stages(cfg)} chunks per rank): the estimate "
-                         "traces pipelines of one chunk per rank; estimate pp_schedule='1f1b' for the stages' memory "
-                         "and a step with a larger bubble ((pp - 1) / (micro-batches + pp - 1) against the "
-                         "interleaved (pp - 1) / (chunks x micro-batches + pp - 1))")
-
-
 def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, nodes: int = 1, *,
              task: Task | None = None, network: str = "infiniband", catalog: str | Path | None = None,
              runs_dir: str | Path | None = None, partition: str | None = None, cpus_per_node: int = 0) -> Estimate:
@@ -103,7 +93,6 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     # One world size: the estimate is of the run on its target, whatever num_processes said.
     run = cfg.replace(num_processes=world, oversubscribe=True, track_memory=False,
                       device="cpu" if local and target.kind == "cpu" else cfg.device if local else "auto")
-    _refuse_untraced_pipelines(run)
     warned = check_plan(run, plan, task)
     run = run.replace(device="cuda" if target.kind == "cuda" else "cpu")
     trace = cached_trace(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)

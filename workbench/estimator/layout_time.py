@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workbench.config.mesh import virtual_stages
 from workbench.estimator.catalog import Accelerator
 from workbench.estimator.timing import step_time
 from workbench.estimator.trace import StepTrace
@@ -77,24 +78,28 @@ def _pipeline_time(cfg: RunConfig, traces: list[StepTrace], target: Accelerator,
     after_s = [max(0.0, s.comm_s - p) for s, p in zip(stages, p2p_s)]
     per_send = max((p / max(1, sum(v["count"] for v in sends.values())) for p, sends in zip(p2p_s, p2p)), default=0.0)
     slowest = max(range(len(stages)), key=lambda s: stages[s].compute_s)
-    m, pp = cfg.grad_accum_steps, cfg.pp
+    m, pp, v = cfg.grad_accum_steps, cfg.pp, virtual_stages(cfg)
     compute = stages[slowest].compute_s
-    bubble = compute / m * (pp - 1)
+    bubble = compute / (m * v) * (pp - 1)  # a chunk's share of a micro-batch, per stage boundary
     fill_drain = 2 * (pp - 1) * per_send
     exposed = fill_drain + max(after_s)
     activations = max(t.p2p_bytes for t in traces)
     # step_time()'s overlap rule is for collectives issued during compute; a pipeline's are priced here
     assumptions = [
         *(a for a in stages[slowest].assumptions if not a.startswith("overlap:")),
-        (f"pipeline: {pp} stages, {cfg.pp_schedule.upper()} over {m} micro-batches; the slowest stage (stage "
-         f"{slowest}, {fmt_seconds(compute / m)} per micro-batch forward and backward) sets the pace for all; the "
-         f"bubble, (pp - 1) / (m + pp - 1) = {(pp - 1) / (m + pp - 1):.0%} of the schedule, leaves each stage idle "
-         f"for {fmt_seconds(bubble)} per step"),
+        (f"pipeline: {pp} stages, {cfg.pp_schedule.upper()} over {m} micro-batches"
+         + (f", {v} chunks per rank" if v > 1 else "") + f"; the slowest stage (stage {slowest}, "
+         f"{fmt_seconds(compute / m)} per micro-batch forward and backward) sets the pace for all; the bubble, "
+         + (f"(pp - 1) / (v x m + pp - 1) = {(pp - 1) / (v * m + pp - 1):.0%}" if v > 1 else
+            f"(pp - 1) / (m + pp - 1) = {(pp - 1) / (m + pp - 1):.0%}")
+         + f" of the schedule, leaves each stage idle for {fmt_seconds(bubble)} per step"
+         + (" (zero bubble fills part of it with weight gradients: not counted)" if cfg.pp_schedule == "zero_bubble"
+            else "")),
         (f"pipeline sends: each micro-batch's activations ({fmt_bytes(activations)}) go forward and its gradients "
          f"back across each of the {pp - 1} stage boundaries; they overlap compute except on the fill and drain: "
          f"2 x {pp - 1} of them ({fmt_seconds(fill_drain)}) on the critical path"),
-        (f"after the schedule: the loss broadcast, tied parameters' gradients summed between their stages and the "
-         f"replicas' gradients averaged, not overlapped: {fmt_seconds(max(after_s))}"),
+        (f"the stage's other collectives (tied parameters' gradients summed between their stages, replicas averaged, "
+         f"and any FSDP or TP collectives inside the stage), not overlapped: {fmt_seconds(max(after_s))}"),
     ]
     return LayoutTime(compute, max(s.comm_s for s in stages), exposed, compute + bubble + exposed,
                       stages[slowest].efficiency, traces[slowest].flops, assumptions)

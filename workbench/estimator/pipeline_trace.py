@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.config.mesh import ParallelDims
+from workbench.config.mesh import ParallelDims, virtual_stages
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -50,20 +50,38 @@ def schedule_order(schedule: str, micro_batches: int, stages: int, stage: int) -
     return order + [("B", i) for i in range(backward, micro_batches)]
 
 
-def in_flight(order: list[tuple[str, int]]) -> int:
-    """The most micro-batches forwarded and not yet backwarded at once in `order`."""
+def in_flight(order: list[tuple[str, int, int]]) -> int:
+    """The most micro-batches forwarded and not yet backwarded at once in `order` (over the rank's chunks)."""
     live = most = 0
-    for kind, _ in order:
+    for kind, _, _ in order:
         live += 1 if kind == "F" else -1
         most = max(most, live)
     return most
 
 
+def rank_order(cfg: RunConfig, strategy: Any) -> list[tuple[str, int, int]]:
+    """(forward 'F' or backward 'B', chunk, micro-batch) in the order this rank's schedule runs them: GPipe's and
+    1F1B's as schedule_order, the interleaved schedules' from the schedule's own pipeline_order (zero bubble's
+    input-gradient pass stands for its whole backward: its weight pass, later, is taken with it)."""
+    if strategy.chunks_per_rank == 1:
+        return [(kind, 0, i) for kind, i in schedule_order(cfg.pp_schedule, cfg.grad_accum_steps, cfg.pp,
+                                                           strategy.stage_index)]
+    order = []
+    for action in strategy.schedule.pipeline_order[strategy.stage_index]:
+        kind = getattr(getattr(action, "computation_type", None), "value", None)
+        if action is None or kind not in ("F", "B", "I"):
+            continue
+        order.append(("F" if kind == "F" else "B", strategy.stage_ids.index(action.stage_index),
+                      action.microbatch_index))
+    return order
+
+
 def stage_params(task: Task, cfg: RunConfig) -> list[set[str]]:
-    """The parameter names each stage holds (a meta-device model: nothing allocated)."""
+    """The parameter names each stage holds (a meta-device model: nothing allocated), virtual stages included."""
+    total = cfg.pp * virtual_stages(cfg)
     with torch.device("meta"):
         model = task.build_model(cfg)
-    return [{n for n, _ in task.pipeline_stages(model, cfg, s, cfg.pp).named_parameters()} for s in range(cfg.pp)]
+    return [{n for n, _ in task.pipeline_stages(model, cfg, s, total).named_parameters()} for s in range(total)]
 
 
 def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: int, fake: Any, gpu_target: bool,
@@ -83,7 +101,7 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     from workbench.training.parallel.pipeline_parts import pipeline_mesh
 
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
-    replicas = world // cfg.pp  # ranks per stage: a column each, one whole pipeline
+    columns = world // cfg.pp  # ranks per stage: a column each, one whole pipeline
     mesh = pipeline_mesh(cfg, "cpu", world)
     placement = Placement(device, world, rank, mesh, stage_params=stage_params(task, cfg))
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
@@ -93,10 +111,9 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
             model = task.build_model(cfg)
         materialize(model, device)
         micro = [tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b) for b in real]
-        stage = rank // replicas
-        received, sent = _boundary_shapes(task, cfg, model, micro[0][0], stage)
+        outputs = _stage_outputs(task, cfg, model, micro[0][0])
         strategy = PipelineParallel(cfg, placement, model, task, optimizer_for(cfg, task, gpu_target))
-        run = _StageStep(cfg, strategy, micro, (received, sent), counter, replicas)
+        run = _StageStep(cfg, strategy, micro, outputs, counter, columns)
         flops, memory = count_then_track(strategy, run, (*micro, *run.buffers), counter, first)
         held = dict(strategy.held_bytes)
         pieces = state_pieces(strategy) + run.grads
@@ -111,8 +128,8 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
             "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes), "first_ops": dict(first.ops),
             "first_op_bytes": dict(first.op_bytes),
             "flop_calls": flop_call_rows(counter.flop_calls), "state": checked_state(pieces, mesh_dims, rank, held),
-            "mesh_dims": mesh_dims, "stage": stage,
-            "in_flight": in_flight(run.order), "p2p_bytes": max(_nbytes(received), _nbytes(sent))}
+            "mesh_dims": mesh_dims, "stage": strategy.stage_index,
+            "in_flight": in_flight(run.order), "p2p_bytes": run.p2p_bytes}
 
 
 def _nbytes(meta: tuple[torch.Size, torch.dtype] | None) -> int:
@@ -122,43 +139,44 @@ def _nbytes(meta: tuple[torch.Size, torch.dtype] | None) -> int:
     return shape.numel() * dtype.itemsize
 
 
-def _boundary_shapes(task: Task, cfg: RunConfig, model: torch.nn.Module, first_input: Any, stage: int
-                     ) -> tuple[tuple[torch.Size, torch.dtype] | None, tuple[torch.Size, torch.dtype] | None]:
-    """(shape, dtype) of one micro-batch's activations this stage receives (None on the first) and sends (None
-    on the last): the earlier stages' outputs, run forward without autograd as the schedule's shape inference
-    does."""
+def _stage_outputs(task: Task, cfg: RunConfig, model: torch.nn.Module, first_input: Any
+                   ) -> list[tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of one micro-batch's output of every stage but the last (what stage s sends and stage s + 1
+    receives), run forward without autograd as the schedule's shape inference does."""
     from workbench.training.parallel.strategy import DTYPES
 
-    dtype = DTYPES.get(cfg.precision)
+    dtype, total = DTYPES.get(cfg.precision), cfg.pp * virtual_stages(cfg)
     x = first_input
     shapes: list[tuple[torch.Size, torch.dtype]] = []
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-        for s in range(min(stage + 1, cfg.pp - 1)):
-            x = task.pipeline_stages(model, cfg, s, cfg.pp)(x)
+        for s in range(total - 1):
+            x = task.pipeline_stages(model, cfg, s, total)(x)
             shapes.append((x.shape, x.dtype))
-    received = shapes[stage - 1] if stage > 0 else None
-    sent = shapes[stage] if stage < cfg.pp - 1 else None
-    return received, sent
+    return shapes
 
 
 class _StageStep:
-    """One step of a stage, as the trainer's pipeline_step runs it: callable, for count_then_track."""
+    """One step of a rank's chunks, as the trainer's pipeline_step runs it: callable, for count_then_track."""
 
-    def __init__(self, cfg: RunConfig, strategy: Any, micro: list[Any], boundary: tuple[Any, Any], counter: Any,
-                 replicas: int) -> None:
+    def __init__(self, cfg: RunConfig, strategy: Any, micro: list[Any], outputs: list[Any], counter: Any,
+                 columns: int) -> None:
         self.cfg, self.strategy, self.micro, self.counter = cfg, strategy, micro, counter
-        received, sent = boundary
-        rank = strategy.accelerator.process_index
-        self.first, self.last = strategy.stage_index == 0, strategy.last_stage
-        m = cfg.grad_accum_steps
-        self.order = schedule_order(cfg.pp_schedule, m, cfg.pp, strategy.stage_index)
+        rank, m, pp = strategy.accelerator.process_index, cfg.grad_accum_steps, cfg.pp
+        self.ids, self.total = strategy.stage_ids, strategy.total_stages
+        self.order = rank_order(cfg, strategy)
         # made once for every micro-batch and kept across steps, as PipelineStage's receive infrastructure is
-        self.inputs = [torch.empty(received[0], dtype=received[1]) for _ in range(m)] if received else []
-        self.output_grads = [torch.empty(sent[0], dtype=sent[1]) for _ in range(m)] if sent else []
-        self.buffers = (*self.inputs, *self.output_grads)
+        self.inputs = [[torch.empty(outputs[s - 1][0], dtype=outputs[s - 1][1]) for _ in range(m)] if s else []
+                       for s in self.ids]
+        self.output_grads = [[torch.empty(outputs[s][0], dtype=outputs[s][1]) for _ in range(m)]
+                             if s < self.total - 1 else [] for s in self.ids]
+        self.buffers = tuple(t for per_chunk in (*self.inputs, *self.output_grads) for t in per_chunk)
         self.buffer_bytes = sum(t.numel() * t.element_size() for t in self.buffers)
-        # per micro-batch: activations to the next stage's rank, gradients to the previous one's
-        self.sends = {"F": (_nbytes(sent), [rank, rank + replicas]), "B": (_nbytes(received), [rank, rank - replicas])}
+        self.p2p_bytes = max((_nbytes(o) for o in outputs), default=0)
+        # per micro-batch: activations to the next stage's rank, gradients to the previous one's (loop placement)
+        pp_rank, column = divmod(rank, columns)
+        ahead, behind = ((pp_rank + 1) % pp) * columns + column, ((pp_rank - 1) % pp) * columns + column
+        self.sends = [{"F": (_nbytes(outputs[s]) if s < self.total - 1 else 0, [rank, ahead]),
+                       "B": (_nbytes(outputs[s - 1]) if s else 0, [rank, behind])} for s in self.ids]
         self.grads: list[Any] = []
         self.steps = 0
 
@@ -169,9 +187,8 @@ class _StageStep:
         # pipeline_step concatenates the step's micro-batches; the schedule splits them again (views)
         inputs = torch.cat([b[0] for b in self.micro]).tensor_split(m)
         targets = torch.cat([b[1] for b in self.micro]).tensor_split(m)
-        losses: dict[int, torch.Tensor] = {}
         with strategy.forward_context():
-            self._schedule(inputs, targets, losses)
+            self._schedule(inputs, targets)
         for p in strategy.module.parameters():  # the schedule's scale_grads: the mean over micro-batches
             if p.grad is not None:
                 p.grad.div_(m)
@@ -179,51 +196,58 @@ class _StageStep:
         update(strategy, self.cfg, self.grads)
         self.steps += 1
 
-    def _schedule(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...],
-                  losses: dict[int, torch.Tensor]) -> None:
-        """The stage's forwards and backwards in the schedule's order. A tensor being sent stays alive while
+    def _schedule(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> None:
+        """The rank's forwards and backwards in the schedule's order. A tensor being sent stays alive while
         torch's schedule holds its send: GPipe holds every send to the end of the step; 1F1B the latest
         forward's (until the next forward), the warm-up's last one fired on its own (until the 1F1B phase ends)
-        and the latest backward's (until the next backward)."""
+        and the latest backward's (until the next backward); the interleaved schedules, taken like 1F1B, the
+        latest of each per chunk."""
         from workbench.training.memory import next_micro_batch
 
         gpipe, m = self.cfg.pp_schedule == "gpipe", self.cfg.grad_accum_steps
-        warmup = min(m, self.cfg.pp - self.strategy.stage_index)
-        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        sends: dict[str, list[torch.Tensor]] = {"F": [], "B": [], "warm-up": []}
-        forwards = 0
-        for kind, i in self.order:
+        # 1F1B's last warm-up forward is sent on its own (one chunk per rank only)
+        warmup = 0 if gpipe or len(self.ids) > 1 else min(m, self.cfg.pp - self.strategy.stage_index)
+        cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        losses: dict[tuple[int, int], torch.Tensor] = {}
+        sends: dict[Any, list[torch.Tensor]] = {"warm-up": []}
+        forwards, forwarded = 0, set()
+        for kind, k, i in self.order:
+            first, last = self.ids[k] == 0, self.ids[k] == self.total - 1
             if kind == "F":
-                if i > 0:
-                    next_micro_batch()  # the memory tracker takes each forward of the stage on its own
-                x = inputs[i] if self.first else self.inputs[i].requires_grad_(True)
-                out = self.strategy.module[0](x)  # one chunk per rank: the layouts the estimate traces
-                cache[i], forwards = (out, x), forwards + 1
-                if self.last:
-                    losses[i] = self.strategy.stage_loss(out, targets[i])
+                # the memory tracker takes each forward of a chunk on its own
+                if len(self.ids) == 1 and forwards:
+                    next_micro_batch()
+                elif k in forwarded:
+                    next_micro_batch(self.strategy.module[k])
+                forwarded.add(k)
+                x = inputs[i] if first else self.inputs[k][i].requires_grad_(True)
+                out = self.strategy.module[k](x)
+                cache[(k, i)], forwards = (out, x), forwards + 1
+                if last:
+                    losses[(k, i)] = self.strategy.stage_loss(out, targets[i])
                 else:
-                    self._send("F")
-                    sends["F"] = [*sends["F"], out] if gpipe else [out]
-                    if not gpipe and i == warmup - 2:
+                    self._send("F", k)
+                    sends[("F", k)] = [*sends.get(("F", k), []), out] if gpipe else [out]
+                    if warmup and i == warmup - 2:
                         sends["warm-up"] = [out]
                 continue
-            out, x = cache.pop(i)
-            if self.last:
-                torch.autograd.backward(losses[i])
-                losses[i] = losses[i].detach()
+            out, x = cache.pop((k, i))
+            if last:
+                torch.autograd.backward(losses[(k, i)])
+                losses[(k, i)] = losses[(k, i)].detach()
                 out.detach_()
             else:
-                torch.autograd.backward(out, grad_tensors=self.output_grads[i])
+                torch.autograd.backward(out, grad_tensors=self.output_grads[k][i])
             del out
-            if not self.first:
-                sends["B"] = [*sends["B"], x.grad] if gpipe else [x.grad]
+            if not first:
+                sends[("B", k)] = [*sends.get(("B", k), []), x.grad] if gpipe else [x.grad]
                 x.grad = None
-                self._send("B")
-            if forwards == m:  # the first backward after the last forward ends 1F1B's steady phase
+                self._send("B", k)
+            if forwards == m * len(self.ids):  # the first backward after the last forward ends the steady phase
                 sends["warm-up"] = []
         sends.clear()
 
-    def _send(self, kind: str) -> None:
+    def _send(self, kind: str, chunk: int) -> None:
         if self.steps == 0:  # the counted step (the tracked one sends the same)
-            nbytes, ranks = self.sends[kind]
+            nbytes, ranks = self.sends[chunk][kind]
             self.counter.record("send", nbytes, ranks, "pp", wire=float(nbytes))

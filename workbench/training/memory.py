@@ -36,11 +36,17 @@ def watching(tracker: Any) -> Any:
     return scope()
 
 
-def next_micro_batch() -> None:
+def next_micro_batch(module: Any = None) -> None:
     """Between the micro-batches of an accumulated step: the tracker counts the model's forward once per
-    pass, so its per-module counts restart (its peak is kept)."""
-    if _ACTIVE:
+    pass, so its per-module counts restart (its peak is kept). `module`: only its own counts restart, where
+    several model chunks take turns (an interleaved pipeline's: the others' backwards are still to come)."""
+    if not _ACTIVE:
+        return
+    if module is None:
         _ACTIVE[-1].reset_mod_stats()
+        return
+    for m in module.modules():
+        _ACTIVE[-1].memory_tracking.pop(m, None)
 
 def summarize(snapshot: dict[Any, dict[str, Any]], device: Any) -> dict[str, int]:
     """A tracker's snapshot on `device` by workbench's categories (MemTracker's and FSDPMemTracker's names

@@ -74,8 +74,8 @@ class ParallelismReport:
             def kib(values: list[int]) -> str:
                 return f"{max(values) / 1024:,.1f} KiB" if values else "-"
 
-            lines.append(f"  {r.mode:13} {r.step_ms:8.2f} {ratio:>7} {kib(r.params_bytes):>10} {kib(r.grads_bytes):>10} "
-                         f"{kib(r.optimizer_bytes):>10} {kib(r.tracked_peak_bytes):>10} "
+            lines.append(f"  {r.mode:13} {r.step_ms:8.2f} {ratio:>7} {kib(r.params_bytes):>10} "
+                         f"{kib(r.grads_bytes):>10} {kib(r.optimizer_bytes):>10} {kib(r.tracked_peak_bytes):>10} "
                          f"{fmt_bytes(r.peak_memory_bytes, 'MiB'):>10} {r.final_loss:8.4f} {diff:>9}")
         return "\n".join(lines)
 

@@ -101,7 +101,7 @@ class PipelineParallel(PipelineCheckpoints):
         self.model = self.module = make_chunks(cfg, task, model, self.stage_ids, self.total_stages, self.mesh,
                                                accelerator)
         self._tied = TiedCopies(self.module, tied, self.column, self.columns,
-                                getattr(accelerator, "stage_params", None), self._stage_of_rank)
+                                getattr(accelerator, "stage_params", None), self.stages_of_rank)
         self.pipeline_stages = [PipelineStage(chunk, s, self.total_stages, self.device, group=self.pp_group)
                                 for chunk, s in zip(self.module, self.stage_ids)]
         stages = self.pipeline_stages if cfg.pp_schedule in INTERLEAVED else self.pipeline_stages[0]
@@ -122,8 +122,9 @@ class PipelineParallel(PipelineCheckpoints):
         chunks = f", {self.chunks_per_rank} chunks/rank" if self.chunks_per_rank > 1 else ""
         return f"pp{self.stages} {self.cfg.pp_schedule}{chunks}" + "".join(f" x {d}" for d in inner)
 
-    def _stage_of_rank(self, rank: int) -> int:
-        return rank // self.columns
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The stage ids `rank` holds (loop placement)."""
+        return [rank // self.columns + k * self.stages for k in range(self.chunks_per_rank)]
 
     @property
     def first_stage(self) -> bool:

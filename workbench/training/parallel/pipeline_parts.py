@@ -138,10 +138,10 @@ class TiedCopies:
     tensor-parallel coordinates: their shards line up), so the copies stay equal and train as the tied one."""
 
     def __init__(self, chunks: torch.nn.Module, tied: list[list[str]], column: int, columns: int,
-                 stage_params: list[set[str]] | None, stage_of_rank: Any) -> None:
+                 stage_params: list[set[str]] | None, stages_of_rank: Any) -> None:
         params = {full_name(n): p for n, p in chunks.named_parameters()}
         mine = [[n for n in names if n in params] for names in tied]
-        everyone = _holdings(tied, (column, [bool(m) for m in mine]), stage_params, stage_of_rank, columns)
+        everyone = _holdings(tied, (column, [bool(m) for m in mine]), stage_params, stages_of_rank, columns)
         self.groups: list[tuple[Any, torch.nn.Parameter | None, bool]] = []
         """(process group of the holders, this rank's copy or None, whether this copy counts: in the gradient
         norm and in checkpoints, the first holder's)."""
@@ -167,13 +167,13 @@ class TiedCopies:
 
 
 def _holdings(tied: list[list[str]], mine: tuple[int, list[bool]], stage_params: list[set[str]] | None,
-              stage_of_rank: Any, columns: int) -> list[tuple[int, list[bool]]]:
+              stages_of_rank: Any, columns: int) -> list[tuple[int, list[bool]]]:
     """Every rank's (column, which tied parameters it holds), gathered; a traced estimate, whose fake process group
     can't gather, names every stage's parameters instead (its Placement's stage_params)."""
     if stage_params is None:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return everyone
-    world = len(stage_params) * columns
-    return [(rank % columns, [any(n in stage_params[stage_of_rank(rank)] for n in names) for names in tied])
+    world = len(stage_params) // len(stages_of_rank(0)) * columns
+    return [(rank % columns, [any(n in stage_params[s] for s in stages_of_rank(rank) for n in names) for names in tied])
             for rank in range(world)]
