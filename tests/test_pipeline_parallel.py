@@ -108,7 +108,8 @@ def test_balanced_split() -> None:
     ({"num_processes": 3, "pp": 2}, r"pp x tp must divide"),
     ({"num_processes": 2, "pp": 2, "grad_accum_steps": 1}, r"1F1B needs at least as many micro-batches"),
     ({"num_processes": 2, "pp": 0}, r"must be at least 1"),
-    ({"num_processes": 2, "pp": 2, "track_memory": True}, r"track_memory=True with pp=2: not supported"),
+    ({"num_processes": 2, "pp": 2, "micro_batch_size": "auto", "target_global_batch": 7},
+     r"target_global_batch=7 with pp=2: a pipeline keeps grad_accum_steps=2"),
 ])
 def test_layout_refusals(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -58,6 +58,12 @@ def check_numbers(cfg: RunConfig) -> None:
             f"the data-parallel size {data_ranks} (num_processes={cfg.num_processes} / (tp x pp))"
         raise ValueError(f"target_global_batch={cfg.target_global_batch}: must be a multiple of {what}, e.g. "
                          f"{data_ranks * 32}")
+    step = data_ranks * cfg.grad_accum_steps  # a pipeline keeps its accumulation: the schedule's micro-batches
+    if cfg.target_global_batch and cfg.pp > 1 and cfg.target_global_batch % step:
+        raise ValueError(f"target_global_batch={cfg.target_global_batch} with pp={cfg.pp}: a pipeline keeps "
+                         f"grad_accum_steps={cfg.grad_accum_steps} (its schedule's micro-batches), so the global "
+                         f"batch is a multiple of grad_accum_steps x the data-parallel size {data_ranks}; use e.g. "
+                         f"target_global_batch={step * 4}")
     if cfg.restart_backoff_s > MAX_BACKOFF_S:
         raise ValueError(f"restart_backoff_s={cfg.restart_backoff_s!r}: wait at most {MAX_BACKOFF_S} seconds (a day) "
                          "before the first restart (it doubles for each further one); 10 to 60 is typical")

@@ -109,10 +109,7 @@ def _check_pipeline(cfg: RunConfig) -> None:
     _refuse_unsupported(cfg, f"pp={pp}", "pipeline parallelism", "pp=1", {
         "grad_compression": (cfg.grad_compression != "none", "set grad_compression='none'"),
         "cpu_offload": (cfg.cpu_offload and p not in ("zero3", "fsdp", "hsdp"),
-                        "offloading needs FSDP2's sharded parameters: set parallelism='zero3', or cpu_offload=False"),
-        "micro_batch_size": (cfg.micro_batch_size == "auto", "set micro_batch_size to a number"),
-        # PyTorch's MemTracker refuses a module called once per micro-batch in one step
-        "track_memory": (cfg.track_memory, "set track_memory=False (the process peak is still reported)")})
+                        "offloading needs FSDP2's sharded parameters: set parallelism='zero3', or cpu_offload=False")})
 
 
 def _check_inside_stage(cfg: RunConfig, per_stage: int) -> None:

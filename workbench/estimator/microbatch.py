@@ -34,7 +34,8 @@ def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
 
     limit = _limit(cfg)
     usable = limit * (1 - MARGIN)
-    accum = 1 if cfg.target_global_batch else cfg.grad_accum_steps
+    # A pipeline's schedule needs its micro-batch count: accumulation stays as set (training/autobatch.py).
+    accum = 1 if cfg.target_global_batch and cfg.pp == 1 else cfg.grad_accum_steps
 
     def peak(m: int) -> int:
         est = estimate(cfg.replace(micro_batch_size=m, grad_accum_steps=accum, target_global_batch=0), task=task)
@@ -42,7 +43,15 @@ def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
 
     train, _ = task.build_datasets(cfg)
     most = max(1, len(train) // cfg.dims.dp)  # samples each data-parallel rank has (a TP group shares them)
-    one, two = peak(1), peak(2)
+    try:
+        one, two = peak(1), peak(2)
+    except ValueError as e:
+        if cfg.pp == 1:
+            raise
+        # A pipeline layout the estimate doesn't trace: the ranks measure sizes 1 and 2 themselves and go on
+        # from there (training/autobatch.py).
+        return {"proposed": None, "limit_bytes": limit, "estimates": [],
+                "how": f"no estimate ({e}); the ranks search from their own trials at micro-batch 1 and 2"}
     per_sample = max(1, two - one)
     m = max(1, min(most, int((usable - one) // per_sample) + 1))
     tries = [{"micro_batch": 1, "estimated_peak_bytes": one}, {"micro_batch": 2, "estimated_peak_bytes": two}]

@@ -7,6 +7,12 @@ an equal share of the machine). Optimizer state, which a trial step doesn't crea
 parameters this rank holds (AdamW: two moments). Then one all-reduce takes the smallest size over the
 ranks (ranks searching separately would disagree and deadlock DDP), and, with target_global_batch,
 accumulation is set to keep the global batch. The search and the choice are recorded.
+
+Under a pipeline (pp > 1) a trial is one schedule run over the step's grad_accum_steps micro-batches (a stage's
+peak depends on how many are in flight), so every rank tries the same size and the smallest any stage can take
+wins; accumulation stays as set (the schedule's micro-batch count) and target_global_batch picks among the sizes
+that divide it. When the estimate can't trace the pipeline (no proposal), the ranks measure sizes 1 and 2 and
+extrapolate the first size to try, as the proposal would. The stages' shapes are inferred again afterwards.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from workbench.training.memory import tracked
+from workbench.training.stage_memory import live_tracked
 from workbench.utils.files import read_json, write_json
 
 if TYPE_CHECKING:
@@ -56,16 +63,27 @@ def _trial_peak(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, m:
     batch = send_to_device(next(iter(DataLoader(dataset, batch_size=m, collate_fn=collate))), device)
 
     def forward_backward() -> None:
+        if getattr(strategy, "pipelined", False):  # the step's micro-batches through the schedule
+            strategy.pipeline_step(iter([batch] * cfg.grad_accum_steps), cfg.grad_accum_steps)  # type: ignore
+            return
         # No gradient all-reduce (DDP's buckets exist either way): ranks may try different sizes before agreeing.
         with strategy.sync_gradients(last_micro_batch=False), strategy.forward_context():
             loss, _ = split_loss(task.loss(strategy.model, batch))
             strategy.backward(loss)
 
     try:
+        if getattr(strategy, "pipelined", False):
+            # Stages infer a micro-batch's shapes at their first step (with autograd.grad calls the tracker can't
+            # follow) and keep them: fresh ones for this size, initialized outside the measurement.
+            strategy.fresh_schedule()  # type: ignore[attr-defined]
+            forward_backward()
+            strategy.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             forward_backward()
             peak = float(torch.cuda.max_memory_allocated(device))
+        elif getattr(strategy, "split_backward", False):  # MemTracker can't follow it (stage_memory.py)
+            peak = float(live_tracked(strategy, forward_backward)[1]["peak"])
         else:
             peak = float(tracked(strategy, forward_backward)[1]["peak"])
     except torch.cuda.OutOfMemoryError:
@@ -77,20 +95,50 @@ def _trial_peak(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, m:
     return peak + 2 * strategy.measure_held_bytes()["params"]  # AdamW's moments, created at the first update
 
 
+def _first_size(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, collate: Any, usable: float,
+                most: int, tries: list[dict[str, Any]]) -> int:
+    """No proposal (a pipeline the estimate can't trace): sizes 1 and 2 measured here give the bytes per sample,
+    the largest size under `usable` the first to try; agreed over the ranks (every rank tries the same sizes)."""
+    one = _trial_peak(strategy, task, dataset, cfg, 1, collate)
+    two = _trial_peak(strategy, task, dataset, cfg, 2, collate) if most > 1 else one
+    tries += [{"micro_batch": 1, "peak_bytes": one}, {"micro_batch": 2, "peak_bytes": two}][:1 + (most > 1)]
+    per_sample = max(1.0, two - one)
+    first = max(1, min(most, int((usable - one) // per_sample) + 1)) if math.isfinite(two) else 1
+    agreed = torch.tensor([first], device=strategy.device)
+    if dist.is_initialized():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return int(agreed.item())
+
+
+def _with_target(cfg: RunConfig, m: int, data_ranks: int) -> tuple[int, int]:
+    """(micro-batch, accumulation) for the largest fitting size `m`: with target_global_batch, the largest size
+    up to m that divides it, and the accumulation that makes it up; a pipeline keeps its accumulation."""
+    target, accum = cfg.target_global_batch, cfg.grad_accum_steps
+    if not target:
+        return m, accum
+    if cfg.pp > 1:  # config checks: target is a multiple of accum x data ranks, so size 1 always divides
+        return max(d for d in range(1, m + 1) if target % (d * accum * data_ranks) == 0), accum
+    chosen = max(d for d in range(1, m + 1) if target % (d * data_ranks) == 0)
+    return chosen, target // (chosen * data_ranks)
+
+
 def choose(cfg: RunConfig, strategy: Strategy, task: Task, dataset: Any, run: RunDir, dims: ParallelDims,
            collate: Any) -> RunConfig:
     """Resolve micro_batch_size='auto' on every rank (collective); returns the config with the sizes chosen.
     `dims`: the run's layout; the batch arithmetic counts its data-parallel ranks (a TP group shares batches)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world, data_ranks = dims.world_size, dims.dp
-    proposal = (read_json(run.path / AUTOBATCH) or {}).get("proposed") or 1
+    proposal = (read_json(run.path / AUTOBATCH) or {}).get("proposed")
     # What doesn't grow with the batch: parameters, gradients and AdamW's two moments.
     fixed = 4 * strategy.measure_held_bytes()["params"]
     limit = memory_limit(strategy.device, cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     usable = limit * (1 - MARGIN)
     per_rank = len(dataset) // data_ranks
-    m, tries, own = max(1, min(int(proposal), per_rank)), [], None
+    tries: list[dict[str, Any]] = []
     rng = torch.get_rng_state()
+    if proposal is None:
+        proposal = _first_size(strategy, task, dataset, cfg, collate, usable, per_rank, tries)
+    m, own = max(1, min(int(proposal), per_rank)), None
     while True:
         # Every rank tries the same size (a sharded forward needs all of them), then one all-reduce takes the
         # smallest size any rank can take: the next size to try, or, when all fit, the answer.
@@ -112,11 +160,9 @@ def choose(cfg: RunConfig, strategy: Strategy, task: Task, dataset: Any, run: Ru
             break
         m = int(agreed.item())
     torch.set_rng_state(rng)  # the trials mustn't shift dropout from what a fixed micro-batch would draw
-    chosen = m
-    accum = cfg.grad_accum_steps
-    if cfg.target_global_batch:
-        chosen = max(d for d in range(1, chosen + 1) if cfg.target_global_batch % (d * data_ranks) == 0)
-        accum = cfg.target_global_batch // (chosen * data_ranks)
+    if getattr(strategy, "pipelined", False):
+        strategy.fresh_schedule()  # type: ignore[attr-defined]  # shapes inferred at the trials' sizes
+    chosen, accum = _with_target(cfg, m, data_ranks)
     everyone = [None] * world
     if world > 1:
         dist.all_gather_object(everyone, {"rank": rank, "limit_bytes": limit, "own_choice": own, "tries": tries})

@@ -35,7 +35,10 @@ from workbench.training.compiling import describe as describe_compile
 from workbench.training.evaluation import evaluate
 from workbench.training.guard import Guard
 from workbench.training.logger import MetricsLogger
+from workbench.training.memory import method as tracking_method
 from workbench.training.memory import tracked
+from workbench.training.stage_memory import METHOD as LIVE_METHOD
+from workbench.training.stage_memory import live_tracked
 from workbench.training.optim import build_optimizer, set_lr
 from workbench.training.outcome import export_weights, first_leaf_dtype, running_fields, summary_fields
 from workbench.training.parallel import parallelize
@@ -73,7 +76,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.prior_time = 0.0  # training time of earlier sessions of a resumed run
         self.eval_row: dict[str, float] | None = None
-        self.tracked_memory: dict[str, int] | None = None  # track_memory: one step's bytes by category
+        self.tracked_memory: dict[str, Any] | None = None  # track_memory: one step's bytes by category, its method
         self.ending: dict[str, Any] | None = None  # how a preempted, stopped or diverged run ended
         self.consecutive_skips = 0
         self.lr = 0.0  # the learning rate the last step used (the first param group's)
@@ -201,7 +204,12 @@ class Trainer:
         counted with the whole dataset's storage."""
         self.breakdown.mark("data")
         micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
-        result, self.tracked_memory = tracked(self.parallel, lambda: self._step(iter(micro)), tuple(micro))
+        if getattr(self.parallel, "split_backward", False):
+            result, report = live_tracked(self.parallel, lambda: self._step(iter(micro)))
+            self.tracked_memory = {**report, "method": LIVE_METHOD}
+        else:
+            result, report = tracked(self.parallel, lambda: self._step(iter(micro)), tuple(micro))
+            self.tracked_memory = {**report, "method": tracking_method(self.parallel)}
         return result
 
     def _step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, Verdict]:

@@ -5,6 +5,13 @@ mode; nothing is allocated for it) and attributes storage to parameters, gradien
 activations, temporaries and buffers. The step it watches runs slower, so it is opt-in (track_memory) and
 watches one step: the second of a session (the first also creates the optimizer state, a one-off), or the
 only one.
+
+Under a pipeline schedule (pp > 1) the tracker runs as it does for gradient accumulation: it refuses a root
+module forwarded twice in one step ("MemTracker does not support memory tracking for multiple iterative calls"),
+so its per-module counts restart before each micro-batch's stage forward (pipeline.py's stage, through
+next_micro_batch; the peak is kept). A stage's chunks all count (one FSDPMemTracker over every sharded chunk),
+and the receive buffers PipelineStage keeps across steps, made before the tracked step, are handed to it as
+communication buffers. `method` names the tracker that measured a rank (its summary's tracked_memory).
 """
 
 from __future__ import annotations
@@ -37,16 +44,24 @@ def watching(tracker: Any) -> Any:
 
 
 def next_micro_batch(module: Any = None) -> None:
-    """Between the micro-batches of an accumulated step: the tracker counts the model's forward once per
-    pass, so its per-module counts restart (its peak is kept). `module`: only its own counts restart, where
-    several model chunks take turns (an interleaved pipeline's: the others' backwards are still to come)."""
-    if not _ACTIVE:
+    """Between the micro-batches of an accumulated step, and before each forward of a pipeline stage's
+    `module`: the tracker counts a module's forward once per pass, so its per-module counts restart (its peak
+    is kept). A stage's other chunks keep theirs: their backwards for earlier micro-batches are still to come."""
+    tracker = _ACTIVE[-1] if _ACTIVE else None
+    if tracker is None or not hasattr(tracker, "memory_tracking"):
         return
     if module is None:
-        _ACTIVE[-1].reset_mod_stats()
+        tracker.reset_mod_stats()
         return
     for m in module.modules():
-        _ACTIVE[-1].memory_tracking.pop(m, None)
+        tracker.memory_tracking.pop(m, None)
+
+
+def stage_point() -> None:
+    """After a pipeline stage's forward or backward: a tracker that samples (stage_memory.LiveTensors) samples."""
+    if _ACTIVE and hasattr(_ACTIVE[-1], "sample"):
+        _ACTIVE[-1].sample()
+
 
 def summarize(snapshot: dict[Any, dict[str, Any]], device: Any) -> dict[str, int]:
     """A tracker's snapshot on `device` by workbench's categories (MemTracker's and FSDPMemTracker's names
@@ -66,7 +81,12 @@ def summarize(snapshot: dict[Any, dict[str, Any]], device: Any) -> dict[str, int
 
 
 def activations_after_forward(tracker: Any, module: Any) -> int:
-    """Activations saved for backward: what the model holds when its forward returns."""
+    """Activations saved for backward: what the model holds when its forward returns (a pipeline stage's
+    chunks: the most when any of them returns)."""
+    import torch
+
+    if isinstance(module, torch.nn.ModuleList):
+        return max((activations_after_forward(tracker, chunk) for chunk in module), default=0)
     stats = tracker.memory_tracking.get(module)
     # MemTracker snapshots the module at POST_FW; FSDPMemTracker at AFT_POST_FW (after resharding).
     snaps = [snap for state, snaps in (stats.snapshots.items() if stats else ())
@@ -76,22 +96,50 @@ def activations_after_forward(tracker: Any, module: Any) -> int:
                     if str(getattr(k, "value", k)) == "Activation"), default=0))
 
 
+def _fsdp_root(module: Any) -> Any:
+    """The FSDP2 module FSDPMemTracker takes: the model, or a pipeline stage's first sharded chunk; None when
+    nothing is sharded."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        return module
+    chunks = module if isinstance(module, torch.nn.ModuleList) else ()
+    return next((c for c in chunks if isinstance(c, FSDPModule)), None)
+
+
+def method(strategy: Strategy) -> str:
+    """Which tracker `tracked` runs for `strategy` (and how it follows a pipeline schedule)."""
+    name = "FSDPMemTracker" if _fsdp_root(strategy.module) is not None else "MemTracker"
+    if getattr(strategy, "pipelined", False):
+        return f"{name} (PyTorch's), its module counts restarted before each micro-batch's stage forward"
+    return f"{name} (PyTorch's)"
+
+
 def tracked(strategy: Strategy, step: Callable[[], T], inputs: tuple[Any, ...] = ()) -> tuple[T, dict[str, int]]:
     """Run `step` under PyTorch's memory tracker (FSDPMemTracker for a sharded model, MemTracker otherwise);
     returns its result and the bytes by category at the peak, with the activations after forward."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(strategy.module, FSDPModule):
-        tracker: Any = FSDPMemTracker(strategy.module, strategy.local_optimizer())
-        if inputs:
-            tracker.track_inputs(inputs)
+    root = _fsdp_root(strategy.module)
+    received = list(getattr(strategy, "receive_buffers", list)())
+    if root is not None:
+        tracker: Any = FSDPMemTracker(root, strategy.local_optimizer())
+        # It walks the root's modules for FSDP states: a stage's every chunk (it checks the type only here).
+        tracker._root_mod = strategy.module
+        if inputs or received:
+            tracker.track_inputs((*inputs, *received))
     else:
         tracker = MemTracker()
-        tracker.track_external(strategy.module, strategy.local_optimizer(), *inputs)
+        tracker.track_external(strategy.module, strategy.local_optimizer(), *inputs, *received)
     with watching(tracker):
         result = step()
     report = summarize(tracker.get_tracker_snapshot("peak"), strategy.device)
+    # The receive buffers live through the whole step, so they are in the peak, tracked as inputs (temporaries).
+    moved = min(report["temporaries"], sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                            for t in received}.values()))
+    report["temporaries"] -= moved
+    report["buffers"] += moved
     report["activations_after_forward"] = activations_after_forward(tracker, strategy.module)
     return result, report

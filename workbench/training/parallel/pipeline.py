@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from workbench.config.mesh import INTERLEAVED, shards, virtual_stages
 from workbench.training.agreement import CarriedLoss
 from workbench.training.evaluation import split_loss
+from workbench.training.memory import next_micro_batch, stage_point
 from workbench.training.parallel.pipeline_parts import (
     TiedCopies,
     dim_size,
@@ -73,6 +74,23 @@ SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
 __all__ = ["PipelineParallel", "tied_names"]
 
 
+class _TrackedStage(PipelineStage):
+    """A PipelineStage that tells the memory tracker (track_memory) where the schedule is: PyTorch's MemTracker
+    refuses a root module forwarded again in the same step unless its module counts restart before each
+    micro-batch; the zero-bubble schedule's tracker samples after each forward and backward (stage_memory.py)."""
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        next_micro_batch(self.submod)
+        out = super().forward_maybe_with_nosync(*args, **kwargs)
+        stage_point()
+        return out
+
+    def backward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().backward_maybe_with_nosync(*args, **kwargs)
+        stage_point()
+        return out
+
+
 class PipelineParallel(PipelineCheckpoints):
     """This rank's chunks of the pipeline, the schedule over the step's micro-batches, and the reductions the
     schedule leaves to us (tied copies, replicated pipelines, the norm over stages)."""
@@ -94,6 +112,8 @@ class PipelineParallel(PipelineCheckpoints):
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp_replicate") if self.replicas > 1 else None
         self.total_stages = self.stages * self.chunks_per_rank
+        # zero-bubble splits each backward into autograd.grad calls that MemTracker's hooks can't follow
+        self.split_backward = cfg.pp_schedule == "zero_bubble"
         self.stage_ids = [self.stage_index + k * self.stages for k in range(self.chunks_per_rank)]
         self.name = self._describe()
         tied = tied_names(model)
@@ -102,11 +122,7 @@ class PipelineParallel(PipelineCheckpoints):
                                                accelerator)
         self._tied = TiedCopies(self.module, tied, self.column, self.columns,
                                 getattr(accelerator, "stage_params", None), self.stages_of_rank)
-        self.pipeline_stages = [PipelineStage(chunk, s, self.total_stages, self.device, group=self.pp_group)
-                                for chunk, s in zip(self.module, self.stage_ids)]
-        stages = self.pipeline_stages if cfg.pp_schedule in INTERLEAVED else self.pipeline_stages[0]
-        self.schedule = SCHEDULES[cfg.pp_schedule](stages, n_microbatches=cfg.grad_accum_steps,
-                                                   loss_fn=self.stage_loss, scale_grads=True)
+        self.fresh_schedule()
         self.optimizer = make_optimizer(self.module)
         if any(isinstance(p, DTensor) for p in self.module.parameters()):
             self._origin = split_groups_by_mesh(self.optimizer)
@@ -114,6 +130,16 @@ class PipelineParallel(PipelineCheckpoints):
             self.scaler = LocalShardGradScaler(device=self.device.type)
             # Only the last stage scales a loss; every stage unscales the gradients that flow back from it.
             self.scaler.scale(torch.ones((), device=self.device))
+
+    def fresh_schedule(self) -> None:
+        """New stages and schedule over this rank's chunks. PipelineStage infers the micro-batch's shapes at its
+        first step and keeps them: after micro_batch_size='auto' has tried other sizes, the run starts afresh."""
+        cfg = self.cfg
+        self.pipeline_stages = [_TrackedStage(chunk, s, self.total_stages, self.device, group=self.pp_group)
+                                for chunk, s in zip(self.module, self.stage_ids)]
+        stages = self.pipeline_stages if cfg.pp_schedule in INTERLEAVED else self.pipeline_stages[0]
+        self.schedule = SCHEDULES[cfg.pp_schedule](stages, n_microbatches=cfg.grad_accum_steps,
+                                                   loss_fn=self.stage_loss, scale_grads=True)
 
     def _describe(self) -> str:
         inner = [f"{self.cfg.parallelism}{self.columns // dim_size(self.mesh, 'tp')}"] \
@@ -209,6 +235,14 @@ class PipelineParallel(PipelineCheckpoints):
         return total
 
     # ---- what this rank holds ------------------------------------------------------------------------
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The buffers PipelineStage receives activations and their gradients into, one per micro-batch, made at
+        the first step and kept across steps (empty before it): communication buffers for the memory tracker."""
+        infos = [info for stage in self.pipeline_stages
+                 for table in (stage.args_recv_info, stage.grad_recv_info) for infos in table.values()
+                 for info in infos]
+        return [b for info in infos if isinstance(b := getattr(info, "buffer", None), torch.Tensor)]
+
     def facts(self) -> dict[str, Any]:
         """This rank's stages and place in the mesh, and the modules it holds (blocks by their index)."""
         names = self.mesh.mesh_dim_names or ()
