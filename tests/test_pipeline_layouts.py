@@ -96,9 +96,9 @@ def test_each_layout_trains_like_one_process(runs: Runs, layout: str) -> None:
 
 def test_pp_zero3_tp_splits_every_matrix_over_the_stage_mesh(runs: Runs) -> None:
     everyone = ranks(runs["pp x zero3 x tp"])
-    assert all(r["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2} for r in everyone)
+    assert all(r["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2} for r in everyone)
     coords = {tuple(r["coordinates"].values()) for r in everyone}
-    assert len(coords) == 8, "every rank its own place in the 4-D mesh"
+    assert len(coords) == 8, "every rank its own place in the mesh"
     assert [r["pp_stage_ids"] for r in everyone] == [[0]] * 4 + [[1]] * 4
     assert everyone[0]["pp_holds"] == ["blocks.0", "blocks.1", "pos", "tok"]
     assert everyone[4]["pp_holds"] == ["blocks.2", "blocks.3", "head", "ln_f"]
@@ -122,7 +122,7 @@ def test_interleaved_ranks_hold_every_other_stage(runs: Runs) -> None:
     assert proj["placements"] == ["Shard(dim=1)"] and proj["local_shape"] == [64, 32], "row-wise over tp"
     zb = ranks(runs["pp x zero2, zero bubble"])
     assert zb[0]["split_params"]["tok.weight"]["placements"] == ["Shard(dim=0)"]
-    assert zb[0]["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    assert zb[0]["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
 
 
 @pytest.mark.parametrize("target", [dict(num_processes=1, parallelism="none", micro_batch_size=4),

@@ -59,7 +59,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, wb.RunResult]:
 def test_pp2_trains_like_one_process(runs: dict[str, wb.RunResult], schedule: str) -> None:
     single, pp = runs["single"], runs[schedule]
     assert pp.status == "completed", pp.summary
-    assert pp.summary["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert pp.summary["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
     assert pp.summary["global_batch_size"] == single.summary["global_batch_size"] == 8
     norms = [r["grad_norm"] for r in single.metrics if "grad_norm" in r]
     assert any(n > 0.5 for n in norms), "clipping must be active for the comparison to cover it"
@@ -81,7 +81,7 @@ def test_pp_x_dp_trains_like_one_process(runs: dict[str, wb.RunResult]) -> None:
     """2 replicas of a 2-stage pipeline, each on half of every global batch: the one-process losses."""
     single, hybrid = runs["single"], runs["pp x dp"]
     assert hybrid.status == "completed", hybrid.summary
-    assert hybrid.summary["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
+    assert hybrid.summary["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
     assert hybrid.summary["global_batch_size"] == 8
     placed = {r["rank"]: (r["pp_stage"], r["dp_replica"], r["pp_holds"]) for r in hybrid.summary["ranks"]}
     assert placed == {0: (0, 0, ["blocks.0", "pos", "tok"]), 1: (0, 1, ["blocks.0", "pos", "tok"]),

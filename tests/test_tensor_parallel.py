@@ -93,7 +93,7 @@ def hsdp_tp(tmp_path_factory: pytest.TempPathFactory) -> wb.RunResult:
 def test_tp2_trains_like_one_process(runs: dict[str, wb.RunResult]) -> None:
     single, tp = runs["single"], runs["tp2"]
     assert tp.status == "completed" and tp.summary["tp"] == 2 and tp.summary["world_size"] == 2
-    assert tp.summary["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert tp.summary["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
     assert tp.summary["global_batch_size"] == single.summary["global_batch_size"] == 16
     norms = [r["grad_norm"] for r in single.metrics if "grad_norm" in r]
     assert sum(n > 0.5 for n in norms) >= 5, "clipping must be active for the comparison to cover it"
@@ -156,7 +156,7 @@ def _ranks_of_a_hybrid(run: wb.RunResult, single: wb.RunResult, mesh: dict[str, 
     1e-5 relative per step, its mesh and row-major coordinates on every rank, and each block's planned matrices
     placed as `placements` (column-wise, row-wise) say; returns the ranks' records for the layout's own checks."""
     assert run.status == "completed" and run.summary["global_batch_size"] == 16
-    assert run.summary["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, **mesh}
+    assert run.summary["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, **mesh}
     assert worst_relative(losses(run), losses(single)) < 1e-5
     ranks = run.summary["ranks"]
     dims = ParallelDims(**mesh)  # the trainer's arithmetic, against the coordinates torch's DeviceMesh gave

@@ -51,11 +51,12 @@ def check_numbers(cfg: RunConfig) -> None:
     if cfg.target_global_batch and cfg.micro_batch_size != "auto":
         raise ValueError(f"target_global_batch={cfg.target_global_batch}: only micro_batch_size='auto' uses it; "
                          "with a fixed micro-batch set grad_accum_steps, or set micro_batch_size='auto'")
-    # The ranks of a TP group or a pipeline share their batches (a layout that doesn't divide is refused later).
-    data_ranks = cfg.num_processes // max(1, cfg.tp * cfg.pp) or 1
+    # The ranks of a TP group, a CP group or a pipeline share their batches (a layout that doesn't divide is
+    # refused later).
+    data_ranks = cfg.num_processes // max(1, cfg.tp * cfg.cp * cfg.pp) or 1
     if cfg.target_global_batch and cfg.target_global_batch % data_ranks:
         what = f"num_processes={cfg.num_processes}" if data_ranks == cfg.num_processes else \
-            f"the data-parallel size {data_ranks} (num_processes={cfg.num_processes} / (tp x pp))"
+            f"the data-parallel size {data_ranks} (num_processes={cfg.num_processes} / (pp x cp x tp))"
         raise ValueError(f"target_global_batch={cfg.target_global_batch}: must be a multiple of {what}, e.g. "
                          f"{data_ranks * 32}")
     step = data_ranks * cfg.grad_accum_steps  # a pipeline keeps its accumulation: the schedule's micro-batches

@@ -7,10 +7,13 @@ The layout is a mesh of named dimensions, outermost first, as torchtitan names t
     pp            pipeline stages (the data-parallel ranks are replicas of the whole pipeline)
     dp_replicate  data-parallel replicas (ddp, zero1; hsdp's groups)
     dp_shard      data-parallel ranks that shard parameters (zero2, zero3/fsdp; hsdp's shard groups)
+    cp            context-parallel ranks: one batch, each rank a slice of every sequence (ring attention);
+                  FSDP shards the parameters over dp_shard x cp together, as torchtitan does
     tp            tensor-parallel ranks that split each matrix (Megatron style)
 
-A rank's coordinates follow row-major order, so rank = dp_index * tp + tp_index: the ranks of one TP group
-are neighbours, see the same batches and share a torch seed. mesh_checks.py refuses impossible layouts.
+A rank's coordinates follow row-major order, so rank = (dp_index * cp + cp_index) * tp + tp_index: the ranks of
+one TP group are neighbours, and those of a TP group and of a CP group see the same batches and share a torch
+seed. mesh_checks.py refuses impossible layouts.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SHARDED = ("zero2", "zero3", "fsdp", "hsdp")
 """Parallelism modes that shard parameters over the dp_shard dimension (FSDP2)."""
 
@@ -49,6 +52,7 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @classmethod
@@ -56,18 +60,18 @@ class ParallelDims:
         """The layout of `cfg` over `world_size` ranks (default: cfg.num_processes; a multi-node launch
         passes the world it really has)."""
         world = cfg.num_processes if world_size is None else world_size
-        dp = world // (cfg.tp * cfg.pp)
+        dp = world // (cfg.tp * cfg.pp * cfg.cp)
         if cfg.parallelism == "hsdp" and cfg.dp_shard:
             replicate, shard = dp // cfg.dp_shard, cfg.dp_shard
         elif shards(cfg.parallelism):
             replicate, shard = 1, dp
         else:
             replicate, shard = dp, 1
-        return cls(pp=cfg.pp, dp_replicate=replicate, dp_shard=shard, tp=cfg.tp)
+        return cls(pp=cfg.pp, dp_replicate=replicate, dp_shard=shard, cp=cfg.cp, tp=cfg.tp)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -76,13 +80,13 @@ class ParallelDims:
 
     @property
     def sizes(self) -> dict[str, int]:
-        """{'pp', 'dp_replicate', 'dp_shard', 'tp'}: the sizes, outermost first."""
+        """{'pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'}: the sizes, outermost first."""
         return {name: getattr(self, name) for name in MESH_DIMS}
 
     @property
     def ranks_per_stage(self) -> int:
         """Ranks in one pipeline stage (all ranks without a pipeline)."""
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
 
     def global_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
         """Samples per optimizer step over all ranks: only the data-parallel ranks see different ones."""
@@ -96,7 +100,7 @@ class ParallelDims:
         return {name: coords[name] for name in MESH_DIMS}
 
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel coordinate: which batches `rank` sees (shared by a TP group and a pipeline)."""
+        """The data-parallel coordinate: which batches `rank` sees (shared by a TP group, a CP group and a pipeline)."""
         coords = self.coordinates(rank)
         return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 

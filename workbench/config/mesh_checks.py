@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from workbench.config.mesh import SHARDED
+
 if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
 
@@ -37,23 +39,26 @@ def check_layout(cfg: RunConfig) -> None:
         raise ValueError(f"tp={tp} with num_processes={n}: the tensor-parallel size must divide the number of ranks "
                          f"(data-parallel size = num_processes / tp); use tp={' or '.join(map(str, _divisors(n)))}, "
                          f"or num_processes={tp * max(1, n // tp + 1)}")
+    if cfg.cp != 1:
+        _check_context_parallel(cfg)
     if cfg.pp != 1:
         _check_pipeline(cfg)
         return
-    dp = n // tp
+    cp = cfg.cp
+    dp = n // (tp * cp)
     if tp > 1:
         _check_tensor_parallel(cfg, dp)
     if p == "hsdp":
-        ok = shard_groups(n, tp)
-        what = "num_processes" if tp == 1 else f"the data-parallel size num_processes/tp={dp}"
+        ok = shard_groups(n, tp * cp)
+        what = "num_processes" if tp * cp == 1 else f"the data-parallel size num_processes/(cp x tp)={dp}"
         hint = (f"use dp_shard={' or '.join(map(str, ok))}" if ok else
-                f"{what} can't be split so; use e.g. num_processes={4 * tp} with dp_shard=2, or "
+                f"{what} can't be split so; use e.g. num_processes={4 * tp * cp} with dp_shard=2, or "
                 "parallelism='zero3' to shard over all data-parallel ranks")
         if cfg.dp_shard < 2 or dp % cfg.dp_shard or dp // cfg.dp_shard < 2:
             raise ValueError(f"dp_shard={cfg.dp_shard} with parallelism='hsdp' and num_processes={n}"
-                             f"{f' (tp={tp})' * (tp > 1)}: hsdp shards within groups of dp_shard ranks and replicates "
-                             f"across at least 2 groups, so dp_shard must divide {what} and be between 2 and half of "
-                             f"it; {hint}")
+                             f"{f' (tp={tp})' * (tp > 1)}{f' (cp={cp})' * (cp > 1)}: hsdp shards within groups of "
+                             f"dp_shard ranks and replicates across at least 2 groups, so dp_shard must divide {what} "
+                             f"and be between 2 and half of it; {hint}")
     elif cfg.dp_shard:
         raise ValueError(f"dp_shard={cfg.dp_shard}: only parallelism='hsdp' uses it (parallelism={p!r}); set "
                          "dp_shard=0, or parallelism='hsdp'")
@@ -81,10 +86,36 @@ def _check_tensor_parallel(cfg: RunConfig, dp: int) -> None:
                          "DistributedDataParallel's, which refuses the DTensor parameters TP makes ('got mixed "
                          "torch.Tensor and DTensor'); ddp x tp all-reduces through FSDP2's replicate, which takes no "
                          "hooks. Set grad_compression='none', or tp=1")
-    if cfg.cpu_offload and dp == 1:
+    if cfg.cpu_offload and dp == 1 and cfg.cp == 1:  # under cp FSDP2 shards over the CP group
         raise ValueError(f"cpu_offload=True with tp={tp} on num_processes={n} (pure tensor parallelism): offloading "
                          "is FSDP2's (CPUOffloadPolicy), which needs a data-parallel dimension to shard over; set "
                          f"num_processes={2 * tp} with parallelism='zero3', or cpu_offload=False")
+
+
+def _check_context_parallel(cfg: RunConfig) -> None:
+    """cp != 1: the CP groups divide the ranks, and the layout around them is one that shards the parameters over
+    dp_shard x cp (FSDP2, torchtitan's dp_shard_cp): the ranks of a CP group hold the same weights and each computes
+    gradients of its slice of the sequence. What the task and the machine allow is preflight's."""
+    cp, n, tp, p = cfg.cp, cfg.num_processes, cfg.tp, cfg.parallelism
+    if cp < 1:
+        raise ValueError(f"cp={cp}: the context-parallel size must be at least 1 (1 turns context parallelism off)")
+    if n % (cp * tp):
+        ok = [d for d in _divisors(n // tp if n % tp == 0 else n) if d > 1]
+        raise ValueError(f"cp={cp} with num_processes={n}{f' and tp={tp}' * (tp > 1)}: cp x tp must divide the "
+                         f"number of ranks (data-parallel size = num_processes / (cp x tp)); use "
+                         f"cp={' or '.join(map(str, ok)) or 1}, or num_processes={cp * tp * max(1, n // (cp * tp))}")
+    if cfg.pp > 1:
+        raise ValueError(f"cp={cp} with pp={cfg.pp}: context parallelism inside pipeline stages isn't supported "
+                         "yet (the schedule runs each stage's forward outside the ring attention's context); set pp=1 "
+                         "or cp=1")
+    if p not in SHARDED:
+        raise ValueError(f"cp={cp} with parallelism={p!r}: the ranks of a CP group hold the same parameters, which "
+                         "FSDP2 shards over dp_shard x cp together (as torchtitan does); set parallelism='zero2' "
+                         "(parameters kept gathered through the step) or 'zero3' (or 'hsdp'), or cp=1")
+    if cfg.micro_batch_size == "auto":
+        raise ValueError(f"micro_batch_size='auto' with cp={cp}: the search tries sizes one rank at a time, and a "
+                         "CP group's ring attention needs all of its ranks in every forward; set micro_batch_size to "
+                         "a number, or cp=1")
 
 
 def _check_pipeline(cfg: RunConfig) -> None:

@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workbench.config.trackers import missing, pip_command
-from workbench.tasks import get_task
+from workbench.tasks import Task, get_task
 from workbench.tasks.blocks import checkpoint_units, shard_units
 from workbench.utils.hardware import Hardware, detect, resolve_device
 
 if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
-    from workbench.tasks import Task
 
 
 def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | None = None) -> None:
@@ -41,6 +40,12 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
     if cfg.cpu_offload and device != "cuda":
         raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
                          "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
+    if cfg.cp > 1 and device != "cuda":
+        raise ValueError(f"cp={cfg.cp} on CPU: PyTorch's context parallel (torch {torch.__version__}) runs ring "
+                         "attention through the CUDA kernels of scaled_dot_product_attention (flash, efficient, "
+                         "cuDNN); the CPU's kernel has no context-parallel rule ('Operator aten._scaled_dot_product_"
+                         "flash_attention_for_cpu.default does not have a sharding strategy registered'). Run on CUDA "
+                         "GPUs, or set cp=1")
     if cfg.grad_compression == "bf16" and device != "cuda" and cfg.num_processes > 1:
         raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
                          "use grad_compression='fp16' or 'powersgd' on CPU")
@@ -99,11 +104,29 @@ def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
 
 
 def check_parallel_task(cfg: RunConfig, task: Any) -> None:
-    """Before launch: the task can be split as tp and pp ask (a plan, pipeline stages)."""
+    """Before launch: the task can be split as tp, pp and cp ask (a plan, pipeline stages, sequence tensors)."""
     if cfg.tp > 1:
         check_tensor_parallel_task(cfg, task)
     if cfg.pp > 1:
         check_pipeline_task(cfg, task)
+    if cfg.cp > 1:
+        check_context_parallel_task(cfg, task)
+
+
+def check_context_parallel_task(cfg: RunConfig, task: Any) -> None:
+    """cp > 1: the task names its sequence tensors (Task.context_parallel_buffers), and its sequence splits into
+    2 x cp chunks: PyTorch's load balancing pairs a chunk from the head with one from the tail on each rank, so
+    every rank gets the same share of causal attention's work."""
+    if type(task).context_parallel_buffers is Task.context_parallel_buffers:
+        raise ValueError(f"cp={cfg.cp}: task {task.name!r} doesn't say where its sequence dimension is "
+                         f"({type(task).__name__}.context_parallel_buffers returns None); set cp=1, or implement "
+                         "context_parallel_buffers(model, batch) returning [(tensor, sequence dim), ...]")
+    length = task.tokens_per_sample(cfg)
+    if length is not None and length % (2 * cfg.cp):
+        raise ValueError(f"cp={cfg.cp}: task {task.name!r} has sequences of {length} tokens, which context "
+                         f"parallel's load balancing can't split into 2 x cp = {2 * cfg.cp} equal chunks; use a "
+                         f"sequence length that is a multiple of {2 * cfg.cp} (char-gpt: task_options.block_size="
+                         f"{2 * cfg.cp * max(1, length // (2 * cfg.cp))}), or another cp")
 
 
 def check_pipeline_task(cfg: RunConfig, task: Any) -> None:

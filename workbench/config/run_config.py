@@ -61,8 +61,12 @@ class RunConfig:
     """hsdp: ranks in one shard group (a divisor of the data-parallel size, the rest replicate); 0 otherwise."""
     tp: int = 1
     """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
-    The data-parallel size is num_processes / (tp x pp); above 1 TP combines with zero2/zero3 (FSDP x TP), hsdp
+    The data-parallel size is num_processes / (pp x cp x tp); above 1 TP combines with zero2/zero3 (FSDP x TP), hsdp
     (a 3-D mesh) or ddp (FSDP2's replicate); not with zero1, whose optimizer can't broadcast DTensors."""
+    cp: int = 1
+    """Context-parallel size: each sequence split over cp ranks that see the same batch (PyTorch's ring attention
+    for F.scaled_dot_product_attention; CUDA only), parameters sharded over dp_shard x cp (zero2/zero3/hsdp).
+    The data-parallel size is num_processes / (pp x cp x tp)."""
     pp: int = 1
     """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages), pp outermost. Inside each
     stage the other dimensions apply as without a pipeline: num_processes / pp ranks per stage, tp of them
@@ -215,12 +219,12 @@ class RunConfig:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel size: ranks that see different batches (num_processes / (tp * pp))."""
+        """Data-parallel size: ranks that see different batches (num_processes / (pp * cp * tp))."""
         return self.dims.dp
 
     @property
     def mesh(self) -> dict[str, int]:
-        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'tp')."""
+        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp')."""
         return self.dims.sizes
 
     def resolved_device(self, hardware: Hardware) -> str:

@@ -238,10 +238,12 @@ def compact_ranks(ranks: list[int]) -> str:
 def layout_name(config: dict[str, Any]) -> str:
     """'ddp', 'hsdp 2 x 4', 'zero3 x tp 2', 'pp 2 x ddp': the parallel layout in a few words."""
     name = str(config["parallelism"])
-    tp, pp = int(config.get("tp", 1)), int(config.get("pp", 1))
+    tp, pp, cp = int(config.get("tp", 1)), int(config.get("pp", 1)), int(config.get("cp", 1))
     if name == "hsdp" and config.get("dp_shard"):
-        dp = int(config["num_processes"]) // (tp * pp)
+        dp = int(config["num_processes"]) // (tp * pp * cp)
         name += f" {dp // int(config['dp_shard'])} x {config['dp_shard']}"
+    if cp > 1:
+        name += f" x cp {cp}"
     if tp > 1:
         name += f" x tp {tp}"
     return f"pp {pp} x {name}" if pp > 1 else name

@@ -95,6 +95,15 @@ class Task:
         two stages: their gradients are summed between them. None (the default): refused before launch."""
         return None
 
+    def context_parallel_buffers(self, model: torch.nn.Module, batch: Any) -> list[tuple[torch.Tensor, int]] | None:
+        """For cp > 1: the tensors that run along the sequence, each with its sequence dimension: the batch's
+        (inputs and targets) and any of the model's buffers indexed by position (torchtitan's rotary table,
+        char-gpt's positions). PyTorch's context_parallel shards them in place for the forward and backward (each
+        rank of a CP group keeps 2 of every sequence's 2 x cp chunks, one from the head and one from the tail) and
+        restores them after; attention must be F.scaled_dot_product_attention, which it turns into ring attention.
+        `model` is the parallel model as the strategy holds it. None (the default): cp > 1 is refused."""
+        return None
+
     def configure_optimizers(self, model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer | None:
         """Your optimizer for `model` (nanoGPT's hook name), or None for AdamW(lr, beta1, beta2, eps, weight
         decay on matrices only). Called on every rank after the model is made parallel: build it from the

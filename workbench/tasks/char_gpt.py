@@ -116,6 +116,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # weight tying, as in GPT-2
+        # The positions a forward embeds, as a buffer context parallel can shard like the batch: a rank of a CP
+        # group holds non-adjacent slices of each sequence (load balancing), so arange(t) would be wrong there.
+        self.register_buffer("positions", torch.arange(block_size), persistent=False)
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith(("proj.weight", "mlp.2.weight")):
@@ -129,9 +132,7 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok(idx) + self.pos(pos))
+        x = self.drop(self.tok(idx) + self.pos(self.positions[:idx.shape[1]]))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -222,6 +223,16 @@ class CharGPTTask(Task):
         x, y = batch
         logits = model(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+    def context_parallel_buffers(self, model: nn.Module, batch: Any) -> list[tuple[torch.Tensor, int]]:
+        """Inputs and targets along dimension 1, and the model's positions along 0: sharded together, each rank's
+        tokens keep their own positions."""
+        x, y = batch
+        positions = model.get_buffer("positions")
+        if x.shape[1] != len(positions):  # the buffer is sharded whole: a shorter window would get wrong positions
+            raise ValueError(f"cp: char-gpt windows of {x.shape[1]} characters, block_size={len(positions)}; context "
+                             "parallel needs full windows")
+        return [(x, 1), (y, 1), (positions, 0)]
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
         return self.model_options(cfg)["block_size"]

@@ -67,8 +67,9 @@ def _trial_peak(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, m:
             strategy.pipeline_step(iter([batch] * cfg.grad_accum_steps), cfg.grad_accum_steps)  # type: ignore
             return
         # No gradient all-reduce (DDP's buckets exist either way): ranks may try different sizes before agreeing.
-        with strategy.sync_gradients(last_micro_batch=False), strategy.forward_context():
-            loss, _ = split_loss(task.loss(strategy.model, batch))
+        with strategy.sync_gradients(last_micro_batch=False), strategy.batch_context(batch):
+            with strategy.forward_context():
+                loss, _ = split_loss(task.loss(strategy.model, batch))
             strategy.backward(loss)
 
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,12 +30,14 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
 def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, accelerator: Accelerator,
              collate_fn: Any, forward_context: Callable[[], AbstractContextManager[Any]],
              shard: tuple[int, int] | None = None,
-             eval_loss: Callable[[Any], tuple[torch.Tensor, dict[str, Any]] | None] | None = None) -> dict[str, float]:
+             eval_loss: Callable[[Any], tuple[torch.Tensor, dict[str, Any]] | None] | None = None,
+             batch_context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, float]:
     """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}. `shard` is
     (data-parallel rank, size) when it differs from the process's (tensor parallel: a TP group evaluates
     the same batches, and counts them once per rank in both the sums and the count). `eval_loss` replaces
     the task's loss on the whole model (pipeline parallel: only the last stage has a loss; the others get None
-    and count nothing)."""
+    and count nothing). `batch_context` is the strategy's (context parallel: each rank evaluates its slice of the
+    sequences, and the slices' means average to the whole's)."""
     device = accelerator.device
     rank, world = shard or (accelerator.process_index, accelerator.num_processes)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
@@ -53,7 +55,7 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
                 continue
             loss, extras = got
         else:
-            with forward_context():
+            with batch_context(batch) if batch_context else nullcontext(), forward_context():
                 loss, extras = split_loss(task.loss(model, batch))
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
         for name, value in {"loss": loss, **extras}.items():

@@ -260,7 +260,8 @@ class Trainer:
             self._at(step, "evaluation")
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
                                      self.parallel.forward_context, shard=(self.dp_rank, self.dp_world),
-                                     eval_loss=getattr(self.parallel, "eval_loss", None))
+                                     eval_loss=getattr(self.parallel, "eval_loss", None),
+                                     batch_context=self.parallel.batch_context)
             self.metrics.write(MetricsRow.for_eval(step, self.eval_row))
             self.metrics.restart_clock()
         if self.checkpoints.due(step, final, verdict.stop or bool(verdict.signal)):

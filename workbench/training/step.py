@@ -36,7 +36,7 @@ def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: in
         batch = send_to_device(next(batches), device, non_blocking=True)
         if at is not None:
             at("forward/backward (Task.loss)")
-        with strategy.sync_gradients(last):
+        with strategy.sync_gradients(last), strategy.batch_context(batch):
             with strategy.forward_context():
                 loss, _ = split_loss(task.loss(strategy.model, batch))
             step_loss += loss.detach().float() / accum

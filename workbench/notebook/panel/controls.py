@@ -64,6 +64,8 @@ def build_controls(device: str, task_options: list[tuple[str, str]]
                                     tooltip="hsdp only: ranks that shard one copy of the model"),
         "tp": widgets.IntText(description="tensor parallel", style=STYLE, layout=_wide(),
                               tooltip="ranks that split each matrix of the task's plan (1: off)"),
+        "cp": widgets.IntText(description="context parallel", style=STYLE, layout=_wide(),
+                              tooltip="ranks that split each sequence, ring attention (CUDA only; 1: off)"),
         "pp": widgets.IntText(description="pipeline stages", style=STYLE, layout=_wide(),
                               tooltip="ranks that each run a slice of the model's blocks (1: off)"),
         "pp_schedule": widgets.Dropdown(options=[("1F1B", "1f1b"), ("GPipe", "gpipe"),

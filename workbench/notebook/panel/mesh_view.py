@@ -40,7 +40,7 @@ def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
     for stage in range(stages):
         rows = []
         for dp_index in range(stage * per_stage, (stage + 1) * per_stage):
-            ranks = range(dp_index * tp, (dp_index + 1) * tp)
+            ranks = range(dp_index * tp * dims.cp, (dp_index + 1) * tp * dims.cp)  # a row: one batch's ranks
             cells = "".join(_cell(r, dims.coordinates(r), shards) for r in ranks)
             rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px;margin:2px 0'>{cells}</div>")
         held = ", ".join(str(stage + k * stages) for k in range(chunks))

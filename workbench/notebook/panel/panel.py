@@ -137,7 +137,7 @@ class Panel(RunActions):
         c = self.controls
         left = widgets.VBox([c["task"], self.task_controls.widget, self.target_controls.widget,
                              widgets.HBox([c["num_processes"], self.limit]), c["oversubscribe"], c["parallelism"],
-                             self.mode_info, c["dp_shard"], c["tp"], c["pp"], c["pp_schedule"],
+                             self.mode_info, c["dp_shard"], c["tp"], c["cp"], c["pp"], c["pp_schedule"],
                              c["pp_virtual_stages"],
                              c["activation_checkpointing"], c["compile"], c["precision"], c["micro_batch_size"],
                              c["grad_accum_steps"], c["max_steps"], c["lr"], c["run_name"]])

@@ -16,13 +16,13 @@ RESUMABLE = (Status.COMPLETED.value, Status.STOPPED.value, Status.PREEMPTED.valu
 
 
 def batch_html(cfg: RunConfig | None) -> str:
-    """The global batch, named by what multiplies it: data-parallel ranks, not processes (tp and pp ranks
+    """The global batch, named by what multiplies it: data-parallel ranks, not processes (tp, cp and pp ranks
     share their samples)."""
     if cfg is None:
         return "global batch: –"
     dims = cfg.dims
     ranks = f"{dims.dp} data-parallel rank" + "s" * (dims.dp > 1)
-    split = [f"tp {dims.tp}" * (dims.tp > 1), f"pp {dims.pp}" * (dims.pp > 1)]
+    split = [f"tp {dims.tp}" * (dims.tp > 1), f"cp {dims.cp}" * (dims.cp > 1), f"pp {dims.pp}" * (dims.pp > 1)]
     shared = (f" ({cfg.num_processes} processes: each data-parallel rank spans {' × '.join(filter(None, split))})"
               if any(split) else "")
     total = cfg.global_batch_size or "chosen at launch"

@@ -4,7 +4,8 @@ Following torchtitan, "parallelize the model" is kept apart from the loop: the l
 hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
 looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp'
 (FSDP2); tensor.py: tp > 1, alone or with data parallelism (FSDP, HSDP or DDP x TP, laid out by
-layout.py); pipeline.py: pp > 1 (stage chunks per rank, each with the other dimensions inside:
+layout.py); context.py: cp > 1 (sequences split over a CP group, FSDP over dp_shard x cp, with or
+without TP); pipeline.py: pp > 1 (stage chunks per rank, each with the other dimensions inside:
 pipeline_parts.py, pipeline_state.py); strategy.py: what every strategy shares (precision, checkpoints
 through DCP, the bytes each rank holds).
 """
@@ -44,6 +45,8 @@ def strategy_module(cfg: RunConfig) -> str:
     """The module of the strategy `cfg` trains with (a fork-mode supervisor imports it before forking)."""
     if cfg.pp > 1:
         return "workbench.training.parallel.pipeline"
+    if cfg.cp > 1:
+        return "workbench.training.parallel.context"
     if cfg.tp > 1:
         return "workbench.training.parallel.tensor"
     if cfg.parallelism in SHARDED:
@@ -70,6 +73,11 @@ def _parallel(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, 
 
         ensure_process_group(accelerator)
         return PipelineParallel(cfg, accelerator, model, task, make_optimizer)
+    if cfg.cp > 1:  # TensorParallel's layout with sequences split over 'cp' in each forward
+        from workbench.training.parallel.context import ContextParallel
+
+        ensure_process_group(accelerator)
+        return ContextParallel(cfg, accelerator, model, task, make_optimizer)
     if cfg.tp > 1:  # the plan names submodules as the task built them: TP before checkpoint wrappers
         from workbench.training.parallel.tensor import TensorParallel
 

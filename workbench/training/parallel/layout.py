@@ -3,6 +3,8 @@
 then data parallelism over the mesh's other dimensions, each block and then the root:
 
     ('dp_shard',)                  fully_shard (FSDP2): zero2 keeps the gathered parameters to backward, zero3 not
+    ('dp_shard', 'cp'), ('cp',)    fully_shard over the two flattened into 'dp_shard_cp' (torchtitan's name): the
+                                   ranks of a CP group hold the same parameters, so FSDP shards over them too
     ('dp_replicate', 'dp_shard')   fully_shard on the 2-D sub-mesh: HSDP, sharded within a group, replicated across
     ('dp_replicate',)              replicate, FSDP2's DDP (torch.distributed._composable.replicate_with_fsdp):
                                    DistributedDataParallel refuses DTensor parameters (it broadcasts and buckets
@@ -29,16 +31,18 @@ from workbench.training.parallel.strategy import DTYPES
 if TYPE_CHECKING:
     from workbench.config import RunConfig
 
-DATA_DIMS = ("dp_replicate", "dp_shard")
-"""The mesh dimensions data parallelism runs over, outermost first."""
+DATA_DIMS = ("dp_replicate", "dp_shard", "cp")
+"""The mesh dimensions the parameters are replicated or sharded over, outermost first (cp: the ranks of a CP group
+see one batch, but hold the same parameters)."""
 
 
 def layout_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
-    """The mesh of a run with tp > 1 (and pp = 1): its dimensions larger than 1 among dp_replicate, dp_shard and
-    tp (tp always), outermost first, so the ranks of one TP group are neighbours: ('tp',) for pure TP,
-    ('dp_shard', 'tp') for FSDP x TP, ('dp_replicate', 'tp') for DDP x TP, all three for HSDP x TP."""
+    """The mesh of a run with tp > 1 or cp > 1 (and pp = 1): its dimensions larger than 1 among dp_replicate,
+    dp_shard, cp and tp (tp always when cp is 1), outermost first, so the ranks of one TP group are neighbours:
+    ('tp',) for pure TP, ('dp_shard', 'tp') for FSDP x TP, ('dp_replicate', 'tp') for DDP x TP, all three for
+    HSDP x TP; ('cp',), ('dp_shard', 'cp'), ('dp_shard', 'cp', 'tp') and so on with context parallelism."""
     sizes = ParallelDims.of(cfg, world).sizes
-    names = tuple(name for name in (*DATA_DIMS, "tp") if sizes[name] > 1 or name == "tp")
+    names = tuple(name for name in (*DATA_DIMS, "tp") if sizes[name] > 1 or (name == "tp" and sizes["cp"] == 1))
     return init_device_mesh(device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
 
 
@@ -77,7 +81,18 @@ def apply_layout(module: torch.nn.Module, mesh: DeviceMesh, cfg: RunConfig, plan
         return
     # Pinned host memory is what makes the copies to and from a GPU asynchronous; a CPU mesh has nothing to pin.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-    dp_mesh = mesh[data] if len(data) > 1 else mesh[data[0]]
+    dp_mesh = _shard_mesh(mesh, data)
     for unit in [*units, module]:
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=cfg.parallelism != "zero2", mp_policy=precision,
                     offload_policy=offload)
+
+
+def _shard_mesh(mesh: DeviceMesh, data: tuple[str, ...]) -> DeviceMesh:
+    """The mesh fully_shard takes: the sharding dimensions (dp_shard, cp) as one, flattened into 'dp_shard_cp' when
+    both are there, under 'dp_replicate' for HSDP."""
+    shard = tuple(name for name in data if name != "dp_replicate")
+    if len(shard) > 1:
+        mesh[shard]._flatten("dp_shard_cp")
+        shard = ("dp_shard_cp",)
+    names = (*(("dp_replicate",) if "dp_replicate" in data else ()), *shard)
+    return mesh[names] if len(names) > 1 else mesh[names[0]]

@@ -74,6 +74,11 @@ class Strategy:
         """Autocast for replicated modes; sharded modes cast parameters instead (MixedPrecisionPolicy)."""
         return nullcontext()
 
+    def batch_context(self, batch: Any) -> AbstractContextManager[Any]:
+        """What the forward and the backward of `batch` run in together, around forward_context: context parallel
+        shards the batch's sequences over its group there (ring attention's backward needs it too)."""
+        return nullcontext()
+
     def sync_gradients(self, last_micro_batch: bool) -> AbstractContextManager[Any]:
         return nullcontext()
 

@@ -140,8 +140,8 @@ class TensorParallel(Strategy):
         self.mesh = getattr(accelerator, "mesh", None) or layout_mesh(cfg, self.device.type, world)
         if not cfg.cpu_offload:  # offloaded, FSDP2 moves each shard to the device as it's needed
             model = on_device(model, accelerator)
-        plan = task.tensor_parallel_plan(model, cfg)
-        if plan is None:
+        plan = task.tensor_parallel_plan(model, cfg) if cfg.tp > 1 else None
+        if plan is None and cfg.tp > 1:
             raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan")
         tracing = getattr(accelerator, "tracing", False)
         apply_layout(model, self.mesh, cfg, plan, shard_units(model, task), tracing=tracing)

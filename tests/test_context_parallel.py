@@ -1,0 +1,105 @@
+"""Context parallel (cp): each sequence split over the ranks of a CP group, attention run as PyTorch's ring attention.
+
+PyTorch 2.13 runs ring attention through the CUDA kernels of scaled_dot_product_attention only, so on CPU cp > 1 is
+refused before launch with PyTorch's reason, and the real test is GPU-marked: char-gpt with cp=2 trains like one
+process (fp32, 1e-5 relative per step), each rank holding half of every sequence. On CPU, `cp_cpu_ring` stands in
+for the CUDA kernels (PyTorch's own ring templates around the CPU kernel), so a gloo run proves the rest: the
+sequence and position buffers sharded with load balancing, FSDP2 over dp_shard x cp, the loss averaged over the
+group. The layout's refusals (field, value, fix) are pinned here too. The runs are the pipeline tests' (char-gpt
+tiny, 32-character windows: 4 chunks of 8 under cp=2, dropout off, so CP must match exactly).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_pipeline_parallel import cfg_for, losses, worst_relative
+
+import workbench as wb
+from workbench.config import ParallelDims
+from workbench.config.preflight import check_context_parallel_task, preflight
+from workbench.tasks import get_task
+
+
+def assert_trains_like_one_process(cp: wb.RunResult, single: wb.RunResult, mesh: dict[str, int]) -> None:
+    assert worst_relative(losses(cp), losses(single)) < 1e-5, (losses(cp), losses(single))
+    for rank in cp.summary["ranks"]:
+        assert rank["mesh"] == mesh
+        assert rank["cp_sequence"] == {"length": 32, "local_length": 32 // mesh["cp"]}, "each rank held its slice"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallel needs 2 CUDA GPUs (ring attention)")
+def test_cp2_trains_like_one_process_on_gpus(runs_dir: Path) -> None:
+    gpu: dict[str, Any] = {"device": "cuda", "tf32": False}
+    single = wb.launch(cfg_for(runs_dir, run_name="single", **gpu))
+    cp = wb.launch(cfg_for(runs_dir, run_name="cp2", num_processes=2, cp=2, parallelism="zero3", **gpu))
+    assert_trains_like_one_process(cp, single, {"cp": 2})
+    assert cp.summary["ranks"][0]["parallelism"] == "zero3 x cp2"
+
+
+def test_cp2_wiring_on_gloo_with_the_cpu_ring_stand_in(runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's side of CP on 2 gloo ranks, with cp_cpu_ring in place of the CUDA kernels (see the module
+    docstring): preflight's CPU refusal of cp, and only that, is lifted."""
+    ring = pytest.importorskip("cp_cpu_ring", reason="PyTorch's private ring-attention templates moved")
+    from workbench.launcher import launch as launching
+
+    checked = launching.preflight
+
+    def lifted(cfg: wb.RunConfig, task: Any = None) -> None:
+        checked(cfg.replace(cp=1), task=task)
+        check_context_parallel_task(cfg, task or get_task(cfg.task))
+
+    monkeypatch.setattr(launching, "preflight", lifted)
+    single = wb.launch(cfg_for(runs_dir, run_name="single"))
+    with ring.installed():
+        cp = wb.launch(cfg_for(runs_dir, run_name="cp2", num_processes=2, cp=2, parallelism="zero3"))
+    assert_trains_like_one_process(cp, single, {"cp": 2})
+    evals = [[r["eval_loss"] for r in run.metrics if "eval_loss" in r] for run in (cp, single)]
+    assert evals[0] == pytest.approx(evals[1], rel=1e-5), "evaluation ran split too, averaging to the whole"
+
+
+def test_cp_on_cpu_is_refused_with_pytorchs_reason(runs_dir: Path) -> None:
+    cfg = cfg_for(runs_dir, num_processes=2, cp=2, parallelism="zero3")
+    with pytest.raises(ValueError, match=r"cp=2 on CPU: PyTorch's context parallel .*CUDA kernels.*"
+                                         r"_scaled_dot_product_flash_attention_for_cpu.*set cp=1"):
+        preflight(cfg)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"cp": 0}, r"cp=0: the context-parallel size must be at least 1"),
+    ({"cp": 2, "num_processes": 3}, r"cp=2 with num_processes=3: cp x tp must divide .*use cp=3"),
+    ({"cp": 2, "num_processes": 2, "parallelism": "ddp"}, r"cp=2 with parallelism='ddp': .*set parallelism='zero2'"),
+    ({"cp": 2, "num_processes": 4, "pp": 2, "parallelism": "zero3"}, r"cp=2 with pp=2: .*set pp=1 or cp=1"),
+    ({"cp": 2, "num_processes": 2, "parallelism": "zero3", "micro_batch_size": "auto"},
+     r"micro_batch_size='auto' with cp=2: .*set micro_batch_size to a number"),
+    ({"cp": 2, "num_processes": 4, "parallelism": "hsdp", "dp_shard": 2},
+     r"dp_shard=2 with parallelism='hsdp' and num_processes=4 \(cp=2\).*num_processes=8 with dp_shard=2"),
+])
+def test_impossible_cp_layouts_are_refused(runs_dir: Path, fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cfg_for(runs_dir, **fields)
+
+
+def test_tasks_that_cannot_split_their_sequences_are_refused(runs_dir: Path) -> None:
+    cfg = cfg_for(runs_dir, num_processes=2, cp=2, parallelism="zero3", device="cuda")
+    with pytest.raises(ValueError, match=r"cp=2: task 'digits' doesn't say where its sequence dimension is .*"
+                                         r"context_parallel_buffers"):
+        check_context_parallel_task(cfg.replace(task="digits", task_options={}), get_task("digits"))
+    odd = cfg.replace(task_options={"block_size": 30})
+    with pytest.raises(ValueError, match=r"cp=2: task 'char-gpt' has sequences of 30 tokens.*2 x cp = 4 equal chunks"
+                                         r".*task_options.block_size=28"):
+        check_context_parallel_task(odd, get_task("char-gpt"))
+
+
+def test_the_mesh_puts_cp_between_dp_shard_and_tp() -> None:
+    """torchtitan's order: a CP group's ranks share the data-parallel coordinate (same batches), TP innermost."""
+    cfg = wb.RunConfig(num_processes=8, cp=2, tp=2, parallelism="zero3")
+    dims = ParallelDims.of(cfg)
+    assert dims.sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2} and cfg.dp_size == 2
+    assert dims.coordinates(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1}
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims.global_batch(4, 2) == 16 and dims.world_size == 8
