@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workbench.config.mesh import ParallelDims, shards, virtual_stages
+from workbench.config.mesh import ParallelDims, shards
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
 from workbench.estimator.held import held_for
 from workbench.estimator.layout_time import layout_time

@@ -1,10 +1,10 @@
 """Pipeline parallelism (torch.distributed.pipelining), with the other mesh dimensions inside each stage.
 
-The mesh is ('pp', 'dp_replicate', 'dp_shard', 'tp'), pp outermost: rank = stage x (ranks per stage) + column,
-a column being one data-parallel and tensor-parallel coordinate, i.e. one whole pipeline. Each rank holds one
-model chunk (gpipe, 1f1b) or several (interleaved_1f1b, zero_bubble: virtual stages), cut by Task.pipeline_stages
-under the full model's parameter names and made parallel in torchtitan's order (pipeline_parts.py). The
-data-parallel ranks of a stage see different batches: FSDP2 reduces their gradients itself (zero2, zero3, hsdp;
+The mesh is ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp') (cp is 1: refused with pp), pp outermost: rank =
+stage x (ranks per stage) + column, a column being one data-parallel and tensor-parallel coordinate, i.e. one
+whole pipeline. Each rank holds one model chunk (gpipe, 1f1b) or several (interleaved_1f1b, zero_bubble: virtual
+stages), cut by Task.pipeline_stages under the full model's parameter names and made parallel in torchtitan's
+order (pipeline_parts.py). The data-parallel ranks of a stage see different batches: FSDP2 reduces their gradients itself (zero2, zero3, hsdp;
 PipelineStage holds its gradient sync back to the last micro-batch); replicated pipelines ('ddp') average theirs
 in one flat all-reduce after the schedule (DDP breaks under the schedules' repeated backward passes).
 

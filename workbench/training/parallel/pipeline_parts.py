@@ -32,7 +32,7 @@ _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def pipeline_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
-    """The 4-D mesh ('pp', 'dp_replicate', 'dp_shard', 'tp'), size-1 dimensions included, pp outermost."""
+    """The mesh ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'), size-1 dimensions included, pp outermost."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = ParallelDims.of(cfg, world)
