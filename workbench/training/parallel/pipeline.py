@@ -4,9 +4,10 @@ The mesh is ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp') (cp is 1: refused wit
 stage x (ranks per stage) + column, a column being one data-parallel and tensor-parallel coordinate, i.e. one
 whole pipeline. Each rank holds one model chunk (gpipe, 1f1b) or several (interleaved_1f1b, zero_bubble: virtual
 stages), cut by Task.pipeline_stages under the full model's parameter names and made parallel in torchtitan's
-order (pipeline_parts.py). The data-parallel ranks of a stage see different batches: FSDP2 reduces their gradients itself (zero2, zero3, hsdp;
-PipelineStage holds its gradient sync back to the last micro-batch); replicated pipelines ('ddp') average theirs
-in one flat all-reduce after the schedule (DDP breaks under the schedules' repeated backward passes).
+order (pipeline_parts.py). The data-parallel ranks of a stage see different batches: FSDP2 reduces their
+gradients itself (zero2, zero3, hsdp; PipelineStage holds its gradient sync back to the last micro-batch);
+replicated pipelines ('ddp') average theirs in one flat all-reduce after the schedule (DDP breaks under the
+schedules' repeated backward passes).
 
 A step is one schedule run over the step's grad_accum_steps micro-batches, concatenated and split again by the
 schedule into the same micro-batches; scale_grads divides the gradients by their number, as accumulate's
