@@ -1,7 +1,8 @@
 """Pipelines with the other mesh dimensions inside each stage, and several model chunks per rank, for real: gloo
 CPU ranks training char-gpt (4 blocks of 64) against one process running the same micro-batches.
 
-pp x zero3 x tp on 8 ranks, pp x tp under interleaved 1F1B and pp x zero2 under the zero-bubble schedule on 4,
+pp x zero3 x tp on 8 ranks, pp x zero3, pp x tp under interleaved 1F1B and pp x zero2 under the zero-bubble
+schedule on 4,
 and both interleaved schedules alone on 2. Each run must train like the one process (fp32, dropout 0, clipping
 active) and show that its layout really ran: the mesh each rank reports, the stages it owns, and the placements
 and local shapes of its parameters. The 8-rank run's checkpoint resumes on one process and under zero3 on 2.
@@ -41,6 +42,7 @@ def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
 LAYOUTS = {
     "pp x zero3 x tp": dict(num_processes=8, pp=2, parallelism="zero3", tp=2, micro_batch_size=2,
                             checkpoint_every=SAVED_AT),
+    "pp x zero3": dict(num_processes=4, pp=2, parallelism="zero3", micro_batch_size=2),
     "pp x tp, interleaved 1F1B": dict(num_processes=4, pp=2, parallelism="ddp", tp=2,
                                       pp_schedule="interleaved_1f1b"),
     "pp x zero2, zero bubble": dict(num_processes=4, pp=2, parallelism="zero2", micro_batch_size=2,

@@ -47,7 +47,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
                        "side by side", "char-gpt 'tiny' on 2 processes, 30 steps")
     pa.add_argument("--modes", nargs="+", default=None,
                     help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp ppinterleaved "
-                         "ppzerobubble ppxzero3xtp)")
+                         "ppzerobubble ppxzero3xtp hsdpxtp)")
     co = _config_bench(bsub, "compile", "eager against torch.compile per layout (ddp, zero3, tp, pp), side by side: "
                        "step time, first step cold and warm, losses",
                        "char-gpt 4 x 256, context 128, 2 ranks, 20 steps, compile blocks")

@@ -29,10 +29,10 @@ from workbench.utils.units import fmt_bytes
 
 WARMUP_STEPS = 5
 MODES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "zero3xtp", "ppxddp", "ppinterleaved", "ppzerobubble",
-         "ppxzero3xtp")
+         "ppxzero3xtp", "hsdpxtp")
 
 PARALLELISM_BENCH = RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=30, lr=1e-3,
-                              log_every=10, eval_batches=2, task_options={"preset": "tiny", "n_layer": 4})
+                              log_every=10, eval_batches=2, task_options={"preset": "tiny"})
 """char-gpt 'tiny' (2 blocks): a shard unit per block, quick on a CPU."""
 
 
@@ -85,8 +85,8 @@ def _layout(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
     if mode in ("hsdp", "zero3xtp", "ppxddp") and (n < 4 or n % 2):
         return None, f"{mode} needs an even num_processes >= 4 (2 groups of 2); try --set num_processes=4 " \
                      "--set oversubscribe=true"
-    if mode == "ppxzero3xtp" and n % 8:
-        return None, f"{mode} needs num_processes a multiple of 8 (2 stages x 2 shards x tp 2); try --set " \
+    if mode in ("ppxzero3xtp", "hsdpxtp") and n % 8:
+        return None, f"{mode} needs num_processes a multiple of 8 (2 x 2 x tp 2); try --set " \
                      "num_processes=8 --set oversubscribe=true"
     layouts = {"hsdp": dict(parallelism="hsdp", dp_shard=2),
                "tp": dict(parallelism="ddp", tp=n, grad_accum_steps=accum * n),
@@ -97,7 +97,8 @@ def _layout(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
                "ppinterleaved": dict(parallelism="ddp", pp=n, grad_accum_steps=accum * n,
                                      pp_schedule="interleaved_1f1b"),
                "ppzerobubble": dict(parallelism="ddp", pp=n, grad_accum_steps=accum * n, pp_schedule="zero_bubble"),
-               "ppxzero3xtp": dict(parallelism="zero3", pp=2, tp=2, grad_accum_steps=accum * 4)}
+               "ppxzero3xtp": dict(parallelism="zero3", pp=2, tp=2, grad_accum_steps=accum * 4),
+               "hsdpxtp": dict(parallelism="hsdp", dp_shard=2, tp=2, grad_accum_steps=accum * 2)}
     return cfg.replace(**{"parallelism": mode, "dp_shard": 0, **layouts.get(mode, {})}), ""
 
 
@@ -108,7 +109,7 @@ def parallelism(cfg: RunConfig, modes: tuple[str, ...] = MODES, json_path: Path 
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for mode in modes:
             layout, reason = _layout(cfg.replace(runs_dir=tmp, run_name=mode), mode)
-            if layout is not None and layout.pp == 1:  # MemTracker can't follow a pipeline schedule
+            if layout is not None:  # the step peak, a pipeline's per stage (its method in the rank's summary)
                 layout = layout.replace(track_memory=True)
             if layout is None:
                 rows.append(ModeRow(mode, False, reason))
