@@ -342,7 +342,8 @@ class Trainer:
             from workbench.estimator.catalog import peak_flops
 
             self.peak_flops = peak_flops(gpus[0].name, cfg.precision, tf32=cfg.tf32)
-        self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
+        if cfg.pp == 1:  # a pipeline rank probes its own chunks once they exist (__init__)
+            self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
         return model
 
     def _track_this_step(self) -> bool:

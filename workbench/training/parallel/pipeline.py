@@ -57,6 +57,7 @@ from workbench.training.parallel.pipeline_state import PipelineCheckpoints
 from workbench.training.parallel.strategy import DTYPES
 from workbench.training.parallel.tensor import (
     LocalShardGradScaler,
+    placement_facts,
     scale_gradients_,
     split_groups_by_mesh,
     squared_norm,
@@ -246,14 +247,9 @@ class PipelineParallel(PipelineCheckpoints):
 
     def facts(self) -> dict[str, Any]:
         """This rank's stages and place in the mesh, and the modules it holds (blocks by their index)."""
-        names = self.mesh.mesh_dim_names or ()
-        coords = self.mesh.get_coordinate() or []
-        split = {n: {"placements": [repr(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
-                     "global_shape": list(p.shape)}
-                 for n, p in self.named_full_parameters() if isinstance(p, DTensor)}
+        where, split = placement_facts(self.mesh, self.named_full_parameters())
         return {"pp_stage": self.stage_index, "pp_stages": self.stages, "pp_schedule": self.cfg.pp_schedule,
-                "pp_stage_ids": self.stage_ids, "dp_replica": local_rank(self.mesh, "dp_replicate"),
-                "mesh": dict(zip(names, self.mesh.mesh.shape)), "coordinates": dict(zip(names, coords)),
+                "pp_stage_ids": self.stage_ids, "dp_replica": local_rank(self.mesh, "dp_replicate"), **where,
                 "pp_holds": held_prefixes(self.module),
                 "pp_params": sorted(n for n, _ in self.named_full_parameters()), "split_params": split}
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from workbench.training.parallel.pipeline_parts import full_name
 from workbench.training.parallel.strategy import Strategy
+from workbench.training.parallel.tensor import merge_split_groups, resplit_groups
 from workbench.utils.distributed import single_process_dcp
 
 
@@ -71,13 +72,7 @@ class PipelineCheckpoints(Strategy):
             dcp.load({"optim": template}, checkpoint_id=str(path / "optim"))
         local = {self._canon(n): n for n, _ in self.module.named_parameters()}
         state = {local[c]: v for c, v in template["state"].items() if c in local}
-        loaded = template["param_groups"]
-        groups = []
-        for index, group in enumerate(optim["param_groups"]):  # this optimizer's own (split) groups
-            first = self._canon(group["params"][0]) if group["params"] else None
-            home = next((g for g in loaded if first in g["params"]),
-                        loaded[self._origin[index] if self._origin else index])
-            groups.append({**{k: v for k, v in home.items() if k != "params"}, "params": group["params"]})
+        groups = resplit_groups(optim["param_groups"], template["param_groups"], self._origin, self._canon)
         set_state_dict(self.module, self.optimizer, model_state_dict={k: full[full_name(k)] for k in model},
                        optim_state_dict={"state": state, "param_groups": groups})
 
@@ -95,20 +90,6 @@ class PipelineCheckpoints(Strategy):
         for part in gathered:
             weights.update(part)
         return weights
-
-
-def merge_split_groups(groups: list[dict[str, Any]], origin: list[int] | None) -> list[dict[str, Any]]:
-    """Param groups split by mesh (tensor parallel) merged back to the task's grouping; `origin[i]` is the task's
-    group that split group i came from (None: not split)."""
-    if origin is None:
-        return groups
-    merged: dict[int, dict[str, Any]] = {}
-    for index, group in zip(origin, groups):
-        if index in merged:
-            merged[index]["params"] = [*merged[index]["params"], *group["params"]]
-        else:
-            merged[index] = dict(group)
-    return [merged[i] for i in sorted(merged)]
 
 
 def merge_param_groups(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

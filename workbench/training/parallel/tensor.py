@@ -36,6 +36,7 @@ from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from torch.distributed.device_mesh import DeviceMesh
 
     from workbench.config import RunConfig
     from workbench.tasks import Task
@@ -54,6 +55,43 @@ def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> list[int]:
             origin.append(index)
     optimizer.param_groups[:] = groups
     return origin
+
+
+def merge_split_groups(groups: list[dict[str, Any]], origin: list[int] | None) -> list[dict[str, Any]]:
+    """Param groups split by mesh (split_groups_by_mesh) merged back to the task's grouping; `origin[i]` is the
+    task's group that split group i came from (None: not split)."""
+    if origin is None:
+        return groups
+    merged: dict[int, dict[str, Any]] = {}
+    for index, group in zip(origin, groups):
+        if index in merged:
+            merged[index]["params"] = [*merged[index]["params"], *group["params"]]
+        else:
+            merged[index] = dict(group)
+    return [merged[i] for i in sorted(merged)]
+
+
+def resplit_groups(split: list[dict[str, Any]], loaded: list[dict[str, Any]], origin: list[int] | None,
+                   name: Callable[[str], str] = str) -> list[dict[str, Any]]:
+    """This optimizer's own (split) groups with the hyperparameters of the loaded groups that hold their
+    parameters (`name`: a parameter's name as the loaded groups spell it)."""
+    groups = []
+    for index, group in enumerate(split):
+        first = name(group["params"][0]) if group["params"] else None
+        home = next((g for g in loaded if first in g["params"]), loaded[origin[index] if origin else index])
+        groups.append({**{k: v for k, v in home.items() if k != "params"}, "params": group["params"]})
+    return groups
+
+
+def placement_facts(mesh: DeviceMesh, named_parameters: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({'mesh': sizes, 'coordinates': this rank's}, per DTensor parameter: placements, local and global shape,
+    mesh dimensions): what a rank shows of how it is laid out."""
+    names = mesh.mesh_dim_names or ()
+    coords = mesh.get_coordinate() or []
+    split = {name: {"placements": [repr(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
+                    "global_shape": list(p.shape), "mesh": list(p.device_mesh.mesh_dim_names or ())}
+             for name, p in named_parameters if isinstance(p, DTensor)}
+    return {"mesh": dict(zip(names, mesh.mesh.shape)), "coordinates": dict(zip(names, coords))}, split
 
 
 @torch.no_grad()
@@ -174,13 +212,8 @@ class TensorParallel(Strategy):
 
     def facts(self) -> dict[str, Any]:
         """The mesh, this rank's place in it, and how each split parameter is placed and what it holds here."""
-        names = self.mesh.mesh_dim_names or ()
-        coords = self.mesh.get_coordinate() or []
-        split = {name: {"placements": [repr(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
-                        "global_shape": list(p.shape), "mesh": list(p.device_mesh.mesh_dim_names or ())}
-                 for name, p in self.module.named_parameters() if isinstance(p, DTensor)}
-        return {"mesh": dict(zip(names, self.mesh.mesh.shape)), "coordinates": dict(zip(names, coords)),
-                "tp_params": split}
+        where, split = placement_facts(self.mesh, self.module.named_parameters())
+        return {**where, "tp_params": split}
 
     # ---- checkpoints: param groups as the task made them -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -188,13 +221,8 @@ class TensorParallel(Strategy):
 
     def _merged(self, state: dict[str, Any]) -> dict[str, Any]:
         """The optimizer's param groups merged back to the task's grouping (what other layouts save)."""
-        merged: dict[int, dict[str, Any]] = {}
-        for index, group in zip(self._origin, state["optim"]["param_groups"]):
-            if index in merged:
-                merged[index]["params"] = [*merged[index]["params"], *group["params"]]
-            else:
-                merged[index] = dict(group)
-        return {**state, "optim": {**state["optim"], "param_groups": [merged[i] for i in sorted(merged)]}}
+        groups = merge_split_groups(state["optim"]["param_groups"], self._origin)
+        return {**state, "optim": {**state["optim"], "param_groups": groups}}
 
     def load(self, path: Path) -> None:
         """As Strategy.load, with the checkpoint's param groups split again the way this optimizer is."""
@@ -204,10 +232,6 @@ class TensorParallel(Strategy):
         with single_process_dcp():
             dcp.load({"model": merged["model"]}, checkpoint_id=str(path / "model"))
             dcp.load({"optim": merged["optim"]}, checkpoint_id=str(path / "optim"))
-        loaded = merged["optim"]["param_groups"]
-        regrouped = []
-        for index, group in zip(self._origin, split):
-            home = next((g for g in loaded if group["params"] and group["params"][0] in g["params"]), loaded[index])
-            regrouped.append({**{k: v for k, v in home.items() if k != "params"}, "params": group["params"]})
+        regrouped = resplit_groups(split, merged["optim"]["param_groups"], self._origin)
         optim = {**merged["optim"], "param_groups": regrouped}
         set_state_dict(self.module, self.optimizer, model_state_dict=merged["model"], optim_state_dict=optim)
