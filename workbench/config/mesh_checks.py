@@ -104,18 +104,10 @@ def _check_context_parallel(cfg: RunConfig) -> None:
         raise ValueError(f"cp={cp} with num_processes={n}{f' and tp={tp}' * (tp > 1)}: cp x tp must divide the "
                          f"number of ranks (data-parallel size = num_processes / (cp x tp)); use "
                          f"cp={' or '.join(map(str, ok)) or 1}, or num_processes={cp * tp * max(1, n // (cp * tp))}")
-    if cfg.pp > 1:
-        raise ValueError(f"cp={cp} with pp={cfg.pp}: context parallelism inside pipeline stages isn't supported "
-                         "yet (the schedule runs each stage's forward outside the ring attention's context); set pp=1 "
-                         "or cp=1")
     if p not in SHARDED:
         raise ValueError(f"cp={cp} with parallelism={p!r}: the ranks of a CP group hold the same parameters, which "
                          "FSDP2 shards over dp_shard x cp together (as torchtitan does); set parallelism='zero2' "
                          "(parameters kept gathered through the step) or 'zero3' (or 'hsdp'), or cp=1")
-    if cfg.micro_batch_size == "auto":
-        raise ValueError(f"micro_batch_size='auto' with cp={cp}: the search tries sizes one rank at a time, and a "
-                         "CP group's ring attention needs all of its ranks in every forward; set micro_batch_size to "
-                         "a number, or cp=1")
 
 
 def _check_pipeline(cfg: RunConfig) -> None:

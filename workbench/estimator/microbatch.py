@@ -46,10 +46,10 @@ def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
     try:
         one, two = peak(1), peak(2)
     except ValueError as e:
-        if cfg.pp == 1:
+        if cfg.pp == 1 and cfg.cp == 1:
             raise
-        # A pipeline layout the estimate doesn't trace: the ranks measure sizes 1 and 2 themselves and go on
-        # from there (training/autobatch.py).
+        # A layout the estimate doesn't trace (pipelines it can't, context parallel): the ranks measure sizes 1
+        # and 2 themselves and go on from there (training/autobatch.py).
         return {"proposed": None, "limit_bytes": limit, "estimates": [],
                 "how": f"no estimate ({e}); the ranks search from their own trials at micro-batch 1 and 2"}
     per_sample = max(1, two - one)

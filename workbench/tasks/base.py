@@ -101,7 +101,9 @@ class Task:
         char-gpt's positions). PyTorch's context_parallel shards them in place for the forward and backward (each
         rank of a CP group keeps 2 of every sequence's 2 x cp chunks, one from the head and one from the tail) and
         restores them after; attention must be F.scaled_dot_product_attention, which it turns into ring attention.
-        `model` is the parallel model as the strategy holds it. None (the default): cp > 1 is refused."""
+        `model` is the parallel model as the strategy holds it; under a pipeline (pp > 1), this rank's stages (an
+        nn.ModuleList), with None in `batch` for what they don't take (inputs off the first stage, targets off the
+        last): name what there is. None (the default): cp > 1 is refused."""
         return None
 
     def configure_optimizers(self, model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer | None:

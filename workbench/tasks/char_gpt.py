@@ -147,13 +147,14 @@ class GPTStage(nn.Module):
         self.first, self.last = first, last
         if first:
             self.tok, self.pos, self.drop = gpt.tok, gpt.pos, gpt.drop
+            self.register_buffer("positions", gpt.positions, persistent=False)  # sharded under cp, as GPT's
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in block_ids})
         if last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+            x = self.drop(self.tok(x) + self.pos(self.positions[:x.shape[1]]))
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x
@@ -226,13 +227,15 @@ class CharGPTTask(Task):
 
     def context_parallel_buffers(self, model: nn.Module, batch: Any) -> list[tuple[torch.Tensor, int]]:
         """Inputs and targets along dimension 1, and the model's positions along 0: sharded together, each rank's
-        tokens keep their own positions."""
+        tokens keep their own positions. Under a pipeline `model` is the rank's stages and the batch holds what
+        the rank's stages take (inputs on the first, targets on the last, None elsewhere)."""
         x, y = batch
-        positions = model.get_buffer("positions")
-        if x.shape[1] != len(positions):  # the buffer is sharded whole: a shorter window would get wrong positions
-            raise ValueError(f"cp: char-gpt windows of {x.shape[1]} characters, block_size={len(positions)}; context "
-                             "parallel needs full windows")
-        return [(x, 1), (y, 1), (positions, 0)]
+        positions = [b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] == "positions"]
+        if x is not None and positions and x.shape[1] != len(positions[0]):
+            # the buffer is sharded whole: a shorter window would get wrong positions
+            raise ValueError(f"cp: char-gpt windows of {x.shape[1]} characters, block_size={len(positions[0])}; "
+                             "context parallel needs full windows")
+        return [(t, 1) for t in (x, y) if t is not None] + [(b, 0) for b in positions]
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
         return self.model_options(cfg)["block_size"]

@@ -17,7 +17,7 @@ preflight refuses cp > 1 on CPU.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +27,7 @@ from workbench.training.parallel.tensor import TensorParallel
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from torch.distributed.device_mesh import DeviceMesh
 
     from workbench.config import RunConfig
     from workbench.tasks import Task
@@ -40,23 +41,36 @@ class ContextParallel(TensorParallel):
         super().__init__(cfg, accelerator, model, task, make_optimizer)
         self.task = task
         self.name = " x ".join([cfg.parallelism, f"cp{cfg.cp}", *([f"tp{cfg.tp}"] * (cfg.tp > 1))])
-        self.cp_mesh = self.mesh["cp"]
+        self.split = SequenceSplit(self.mesh["cp"], task, cfg.cp)
+
+    def batch_context(self, batch: Any) -> AbstractContextManager[None]:
+        """The batch's sequences sharded over the CP group and attention made ring attention, for the forward and
+        the backward (whose ring attention passes gradients around the group the same way)."""
+        return self.split(self.module, batch)
+
+    def facts(self) -> dict[str, Any]:
+        return {**super().facts(), "cp_sequence": dict(self.split.sequence)}
+
+
+class SequenceSplit:
+    """PyTorch's context_parallel over `mesh` around a forward and backward, on the sequence tensors the task
+    names (Task.context_parallel_buffers); ContextParallel's and a pipeline's with cp > 1."""
+
+    def __init__(self, mesh: DeviceMesh, task: Task, cp: int, *, pipelined: bool = False) -> None:
+        self.mesh, self.task, self.cp, self.pipelined = mesh, task, cp, pipelined
         self.sequence: dict[str, int] = {}
         """The last forward's sequence length, whole and as this rank held it: the proof the split happened."""
 
     @contextmanager
-    def batch_context(self, batch: Any) -> Iterator[None]:
-        """The batch's sequences sharded over the CP group and attention made ring attention, for the forward and
-        the backward (whose ring attention passes gradients around the group the same way)."""
-        pairs = self.task.context_parallel_buffers(self.module, batch)
-        if not pairs:
-            raise ValueError(f"cp={self.cfg.cp}: task {self.task.name!r} names no sequence tensors "
+    def __call__(self, module: torch.nn.Module, batch: Any) -> Iterator[None]:
+        pairs = self.task.context_parallel_buffers(module, batch) or []
+        # A pipeline's middle stages hold no sequence tensor (their activations arrive split) and still attend.
+        if not pairs and not self.pipelined:
+            raise ValueError(f"cp={self.cp}: task {self.task.name!r} names no sequence tensors "
                              "(context_parallel_buffers returned nothing); set cp=1")
         buffers, dims = [t for t, _ in pairs], [d for _, d in pairs]
-        whole = buffers[0].shape[dims[0]]
-        with context_parallel(self.cp_mesh, buffers=buffers, buffer_seq_dims=dims):
-            self.sequence = {"length": whole, "local_length": buffers[0].shape[dims[0]]}
+        whole = buffers[0].shape[dims[0]] if buffers else 0
+        with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=dims):
+            if buffers:
+                self.sequence = {"length": whole, "local_length": buffers[0].shape[dims[0]]}
             yield
-
-    def facts(self) -> dict[str, Any]:
-        return {**super().facts(), "cp_sequence": dict(self.sequence)}

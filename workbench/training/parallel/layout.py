@@ -92,7 +92,7 @@ def _shard_mesh(mesh: DeviceMesh, data: tuple[str, ...]) -> DeviceMesh:
     both are there, under 'dp_replicate' for HSDP."""
     shard = tuple(name for name in data if name != "dp_replicate")
     if len(shard) > 1:
-        mesh[shard]._flatten("dp_shard_cp")
-        shard = ("dp_shard_cp",)
-    names = (*(("dp_replicate",) if "dp_replicate" in data else ()), *shard)
-    return mesh[names] if len(names) > 1 else mesh[names[0]]
+        # Kept as _flatten returns it: slicing a flattened dimension back out of the root mesh is deprecated.
+        flat = mesh[shard]._flatten("dp_shard_cp")
+        return DeviceMesh._concatenate([mesh["dp_replicate"], flat]) if "dp_replicate" in data else flat
+    return mesh[data] if len(data) > 1 else mesh[data[0]]

@@ -1,8 +1,8 @@
 """Pipeline parallelism (torch.distributed.pipelining), with the other mesh dimensions inside each stage.
 
-The mesh is ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp') (cp is 1: refused with pp), pp outermost: rank =
-stage x (ranks per stage) + column, a column being one data-parallel and tensor-parallel coordinate, i.e. one
-whole pipeline. Each rank holds one model chunk (gpipe, 1f1b) or several (interleaved_1f1b, zero_bubble: virtual
+The mesh is ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'), pp outermost: rank = stage x (ranks per stage) +
+column, a column being one data-parallel, context-parallel and tensor-parallel coordinate, i.e. one whole
+pipeline. Each rank holds one model chunk (gpipe, 1f1b) or several (interleaved_1f1b, zero_bubble: virtual
 stages), cut by Task.pipeline_stages under the full model's parameter names and made parallel in torchtitan's
 order (pipeline_parts.py). The data-parallel ranks of a stage see different batches: FSDP2 reduces their
 gradients itself (zero2, zero3, hsdp; PipelineStage holds its gradient sync back to the last micro-batch);
@@ -14,6 +14,10 @@ schedule into the same micro-batches; scale_grads divides the gradients by their
 `loss / accum` does. The loss is computed on the last stage (the task's `loss` with the stage output standing in
 for the model); the trainer's per-step vote carries it to the pipeline's other ranks (agreement.CarriedLoss).
 fp16 scales the loss in the stage's loss function; ShardedGradScaler agrees on overflows over every rank.
+With cp > 1 the whole schedule runs inside PyTorch's context_parallel (context.SequenceSplit, torchtitan's way):
+the first stage's inputs, the last stage's targets and the position buffers are split along the sequence before
+the schedule cuts them into micro-batches, so activations travel between the stages already split, and every
+stage's attention is ring attention over its CP group; FSDP2 shards each chunk over dp_shard x cp.
 
 Parameters tied across stages (char-gpt's embedding and head) become one copy per stage, their gradients summed
 between the stages holding them (pipeline_parts.TiedCopies). Gradient clipping sums squares over all stages,
@@ -23,7 +27,7 @@ each tied parameter once. Checkpoints are in the one-process format (pipeline_st
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +47,7 @@ from workbench.config.mesh import INTERLEAVED, shards, virtual_stages
 from workbench.training.agreement import CarriedLoss
 from workbench.training.evaluation import split_loss
 from workbench.training.memory import next_micro_batch, stage_point
+from workbench.training.parallel.context import SequenceSplit
 from workbench.training.parallel.pipeline_parts import (
     TiedCopies,
     dim_size,
@@ -124,6 +129,7 @@ class PipelineParallel(PipelineCheckpoints):
                                                accelerator)
         self._tied = TiedCopies(self.module, tied, self.column, self.columns,
                                 getattr(accelerator, "stage_params", None), self.stages_of_rank)
+        self.split = SequenceSplit(self.mesh["cp"], task, cfg.cp, pipelined=True) if cfg.cp > 1 else None
         self.fresh_schedule()
         self.optimizer = make_optimizer(self.module)
         if any(isinstance(p, DTensor) for p in self.module.parameters()):
@@ -144,9 +150,9 @@ class PipelineParallel(PipelineCheckpoints):
                                                    loss_fn=self.stage_loss, scale_grads=True)
 
     def _describe(self) -> str:
-        inner = [f"{self.cfg.parallelism}{self.columns // dim_size(self.mesh, 'tp')}"] \
-            if self.columns // dim_size(self.mesh, "tp") > 1 else []
-        inner += [f"tp{dim_size(self.mesh, 'tp')}"] if dim_size(self.mesh, "tp") > 1 else []
+        cp, tp = dim_size(self.mesh, "cp"), dim_size(self.mesh, "tp")
+        inner = [f"{self.cfg.parallelism}{self.columns // (cp * tp)}"] if self.columns // (cp * tp) > 1 else []
+        inner += [f"{name}{size}" for name, size in (("cp", cp), ("tp", tp)) if size > 1]
         chunks = f", {self.chunks_per_rank} chunks/rank" if self.chunks_per_rank > 1 else ""
         return f"pp{self.stages} {self.cfg.pp_schedule}{chunks}" + "".join(f" x {d}" for d in inner)
 
@@ -192,13 +198,18 @@ class PipelineParallel(PipelineCheckpoints):
             at("pipeline schedule (Task.loss on the last stage)")
         args = (torch.cat([m[0] for m in micro]),) if self.first_stage else ()
         kwargs = {"target": torch.cat([m[1] for m in micro]), "losses": []} if self.last_stage else {}
-        with self.forward_context():
+        with self._sequence_split(args[0] if args else None, kwargs.get("target")), self.forward_context():
             self.schedule.step(*args, **kwargs, return_outputs=False)
         loss = self._step_loss(kwargs.get("losses"))
         if before_last_backward is not None:
             before_last_backward(loss)  # the vote: started now, it overlaps the gradients' all-reduces
         self.after_schedule()
         return loss
+
+    def _sequence_split(self, inputs: torch.Tensor | None, target: Any) -> AbstractContextManager[Any]:
+        """cp > 1: the sequences this rank's stages take split over its CP group, and attention made ring attention,
+        for the schedule's forwards and backwards."""
+        return self.split(self.module, (inputs, target)) if self.split is not None else nullcontext()
 
     def carried_loss(self) -> CarriedLoss:
         """The loss the vote carries: from the last stage of each pipeline column to its other ranks."""
@@ -251,7 +262,8 @@ class PipelineParallel(PipelineCheckpoints):
         return {"pp_stage": self.stage_index, "pp_stages": self.stages, "pp_schedule": self.cfg.pp_schedule,
                 "pp_stage_ids": self.stage_ids, "dp_replica": local_rank(self.mesh, "dp_replicate"), **where,
                 "pp_holds": held_prefixes(self.module),
-                "pp_params": sorted(n for n, _ in self.named_full_parameters()), "split_params": split}
+                "pp_params": sorted(n for n, _ in self.named_full_parameters()), "split_params": split,
+                **({"cp_sequence": dict(self.split.sequence)} if self.split is not None else {})}
 
     # ---- evaluation: a forward-only pass through the stages --------------------------------------------
     @torch.no_grad()
@@ -259,6 +271,10 @@ class PipelineParallel(PipelineCheckpoints):
         """The batch through every stage of this column in order (activations sent point-to-point between the
         ranks holding consecutive stages); the task's loss and metrics on the last stage, None elsewhere."""
         inputs, target = batch[0], batch[1]
+        with self._sequence_split(inputs if self.first_stage else None, target if self.last_stage else None):
+            return self._eval_through_stages(inputs, target)
+
+    def _eval_through_stages(self, inputs: torch.Tensor, target: Any) -> tuple[torch.Tensor, dict[str, Any]] | None:
         x = inputs if self.first_stage else None
         for chunk, s in zip(self.module, self.stage_ids):
             if s > 0:  # consecutive stages sit on different ranks (pp > 1, loop placement)

@@ -102,12 +102,13 @@ def _parallel_chunk(cfg: RunConfig, task: Task, model: torch.nn.Module, chunk: t
                     accelerator: Any) -> torch.nn.Module:
     """layout.apply_layout on the stage's own dimensions: tensor parallel over 'tp', activation checkpointing and
     compilation per block, then FSDP2 over the data-parallel dimensions for the sharded modes (HSDP:
-    'dp_replicate' x 'dp_shard'). Replicated pipelines ('ddp') are averaged by the pipeline, never wrapped."""
+    'dp_replicate' x 'dp_shard'; with cp, 'dp_shard' x 'cp'). Replicated pipelines ('ddp') are averaged by the
+    pipeline, never wrapped."""
     tracing = getattr(accelerator, "tracing", False)
     if not cfg.cpu_offload:
         chunk = on_device(chunk, accelerator)
     names = [*(("dp_replicate",) * (cfg.parallelism == "hsdp")), *(("dp_shard",) * shards(cfg.parallelism)),
-             *(("tp",) * (dim_size(mesh, "tp") > 1))]
+             *(("cp",) * (dim_size(mesh, "cp") > 1)), *(("tp",) * (dim_size(mesh, "tp") > 1))]
     held = {id(m) for m in chunk.modules()}
     units = [u for u in shard_units(model, task) if id(u) in held]
     if not units and cfg.activation_checkpointing != "none":  # a stage without blocks: nothing to checkpoint
