@@ -2,11 +2,11 @@
 
 PyTorch 2.13 runs ring attention through the CUDA kernels of scaled_dot_product_attention only, so on CPU cp > 1 is
 refused before launch with PyTorch's reason, and the real test is GPU-marked: char-gpt with cp=2 trains like one
-process (fp32, 1e-5 relative per step), each rank holding half of every sequence. On CPU, `cp_cpu_ring` stands in
-for the CUDA kernels (PyTorch's own ring templates around the CPU kernel), so a gloo run proves the rest: the
-sequence and position buffers sharded with load balancing, FSDP2 over dp_shard x cp, the loss averaged over the
-group. The layout's refusals (field, value, fix) are pinned here too. The runs are the pipeline tests' (char-gpt
-tiny, 32-character windows: 4 chunks of 8 under cp=2, dropout off, so CP must match exactly).
+process (fp32, 1e-5 relative per step), each rank holding half of every sequence. On CPU, the estimator's
+`ring_trace` stands in for the CUDA kernels (PyTorch's own ring templates around the CPU kernel), so a gloo run
+proves the rest: the sequence and position buffers sharded with load balancing, FSDP2 over dp_shard x cp, the loss
+averaged over the group. The layout's refusals (field, value, fix) are pinned here too. The runs are the pipeline
+tests' (char-gpt tiny, 32-character windows: 4 chunks of 8 under cp=2, dropout off, so CP must match exactly).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def test_cp2_trains_like_one_process_on_gpus(runs_dir: Path) -> None:
 
 @pytest.fixture
 def ring_lifted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """wb.launch with cp_cpu_ring in place of the CUDA kernels (see the module docstring): preflight's CPU refusal
+    """wb.launch with ring_trace in place of the CUDA kernels (see the module docstring): preflight's CPU refusal
     of cp, and only that, is lifted."""
-    ring = pytest.importorskip("cp_cpu_ring", reason="PyTorch's private ring-attention templates moved")
+    ring = pytest.importorskip("workbench.estimator.ring_trace", reason="PyTorch's ring templates moved")
     from workbench.launcher import launch as launching
 
     checked = launching.preflight
@@ -161,3 +161,45 @@ def test_micro_batch_auto_measures_the_split_sequences_so_cp_fits_more(runs_dir:
         assert fitting and fitting[-1]["peak_bytes"] <= usable
     assert split.summary["micro_batch_size"] == chosen["split"]["chosen"], "the run trained at the size chosen"
     assert {r["cp_sequence"]["local_length"] for r in split.summary["ranks"]} == {16}
+
+
+ESTIMATED = {"zero3 x cp2": ({"num_processes": 2}, 0.02), "pp2 x cp2": ({"num_processes": 4, "pp": 2}, 0.04)}
+
+
+@pytest.mark.parametrize("layout", list(ESTIMATED))
+def test_the_estimate_traces_ring_attention_and_holds_what_the_ranks_held(runs_dir: Path, ring_lifted: None,
+                                                                          layout: str) -> None:
+    """The estimate's trace runs the step through PyTorch's ring templates (ring_trace.py), on each rank's share
+    of the sequences: its model state per rank is the real run's, byte for byte, and its tracked peak within 2%
+    (4% for a pipeline stage, as without cp: tests/test_estimate_layouts.py)."""
+    from workbench.estimator.trace import trace_step
+
+    fields, tolerance = ESTIMATED[layout]
+    options = {"block_size": 64, "train_stride": 64, "dropout": 0.0, "n_embd": 128}
+    cfg = cfg_for(runs_dir, run_name="cp", cp=2, parallelism="zero3", track_memory=True, max_steps=2,
+                  micro_batch_size=8, task_options=options, **fields)
+    ranks = wb.launch(cfg).summary["ranks"]
+    for real in ranks[::2] if cfg.pp > 1 else ranks:  # a rank of each stage: its CP peer holds what it holds
+        trace = trace_step(cfg.replace(track_memory=False), get_task(cfg.task), world=len(ranks), rank=real["rank"])
+        assert trace.held == {k: real[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}, real["rank"]
+        tracked = real["tracked_memory"]["peak"]
+        assert abs(trace.memory["peak"] / tracked - 1) < tolerance, (real["rank"], trace.memory, tracked)
+
+
+def test_the_estimate_prices_the_rings_exchanges_and_each_ranks_share_of_the_work() -> None:
+    """Against the same ranks without cp: each attention layer adds an all-gather of the keys and values of the
+    whole sequence in its forward and again in its backward (PyTorch's default rotation), and a rank computes
+    about half of the step (its queries against every key, the rest per token)."""
+    from workbench.estimator.trace import trace_step
+
+    options = {"block_size": 64, "train_stride": 64, "dropout": 0.0, "n_embd": 128, "n_layer": 2}
+    cfg = wb.RunConfig(task="char-gpt", num_processes=2, device="cpu", micro_batch_size=8, grad_accum_steps=2,
+                       parallelism="zero3", task_options=options)
+    whole, split = (trace_step(cfg.replace(cp=cp), get_task("char-gpt"), world=2) for cp in (1, 2))
+    without, ring = whole.comm["all_gather@2"], split.comm["all_gather@2"]
+    rings = 2 * 2 * 2  # layers x micro-batches x (forward, backward)
+    assert ring["count"] - without["count"] == rings
+    key_and_value = 2 * 8 * 64 * 128 * 4  # (k, v) x micro-batch x sequence x width x fp32, gathered whole
+    assert ring["bytes"] - without["bytes"] == rings * key_and_value
+    assert 0.45 < split.flops / whole.flops < 0.55
+    assert split.memory["activations"] < 0.5 * whole.memory["activations"]

@@ -70,12 +70,18 @@ def stage_traces(cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool,
 
 
 def _refuse_context_parallel(cfg: RunConfig) -> None:
-    """cp > 1 trains on CUDA GPUs, but the trace runs the step on fake tensors, where ring attention's kernels and
-    its passes of keys and values around the CP group aren't traced yet."""
-    if cfg.cp > 1:
-        raise ValueError(f"cp={cfg.cp}: the estimate doesn't trace context parallelism yet (ring attention and its "
-                         "exchanges of keys and values around the CP group); estimate the layout with cp=1 (each "
-                         "rank then runs whole sequences), or measure a short cp run")
+    """cp > 1 is traced through PyTorch's ring-attention templates (ring_trace.py), which are private: where this
+    torch has moved them, the estimate says so rather than tracing attention as if the sequences were whole."""
+    if cfg.cp == 1:
+        return
+    try:
+        import workbench.estimator.ring_trace  # noqa: F401
+    except ImportError as e:
+        import torch
+
+        raise ValueError(f"cp={cfg.cp}: the estimate traces ring attention through PyTorch's own templates, which "
+                         f"torch {torch.__version__} doesn't have where expected ({e}); estimate the layout with cp=1 "
+                         "(each rank then runs whole sequences), or measure a short cp run") from e
 
 
 def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, nodes: int = 1, *,

@@ -142,11 +142,15 @@ def _nbytes(meta: tuple[torch.Size, torch.dtype] | None) -> int:
 def _stage_outputs(task: Task, cfg: RunConfig, model: torch.nn.Module, first_input: Any
                    ) -> list[tuple[torch.Size, torch.dtype]]:
     """(shape, dtype) of one micro-batch's output of every stage but the last (what stage s sends and stage s + 1
-    receives), run forward without autograd as the schedule's shape inference does."""
+    receives), run forward without autograd as the schedule's shape inference does (on a CP rank's share of the
+    sequence)."""
     from workbench.training.parallel.strategy import DTYPES
 
     dtype, total = DTYPES.get(cfg.precision), cfg.pp * virtual_stages(cfg)
     x = first_input
+    if cfg.cp > 1:  # a CP rank's stages run its share of each sequence
+        (_, dim), *_ = task.context_parallel_buffers(model, (x, None)) or [(x, 1)]
+        x = x.narrow(dim, 0, x.shape[dim] // cfg.cp)
     shapes: list[tuple[torch.Size, torch.dtype]] = []
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         for s in range(total - 1):
@@ -184,11 +188,12 @@ class _StageStep:
         from workbench.estimator.fake_world import update
 
         strategy, m = self.strategy, self.cfg.grad_accum_steps
-        # pipeline_step concatenates the step's micro-batches; the schedule splits them again (views)
-        inputs = torch.cat([b[0] for b in self.micro]).tensor_split(m)
-        targets = torch.cat([b[1] for b in self.micro]).tensor_split(m)
-        with strategy.forward_context():
-            self._schedule(inputs, targets)
+        # pipeline_step concatenates the step's micro-batches (split over the CP group in place, cp > 1); the
+        # schedule cuts them again (views)
+        whole = torch.cat([b[0] for b in self.micro]), torch.cat([b[1] for b in self.micro])
+        split = (whole[0] if strategy.first_stage else None, whole[1] if strategy.last_stage else None)
+        with strategy._sequence_split(*split), strategy.forward_context():
+            self._schedule(whole[0].tensor_split(m), whole[1].tensor_split(m))
         for p in strategy.module.parameters():  # the schedule's scale_grads: the mean over micro-batches
             if p.grad is not None:
                 p.grad.div_(m)

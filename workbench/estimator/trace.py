@@ -11,6 +11,7 @@ and FSDP x TP here; a pipeline's stages, whose schedule can't run on a fake proc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -178,7 +179,12 @@ def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     from workbench.estimator.fake_world import fake_world
 
     started = time.perf_counter()
-    with fake_world(world, rank, gpu_target) as fake:
+    ring = contextlib.nullcontext()
+    if cfg.cp > 1:  # attention as a GPU run's ring over the CP group, on the CPU kernel (ring_trace.py)
+        from workbench.estimator.ring_trace import installed
+
+        ring = installed()
+    with ring, fake_world(world, rank, gpu_target) as fake:
         if cfg.pp > 1:
             from workbench.estimator.pipeline_trace import trace_stage
 
@@ -211,7 +217,7 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
 
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
     # A DeviceMesh needs real tensors: it is built before fake mode, and the strategy takes it from the Placement.
-    mesh = (layout_mesh(cfg, "cpu", world) if cfg.tp > 1 else
+    mesh = (layout_mesh(cfg, "cpu", world) if cfg.tp > 1 or cfg.cp > 1 else
             data_parallel_mesh(cfg, "cpu", world) if cfg.parallelism in SHARDED else None)
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))

@@ -1,12 +1,13 @@
-"""A stand-in for the CUDA kernels context parallel needs, for the CPU tests only (never workbench's code).
+"""Ring attention on the CPU, for the estimate's trace of context parallel (cp > 1).
 
 PyTorch 2.13's context_parallel turns scaled_dot_product_attention into ring attention for the flash, efficient and
-cuDNN ops, all CUDA; on CPU the same call dispatches `_scaled_dot_product_flash_attention_for_cpu`, which has no
-context-parallel rule ('... does not have a sharding strategy registered'), so preflight refuses cp > 1 on CPU.
-`installed()` hands the CPU op and its backward to PyTorch's own ring templates (private:
-torch.distributed.tensor.experimental._context_parallel._attention), so a gloo run exercises everything workbench
-does around the kernel: the batch and position buffers sharded with load balancing, FSDP over dp_shard x cp, the
-loss averaged over the group, evaluation. Ring attention itself is PyTorch's, tested there on CUDA.
+cuDNN ops, all CUDA; the estimate traces a step on CPU fake tensors, where the same call dispatches
+`_scaled_dot_product_flash_attention_for_cpu`, which has no context-parallel rule ('... does not have a sharding
+strategy registered'). `installed()` hands the CPU op and its backward to PyTorch's own ring templates (private:
+torch.distributed.tensor.experimental._context_parallel._attention), so the trace runs the exchanges of keys and
+values a GPU run makes (all-gathered over the CP group, PyTorch's default rotation), the attention FLOPs of each
+rank's queries against every key, and the buffers the ring holds. A run on CPU ranks is still refused (preflight):
+the tests use this to run CP on gloo ranks, where it computes what the CUDA kernels would.
 """
 
 from __future__ import annotations
