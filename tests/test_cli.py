@@ -120,7 +120,9 @@ def test_bench_parallelism_has_the_model_parallel_layouts(tmp_path: Path) -> Non
     cfg = wb.RunConfig(task="char-gpt", num_processes=2, device="cpu", micro_batch_size=4, max_steps=6,
                        log_every=3, eval_batches=1, task_options={"preset": "tiny", "block_size": 32,
                                                                   "dropout": 0.0})
-    rows = {r.mode: r for r in parallelism(cfg, modes=("ddp", "tp", "pp")).rows}
+    rows = {r.mode: r for r in parallelism(cfg, modes=("ddp", "tp", "pp", "cp")).rows}
+    cp = rows.pop("cp")  # ring attention runs on CUDA only: the row says why, as preflight would
+    assert not cp.available and cp.reason.startswith("cp=2 on CPU: PyTorch's context parallel")
     assert all(r.available for r in rows.values()), [r.reason for r in rows.values()]
     for mode in ("tp", "pp"):
         assert rows[mode].final_loss == pytest.approx(rows["ddp"].final_loss, rel=1e-4), mode

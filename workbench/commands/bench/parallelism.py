@@ -29,7 +29,7 @@ from workbench.utils.units import fmt_bytes
 
 WARMUP_STEPS = 5
 MODES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "zero3xtp", "ppxddp", "ppinterleaved", "ppzerobubble",
-         "ppxzero3xtp", "hsdpxtp")
+         "ppxzero3xtp", "hsdpxtp", "cp", "ppxcp")
 
 PARALLELISM_BENCH = RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=30, lr=1e-3,
                               log_every=10, eval_batches=2, task_options={"preset": "tiny"})
@@ -85,6 +85,8 @@ def _layout(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
     if mode in ("hsdp", "zero3xtp", "ppxddp") and (n < 4 or n % 2):
         return None, f"{mode} needs an even num_processes >= 4 (2 groups of 2); try --set num_processes=4 " \
                      "--set oversubscribe=true"
+    if mode == "ppxcp" and n % 4:
+        return None, "ppxcp needs num_processes a multiple of 4 (pp 2 x cp 2); try --set num_processes=4"
     if mode in ("ppxzero3xtp", "hsdpxtp") and n % 8:
         return None, f"{mode} needs num_processes a multiple of 8 (2 x 2 x tp 2); try --set " \
                      "num_processes=8 --set oversubscribe=true"
@@ -98,7 +100,10 @@ def _layout(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
                                      pp_schedule="interleaved_1f1b"),
                "ppzerobubble": dict(parallelism="ddp", pp=n, grad_accum_steps=accum * n, pp_schedule="zero_bubble"),
                "ppxzero3xtp": dict(parallelism="zero3", pp=2, tp=2, grad_accum_steps=accum * 4),
-               "hsdpxtp": dict(parallelism="hsdp", dp_shard=2, tp=2, grad_accum_steps=accum * 2)}
+               "hsdpxtp": dict(parallelism="hsdp", dp_shard=2, tp=2, grad_accum_steps=accum * 2),
+               # a CP group shares its batches, as a TP group does: the same sequences per step, each split
+               "cp": dict(parallelism="zero3", cp=n, grad_accum_steps=accum * n),
+               "ppxcp": dict(parallelism="zero3", pp=2, cp=2, grad_accum_steps=accum * 4)}
     return cfg.replace(**{"parallelism": mode, "dp_shard": 0, **layouts.get(mode, {})}), ""
 
 
