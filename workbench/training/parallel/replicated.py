@@ -74,13 +74,17 @@ class Replicated(Strategy):
                 "gradient_syncs": self.comm_stats.syncs if self.comm_stats is not None else None}
 
     def save(self, path: Path) -> None:
-        """Every rank holds the same weights and optimizer state: rank 0 writes them alone, without DCP's
-        planning collectives (a checkpoint any mode and rank count loads, as from the sharded modes)."""
-        if self.accelerator.process_index == 0:
-            state = self.state_dict()
-            with single_process_dcp(alone=True):
-                dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"), no_dist=True)
-                dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"), no_dist=True)
+        """Every rank holds the same weights and optimizer state: rank 0 writes the model and the last rank the
+        optimizer (rank 0 both, alone), side by side and without DCP's planning collectives (a checkpoint any
+        mode and rank count loads, as from the sharded modes)."""
+        rank, last = self.accelerator.process_index, self.accelerator.num_processes - 1
+        mine = [key for key, writer in (("model", 0), ("optim", last)) if writer == rank]
+        if not mine:
+            return
+        state = self.state_dict()
+        with single_process_dcp(alone=True):
+            for key in mine:
+                dcp.save({key: state[key]}, checkpoint_id=str(path / key), no_dist=True)
 
     def forward_context(self) -> AbstractContextManager[Any]:
         dtype = DTYPES.get(self.cfg.precision)
