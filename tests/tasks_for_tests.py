@@ -159,17 +159,18 @@ class HeldAtStart(TinyRegression):
 
 
 class SpikedCharGPT(CharGPTTask):
-    """char-gpt whose loss is multiplied by 1e6 at each rank's `spike_at`-th training loss: fp16's scaled gradients
-    overflow there, so every rank's scaler must skip that update and halve its scale."""
+    """char-gpt whose loss is multiplied by `factor` (1e6) at each rank's `spike_at`-th training loss: fp16's
+    scaled gradients overflow there, so every rank's scaler must skip that update and halve its scale. A NaN
+    `offset` instead makes that loss not finite and leaves its gradients finite."""
 
-    def __init__(self, spike_at: int) -> None:
+    def __init__(self, spike_at: int, factor: float = 1e6, offset: float = 0.0) -> None:
         super().__init__()
-        self.spike_at, self.losses = spike_at, 0
+        self.spike_at, self.factor, self.offset, self.losses = spike_at, factor, offset, 0
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         loss = super().loss(model, batch)
         if torch.is_grad_enabled():
             self.losses += 1
             if self.losses == self.spike_at:
-                return loss * 1e6
+                return loss * self.factor + self.offset
         return loss

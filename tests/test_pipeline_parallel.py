@@ -151,3 +151,25 @@ def test_one_process_checkpoint_resumes_under_pp(runs: dict[str, wb.RunResult]) 
     assert back.status == "completed", back.summary
     got = losses(back)[SAVED_AT:]
     assert max(abs(x - y) / y for x, y in zip(got, expected)) < 1e-5
+
+
+def test_a_nan_loss_on_the_last_stage_ends_the_pipeline_diverged_at_that_step(tmp_path: Path) -> None:
+    """The last stage's NaN loss (its gradients finite) poisons the stage's gradients after the schedule; the
+    clip norm, summed over the stages, tells every rank, one all-reduce names the rank, and the step is applied
+    nowhere. No vote on every step: the pipeline's ranks vote for stops and signals on an interval, as
+    data-parallel ranks do."""
+    from tasks_for_tests import SpikedCharGPT
+
+    cfg = cfg_for(tmp_path / "runs", num_processes=2, pp=2, parallelism="ddp", max_steps=8, checkpoint_every=2,
+                  run_name="nan")
+    # the last stage's 8th training loss: step 4's first micro-batch (2 per step, and one more in step 1, where
+    # the schedule infers the stage's shapes)
+    message = r"diverged at step 4: the loss was not finite \(NaN or inf\) on rank 1; last good checkpoint: .*step_2"
+    with pytest.raises(wb.RunDivergedError, match=message):
+        wb.launch(cfg, task=SpikedCharGPT(spike_at=8, factor=1.0, offset=float("nan")))
+    run = RunDir(tmp_path / "runs" / "nan")
+    summary = run.summary()
+    assert summary.status == "diverged" and summary.steps == 3, "the diverged step is never applied"
+    assert [s for s, _ in run.checkpoints()] == [2]
+    votes = [r["agreement_votes"] for r in summary.ranks]
+    assert votes[0] == votes[1] < 4, votes

@@ -1,19 +1,19 @@
 """Do all ranks agree to go on? Rank 0's stop request and any rank's preemption signal must end the run on the
 same step everywhere, and a step whose loss or gradients are not finite must be applied nowhere.
 
-Where the gradient norm is computed after the gradients are reduced (no fp16 loss scaling, no pipeline; with
-clipping off too, at max_norm inf), it stands in for a per-step vote: it is the same number on every rank, and
-a rank whose loss or gradients are not finite poisons the reduced gradients, so the norm carries the news to
-everyone. Only a non-finite norm, which ends the run, takes one more all-reduce, to name the rank whose loss
-it was. Stop requests and signals wait for a vote every few steps, about every VOTE_EVERY_S seconds (the
+Where the gradient norm is computed after the gradients are reduced (no fp16 loss scaling; with clipping off
+too, at max_norm inf), it stands in for a per-step vote: it is the same number on every rank, and a rank whose
+loss or gradients are not finite poisons the reduced gradients (a pipeline's last stage, whose loss exists only
+after its backward, poisons its own), so the norm, summed over the stages, carries the news to everyone. Only
+a non-finite norm, which ends the run, takes one more all-reduce, to name the rank whose loss it was. Stop
+requests and signals wait for a vote every few steps, about every VOTE_EVERY_S seconds (the
 interval is rank 0's, carried in the vote so every rank counts the same steps): a per-step collective, even a
 tiny asynchronous one, cost this trainer more than all its other bookkeeping together.
 
-Elsewhere (fp16 scaling, whose infinite gradients are overflows to skip; the pipeline, whose loss is known
-only after its backward) every step votes, with the non-finite loss flags in the vote. A vote is one
-all-reduce, started before the last backward and waited for before the update. It is a sum: each rank writes
-only its own slots, so a sum tells every rank's signal and loss apart. A pipeline's loss exists only on its last
-stage: the vote carries it to the other stages (one slot per replica), which saves a broadcast per step.
+With fp16 scaling, whose infinite gradients are overflows to skip, every step votes, with the non-finite loss
+flags in the vote. A vote is one all-reduce, started before the last backward and waited for before the update.
+It is a sum: each rank writes only its own slots, so a sum tells every rank's signal and loss apart. A
+pipeline's loss exists only on its last stage, and only the last stage's ranks report it (logger.py).
 """
 
 from __future__ import annotations
@@ -40,22 +40,9 @@ MAX_VOTE_INTERVAL = 1000
 
 
 def votes_every_step(cfg: RunConfig, strategy: Strategy) -> bool:
-    """False where the gradient norm tells divergence: taken after the reduction (no pipeline; with clipping off
-    too, at max_norm inf), and an inf in it isn't an fp16 overflow."""
-    return strategy.scaler is not None or getattr(strategy, "pipelined", False)
-
-
-@dataclass(frozen=True)
-class CarriedLoss:
-    """A loss the vote carries from the rank that has it to the ranks that don't (a pipeline's last stage to
-    the others of its replica)."""
-
-    slots: int
-    """How many losses the vote carries (one per pipeline replica)."""
-    slot: int
-    """The one this rank reads (and writes, when it is the `writer`)."""
-    writer: bool
-    """This rank computed the loss."""
+    """False where the gradient norm tells divergence: taken after the reduction (with clipping off too, at
+    max_norm inf), and an inf in it isn't an fp16 overflow."""
+    return strategy.scaler is not None
 
 
 @dataclass(frozen=True)
@@ -87,20 +74,12 @@ class Verdict:
 class Agreement:
     """`every_step`: vote on every step, the loss flags included (see the module docstring for when)."""
 
-    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard, *, every_step: bool,
-                 carried: CarriedLoss | None = None) -> None:
+    def __init__(self, accelerator: Accelerator, run: RunDir, guard: Guard, *, every_step: bool) -> None:
         self.accelerator, self.run, self.guard, self.every_step = accelerator, run, guard, every_step
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.device = accelerator.device
-        if carried is not None and not every_step:
-            raise AssertionError("a carried loss needs a vote on every step")
-        self.carried = carried
-        # [stop (rank 0), next vote interval (rank 0), signal per rank..., non-finite loss per rank (every_step)...,
-        #  carried losses...]
-        self._loss_base = 2 + 2 * self.world
-        self.flags = torch.zeros(2 + (2 if every_step else 1) * self.world + (carried.slots if carried else 0),
-                                 device=self.device)
-        self._step_loss: torch.Tensor | None = None
+        # [stop (rank 0), next vote interval (rank 0), signal per rank..., non-finite loss per rank (every_step)...]
+        self.flags = torch.zeros(2 + (2 if every_step else 1) * self.world, device=self.device)
         self._pending: Any = None
         self._voting = False
         self._bad_loss: Any = False
@@ -115,7 +94,6 @@ class Agreement:
         """Collective (every rank, once per step, before the last backward). Returns what to multiply the last
         micro-batch's loss by (NaN poisons a non-finite step's gradients), or None to leave it."""
         self._steps += 1
-        self._step_loss = step_loss
         poison = None
         if step_loss.device.type == "cpu":
             self._bad_loss = not math.isfinite(step_loss.item())
@@ -143,18 +121,12 @@ class Agreement:
             self.flags = torch.tensor(votes, device=self.device)
             return self.flags
         bad = 2 + self.world + self.rank
-        carried = self.carried is not None and self.carried.writer
-        at = self._loss_base + self.carried.slot if self.carried is not None else 0
         if self.device.type == "cpu":  # a handful of Python floats, one tensor: cheaper than indexing one
             votes[bad] = float(self._bad_loss)
-            if carried:
-                votes[at] = self._step_loss.item()  # type: ignore[union-attr]
             self.flags = torch.tensor(votes)
         else:  # no host sync on a GPU: the loss check stays on the device
             self.flags.copy_(torch.tensor(votes), non_blocking=True)
             self.flags[bad] = self._bad_loss.float()
-            if carried:
-                self.flags[at] = self._step_loss
         return self.flags
 
     def _next_interval(self) -> int:
@@ -176,9 +148,7 @@ class Agreement:
             values = self.flags.tolist()
             stop, self._until_vote = values[0] > 0.5, int(values[1]) - 1
             signal = int(max(values[2:2 + self.world], default=0))
-            bad_ranks = [r for r, v in enumerate(values[2 + self.world:self._loss_base]) if v > 0.5]
-            if self.carried is not None and self._step_loss is not None:
-                self._step_loss.fill_(values[self._loss_base + self.carried.slot])
+            bad_ranks = [r for r, v in enumerate(values[2 + self.world:]) if v > 0.5]
         else:
             self._until_vote = max(0, self._until_vote - 1)
         if self.world == 1:

@@ -42,7 +42,7 @@ class MetricsLogger:
                  tokens_per_sample: int | None, mfu: Callable[[float], float | None],
                  epoch_of: Callable[[int], int], held_bytes: Callable[[], dict[str, int]],
                  monitor: DeviceMonitor | None = None, trackers: RunTrackers | None = None,
-                 breakdown: StepBreakdown | None = None) -> None:
+                 breakdown: StepBreakdown | None = None, loss_ranks: range | None = None) -> None:
         self.accelerator, self.run, self.cfg = accelerator, run, cfg
         self.device = accelerator.device
         self.main = accelerator.is_main_process
@@ -59,6 +59,8 @@ class MetricsLogger:
         self.trackers = trackers
         self.breakdown = breakdown
         """Each rank's step-time breakdown rides in the same all-gather; rank 0 turns it into verdicts."""
+        self.loss_ranks = slice(None) if loss_ranks is None else slice(loss_ranks.start, loss_ranks.stop)
+        """The ranks whose window loss the row averages: a pipeline's last stage; every rank otherwise."""
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         """A step ended with this mean loss over its micro-batches."""
@@ -134,7 +136,7 @@ class MetricsLogger:
         samples_per_s = self.global_batch / step_time
         return MetricsRow(
             step=state.step, epoch=self.epoch_of(max(0, state.micro_batches - 1)),
-            loss=float(everyone[:, 0].mean()), lr=lr, step_time_s=step_time,
+            loss=float(everyone[self.loss_ranks, 0].mean()), lr=lr, step_time_s=step_time,
             samples_per_s=samples_per_s,
             peak_memory_bytes=int(everyone[:, 1].max()), peak_memory_bytes_per_rank=ints(1),
             skipped_steps=int(everyone[:, 2].max()),

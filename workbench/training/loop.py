@@ -101,10 +101,8 @@ class Trainer:
         # must draw the same ones (their replicated parameters would drift apart otherwise).
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
-        carried = getattr(self.parallel, "carried_loss", None)
         self.agreement = Agreement(self.accelerator, self.run, self.guard,
-                                   every_step=votes_every_step(cfg, self.parallel),
-                                   carried=carried() if carried is not None else None)
+                                   every_step=votes_every_step(cfg, self.parallel))
         # Started by fit(), stopped by close(): model building and data loading are not idle training time.
         self.breakdown = StepBreakdown(self.device, self.parallel.comm_stats)
         self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)
@@ -113,7 +111,8 @@ class Trainer:
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
                                      tokens_per_sample=self.tokens_per_sample, mfu=self.mfu,
                                      epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes,
-                                     monitor=self.monitor, trackers=self.trackers, breakdown=self.breakdown)
+                                     monitor=self.monitor, trackers=self.trackers, breakdown=self.breakdown,
+                                     loss_ranks=getattr(self.parallel, "loss_ranks", None))
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:

@@ -12,7 +12,8 @@ schedules' repeated backward passes).
 A step is one schedule run over the step's grad_accum_steps micro-batches, concatenated and split again by the
 schedule into the same micro-batches; scale_grads divides the gradients by their number, as accumulate's
 `loss / accum` does. The loss is computed on the last stage (the task's `loss` with the stage output standing in
-for the model); the trainer's per-step vote carries it to the pipeline's other ranks (agreement.CarriedLoss).
+for the model), and only the last stage's ranks report it (loss_ranks); a non-finite one poisons that stage's
+gradients after the schedule, so the norm summed over the stages tells every rank (agreement.py).
 fp16 scales the loss in the stage's loss function; ShardedGradScaler agrees on overflows over every rank.
 With cp > 1 the whole schedule runs inside PyTorch's context_parallel (context.SequenceSplit, torchtitan's way):
 the first stage's inputs, the last stage's targets and the position buffers are split along the sequence before
@@ -44,7 +45,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from workbench.config.mesh import INTERLEAVED, shards, virtual_stages
-from workbench.training.agreement import CarriedLoss
 from workbench.training.evaluation import split_loss
 from workbench.training.memory import next_micro_batch, stage_point
 from workbench.training.parallel.context import SequenceSplit
@@ -201,8 +201,13 @@ class PipelineParallel(PipelineCheckpoints):
         with self._sequence_split(args[0] if args else None, kwargs.get("target")), self.forward_context():
             self.schedule.step(*args, **kwargs, return_outputs=False)
         loss = self._step_loss(kwargs.get("losses"))
-        if before_last_backward is not None:
-            before_last_backward(loss)  # the vote: started now, it overlaps the gradients' all-reduces
+        # The agreement (a vote, when due, overlaps the gradients' all-reduces); a non-finite loss poisons this
+        # stage's gradients, its backward already run.
+        poison = before_last_backward(loss) if before_last_backward is not None else None
+        if poison is not None:
+            held = next((g for p in self.module.parameters() if (g := local_grad(p)) is not None and g.numel()), None)
+            if held is not None:
+                held.view(-1)[:1].mul_(poison.to(held.device, held.dtype))
         self.after_schedule()
         return loss
 
@@ -211,9 +216,11 @@ class PipelineParallel(PipelineCheckpoints):
         for the schedule's forwards and backwards."""
         return self.split(self.module, (inputs, target)) if self.split is not None else nullcontext()
 
-    def carried_loss(self) -> CarriedLoss:
-        """The loss the vote carries: from the last stage of each pipeline column to its other ranks."""
-        return CarriedLoss(slots=self.columns, slot=self.column, writer=self.last_stage)
+    @property
+    def loss_ranks(self) -> range:
+        """The ranks whose loss is the run's: the last stage's (pp outermost), one per pipeline column."""
+        world = self.stages * self.columns
+        return range(world - self.columns, world)
 
     def after_schedule(self) -> None:
         """The step's communication after the schedule (a traced estimate runs it after its own schedule): tied
