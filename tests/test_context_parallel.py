@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_estimate import _lower_peaks
 from test_pipeline_parallel import cfg_for, losses, worst_relative
 
 import workbench as wb
@@ -179,11 +180,18 @@ def test_the_estimate_traces_ring_attention_and_holds_what_the_ranks_held(runs_d
     cfg = cfg_for(runs_dir, run_name="cp", cp=2, parallelism="zero3", track_memory=True, max_steps=2,
                   micro_batch_size=8, task_options=options, **fields)
     ranks = wb.launch(cfg).summary["ranks"]
-    for real in ranks[::2] if cfg.pp > 1 else ranks:  # a rank of each stage: its CP peer holds what it holds
-        trace = trace_step(cfg.replace(track_memory=False), get_task(cfg.task), world=len(ranks), rank=real["rank"])
-        assert trace.held == {k: real[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}, real["rank"]
+    traces = {r["rank"]: trace_step(cfg.replace(track_memory=False), get_task(cfg.task), world=len(ranks),
+                                    rank=r["rank"])
+              for r in (ranks[::2] if cfg.pp > 1 else ranks)}  # a rank of each stage: its CP peer holds the same
+    for _ in range(2):  # gloo may hold a collective's buffer late in a tracked step (test_estimate._lower_peaks)
+        if all(abs(t.memory["peak"] / ranks[r]["tracked_memory"]["peak"] - 1) < tolerance for r, t in traces.items()):
+            break
+        ranks = _lower_peaks(ranks, wb.launch(cfg.replace(run_name=f"cp-{_}")).summary["ranks"])
+    for r, trace in traces.items():
+        real = ranks[r]
+        assert trace.held == {k: real[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}, r
         tracked = real["tracked_memory"]["peak"]
-        assert abs(trace.memory["peak"] / tracked - 1) < tolerance, (real["rank"], trace.memory, tracked)
+        assert abs(trace.memory["peak"] / tracked - 1) < tolerance, (r, trace.memory, tracked)
 
 
 def test_the_estimate_prices_the_rings_exchanges_and_each_ranks_share_of_the_work() -> None:
