@@ -31,7 +31,9 @@ def assert_trains_like_one_process(cp: wb.RunResult, single: wb.RunResult, mesh:
     assert worst_relative(losses(cp), losses(single)) < 1e-5, (losses(cp), losses(single))
     for rank in cp.summary["ranks"]:
         assert rank["mesh"] == mesh
-        assert rank["cp_sequence"] == {"length": 32, "local_length": 32 // mesh["cp"]}, "each rank held its slice"
+        middle = 0 < rank.get("pp_stage", 0) < rank.get("pp_stages", 1) - 1  # its activations arrive split
+        held = {} if middle else {"length": 32, "local_length": 32 // mesh["cp"]}
+        assert rank["cp_sequence"] == held, "each rank held its slice"
 
 
 @pytest.mark.gpu
@@ -75,6 +77,9 @@ PIPELINES = {
     "pp2 x cp2": ({"num_processes": 4, "parallelism": "zero3"}, 2),
     "pp2 zero_bubble x zero2 x cp2": ({"num_processes": 4, "parallelism": "zero2", "pp_schedule": "zero_bubble"}, 4),
     "pp2 x cp2 x tp2": ({"num_processes": 8, "parallelism": "zero3", "tp": 2}, 2),
+    # a middle stage takes neither inputs nor targets: its ranks still enter the split (and attend as a ring)
+    "pp3 x cp2": ({"num_processes": 6, "parallelism": "zero3", "pp": 3, "micro_batch_size": 2,
+                   "grad_accum_steps": 4}, 3),
 }
 
 
@@ -83,20 +88,21 @@ def test_cp_inside_pipeline_stages_trains_like_one_process(runs_dir: Path, ring_
     """The schedule runs inside the sequence split: the first stage's inputs, the last stage's targets and the
     positions are split before the micro-batches are cut, activations travel between stages split, every stage's
     attention is a ring over its CP group, and FSDP2 shards each chunk over dp_shard x cp."""
-    fields, layers = PIPELINES[layout]
+    fields, layers = {"pp": 2, **PIPELINES[layout][0]}, PIPELINES[layout][1]
     options = {"block_size": 32, "train_stride": 64, "dropout": 0.0, "n_layer": layers}
-    single = wb.launch(cfg_for(runs_dir, run_name="single", task_options=options))
-    run = wb.launch(cfg_for(runs_dir, run_name="pp-cp", pp=2, cp=2, task_options=options, **fields))
-    mesh = {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": fields.get("tp", 1)}
+    batch = {k: v for k, v in fields.items() if k in ("micro_batch_size", "grad_accum_steps")}
+    single = wb.launch(cfg_for(runs_dir, run_name="single", task_options=options, **batch))
+    run = wb.launch(cfg_for(runs_dir, run_name="pp-cp", cp=2, task_options=options, **fields))
+    mesh = {"pp": fields["pp"], "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": fields.get("tp", 1)}
     assert_trains_like_one_process(run, single, mesh)
     evals = [[r["eval_loss"] for r in x.metrics if "eval_loss" in r] for x in (run, single)]
     assert evals[0] == pytest.approx(evals[1], rel=1e-5), "evaluation went through the stages split too"
     first, last = "tok.weight", f"blocks.{layers - 1}.ln1.weight"
     for rank in run.summary["ranks"]:
-        stage = rank["pp_stage"]
-        assert (first in rank["pp_params"]) == (stage == 0) and (last in rank["pp_params"]) == (stage == 1)
-        held = rank["split_params"][first if stage == 0 else last]
-        assert held["mesh"][-1] == "dp_shard_cp", "FSDP2 shards each chunk over the CP group"
+        stage, params = rank["pp_stage"], rank["pp_params"]
+        assert (first in params) == (stage == 0) and (last in params) == (stage == fields["pp"] - 1)
+        assert all("dp_shard_cp" in held["mesh"] for held in rank["split_params"].values()), \
+            "FSDP2 shards each chunk over the CP group"
 
 
 def test_cp_on_cpu_is_refused_with_pytorchs_reason(runs_dir: Path) -> None:

@@ -192,7 +192,7 @@ class _StageStep:
         # schedule cuts them again (views)
         whole = torch.cat([b[0] for b in self.micro]), torch.cat([b[1] for b in self.micro])
         split = (whole[0] if strategy.first_stage else None, whole[1] if strategy.last_stage else None)
-        with strategy._sequence_split(*split), strategy.forward_context():
+        with strategy.sequence_split(*split), strategy.forward_context():
             self._schedule(whole[0].tensor_split(m), whole[1].tensor_split(m))
         for p in strategy.module.parameters():  # the schedule's scale_grads: the mean over micro-batches
             if p.grad is not None:

@@ -69,8 +69,10 @@ class SequenceSplit:
             raise ValueError(f"cp={self.cp}: task {self.task.name!r} names no sequence tensors "
                              "(context_parallel_buffers returned nothing); set cp=1")
         buffers, dims = [t for t, _ in pairs], [d for _, d in pairs]
-        whole = buffers[0].shape[dims[0]] if buffers else 0
+        if not buffers:  # context_parallel takes its device and load balancing from a first buffer: a stand-in
+            buffers, dims = [torch.zeros(2 * self.cp, device=self.mesh.device_type)], [0]
+        whole = buffers[0].shape[dims[0]]
         with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=dims):
-            if buffers:
+            if pairs:
                 self.sequence = {"length": whole, "local_length": buffers[0].shape[dims[0]]}
             yield

@@ -198,7 +198,7 @@ class PipelineParallel(PipelineCheckpoints):
             at("pipeline schedule (Task.loss on the last stage)")
         args = (torch.cat([m[0] for m in micro]),) if self.first_stage else ()
         kwargs = {"target": torch.cat([m[1] for m in micro]), "losses": []} if self.last_stage else {}
-        with self._sequence_split(args[0] if args else None, kwargs.get("target")), self.forward_context():
+        with self.sequence_split(args[0] if args else None, kwargs.get("target")), self.forward_context():
             self.schedule.step(*args, **kwargs, return_outputs=False)
         loss = self._step_loss(kwargs.get("losses"))
         # The agreement (a vote, when due, overlaps the gradients' all-reduces); a non-finite loss poisons this
@@ -211,7 +211,7 @@ class PipelineParallel(PipelineCheckpoints):
         self.after_schedule()
         return loss
 
-    def _sequence_split(self, inputs: torch.Tensor | None, target: Any) -> AbstractContextManager[Any]:
+    def sequence_split(self, inputs: torch.Tensor | None, target: Any) -> AbstractContextManager[Any]:
         """cp > 1: the sequences this rank's stages take split over its CP group, and attention made ring attention,
         for the schedule's forwards and backwards."""
         return self.split(self.module, (inputs, target)) if self.split is not None else nullcontext()
@@ -278,7 +278,7 @@ class PipelineParallel(PipelineCheckpoints):
         """The batch through every stage of this column in order (activations sent point-to-point between the
         ranks holding consecutive stages); the task's loss and metrics on the last stage, None elsewhere."""
         inputs, target = batch[0], batch[1]
-        with self._sequence_split(inputs if self.first_stage else None, target if self.last_stage else None):
+        with self.sequence_split(inputs if self.first_stage else None, target if self.last_stage else None):
             return self._eval_through_stages(inputs, target)
 
     def _eval_through_stages(self, inputs: torch.Tensor, target: Any) -> tuple[torch.Tensor, dict[str, Any]] | None:
