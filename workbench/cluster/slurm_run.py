@@ -18,6 +18,7 @@ from workbench.launcher.run import raise_for_ending
 from workbench.rundir import RunDir, RunFiles, Status, lock
 from workbench.rundir.scheduler import ACTIVE, JOB_FILE, job_state
 from workbench.utils.files import read_json
+from workbench.utils.mounts import on_network_filesystem
 
 POLL_S = 1.0
 """How often wait() asks Slurm and the run directory."""
@@ -105,7 +106,9 @@ class SlurmRun(RunFiles):
     def _record_an_ending(self) -> None:
         """The ranks record how the run ended; when the job is over and nothing is recorded, the job's own end
         is the run's: never 'starting' or 'running' for a job Slurm has finished with."""
-        deadline = time.monotonic() + 10.0  # rank 0's last write may land just after Slurm reports the end
+        # Rank 0's last write may show on a network filesystem (NFS, Lustre, ...) a while after Slurm reports the
+        # end; on a local one it is there by then.
+        deadline = time.monotonic() + (10.0 if on_network_filesystem(self.run_dir) else 1.0)
         while not self.dir.summary().status.ended and time.monotonic() < deadline:
             time.sleep(0.2)
         if self.dir.summary().status.ended:
