@@ -526,6 +526,27 @@ def test_package_source_resolves_from_installed_sklearn(cache):
     assert [str(c) for c in data.verify("digits", cache=cache)] == ["digits/digits.csv.gz  ok"]
 
 
+def test_digits_are_parsed_once_and_kept_beside_their_file_under_its_digest(tmp_path, monkeypatch):
+    from workbench.tasks import digits
+
+    images, labels = digits.load_digits_arrays()
+    assert images.shape == (1797, 64) and labels[:5].tolist() == [0, 1, 2, 3, 4]
+    parsed = tmp_path / "default-cache" / "digits" / "1" / f".digits.csv.gz.{DIGITS_SHA[:16]}.npy"
+    assert parsed.is_file()
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("parsed the CSV again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(digits.np, "loadtxt", no_parsing)
+        again, _ = digits.load_digits_arrays()
+    assert (again == images).all()
+
+    parsed.write_bytes(b"cut short")  # a parsed copy that can't be read is parsed again and replaced
+    again, _ = digits.load_digits_arrays()
+    assert (again == images).all() and parsed.stat().st_size > 400_000
+
+
 def test_package_source_checks_digest_and_presence(tmp_path, cache):
     entry = {"path": "d.csv.gz", "package": "sklearn", "resource": "datasets/data/digits.csv.gz", "sha256": "1" * 64, "size": 57523}
     write_manifest(tmp_path / "m", "pkg", [entry], source="package")

@@ -22,6 +22,7 @@ import psutil
 from workbench.config import PARALLELISM_MODES, RunConfig
 from workbench.config.mesh import virtual_stages
 from workbench.config.precision import accelerate_mixed_precision
+from workbench.launcher.forked import ForkedSupervisor
 from workbench.launcher.signals import elastic_signals
 from workbench.launcher.spawn import SpawnedRanks, StartPlan, die_with_caller, write_task
 from workbench.rundir import (
@@ -109,10 +110,12 @@ def start_processes(cfg: RunConfig, task: Task | None, run: RunDir, token: str, 
 
         load_rank_modules(cfg)
 
+        read_fd, write_fd = os.pipe()
         ctx = multiprocessing.get_context("fork")
-        process: Any = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token,
-                                                           os.getpid()), name=f"workbench-{cfg.run_name}")
-        in_a_lasting_thread(process.start)  # the supervisor dies with this process (supervise)
+        forked = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token, os.getpid(),
+                                                     write_fd), name=f"workbench-{cfg.run_name}")
+        in_a_lasting_thread(forked.start)  # the supervisor dies with this process (supervise)
+        process: Any = ForkedSupervisor(forked, write_fd, read_fd, cfg.num_processes, run)
     else:
         env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
                "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1",

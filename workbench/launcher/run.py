@@ -124,7 +124,7 @@ class Run(RunFiles):
             if self.start_method != "fork":
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._process.wait(left)
-            elif multiprocessing.connection.wait([self._process.sentinel], left):
+            elif self._process.sentinel in multiprocessing.connection.wait(self._process.waitables(), left):
                 # The sentinel fires when the process closes its files, a moment before it can be reaped;
                 # join() then returns at once with the exit code. The lock keeps two threads from reaping at once.
                 with self._lock:

@@ -20,10 +20,10 @@ import psutil
 
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.postmortem import finalize, record_signal_deaths
-from workbench.rundir import RunDir
+from workbench.rundir import RunDir, lock
 from workbench.training.guard import keep_signal
 from workbench.training.parallel import strategy_module
-from workbench.training.rank import die_with_parent, expect_forked_ranks, rank_main
+from workbench.training.rank import RETURNED_FD, die_with_parent, expect_forked_ranks, rank_main
 from workbench.utils.distributed import FORKED_RANKS
 from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.lifecycle import preempt_signals
@@ -96,8 +96,10 @@ def load_rank_modules(cfg: RunConfig) -> None:
         importlib.import_module(module)
 
 
-def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int, token: str, caller: int) -> None:
-    """Body of the supervisor process: run notebook_launcher, then record a failure the ranks couldn't."""
+def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int, token: str, caller: int,
+              returned_fd: int) -> None:
+    """Body of the supervisor process: run notebook_launcher, then record a failure the ranks couldn't. The
+    ranks write to `returned_fd` once training returned (forked.py)."""
     global _supervisor_pid
     _supervisor_pid = os.getpid()
     # The preemption signals are passed on to the ranks here, not by elastic: elastic would end its workers
@@ -122,6 +124,7 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (rank.py)
+    os.environ[RETURNED_FD] = str(returned_fd)
     if resolve_device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
@@ -138,7 +141,12 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
                               monitor_interval=0.02)
     except BaseException as exc:  # noqa: BLE001  (recorded in the run directory, then reported by exit code)
         error = exc
-        record_signal_deaths(run, exc)
-    # Preemption signals never reach elastic here (_pass_to_ranks): the ranks record that ending themselves.
-    finalize(run, error)
+    # The launcher answers a run whose ranks all returned without waiting for this process to exit
+    # (launcher/forked.py), and a new launch may own the directory by now: only while this launch holds it.
+    with lock.holding(run, token) as ours:
+        if ours:
+            if error is not None:
+                record_signal_deaths(run, error)
+            # Preemption signals never reach elastic here (_pass_to_ranks): the ranks record that ending themselves.
+            finalize(run, error)
     os._exit(0 if error is None else 1)

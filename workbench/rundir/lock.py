@@ -215,3 +215,11 @@ def release(run: RunDir, token: str | None) -> None:
 def held_by(run: RunDir, token: str | None) -> bool:
     held = owner(run)
     return bool(held and token and held.get("token") == token)
+
+
+@contextlib.contextmanager
+def holding(run: RunDir, token: str | None) -> Iterator[bool]:
+    """Whether `token` still holds the lock, kept true while the block runs: no launch can take the directory
+    over meanwhile. For a process that outlives its launcher's interest in the run (launcher/forked.py)."""
+    with _guarded(run, required=False):
+        yield held_by(run, token)

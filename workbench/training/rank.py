@@ -61,6 +61,20 @@ def wait_for_forked_siblings(timeout_s: float = SIBLINGS_TIMEOUT_S) -> None:
         _forked_siblings.wait(timeout_s)
 
 
+RETURNED_FD = "WORKBENCH_RETURNED_FD"
+"""Names, in the fork-mode supervisor and its ranks, the write end of the pipe the launcher counts returned
+ranks on (launcher/forked.py)."""
+
+
+def tell_launcher_returned() -> None:
+    """In a forked rank whose training returned, everything written: one byte to the launcher."""
+    fd = os.environ.pop(RETURNED_FD, None)
+    if fd is not None:
+        with contextlib.suppress(OSError, ValueError):
+            os.write(int(fd), b"r")
+            os.close(int(fd))
+
+
 def record_exception(run_dir: Path, rank: int, exc: BaseException) -> None:
     """Write this rank's exception where the caller finds it; an exception without a message is named by its
     repr (EOFError() would otherwise read as 'EOFError: ')."""
@@ -146,3 +160,4 @@ def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
         except BaseException as exc:
             record_exception(Path(run_dir), rank, exc)
             raise
+    tell_launcher_returned()
