@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import workbench as wb
 from workbench.rundir import RunFailedError, Status
@@ -139,3 +140,31 @@ def test_bench_compile_puts_eager_and_compiled_side_by_side(tmp_path: Path) -> N
     assert row.graphs >= 1 and row.graph_breaks == 0 and row.max_loss_rel_diff < 1e-5
     assert row.first_step_cold_s > 0 and row.first_step_warm_s > 0
     assert "| ddp |" in report.table() and (tmp_path / "compile.json").is_file()
+    assert row.matmul_floor_ms > 0 and row.ceiling == pytest.approx(row.eager_ms / row.matmul_floor_ms)
+    assert f"({row.ceiling:.2f}x)" in report.table() and "GFLOP/s (fp32 2048x2048 matmul" in report.table()
+
+
+def test_the_matmul_floor_counts_a_samples_forward_and_backward_flops_and_spreads_the_batch() -> None:
+    from workbench.commands.bench.compile_ceiling import Floor, matmul_floor
+
+    cfg = wb.RunConfig(task="tasks_for_tests:TinyRegression", micro_batch_size=4)
+    floor = matmul_floor(cfg)
+    # Linear(8, 32), then Linear(32, 1): forward 2 x (8x32 + 32x1); backward the second layer's input and weight
+    # gradients, the first's weight gradient only (the data needs none).
+    assert floor.flops_per_sample == 2 * (8 * 32 + 32) + 2 * (32 + 32) + 2 * 8 * 32
+    assert floor.rate > 1e8 and "one CPU thread" in floor.rate_source
+    assert Floor(1e9, 1e11, "").step_ms(global_batch=16, ranks=2) == pytest.approx(80.0)
+
+
+def test_causal_attention_counts_half_the_flops_of_full_attention() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from workbench.commands.bench.compile_ceiling import _attention_formulas
+
+    q, k, v = (torch.randn(2, 2, 64, 16, requires_grad=True) for _ in range(3))
+    counts = []
+    for causal in (False, True):
+        with FlopCounterMode(display=False, custom_mapping=_attention_formulas()) as counter:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] > 0 and counts[1] * 2 == counts[0]

@@ -619,6 +619,30 @@ def test_used_datasets_deduplicates_by_name(mirror, tmp_path):
     assert data.used_datasets()[0]["files"] == {"train.csv": SYNTHETIC_SHA}
 
 
+def test_a_short_wait_for_a_dataset_lock_goes_unannounced(tmp_path, caplog, monkeypatch):
+    import threading
+    import time
+
+    from workbench.data import cache
+
+    monkeypatch.setattr(cache, "QUIET_WAIT_S", 10.0)  # a loaded machine's late timer stays well inside it
+    taken = threading.Event()
+
+    def hold_briefly() -> None:
+        with filelock.FileLock(str(tmp_path / "d.lock")):
+            taken.set()
+            time.sleep(0.2)
+
+    holder = threading.Thread(target=hold_briefly)
+    holder.start()
+    assert taken.wait(10)
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="workbench"), cache.dataset_lock(tmp_path, "d"):
+        waited = time.monotonic() - start
+    holder.join(10)
+    assert waited >= 0.1 and "waiting for another process" not in caplog.text
+
+
 RESOLVE_SCRIPT = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s", force=True)

@@ -103,18 +103,22 @@ def copy_to_temp(src: BinaryIO, dest_dir: Path, *, limit: int | None, desc: str,
     return Copied(tmp, h.hexdigest(), size)
 
 
+QUIET_WAIT_S = 1.0
+"""How long a wait for another process's resolution goes unannounced."""
+
+
 @contextmanager
 def dataset_lock(cache: Path, name: str) -> Iterator[None]:
     """Hold dataset ``name``'s lock in ``cache``, saying so in the log if another process has it."""
     lock = filelock.FileLock(str(cache / f"{name}.lock"))
+    # The ranks of a launch resolve together and hold the lock for milliseconds when the data is cached:
+    # filelock's default 50-ms poll would be a third of a 1-step launch, and a line a launch only noise.
     try:
-        lock.acquire(timeout=0)
+        lock.acquire(timeout=QUIET_WAIT_S, poll_interval=0.005)
     except filelock.Timeout:
         log.info("data %s: waiting for another process resolving it (lock %s)", name,
                  lock.lock_file)
-        # The ranks of a launch resolve together and hold the lock for milliseconds when the data is cached:
-        # filelock's default 50-ms poll would be a third of a 1-step launch.
-        lock.acquire(poll_interval=0.005)
+        lock.acquire(poll_interval=0.05)
     try:
         yield
     finally:

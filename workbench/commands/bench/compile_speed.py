@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.commands.bench.compile_ceiling import matmul_floor
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
 from workbench.utils.files import read_json
@@ -47,24 +48,36 @@ class CompileRow:
     graphs: int
     graph_breaks: int
     max_loss_rel_diff: float
+    matmul_floor_ms: float
+    """The step's matmul FLOPs on one rank at the device's best rate (compile_ceiling.py)."""
+
+    @property
+    def ceiling(self) -> float:
+        """The most any compiler could speed this step up: eager's step over its matmul floor."""
+        return self.eager_ms / self.matmul_floor_ms
 
 
 @dataclass
 class CompileReport:
     rows: list[CompileRow]
     config: dict[str, Any]
+    matmul_rate: str = ""
+    """Where the floor's rate came from, and the rate."""
 
     def table(self) -> str:
         cfg = self.config
         head = (f"compile={cfg['compile']} ({cfg['compile_backend']}) against eager: {cfg['task']} "
                 f"{cfg['task_options']}, {cfg['num_processes']} ranks, micro-batch {cfg['micro_batch_size']}, "
                 f"{cfg['max_steps']} steps, {cfg['precision']}")
-        lines = [head, "| layout | eager ms/step | compiled ms/step | speed-up | first step: eager / compiling cold / "
-                       "warm (s) | graphs, breaks | losses: max rel diff |",
-                 "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines = [head, "| layout | eager ms/step | compiled ms/step | speed-up | matmul floor ms/step (ceiling) | "
+                       "first step: eager / compiling cold / warm (s) | graphs, breaks | losses: max rel diff |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r.layout} | {r.eager_ms:.0f} | {r.compiled_ms:.0f} | {r.speedup:.2f}x | "
+                  f"{r.matmul_floor_ms:.0f} ({r.ceiling:.2f}x) | "
                   f"{r.eager_first_step_s:.1f} / {r.first_step_cold_s:.1f} / {r.first_step_warm_s:.1f} | "
                   f"{r.graphs}, {r.graph_breaks} | {r.max_loss_rel_diff:.1e} |" for r in self.rows]
+        lines.append(f"matmul floor: the step's matmul FLOPs per rank at {self.matmul_rate}; the ceiling is eager over "
+                     "it, the most any compiler could give")
         return "\n".join(lines)
 
 
@@ -82,6 +95,7 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                   json_path: Path | None = None) -> CompileReport:
     """Each layout eager, compiled cold and compiled warm, in this process's ranks (forked)."""
     rows: list[CompileRow] = []
+    floor = matmul_floor(cfg)  # before any rank runs: the rate is timed here
     saved = {k: os.environ.get(k) for k in ("WORKBENCH_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     with tempfile.TemporaryDirectory(prefix="wb-bench-compile-") as tmp:
         try:
@@ -106,14 +120,17 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                                        first_step_warm_s=warm_first, eager_first_step_s=eager_first,
                                        graphs=int(report.get("graphs", 0)),
                                        graph_breaks=sum((report.get("graph_breaks") or {}).values()),
-                                       max_loss_rel_diff=max(diffs, default=0.0)))
+                                       max_loss_rel_diff=max(diffs, default=0.0),
+                                       matmul_floor_ms=floor.step_ms(eager.summary["global_batch_size"],
+                                                                     cfg.num_processes)))
         finally:
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-    result = CompileReport(rows=rows, config=cfg.to_dict())
+    result = CompileReport(rows=rows, config=cfg.to_dict(),
+                           matmul_rate=f"{floor.rate / 1e9:.0f} GFLOP/s ({floor.rate_source})")
     if json_path is not None:
-        json_path.write_text(json.dumps(asdict(result), indent=2))
+        json_path.write_text(json.dumps({**asdict(result), "ceilings": [r.ceiling for r in rows]}, indent=2))
     return result
