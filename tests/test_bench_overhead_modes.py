@@ -42,6 +42,13 @@ def test_each_mode_is_laid_out_as_its_hand_loop_is() -> None:
         bench_config("tp", 2, 50, RunConfig(task="char-gpt", precision="bf16"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal a machine without a GPU gives")
+def test_the_device_asked_for_reaches_both_loops_config_and_is_checked_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"device='cuda': no CUDA GPU is visible on this machine"):
+        overhead(steps=20, repeats=1, device="cuda", json_path=tmp_path / "o.json")
+    assert not (tmp_path / "o.json").exists()
+
+
 def test_weights_that_are_not_bitwise_equal_are_held_to_the_stated_tolerance() -> None:
     trainer = {"w": torch.tensor([1.0, -2.0], dtype=torch.float64), "b": torch.zeros(0)}
     hand = {"w": torch.tensor([1.0, -2.0 + 1e-7], dtype=torch.float64), "b": torch.zeros(0)}

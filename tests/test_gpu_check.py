@@ -17,9 +17,14 @@ def test_the_dry_run_lists_every_step_and_why_one_is_skipped_here() -> None:
     lines = done.stdout.splitlines()
     assert lines[0].startswith("gpu-check on 0 x no CUDA GPU, torch ")
     steps = {line.strip().split("  ")[0]: line for line in lines[1:]}
-    assert list(steps) == ["gpu tests", "doctor", "bench precision", "bench estimate", "bench compile",
-                           "bench parallelism"]
+    assert list(steps) == ["gpu tests", "doctor", "bench precision", "bench mfu", "bench estimate", "bench compile",
+                           "bench parallelism", "bench overhead ddp", "bench overhead zero3", "bench overhead tp",
+                           "bench overhead pp"]
     assert "bench compile --set num_processes=1 --layouts ddp --json gpu-check/compile.json" in steps["bench compile"]
+    assert ("bench precision --set task_options.preset=gpt2-small --set compile=blocks --set micro_batch_size=16"
+            in steps["bench mfu"])
+    assert "bench overhead --mode ddp --device cuda --num-processes 1" in steps["bench overhead ddp"]
+    assert "(up to" in steps["bench overhead ddp"] and "skipped: needs 2 GPUs" in steps["bench overhead pp"]
     assert "-m pytest -m gpu" in steps["gpu tests"] and "(skipped: --skip)" in steps["doctor"]
     assert "bench estimate --json gpu-check/estimate.json" in steps["bench estimate"]
     assert "skipped: needs 2 GPUs" in steps["bench parallelism"] and "this machine has 0" in steps["bench parallelism"]
@@ -33,14 +38,35 @@ def test_without_a_gpu_it_refuses_to_run_and_says_what_to_do() -> None:
 def test_a_step_name_that_does_not_exist_is_refused_with_the_names() -> None:
     done = subprocess.run([str(REPO / "scripts" / "gpu-check"), "--dry-run", "--skip", "docter"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--skip 'docter': no such step; the steps are bench compile, bench estimate" in done.stderr
+    assert done.returncode == 2
+    assert "--skip 'docter': no such step; the steps are bench compile, bench estimate, bench mfu" in done.stderr
 
 
-def test_with_gpus_enough_the_parallelism_bench_runs_on_them(tmp_path: Path) -> None:
+def test_with_gpus_enough_the_layout_benches_run_on_them(tmp_path: Path) -> None:
     one, four = {s.name: s for s in plan(1, tmp_path)}, {s.name: s for s in plan(4, tmp_path)}
-    assert one["bench parallelism"].skipped and not four["bench parallelism"].skipped
+    two_gpus = {"bench parallelism", "bench overhead zero3", "bench overhead tp", "bench overhead pp"}
+    assert all(one[name].skipped and not four[name].skipped for name in two_gpus)
     assert "num_processes=4" in four["bench parallelism"].argv
-    assert all(not s.skipped for name, s in one.items() if name != "bench parallelism")
+    tp = four["bench overhead tp"].argv
+    assert tp[tp.index("--num-processes") + 1] == "2", "tp over 2 of the 4 GPUs: the hand loop's one TP group"
+    assert all(not s.skipped for name, s in one.items() if name not in two_gpus)
+
+
+def test_each_step_runs_in_turn_with_its_log_and_the_tables_at_the_end(tmp_path: Path, capsys) -> None:
+    import sys
+
+    from workbench.commands.gpu_check import Step, run
+
+    say = "import sys; print('progress', file=sys.stderr); print('| {} | 1.0 |')"
+    steps = [Step("bench a", [sys.executable, "-c", say.format("a")], 60),
+             Step("bench b", [sys.executable, "-c", "import sys; sys.exit(3)"], 60),
+             Step("bench c", [sys.executable, "-c", say.format("c")], 60, skipped="needs 2 GPUs")]
+    assert run(steps, tmp_path) == 1, "one step failed"
+    assert (tmp_path / "bench-a.log").read_text() == "| a | 1.0 |\nprogress\n"
+    assert (tmp_path / "bench-b.log").is_file() and not (tmp_path / "bench-c.log").exists()
+    printed = capsys.readouterr().out
+    assert "exit 3" in printed and "== bench c: skipped (needs 2 GPUs)" in printed
+    assert printed.index("### bench a\n| a | 1.0 |") > printed.index("== bench c")
 
 
 def test_the_estimate_bench_fits_each_layout_to_the_gpus_there_are() -> None:

@@ -295,7 +295,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(bench.parallelism(cfg, modes=modes, json_path=args.json).table())
         return 0
     report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
-                            json_path=args.json, mode=args.mode)
+                            json_path=args.json, mode=args.mode, device=args.device)
     print(report.table())
     return 0 if report.passed else 1
 

@@ -40,6 +40,8 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--repeats", type=int, default=9,
                    help="back-to-back pairs of runs (the overhead is the median of their differences)")
     o.add_argument("--num-processes", type=int, default=2)
+    o.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None,
+                   help="where both loops train (default: the CPU, whatever the machine has)")
     o.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     _config_bench(bsub, "precision", "the same run in every precision this machine supports, side by side",
                   "char-gpt 'small' on one device, 50 steps")
@@ -48,10 +50,12 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     pa.add_argument("--modes", nargs="+", default=None,
                     help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp ppinterleaved "
                          "ppzerobubble ppxzero3xtp hsdpxtp)")
-    co = _config_bench(bsub, "compile", "eager against torch.compile per layout (ddp, zero3, tp, pp), side by side: "
-                       "step time, first step cold and warm, losses",
+    co = _config_bench(bsub, "compile", "eager against torch.compile per layout (ddp, zero3, tp, pp, one process), "
+                       "side by side: step time, its matmul floor, first step cold and warm, losses",
                        "char-gpt 4 x 256, context 128, 2 ranks, 20 steps, compile blocks")
-    co.add_argument("--layouts", nargs="+", default=None, help="layouts to run (default: ddp zero3 tp pp)")
+    co.add_argument("--layouts", nargs="+", default=None,
+                    help="layouts to run (default: ddp zero3 tp pp one; one: a single process on every core, "
+                         "micro-batch 16)")
     la = bsub.add_parser("launch", help="wb.launch of a 1-step 2-rank run against accelerate.notebook_launcher "
                                         "running the equivalent function, interleaved")
     la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")

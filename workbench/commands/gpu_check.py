@@ -1,10 +1,11 @@
 """`scripts/gpu-check`: on a machine with CUDA GPUs, everything that only a GPU can check, in one command.
 
 It runs the `gpu`-marked tests, `workbench doctor`, and the benches whose figures the README keeps per device
-(precision, estimate against measured, parallelism where there are GPUs enough), saves each step's full output
-under --out, and ends with each bench's table headed by the device and the date, ready for the README. A step
-the machine can't run is listed as skipped with the reason, never left out silently. `--dry-run` lists the
-steps without running them (on any machine).
+(precision, MFU of GPT-2 small's shape compiled, estimate against measured, compile, overhead against hand-written
+loops, parallelism where there are GPUs enough), saves each step's full output under --out, and ends with each
+bench's table headed by the device and the date, ready for the README. A step the machine can't run is listed as
+skipped with the reason, never left out silently. `--dry-run` lists the steps without running them (on any
+machine).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Step:
     """Its output ends with a table for the README."""
 
 
+MFU_SHAPE = ["task_options.preset=gpt2-small", "compile=blocks", "micro_batch_size=16", "max_steps=30"]
+"""The MFU target's run (45% in bf16 on one H100): GPT-2 small's shape, each block compiled, nanoGPT's batch."""
+
+
 def plan(gpus: int, out: Path) -> list[Step]:
     """The steps for a machine with `gpus` CUDA GPUs, writing their JSON under `out`."""
     cli = [sys.executable, "-m", "workbench.cli"]
@@ -41,12 +46,19 @@ def plan(gpus: int, out: Path) -> list[Step]:
                            str(REPO / "tests")], 600, table=False),
         Step("doctor", [*cli, "doctor", "--quick"], 180, table=False),
         Step("bench precision", [*cli, "bench", "precision", "--json", str(out / "precision.json")], 600),
+        Step("bench mfu", [*cli, "bench", "precision", *(a for kv in MFU_SHAPE for a in ("--set", kv)),
+                           "--json", str(out / "mfu.json")], 900),
         Step("bench estimate", [*cli, "bench", "estimate", "--json", str(out / "estimate.json")], 900),
         Step("bench compile", [*cli, "bench", "compile", "--set", f"num_processes={2 if gpus >= 2 else 1}",
                                *(["--layouts", "ddp"] if gpus < 2 else []), "--json", str(out / "compile.json")],
              900),
         Step("bench parallelism", [*cli, "bench", "parallelism", "--set", f"num_processes={min(max(gpus, 2), 8)}",
                                    "--json", str(out / "parallelism.json")], 900, skipped=two),
+        # ddp runs on one GPU too (its ranks, the trainer's and the hand loop's, as many as there are, up to 2).
+        *(Step(f"bench overhead {mode}", [*cli, "bench", "overhead", "--mode", mode, "--device", "cuda",
+                                          "--num-processes", str(min(max(gpus, 1), 2)), "--repeats", "5",
+                                          "--json", str(out / f"overhead-{mode}.json")], 900,
+               skipped="" if mode == "ddp" else two) for mode in ("ddp", "zero3", "tp", "pp")),
     ]
 
 
@@ -76,15 +88,15 @@ def run(steps: list[Step], out: Path) -> int:
         log = out / f"{step.name.replace(' ', '-')}.log"
         try:
             done = subprocess.run(step.argv, capture_output=True, text=True, timeout=step.timeout_s, cwd=REPO)
-            out, err, code = done.stdout, done.stderr, done.returncode
+            stdout, err, code = done.stdout, done.stderr, done.returncode
         except subprocess.TimeoutExpired as e:
-            out, err, code = _text(e.stdout), f"{_text(e.stderr)}\ntimed out after {step.timeout_s} s", -1
-        log.write_text(out + err)
+            stdout, err, code = _text(e.stdout), f"{_text(e.stderr)}\ntimed out after {step.timeout_s} s", -1
+        log.write_text(stdout + err)
         failed += code != 0
         print(f"   exit {code} in {time.monotonic() - started:.0f} s; log {log}", flush=True)
-        print("\n".join("   " + line for line in (out + err).splitlines()[-3:]), flush=True)
+        print("\n".join("   " + line for line in (stdout + err).splitlines()[-3:]), flush=True)
         if step.table:  # the benches print their table on stdout, progress and warnings on stderr
-            tables.append((step.name, [line for line in out.splitlines() if line.strip()
+            tables.append((step.name, [line for line in stdout.splitlines() if line.strip()
                                        and not line.startswith("launching")]))
     for name, lines in tables:
         print(f"\n### {name}\n" + "\n".join(lines[-30:]))
@@ -111,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         step.skipped = "--skip" if step.name in args.skip else step.skipped
     print(f"gpu-check on {device_line(gpus)}")
     if args.dry_run:
+        width = max(len(step.name) for step in steps)
         for step in steps:
             state = f"skipped: {step.skipped}" if step.skipped else f"up to {step.timeout_s} s"
-            print(f"  {step.name:18} {' '.join(step.argv[1:])}  ({state})")
+            print(f"  {step.name:{width}}  {' '.join(step.argv[1:])}  ({state})")
         return 0
     if not gpus:
         print("gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is False); run it on a GPU machine, "

@@ -54,9 +54,8 @@ def build_accelerator(cfg: RunConfig, run_dir: Path | None = None) -> Accelerato
     if sorted(str(t) for t in accelerator.log_with) != sorted(trackers):  # accelerate drops what it can't import
         raise RuntimeError(f"trackers {trackers}: accelerate could start only {accelerator.log_with}; "
                            f"`{pip_command(trackers)}`")
-    if accelerator.device.type == "cuda":  # PyTorch leaves fp32 matmuls in full fp32 unless asked
-        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    if accelerator.device.type == "cuda":
+        set_cuda_numerics(cfg)
     # A launcher that sets WORLD_SIZE (torchrun, elastic, multi-node) knows the real size; else it's ours.
     expected = int(os.environ.get("WORLD_SIZE", cfg.num_processes))
     if accelerator.num_processes != expected:
@@ -64,3 +63,10 @@ def build_accelerator(cfg: RunConfig, run_dir: Path | None = None) -> Accelerato
                            f"{accelerator.num_processes}: the processes would train as separate copies, "
                            "not one distributed job")
     return accelerator
+
+
+def set_cuda_numerics(cfg: RunConfig) -> None:
+    """fp32 matmuls and convolutions on TF32 tensor cores unless cfg.tf32 is off: PyTorch keeps them in full fp32
+    unless asked. The trainer's ranks and the hand-written loops it is benchmarked against both call this."""
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = cfg.tf32

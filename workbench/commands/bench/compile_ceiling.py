@@ -4,8 +4,9 @@ remove FLOPs). `workbench bench compile` reports it per layout beside the measur
 
 FLOPs are counted by PyTorch's FlopCounterMode over one forward and backward of a micro-batch, the CPU attention
 kernels with the estimator's formulas, halved when causal (the kernels skip the masked blocks), spread over the
-ranks as the layout spreads the global batch. The rate: on a GPU, the catalog's dense peak for the precision; on a CPU, the best of
-a few large square matmuls timed here, with the threads a forked rank gets (one), while no rank runs.
+ranks as the layout spreads the global batch. The rate: on a GPU, the catalog's dense peak for the precision; on
+a CPU, the best of a few large square matmuls timed here with the threads a rank gets (one when forked, its share
+of the cores when spawned), while no rank runs.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class Floor:
         return 1e3 * self.flops_per_sample * global_batch / ranks / self.rate
 
 
-def matmul_floor(cfg: RunConfig) -> Floor:
-    return Floor(_flops_per_sample(cfg), *_rate(cfg))
+def matmul_floor(cfg: RunConfig, threads: int = 1) -> Floor:
+    """The floor of `cfg`'s step on a rank multiplying matrices with `threads` CPU threads (ignored on a GPU)."""
+    return Floor(_flops_per_sample(cfg), *_rate(cfg, threads))
 
 
 def _flops_per_sample(cfg: RunConfig) -> float:
@@ -70,7 +72,7 @@ def _attention_formulas() -> dict[object, object]:
             for op, formula in EXTRA_FLOP_FORMULAS.items()}
 
 
-def _rate(cfg: RunConfig) -> tuple[float, str]:
+def _rate(cfg: RunConfig, threads: int) -> tuple[float, str]:
     hw = detect()
     if resolve_device(cfg, hw) == "cuda" and hw.gpus:
         from workbench.estimator.catalog import peak_flops
@@ -79,8 +81,8 @@ def _rate(cfg: RunConfig) -> tuple[float, str]:
         if peak:
             return peak, f"{hw.gpus[0].name}'s datasheet peak ({cfg.precision})"
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         a, b = torch.randn(_SIZE, _SIZE, dtype=dtype), torch.randn(_SIZE, _SIZE, dtype=dtype)
         torch.mm(a, b)
@@ -90,6 +92,7 @@ def _rate(cfg: RunConfig) -> tuple[float, str]:
             torch.mm(a, b)
             best = min(best, time.perf_counter() - start)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     name = "bf16" if dtype is torch.bfloat16 else "fp32"
-    return 2.0 * _SIZE**3 / best, f"{name} {_SIZE}x{_SIZE} matmul on one CPU thread, best of {_REPEATS}"
+    on = "one CPU thread" if threads == 1 else f"{threads} CPU threads"
+    return 2.0 * _SIZE**3 / best, f"{name} {_SIZE}x{_SIZE} matmul on {on}, best of {_REPEATS}"

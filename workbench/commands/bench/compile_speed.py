@@ -1,10 +1,11 @@
 """`workbench bench compile`: eager against torch.compile, side by side in one run, per layout.
 
-Per layout (ddp, zero3, tp, pp over the config's ranks): an eager run, then the same run compiled twice with the
-inductor cache emptied before the first ('cold': every kernel generated) and kept for the second ('warm': a
-relaunch). Reported: the median step time after warm-up of eager and of the warm compiled run and their ratio,
-the first step of each compiled run (compiling, cold and warm), graphs and graph breaks, and the largest relative
-difference of the logged losses from eager's. Runs go eager, cold, warm in that order, each layout in turn.
+Per layout (ddp, zero3, tp, pp over the config's ranks; one: a single process on every core): an eager run, then
+the same run compiled twice with the inductor cache emptied before the first ('cold': every kernel generated) and
+kept for the second ('warm': a relaunch). Reported: the median step time after warm-up of eager and of the warm
+compiled run and their ratio, the step's matmul floor (compile_ceiling.py), the first step of each compiled run
+(compiling, cold and warm), graphs and graph breaks, and the largest relative difference of the logged losses from
+eager's. Runs go eager, cold, warm in that order, each layout in turn.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.commands.bench.compile_ceiling import matmul_floor
+from workbench.commands.bench.compile_ceiling import Floor, matmul_floor
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
 from workbench.utils.files import read_json
@@ -29,6 +30,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "zero3": {"parallelism": "zero3"},
     "tp": {"parallelism": "zero3", "tp": 2},
     "pp": {"parallelism": "ddp", "pp": 2, "pp_schedule": "1f1b", "grad_accum_steps": 2},  # 1F1B: micro-batches >= pp
+    # The issue's first row: one process on every core (spawned: a forked rank keeps one OpenMP thread), micro-batch 16.
+    "one": {"num_processes": 1, "micro_batch_size": 16, "start_method": "spawn"},
 }
 COMPILE_BENCH = RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=20, lr=1e-3, log_every=1,
                           eval_batches=1, compile="blocks",
@@ -50,6 +53,9 @@ class CompileRow:
     max_loss_rel_diff: float
     matmul_floor_ms: float
     """The step's matmul FLOPs on one rank at the device's best rate (compile_ceiling.py)."""
+    ranks: int = 2
+    threads: int = 1
+    """CPU threads per rank (torch's, as the eager run's rank 0 reported them)."""
 
     @property
     def ceiling(self) -> float:
@@ -67,13 +73,14 @@ class CompileReport:
     def table(self) -> str:
         cfg = self.config
         head = (f"compile={cfg['compile']} ({cfg['compile_backend']}) against eager: {cfg['task']} "
-                f"{cfg['task_options']}, {cfg['num_processes']} ranks, micro-batch {cfg['micro_batch_size']}, "
-                f"{cfg['max_steps']} steps, {cfg['precision']}")
-        lines = [head, "| layout | eager ms/step | compiled ms/step | speed-up | matmul floor ms/step (ceiling) | "
-                       "first step: eager / compiling cold / warm (s) | graphs, breaks | losses: max rel diff |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r.layout} | {r.eager_ms:.0f} | {r.compiled_ms:.0f} | {r.speedup:.2f}x | "
-                  f"{r.matmul_floor_ms:.0f} ({r.ceiling:.2f}x) | "
+                f"{cfg['task_options']}, {cfg['num_processes']} ranks, micro-batch {cfg['micro_batch_size']} (but "
+                f"where the layout says), {cfg['max_steps']} steps, {cfg['precision']}")
+        lines = [head, "| layout | ranks x threads | eager ms/step | compiled ms/step | speed-up | "
+                       "matmul floor ms/step (ceiling) | first step: eager / compiling cold / warm (s) | "
+                       "graphs, breaks | losses: max rel diff |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r.layout} | {r.ranks} x {r.threads} | {r.eager_ms:.0f} | {r.compiled_ms:.0f} | "
+                  f"{r.speedup:.2f}x | {r.matmul_floor_ms:.0f} ({r.ceiling:.2f}x) | "
                   f"{r.eager_first_step_s:.1f} / {r.first_step_cold_s:.1f} / {r.first_step_warm_s:.1f} | "
                   f"{r.graphs}, {r.graph_breaks} | {r.max_loss_rel_diff:.1e} |" for r in self.rows]
         lines.append(f"matmul floor: the step's matmul FLOPs per rank at {self.matmul_rate}; the ceiling is eager over "
@@ -95,7 +102,8 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                   json_path: Path | None = None) -> CompileReport:
     """Each layout eager, compiled cold and compiled warm, in this process's ranks (forked)."""
     rows: list[CompileRow] = []
-    floor = matmul_floor(cfg)  # before any rank runs: the rate is timed here
+    floors: dict[int, Floor] = {}
+    """By threads per rank: the model is the same in every layout."""
     saved = {k: os.environ.get(k) for k in ("WORKBENCH_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     with tempfile.TemporaryDirectory(prefix="wb-bench-compile-") as tmp:
         try:
@@ -108,6 +116,9 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                 os.environ["WORKBENCH_CACHE_DIR"] = str(cache)
                 shutil.rmtree(cache, ignore_errors=True)
                 eager = launch(base.replace(compile="off", run_name=f"{layout}-eager"))
+                threads = int(eager.summary["ranks"][0]["torch_threads"])
+                # Timed between runs, while no rank runs, with the threads the layout's ranks had.
+                floor = floors.setdefault(threads, floors.get(threads) or matmul_floor(base, threads))
                 cold = launch(base.replace(run_name=f"{layout}-cold"))
                 warm = launch(base.replace(run_name=f"{layout}-warm"))
                 report = warm.summary.get("compile") or {}
@@ -122,15 +133,16 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                                        graph_breaks=sum((report.get("graph_breaks") or {}).values()),
                                        max_loss_rel_diff=max(diffs, default=0.0),
                                        matmul_floor_ms=floor.step_ms(eager.summary["global_batch_size"],
-                                                                     cfg.num_processes)))
+                                                                     base.num_processes),
+                                       ranks=base.num_processes, threads=threads))
         finally:
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-    result = CompileReport(rows=rows, config=cfg.to_dict(),
-                           matmul_rate=f"{floor.rate / 1e9:.0f} GFLOP/s ({floor.rate_source})")
+    rates = dict.fromkeys(f"{f.rate / 1e9:.0f} GFLOP/s ({f.rate_source})" for f in floors.values())
+    result = CompileReport(rows=rows, config=cfg.to_dict(), matmul_rate="; ".join(rates))
     if json_path is not None:
         json_path.write_text(json.dumps({**asdict(result), "ceilings": [r.ceiling for r in rows]}, indent=2))
     return result

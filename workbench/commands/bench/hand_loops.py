@@ -255,10 +255,14 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str, mode: str) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from workbench.training.accelerator import set_cuda_numerics
+
     if resolve_device(cfg) == "cpu":  # the same thread share the trainer gives each rank
         torch.set_num_threads(detect().threads_per_rank(cfg.num_processes))
     acc = Accelerator(cpu=resolve_device(cfg) == "cpu",
                       mixed_precision=accelerate_mixed_precision(cfg.precision))
+    if acc.device.type == "cuda":  # the trainer's TF32 setting, or fp32 steps would differ
+        set_cuda_numerics(cfg)
     set_seed(cfg.seed)
     model = task.build_model(cfg)
     train_ds, _ = task.build_datasets(cfg)
@@ -274,17 +278,21 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str, mode: str) -> None:
     acc.wait_for_everyone()
 
 
+def _notebook_launch(cfg: RunConfig, out_dir: str, mode: str) -> None:
+    from accelerate import notebook_launcher
+
+    with contextlib.redirect_stdout(io.StringIO()):  # accelerate says "2 CUDAs" even on a CPU box
+        notebook_launcher(hand_loop, args=(cfg, get_task(cfg.task), out_dir, mode),
+                          num_processes=cfg.num_processes, use_port=str(free_port()))
+
+
 def run_hand_loop(cfg: RunConfig, out_dir: str, mode: str) -> dict[str, Any]:
     """The hand-written loop on cfg.num_processes forked ranks; {'step_time_s', 'weights_sha256', 'weights'
     (the path of rank 0's full weights, torch.save'd)}."""
-    def target() -> None:
-        from accelerate import notebook_launcher
-
-        with contextlib.redirect_stdout(io.StringIO()):  # accelerate says "2 CUDAs" even on a CPU box
-            notebook_launcher(hand_loop, args=(cfg, get_task(cfg.task), out_dir, mode),
-                              num_processes=cfg.num_processes, use_port=str(free_port()))
-
-    proc = multiprocessing.get_context("fork").Process(target=target)
+    # On CUDA through a fresh interpreter: the process running the bench may have asked for the GPUs already
+    # (torch.cuda.is_available()), and notebook_launcher's ranks forked from it could not use them.
+    method = "spawn" if resolve_device(cfg) == "cuda" else "fork"
+    proc = multiprocessing.get_context(method).Process(target=_notebook_launch, args=(cfg, out_dir, mode))
     proc.start()
     proc.join()
     if proc.exitcode != 0:

@@ -160,9 +160,12 @@ def weights_difference(trainer: dict[str, torch.Tensor], hand: dict[str, torch.T
 
 
 def overhead(steps: int = 200, repeats: int = 9, num_processes: int = 2, cfg: RunConfig | None = None,
-             json_path: Path | None = None, mode: str = "ddp") -> OverheadReport:
-    """Measure the trainer's per-step overhead over a hand-written loop of `mode` (see module docstring)."""
+             json_path: Path | None = None, mode: str = "ddp", device: str | None = None) -> OverheadReport:
+    """Measure the trainer's per-step overhead over a hand-written loop of `mode` (see module docstring); `device`
+    (cpu, cuda, auto) replaces the config's, which is the CPU by default."""
     cfg = bench_config(mode, num_processes, steps, cfg)
+    if device is not None:
+        cfg = cfg.replace(device=device)
     preflight(cfg)
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps={steps}: must exceed the {WARMUP_STEPS} warm-up steps")
