@@ -132,6 +132,25 @@ class BlockStack(torch.nn.Module):
         return self.out(x)
 
 
+class SkippedByDynamo(torch.nn.Module):
+    """A model dynamo won't trace a frame of (torch._dynamo.disable): compiling it compiles nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+    @torch._dynamo.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class UncompilableRegression(TinyRegression):
+    name = "uncompilable-regression"
+
+    def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
+        return SkippedByDynamo()
+
+
 class HeldAtStart(TinyRegression):
     """TinyRegression whose construction waits, in the processes $WB_TEST_HOLD names ('launcher': the process
     that launches, 'ranks': every rank), until the file $WB_TEST_HOLD_DIR/go exists (120 s at most). Each held

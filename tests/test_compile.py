@@ -42,6 +42,10 @@ LAYOUTS = {
                          "oversubscribe": True, "micro_batch_size": 2},
     "pp 2 blocks": {"compile": "blocks", "pp": 2, "grad_accum_steps": 2},
     "ddp blocks, activation checkpointing": {"compile": "blocks", "activation_checkpointing": "full"},
+    # nn.Sequential's forward is PyTorch's own code, which dynamo skips where compiling starts
+    "digits (nn.Sequential) ddp model": {"compile": "model", "task": "digits", "task_options": {}},
+    "digits (nn.Sequential) zero3 model": {"compile": "model", "task": "digits", "task_options": {},
+                                           "parallelism": "zero3"},
 }
 
 
@@ -52,7 +56,7 @@ def eager_losses(tmp_path_factory: pytest.TempPathFactory) -> Any:
     runs_dir, found = tmp_path_factory.mktemp("eager"), {}
 
     def of(cfg: wb.RunConfig) -> list[float]:
-        key = (cfg.parallelism, cfg.precision, cfg.tp, cfg.pp, cfg.grad_accum_steps, cfg.num_processes)
+        key = (cfg.task, cfg.parallelism, cfg.precision, cfg.tp, cfg.pp, cfg.grad_accum_steps, cfg.num_processes)
         if key not in found:
             eager = cfg.replace(runs_dir=str(runs_dir), run_name=f"eager-{len(found)}", compile="off",
                                 activation_checkpointing="none", start_method="auto")
@@ -86,7 +90,10 @@ def test_inductor_kernels_are_cached_where_a_relaunch_finds_them(runs_dir: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    cfg = cfg_of(runs_dir, compile="blocks", compile_backend="inductor", num_processes=1, max_steps=4)
+    # The smallest model inductor compiles (two Linears: three graphs, for the step's forward and backward and for
+    # evaluation): a relaunch finds kernels the same way whatever their number.
+    cfg = cfg_of(runs_dir, task="tasks_for_tests:TinyRegression", task_options={}, compile="model",
+                 compile_backend="inductor", num_processes=1, max_steps=4)
     cold = wb.launch(cfg.replace(run_name="cold"))
     warm = wb.launch(cfg.replace(run_name="warm"))
     assert cold.summary["compile"]["cache_dir"] == str(tmp_path / "cache" / "inductor")
@@ -107,6 +114,15 @@ def test_a_model_that_cannot_compile_fails_with_one_error_naming_it_and_the_way_
     with pytest.raises(RunFailedError, match=r"CompileError: torch.compile \(compile='blocks', backend 'inductor'\) "
                                              r"failed on each block of GPT: .*set compile='off' to train this "
                                              r"model eagerly"):
+        wb.launch(cfg)
+
+
+def test_a_model_dynamo_skips_entirely_fails_rather_than_train_eagerly_as_compiled(runs_dir: Path) -> None:
+    cfg = cfg_of(runs_dir, task="tasks_for_tests:UncompilableRegression", task_options={}, compile="model",
+                 num_processes=1, max_steps=2)
+    with pytest.raises(RunFailedError, match=r"CompileError: torch.compile \(compile='model', backend 'aot_eager'\) "
+                                             r"compiled no graph by the end of the first step: dynamo skipped every "
+                                             r"frame of SkippedByDynamo \(the whole model\).*set compile='off'"):
         wb.launch(cfg)
 
 

@@ -70,7 +70,7 @@ def compile_blocks(cfg: RunConfig, units: list[torch.nn.Module], *, tracing: boo
                          "set compile='model' to compile it whole, or define Task.shard_units(model) to name them")
     prepare(cfg)
     for unit in units:
-        unit.compile(backend=cfg.compile_backend)
+        compile_in_place(unit, cfg.compile_backend)
 
 
 def compile_model(cfg: RunConfig, model: torch.nn.Module, *, tracing: bool = False) -> None:
@@ -78,7 +78,33 @@ def compile_model(cfg: RunConfig, model: torch.nn.Module, *, tracing: bool = Fal
     if cfg.compile != "model" or tracing:
         return
     prepare(cfg)
-    model.compile(backend=cfg.compile_backend)
+    compile_in_place(model, cfg.compile_backend)
+
+
+def compile_in_place(module: torch.nn.Module, backend: str) -> None:
+    """`module` compiled in place, parameter names unchanged. A module whose forward is PyTorch's own code
+    (nn.Sequential, nn.TransformerEncoderLayer, ...), alone or inside DDP, compiles through a function of ours
+    that calls it: dynamo skips a frame of torch.nn's code where compiling starts (PyTorch 2.13 traces it only
+    when called from user code, or with fullgraph=True), so `nn.Module.compile` on an nn.Sequential compiles
+    nothing and the run would train eagerly. Inside DDP's forward the DDPOptimizer still splits the graph at its
+    buckets: dynamo applies it to any frame it converts while a DDP module is active."""
+    import torch
+
+    inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+    if not _torchs_own(type(inner).forward):
+        module.compile(backend=backend)
+        return
+    forward = inner.forward
+
+    def forward_from_workbench(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    inner.forward = torch.compile(forward_from_workbench, backend=backend)
+
+
+def _torchs_own(function: Any) -> bool:
+    """Defined in PyTorch's package (torch.nn.modules.container for nn.Sequential, also under FSDP2's subclass)."""
+    return getattr(function, "__module__", "").split(".")[0] == "torch"
 
 
 def compiled_module(cfg: RunConfig, model: torch.nn.Module) -> str:
@@ -121,7 +147,7 @@ class CompileWatch:
         """(step, seconds) of the steps during which something compiled."""
         self.compiled_now = False
         """The step just run compiled something (its time is compile time, not training pace)."""
-        self._start = _counters()[0] if self.on else 0
+        self._start, self._graphs_start, _ = _counters() if self.on else (0, 0, {})
         self._in_steps = 0
         """Frames compiled during steps."""
         self._late = 0
@@ -145,7 +171,13 @@ class CompileWatch:
             if _is_compile_failure(e):
                 raise self.error(e) from e
             raise
-        frames = _counters()[0] - before
+        frames, graphs, _ = _counters()
+        frames -= before
+        if step == self._steps_before + 1 and graphs == self._graphs_start:
+            raise CompileError(f"torch.compile (compile={self.cfg.compile!r}, backend {self.cfg.compile_backend!r}) "
+                               f"compiled no graph by the end of the first step: dynamo skipped every frame of "
+                               f"{self.module}, which would train eagerly while the run says it compiled; set "
+                               "compile='off' to train this model eagerly")
         self.compiled_now = frames > 0
         if frames:
             self.compiling_steps.append((step, time.perf_counter() - start))
