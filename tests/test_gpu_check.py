@@ -25,7 +25,7 @@ def test_the_dry_run_lists_every_step_and_why_one_is_skipped_here() -> None:
             in steps["bench mfu"])
     assert "bench overhead --mode ddp --device cuda --num-processes 1" in steps["bench overhead ddp"]
     assert "(up to" in steps["bench overhead ddp"] and "skipped: needs 2 GPUs" in steps["bench overhead pp"]
-    assert "-m pytest -m gpu" in steps["gpu tests"] and "(skipped: --skip)" in steps["doctor"]
+    assert "-m pytest -m gpu -n 0" in steps["gpu tests"] and "(skipped: --skip)" in steps["doctor"]
     assert "bench estimate --json gpu-check/estimate.json" in steps["bench estimate"]
     assert "skipped: needs 2 GPUs" in steps["bench parallelism"] and "this machine has 0" in steps["bench parallelism"]
 

@@ -42,8 +42,9 @@ def plan(gpus: int, out: Path) -> list[Step]:
     cli = [sys.executable, "-m", "workbench.cli"]
     two = "" if gpus >= 2 else f"needs 2 GPUs for its layouts (tp, pp, sharding over ranks); this machine has {gpus}"
     return [
-        Step("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
-                           str(REPO / "tests")], 600, table=False),
+        # -n 0: one test at a time (the suite's two workers would share the GPUs)
+        Step("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-rA", "-p",
+                           "no:cacheprovider", str(REPO / "tests")], 600, table=False),
         Step("doctor", [*cli, "doctor", "--quick"], 180, table=False),
         Step("bench precision", [*cli, "bench", "precision", "--json", str(out / "precision.json")], 600),
         Step("bench mfu", [*cli, "bench", "precision", *(a for kv in MFU_SHAPE for a in ("--set", kv)),
