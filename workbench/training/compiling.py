@@ -171,13 +171,11 @@ class CompileWatch:
             if _is_compile_failure(e):
                 raise self.error(e) from e
             raise
-        frames, graphs, _ = _counters()
-        frames -= before
+        now, graphs, _ = _counters()
         if step == self._steps_before + 1 and graphs == self._graphs_start:
-            raise CompileError(f"torch.compile (compile={self.cfg.compile!r}, backend {self.cfg.compile_backend!r}) "
-                               f"compiled no graph by the end of the first step: dynamo skipped every frame of "
-                               f"{self.module}, which would train eagerly while the run says it compiled; set "
-                               "compile='off' to train this model eagerly")
+            raise self._error(f"compiled no graph by the end of the first step: dynamo skipped every frame of "
+                              f"{self.module}, which would train eagerly while the run says it compiled")
+        frames = now - before
         self.compiled_now = frames > 0
         if frames:
             self.compiling_steps.append((step, time.perf_counter() - start))
@@ -193,10 +191,12 @@ class CompileWatch:
     def error(self, exc: BaseException) -> CompileError:
         reason = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3] if line.strip())[:600]
         where = next((line.strip() for line in str(exc).splitlines() if line.strip().startswith("File ")), "")
+        return self._error(f"failed on {self.module}: {type(exc).__name__}: {reason}"
+                           + (f" [{where}]" if where else ""))
+
+    def _error(self, what: str) -> CompileError:
         return CompileError(f"torch.compile (compile={self.cfg.compile!r}, backend {self.cfg.compile_backend!r}) "
-                            f"failed on {self.module}: {type(exc).__name__}: {reason}"
-                            + (f" [{where}]" if where else "")
-                            + "; set compile='off' to train this model eagerly")
+                            f"{what}; set compile='off' to train this model eagerly")
 
     def report(self) -> dict[str, Any]:
         """What compiling cost and found, for the summary and the 'compile_report' event."""

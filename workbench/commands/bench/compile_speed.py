@@ -53,8 +53,8 @@ class CompileRow:
     max_loss_rel_diff: float
     matmul_floor_ms: float
     """The step's matmul FLOPs on one rank at the device's best rate (compile_ceiling.py)."""
-    ranks: int = 2
-    threads: int = 1
+    ranks: int
+    threads: int
     """CPU threads per rank (torch's, as the eager run's rank 0 reported them)."""
 
     @property
@@ -118,7 +118,8 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                 eager = launch(base.replace(compile="off", run_name=f"{layout}-eager"))
                 threads = int(eager.summary["ranks"][0]["torch_threads"])
                 # Timed between runs, while no rank runs, with the threads the layout's ranks had.
-                floor = floors.setdefault(threads, floors.get(threads) or matmul_floor(base, threads))
+                if threads not in floors:
+                    floors[threads] = matmul_floor(base, threads)
                 cold = launch(base.replace(run_name=f"{layout}-cold"))
                 warm = launch(base.replace(run_name=f"{layout}-warm"))
                 report = warm.summary.get("compile") or {}
@@ -132,7 +133,7 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                                        graphs=int(report.get("graphs", 0)),
                                        graph_breaks=sum((report.get("graph_breaks") or {}).values()),
                                        max_loss_rel_diff=max(diffs, default=0.0),
-                                       matmul_floor_ms=floor.step_ms(eager.summary["global_batch_size"],
+                                       matmul_floor_ms=floors[threads].step_ms(eager.summary["global_batch_size"],
                                                                      base.num_processes),
                                        ranks=base.num_processes, threads=threads))
         finally:
