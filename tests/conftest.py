@@ -9,10 +9,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from collected_ids import mark_unstable_ids, pytest_runtest_setup  # noqa: F401  (a hook: stable test ids)
 
 from workbench.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
+LONGEST_FIRST = ("test_slurm.py", "test_estimate_layouts.py", "test_compile.py", "test_fault_tolerance.py",
+                 "test_training.py", "test_context_parallel.py", "test_tensor_parallel.py", "test_estimate.py",
+                 "test_estimate_timing.py", "test_browser.py", "test_launcher_death.py", "test_parallelism.py",
+                 "test_smoke_suite.py", "test_cli.py", "test_regress.py", "test_pipeline_layouts.py")
+"""Test files by their time in the suite, longest first (2 cores, a fresh cache). Two xdist workers take whole
+files in collection order (addopts: --dist loadfile --no-loadscope-reorder), so these go first and the many
+short files fill in at the end: the workers finish within seconds of each other, where a long file drawn last
+kept one worker busy for minutes alone."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (the same order in every worker), and every unstable test id marked to fail."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), position[id(item)]))
+    mark_unstable_ids(items)
 
 
 def shared_mirror() -> Path | None:
@@ -27,12 +44,24 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
+def session_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder of this pytest session shared by its xdist workers (each has its own basetemp under the
+    session's), and new in every session."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
-def offline_data(data_cache: Path) -> Iterator[None]:
+def offline_data(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test resolves data offline: a private cache, the shared mirror, never a URL. Session-wide, so
     module-scoped fixtures that launch runs (set up before any per-test fixture) get it too; a test that
-    changes these variables through monkeypatch gets them back afterwards."""
+    changes these variables through monkeypatch gets them back afterwards. workbench's own cache (machine
+    profiles, learnt estimates, compiled kernels) is the session's too, shared by its workers: every run of the
+    suite starts from none, as CI does, and leaves the user's ~/.cache/workbench alone."""
     with pytest.MonkeyPatch.context() as env:
+        env.setenv("WORKBENCH_CACHE_DIR", str(session_folder(tmp_path_factory, "workbench-cache")))
         env.setenv("WORKBENCH_DATA_DIR", str(data_cache))
         env.setenv("WORKBENCH_OFFLINE", "1")
         mirror = shared_mirror()

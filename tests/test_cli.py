@@ -135,7 +135,7 @@ def test_bench_parallelism_has_the_model_parallel_layouts(tmp_path: Path) -> Non
     (lambda p: p.write_text("max_steps: 5\n"), ["--set", "max_steps=[1"], r"--set 'max_steps=\[1': not valid YAML"),
     (lambda p: p.write_text("max_steps: 5\n"), ["--set", "max_steps"], r"--set 'max_steps': expected key=value"),
     (lambda p: p.write_text("lr: .nan\n"), [], r"lr=nan: must be a finite number"),
-])
+], ids=["bad-yaml", "no-file", "bad-set-value", "set-without-value", "nan"])
 def test_bad_files_and_values_are_one_error_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                            setup: Any, args: list[str], message: str) -> None:
     path = tmp_path / "run.yaml"

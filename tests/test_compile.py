@@ -110,7 +110,9 @@ def test_a_model_that_cannot_compile_fails_with_one_error_naming_it_and_the_way_
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    cfg = cfg_of(runs_dir, compile="blocks", compile_backend="inductor", start_method="spawn", max_steps=2)
+    # one rank: each rank fails alike, and a fresh interpreter per rank costs 3 s of a core
+    cfg = cfg_of(runs_dir, compile="blocks", compile_backend="inductor", start_method="spawn", max_steps=2,
+                 num_processes=1)
     with pytest.raises(RunFailedError, match=r"CompileError: torch.compile \(compile='blocks', backend 'inductor'\) "
                                              r"failed on each block of GPT: .*set compile='off' to train this "
                                              r"model eagerly"):

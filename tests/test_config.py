@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+from collected_ids import cases
 
 import workbench as wb
 from workbench.config.preflight import preflight
@@ -87,7 +88,7 @@ def test_config_impossible_on_this_machine_is_rejected(hw: Hardware, fields: dic
     (CPU2, {"num_processes": 2, "precision": "bf16"}, "cpu"),
     (V100x2, {"num_processes": 2, "precision": "fp16", "device": "cuda"}, "cuda"),
     (H100x1, {"precision": "bf16"}, "cuda"),
-])
+], ids=["cpu x2 bf16", "v100 x2 fp16", "h100 bf16"])
 def test_good_configs_pass_the_machine_check(hw: Hardware, fields: dict, device: str) -> None:
     cfg = wb.RunConfig(**fields)
     assert preflight(cfg, hardware=hw) is None  # raises ValueError when the machine can't run it
@@ -194,7 +195,7 @@ def test_every_parallelism_mode_has_its_one_line_explanation() -> None:
     assert list(PARALLELISM_MODES) == list(get_args(Parallelism))
 
 
-@pytest.mark.parametrize("fields,message", [
+@pytest.mark.parametrize("fields,message", cases([
     ({"lr": float("nan")}, r"lr=nan: must be a finite number"),
     ({"restart_backoff_s": float("inf")}, r"restart_backoff_s=inf: must be a finite number"),
     ({"seed": 2**32}, r"seed=4294967296: must be between 0 and 2\*\*32-1"),
@@ -218,7 +219,7 @@ def test_every_parallelism_mode_has_its_one_line_explanation() -> None:
     ({"restart_backoff_s": 1e12}, r"restart_backoff_s=1000000000000\.0: wait at most 86400 seconds \(a day\)"),
     ({"run_name": "a" * 300}, r"run_name='a{40}'\.\.\. is 300 bytes long: .* most 255 bytes, .*use a shorter run_name"),
     ({"runs_dir": "runs/" + "b" * 256}, r"runs_dir='runs/b+'\.\.\.: its directory name 'b{40}'\.\.\. is 256 bytes"),
-])
+]))
 def test_hostile_values_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         wb.RunConfig(**fields)
@@ -256,7 +257,7 @@ def test_the_largest_values_allowed_still_make_a_config() -> None:
     assert len(cfg.run_name or "") == 255 and cfg.max_steps == 2**31 - 1
 
 
-@pytest.mark.parametrize("text,message", [
+@pytest.mark.parametrize("text,message", cases([
     ("lr: 1e400\n", r"lr=1e400: must be a finite number \(it overflows a float, .*1\.8e308\); use a value like 0\.001"),
     ("lr: -1e999\n", r"lr=-1e999: must be a finite number \(it overflows a float"),
     ("lr: nan\n", r"lr=nan: must be a finite number; use a value like 0\.001"),
@@ -264,7 +265,7 @@ def test_the_largest_values_allowed_still_make_a_config() -> None:
     ("lr: .inf\n", r"lr=inf: must be a finite number; use a value like 0\.001"),
     ("beta2: -.inf\n", r"beta2=-inf: must be a finite number; use a value like 0\.999"),
     ("eps: .NaN\n", r"eps=nan: must be a finite number; use a value like 1e-08"),
-])
+]))
 def test_yaml_numbers_that_are_not_finite_are_named_as_written(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -283,12 +284,12 @@ def test_yaml_floats_without_a_dot_are_numbers(tmp_path: Path) -> None:
     assert (cfg.lr, cfg.eps, cfg.weight_decay, cfg.run_name) == (3e-4, 1e-6, 0.1, "1e5")  # a str field stays text
 
 
-@pytest.mark.parametrize("text,message", [
+@pytest.mark.parametrize("text,message", cases([
     ("task: digits\nlr: 0.001\nmax_steps: 10\nlr: 0.01\n",
      r"dup.yaml: not valid YAML \(line 4, column 1\): duplicate key 'lr' \(first on line 2\); .* write each key once"),
     ("task_options:\n  n_layer: 2\n  n_layer: 4\n", r"\(line 3, column 3\): duplicate key 'n_layer' \(first on line 2"),
     ("trackers: [{a: 1, a: 2}]\n", r"line 1, column 19\): duplicate key 'a'"),
-])
+]))
 def test_a_duplicate_yaml_key_is_refused_with_its_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "dup.yaml"
     path.write_text(text)
@@ -303,11 +304,11 @@ def test_yaml_merge_keys_may_still_be_overridden() -> None:
     assert load_yaml(text, "merge")["run"] == {"lr": 0.001, "seed": 2}
 
 
-@pytest.mark.parametrize("runs_dir,message", [
+@pytest.mark.parametrize("runs_dir,message", cases([
     ("file", r"runs_dir='.*file': .*file is a file, not a directory; point runs_dir at a directory"),
     ("file/runs", r"runs_dir='.*file/runs': .*file, on its path, is a file, not a directory"),
     ("dangling", r"runs_dir='.*dangling': .*dangling is a broken symbolic link, not a directory"),
-])
+]))
 def test_runs_dir_that_is_no_directory_is_refused_before_anything_runs(tmp_path: Path, runs_dir: str,
                                                                         message: str) -> None:
     (tmp_path / "file").write_text("not a directory")

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from collected_ids import cases
 
 import workbench as wb
 from workbench.config.imported import read_accelerate, read_deepspeed
@@ -74,7 +75,7 @@ def test_an_fsdp2_accelerate_config_maps_mode_precision_processes_and_lists_the_
     assert "4 setting(s) have no counterpart in RunConfig" in caplog.text and "fsdp_auto_wrap_policy" in caplog.text
 
 
-@pytest.mark.parametrize("text,expected", [
+@pytest.mark.parametrize("text,expected", cases([
     ("distributed_type: MULTI_GPU\nnum_processes: 4\nmixed_precision: fp16\n", {"parallelism": "ddp",
                                                                                 "precision": "fp16"}),
     ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n  fsdp_offload_params: true\n",
@@ -83,7 +84,7 @@ def test_an_fsdp2_accelerate_config_maps_mode_precision_processes_and_lists_the_
     ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 1\n  gradient_accumulation_steps: 4\n"
      "  gradient_clipping: 1.0\n", {"parallelism": "zero1", "grad_accum_steps": 4, "grad_clip": 1.0}),
     ("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n", {"parallelism": "ddp", "device": "cpu"}),
-])
+]))
 def test_accelerate_settings_with_a_counterpart_are_mapped(tmp_path: Path, text: str, expected: dict) -> None:
     mapped = read_accelerate(write(tmp_path, "a.yaml", text)).mapped
     assert {k: mapped[k] for k in expected} == expected
@@ -123,13 +124,13 @@ def test_deepspeed_auto_values_and_a_static_loss_scale(tmp_path: Path) -> None:
     assert "workbench scales dynamically" in imported.unmapped["fp16.loss_scale"]
 
 
-@pytest.mark.parametrize("name,text,message", [
+@pytest.mark.parametrize("name,text,message", cases([
     ("a.yaml", "distributed_type: MEGATRON_LM\n", r"a.yaml: distributed_type='MEGATRON_LM' is not one workbench "
                                                   r"knows; expected one of NO, MULTI_GPU, MULTI_CPU, FSDP, DEEPSPEED"),
     ("a.yaml", "- a list\n", r"a.yaml: holds a list, not a mapping of settings"),
     ("ds.json", '{"zero_optimization": {"stage": 4}}', r"zero_optimization.stage=4 is not one workbench knows"),
     ("ds.json", "{not json", r"ds.json: not valid JSON"),
-])
+], key=1))
 def test_what_cannot_be_read_is_refused_naming_the_file_and_key(tmp_path: Path, name: str, text: str,
                                                                 message: str) -> None:
     path = write(tmp_path, name, text)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from collected_ids import cases
 from test_estimate import _lower_peaks
 from test_pipeline_parallel import cfg_for, losses, worst_relative
 
@@ -112,13 +113,13 @@ def test_cp_on_cpu_is_refused_with_pytorchs_reason(runs_dir: Path) -> None:
         preflight(cfg)
 
 
-@pytest.mark.parametrize(("fields", "message"), [
+@pytest.mark.parametrize(("fields", "message"), cases([
     ({"cp": 0}, r"cp=0: the context-parallel size must be at least 1"),
     ({"cp": 2, "num_processes": 3}, r"cp=2 with num_processes=3: cp x tp must divide .*use cp=3"),
     ({"cp": 2, "num_processes": 2, "parallelism": "ddp"}, r"cp=2 with parallelism='ddp': .*set parallelism='zero2'"),
     ({"cp": 2, "num_processes": 4, "parallelism": "hsdp", "dp_shard": 2},
      r"dp_shard=2 with parallelism='hsdp' and num_processes=4 \(cp=2\).*num_processes=8 with dp_shard=2"),
-])
+]))
 def test_impossible_cp_layouts_are_refused(runs_dir: Path, fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cfg_for(runs_dir, **fields)

@@ -7,6 +7,7 @@ All offline: the tinyshakespeare mirror is ../shared/data beside the repository
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import importlib
 import io
@@ -152,7 +153,10 @@ GOOD_FILE = {"path": "a.txt", "urls": ["https://example.org/a.txt"], "sha256": "
     ({"source": "synthetic"}, [{"path": "a.csv", "generator": "gaussian-blobs", "params": {"n_points": 3}}],
      r"unknown generator parameter 'n_points'"),
     ({"source": "package"}, [GOOD_FILE], r"unknown key 'urls' in files\[0\].*\n.*missing required keys 'package', 'resource'"),
-])
+], ids=["unknown-top-key", "unknown-top-key-2",
+    "unknown-file-key", "no-sha256", "short-sha256", "negative-size", "size-a-string", "empty-urls", "path-dotdot",
+    "path-absolute", "path-twice", "schema-version-2", "unknown-source", "unknown-generator", "unknown-generator-param",
+    "package-source-with-urls"])
 def test_invalid_manifest_names_problem_and_file(tmp_path, top, files, pattern):
     path = write_manifest(tmp_path / "manifests", "bad", files, **top)
     with pytest.raises(ManifestError, match=pattern) as info:
@@ -337,8 +341,9 @@ def test_oversized_download_is_cut_off(tmp_path, cache):
 
 
 def tar_bytes(*members: tarfile.TarInfo | tuple[str, bytes]) -> bytes:
+    """A .tar.gz of `members`, the same bytes every time (gzip's header would hold the current second)."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as packed, tarfile.open(fileobj=packed, mode="w") as tar:
         for member in members:
             if isinstance(member, tarfile.TarInfo):
                 tar.addfile(member)
@@ -392,7 +397,9 @@ def resolve_packed(tmp_path: Path, cache: Path) -> data.ResolvedData:
     ("a.zip", zip_bytes(("link", b"/etc/passwd", "symlink")), r"member 'link' is a symbolic link \(to '/etc/passwd'\)"),
     ("a.zip", zip_bytes(("data/x.txt", b"x"), ("data/latest", b"x.txt", "symlink")),
      r"a\.zip: member 'data/latest' is a symbolic link \(to 'x\.txt'\); links in zip archives are refused"),
-])
+], ids=["tar-dotdot", "tar-dotdot-in-middle", "tar-absolute", "tar-symlink-out", "tar-symlink-absolute",
+        "tar-hardlink-out", "tar-member-inside-symlink", "tar-overwrites-archive", "zip-dotdot", "zip-absolute",
+        "zip-symlink-out", "zip-symlink-absolute", "zip-symlink-inside"])
 def test_unsafe_archive_member_is_refused(tmp_path, cache, filename, archive, pattern):
     archive_dataset(tmp_path, filename, archive)
     with pytest.raises(UnsafeArchiveError, match=pattern):
@@ -405,7 +412,7 @@ def test_unsafe_archive_member_is_refused(tmp_path, cache, filename, archive, pa
 @pytest.mark.parametrize("filename, archive", [
     ("a.tar.gz", tar_bytes(("data/x.txt", b"x"), ("data/y.txt", b"y"), tar_link("data/latest", "x.txt"))),
     ("a.zip", zip_bytes(("data/x.txt", b"x"), ("data/y.txt", b"y"))),
-])
+], ids=["tar", "zip"])
 def test_safe_archive_is_extracted_once(tmp_path, cache, filename, archive):
     archive_dataset(tmp_path, filename, archive)
     resolved = resolve_packed(tmp_path, cache)

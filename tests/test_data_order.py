@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from collected_ids import brief
 from torch.utils.data import TensorDataset
 
 import workbench as wb
@@ -59,7 +60,7 @@ LOADER_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("settings", LOADER_SETTINGS, ids=[str(s) for s in LOADER_SETTINGS])
+@pytest.mark.parametrize("settings", LOADER_SETTINGS, ids=brief)
 def test_loader_settings_give_the_same_batches(settings: dict) -> None:
     cfg = wb.RunConfig(micro_batch_size=10, seed=7)
     plain = ids(ShardedBatches(DATA, cfg, 0, 1, None).iterate(0), 25)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from machine_stand_in import made_up_profile, sized
 
 import workbench as wb
 from workbench.estimator import machine_cache
@@ -37,19 +39,19 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     machine_cache.forget()
 
 
-def made_up_profile(**changes: Any) -> MachineProfile:
-    """A profile with round figures: two matmul sizes (the larger one faster), elementwise kinds at two sizes."""
-    base = {"machine": {"cpu": "made up"}, "ranks": 2, "threads": 1,
-            "matmul": {"fp32": [[1e6, 1e10], [1e8, 4e10]], "bf16": [[1e6, 2e10], [1e8, 8e10]]},
-            "attention": {"fp32": [[1e6, 5e9], [1e8, 1e10]]}, "op_s": 1e-6, "step_op_s": 1e-5,
-            "elementwise": {k: [[1e4, 1e-9], [1e7, 1e-10]] for k in KINDS}, "batch": [1e-4, 1e-6],
-            "dtensor_op_s": 2e-5, "collectives": {k: sized(1e-4, 1e9) for k in COLLECTIVES}}
-    return MachineProfile(**{**base, **changes})
+@pytest.fixture
+def learning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Remembered estimates in a folder of the test's own, with this session's machine profiles copied in: what
+    learning does is these tests' subject, not measuring the machine again (9 s on 2 cores)."""
+    import shutil
 
-
-def sized(latency: float, bandwidth: float, sizes: tuple[float, ...] = (1e2, 1e4, 1e6)) -> list[list[float]]:
-    """A collective measured at `sizes` (bytes per call) as latency plus bytes over bandwidth."""
-    return [[x, latency + x / bandwidth] for x in sizes]
+    session = Path(os.environ["WORKBENCH_CACHE_DIR"])  # the session's (conftest.py)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    for profile in session.glob("machine-*.json"):
+        shutil.copy2(profile, folder / profile.name)
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(folder))
+    return folder
 
 
 def made_up_trace(flops: float = 0.0, ops: dict[str, tuple[int, int]] | None = None,
@@ -264,7 +266,7 @@ def test_a_gpu_target_is_priced_from_its_datasheet_not_this_machine(monkeypatch:
 
 # ---- learning from completed runs -------------------------------------------------------------------------------
 def test_a_completed_run_corrects_the_estimate_and_the_estimate_says_which(
-        cache_dir: Path, tmp_path: Path) -> None:
+        learning_cache: Path, tmp_path: Path) -> None:
     from workbench.estimator import estimate
     from workbench.estimator.learning import measured_step_s
 
@@ -408,5 +410,69 @@ def test_measuring_in_spawned_children_leaves_no_process_behind() -> None:
     from workbench.estimator.machine import measure
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    measure(1, 2, {"cpu": "test"}, fork=False, deadline_s=90)
+    measure(1, 2, {"cpu": "test"}, fork=False, stall_s=90)
     assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before] == []
+
+
+def _parts_that_take(monkeypatch: pytest.MonkeyPatch, seconds: float, hang: str | None = None) -> None:
+    """The probe's compute parts replaced by ones that sleep `seconds` each (`hang`: that one sleeps a minute),
+    in the forked children too, with figures of the right shape."""
+    import time
+
+    from workbench.estimator import machine_probe
+
+    point = {"fp32": [[1.0, 1.0], [2.0, 1.0]]}
+    results = {"_matmul": point, "_attention": point, "_step_op_s": 1e-6, "_batch": [1e-6, 1e-7],
+               "_elementwise": {kind: [[1.0, 1e-9], [2.0, 1e-9]] for kind in KINDS}, "_jitter": [1.0, 0.0],
+               "reference_step": {}}
+    for name, result in results.items():
+        def part(*args: Any, _result: Any = result, _name: str = name) -> Any:
+            time.sleep(60 if _name == hang else seconds)
+            return _result
+        monkeypatch.setattr(machine_probe, name, part)
+
+
+def test_a_measurement_that_keeps_finishing_parts_outlasts_its_stall_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded machine makes the probe slow, not stuck: 7 parts of 0.6 s each (4.2 s in all) against a stall
+    limit of 2.5 s is measured, where a deadline on the whole would have failed it."""
+    import time
+
+    from workbench.estimator.machine import measure
+
+    _parts_that_take(monkeypatch, 0.6)
+    started = time.perf_counter()
+    profile = measure(1, 1, {"cpu": "test"}, fork=True, stall_s=2.5)
+    assert time.perf_counter() - started > 4.2 and profile.step_op_s == 1e-6
+
+
+def test_a_measurement_whose_child_hangs_fails_naming_where_and_leaves_no_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import psutil
+
+    from workbench.estimator.machine import measure
+
+    _parts_that_take(monkeypatch, 0.0, hang="_attention")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"measuring this machine stalled: no part ended for 2 s \(child 0 "
+                                           r"after 'matmul'\)"):
+        measure(1, 1, {"cpu": "test"}, fork=True, stall_s=1.5)
+    assert time.perf_counter() - started < 15  # 1.5 s, then the child is killed (joined 2 s first)
+    assert [p for p in psutil.Process().children(recursive=True) if p.pid not in before] == []
+
+
+def test_more_ranks_than_cores_take_fewer_samples_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that take turns on the cores make each timed call that many times longer: the probe cuts the calls
+    that need every rank by as much, to no fewer than MIN_SAMPLES."""
+    import os
+
+    from workbench.estimator import machine_probe
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert machine_probe.samples(30, 2) == 30
+    assert machine_probe.samples(30, 4) == 15
+    assert machine_probe.samples(30, 8) == 8
+    assert machine_probe.samples(30, 2, threads=2) == 15
+    assert machine_probe.samples(30, 1) == 30  # never more than asked

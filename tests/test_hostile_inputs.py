@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from collected_ids import cases
 
 import workbench as wb
 from workbench.cli import main
@@ -45,11 +46,11 @@ def test_runs_dir_that_is_a_file_is_exit_2_before_anything_is_created(
     assert (tmp_path / "taken").read_text() == "a file"
 
 
-@pytest.mark.parametrize("text,message", [
+@pytest.mark.parametrize("text,message", cases([
     ("lr: 1e400\n", r"lr=1e400: must be a finite number \(it overflows a float.*\); use a value like 0\.001"),
     ("max_steps: 100000000000000000000000000000000000000000\n", r"max_steps=10{41}: too large"),
     ("lr: 0.001\nlr: 0.1\n", r"run\.yaml: not valid YAML \(line 2, column 1\): duplicate key 'lr' \(first on line 1\)"),
-])
+]))
 def test_hostile_values_in_a_config_file_are_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
                                                     message: str) -> None:
     path = tmp_path / "run.yaml"

@@ -99,3 +99,46 @@ def test_a_run_whose_ranks_exit_promptly_leaves_no_process_and_no_warning(
         assert run.wait(timeout=100).summary["status"] == "completed"
         assert wait_until_gone(pids, 20) == []
     assert "had not exited" not in caplog.text
+
+
+def test_a_supervisor_reaped_by_someone_else_is_not_taken_for_one_that_lingers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """When the caller's interpreter exits, multiprocessing joins its children from the main thread while the
+    reaper joins them too: the waitpid that loses that race reads as 'still running' (exitcode None) for a
+    process that has exited. The reaper goes by the process's sentinel, so it neither warns nor kills a process
+    group whose leader is gone (the id may be someone else's by then)."""
+    import signal
+
+    from workbench.rundir import RunDir
+
+    read_end, write_end = os.pipe()
+    os.close(write_end)  # the sentinel of a process that has exited: readable at once
+
+    class ReapedElsewhere:
+        pid, sentinel, exitcode = 2**22 + 7, read_end, None
+
+        def join(self, timeout: float | None = None) -> None:
+            pass
+
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: killed.append((pgid, sig)))
+    pipe_r, pipe_w = os.pipe()
+    supervisor = forked.ForkedSupervisor(ReapedElsewhere(), pipe_w, pipe_r, 2, RunDir(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="workbench"):
+        supervisor._reap()
+    assert killed == [] and "had not exited" not in caplog.text
+    os.close(read_end)
+
+    # one that really still runs is killed, with the warning (its sentinel never readable: a pipe kept open)
+    still_r, still_w = os.pipe()
+
+    class Lingering(ReapedElsewhere):
+        sentinel = still_r
+
+    monkeypatch.setattr(forked, "REAP_AFTER_S", 0.05)
+    pipe_r, pipe_w = os.pipe()
+    with caplog.at_level(logging.WARNING, logger="workbench"):
+        forked.ForkedSupervisor(Lingering(), pipe_w, pipe_r, 2, RunDir(tmp_path))._reap()
+    assert killed == [(Lingering.pid, signal.SIGKILL)] and "had not exited" in caplog.text
+    os.close(still_r)
+    os.close(still_w)

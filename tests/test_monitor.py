@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from collected_ids import cases
 from fake_nvml import FakeNvml
 from matplotlib.figure import Figure
 
@@ -204,12 +205,12 @@ def test_row_fields_are_per_rank_lists_with_none_for_unmeasured() -> None:
     assert len(FIELDS) == gathered.shape[1]
 
 
-@pytest.mark.parametrize("fields,message", [
+@pytest.mark.parametrize("fields,message", cases([
     ({"monitor_interval_s": -1.0}, r"monitor_interval_s=-1.0: use 0.05 to 3600 seconds .* or 0 to turn"),
     ({"monitor_interval_s": 0.001}, r"monitor_interval_s=0.001: use 0.05 to 3600"),
     ({"idle_util_pct": 150.0}, r"idle_util_pct=150.0: a GPU utilisation percentage, 0 to 100"),
     ({"idle_after_s": -5.0}, r"idle_after_s=-5.0: must be 0 or more seconds"),
-])
+]))
 def test_monitor_settings_are_validated(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         wb.RunConfig(**fields)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from collected_ids import cases
 from safetensors.torch import load_file
 from tasks_for_tests import TinyBlocks
 
@@ -131,7 +132,7 @@ def test_sharded_checkpoints_resume_on_other_rank_counts_and_modes(runs_dir: Pat
         assert losses(resumed)[4:] == pytest.approx(expected, rel=1e-5), name
 
 
-@pytest.mark.parametrize("fields,message", [
+@pytest.mark.parametrize("fields,message", cases([
     ({"parallelism": "hsdp", "num_processes": 3, "dp_shard": 2},
      r"dp_shard=2 with parallelism='hsdp' and num_processes=3: .*dp_shard must divide num_processes"),
     ({"parallelism": "zero3", "cpu_offload": True}, r"cpu_offload=True on CPU: .*set cpu_offload=False"),
@@ -140,7 +141,7 @@ def test_sharded_checkpoints_resume_on_other_rank_counts_and_modes(runs_dir: Pat
     ({"parallelism": "ddp", "grad_compression": "bf16"}, r"grad_compression='bf16' on CPU: .*use grad_compression='fp16'"),
     ({"parallelism": "ddp", "cpu_offload": True}, r"cpu_offload=True with parallelism='ddp': .*needs parallelism='zero3'"),
     ({"parallelism": "zero3", "dp_shard": 2}, r"dp_shard=2: only parallelism='hsdp' uses it"),
-])
+]))
 def test_a_mode_that_cannot_apply_is_refused_before_launch(runs_dir: Path, fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         wb.launch(cfg_for(runs_dir, **fields), task=TinyBlocks())

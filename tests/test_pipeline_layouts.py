@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from collected_ids import cases
 from conftest import copy_for_resume, cpu_refusals_lifted
 from tasks_for_tests import SpikedCharGPT
 
@@ -156,7 +157,7 @@ def test_fp16_offload_and_checkpointing_inside_an_interleaved_pipeline(runs: Run
     assert abs(got[0] - fp32[0]) / fp32[0] < 2e-4, "before the spike: fp16 close to fp32"
 
 
-@pytest.mark.parametrize("fields, match", [
+@pytest.mark.parametrize("fields, match", cases([
     ({"num_processes": 4, "pp": 2, "parallelism": "zero1"}, r"ZeRO-1's ZeroRedundancyOptimizer needs DDP"),
     ({"num_processes": 4, "pp": 2, "parallelism": "zero3", "pp_schedule": "zero_bubble"},
      r"zero_bubble.*hang.*parallelism='zero2'"),
@@ -167,7 +168,7 @@ def test_fp16_offload_and_checkpointing_inside_an_interleaved_pipeline(runs: Run
      r"whole rounds of pp; set grad_accum_steps=4"),
     ({"num_processes": 4, "pp": 2, "parallelism": "hsdp", "dp_shard": 2}, r"too few for hsdp's groups"),
     ({"num_processes": 2, "pp": 2, "cpu_offload": True}, r"cpu_offload=True with pp=2.*parallelism='zero3'"),
-])
+]))
 def test_pipeline_layout_refusals(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         wb.RunConfig(task="char-gpt", device="cpu", runs_dir=str(tmp_path), **{"grad_accum_steps": 2, **fields})

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from collected_ids import cases
 from conftest import copy_for_resume
 from safetensors.torch import load_file
 
@@ -104,13 +105,13 @@ def test_balanced_split() -> None:
     assert balanced_split([1, 1], 3)[0] == [] or len(balanced_split([1, 1], 3)) == 3
 
 
-@pytest.mark.parametrize("fields, match", [
+@pytest.mark.parametrize("fields, match", cases([
     ({"num_processes": 3, "pp": 2}, r"pp x tp must divide"),
     ({"num_processes": 2, "pp": 2, "grad_accum_steps": 1}, r"1F1B needs at least as many micro-batches"),
     ({"num_processes": 2, "pp": 0}, r"must be at least 1"),
     ({"num_processes": 2, "pp": 2, "micro_batch_size": "auto", "target_global_batch": 7},
      r"target_global_batch=7 with pp=2: a pipeline keeps grad_accum_steps=2"),
-])
+]))
 def test_layout_refusals(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         cfg_for(tmp_path, **fields)
@@ -124,9 +125,9 @@ def test_task_without_stages_is_refused(tmp_path: Path) -> None:
         preflight(cfg, task=TinyBlocks())
 
 
-@pytest.mark.parametrize("fields, what", [(dict(num_processes=4, pp=4), "pp=4"),
+@pytest.mark.parametrize("fields, what", cases([(dict(num_processes=4, pp=4), "pp=4"),
                                          (dict(num_processes=2, pp=2, pp_schedule="interleaved_1f1b"),
-                                          "pp=2 x 2 chunks per rank")])
+                                          "pp=2 x 2 chunks per rank")]))
 def test_too_many_stages_for_char_gpt(tmp_path: Path, fields: dict[str, Any], what: str) -> None:
     cfg = cfg_for(tmp_path, grad_accum_steps=4, oversubscribe=True, **fields)
     with pytest.raises(ValueError, match=rf"{what}: task 'char-gpt' has n_layer=2 blocks, fewer than the 4 pipeline"):

@@ -78,7 +78,7 @@ def test_a_notebook_executed_headless_records_runs_metrics_and_curves(tmp_path: 
     assert lines[3].startswith("[workbench curve] custom")
 
 
-@pytest.mark.parametrize(("hist_file", "said", "records"), [(INTERACTIVE, "1", True), (HEADLESS, "0", False)])
+@pytest.mark.parametrize(("hist_file", "said", "records"), [(INTERACTIVE, "1", True), (HEADLESS, "0", False)], ids=["interactive", "headless"])
 def test_workbench_record_says_it_outright(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            shown: list[dict[str, Any]], hist_file: Any, said: str,
                                            records: bool) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import nbformat
 import pytest
 import yaml
+from collected_ids import cases
 
 import workbench
 import workbench.regress.recording as rec
@@ -146,7 +147,7 @@ def test_device_class_tolerances_beat_the_others_on_that_class_only() -> None:
     assert (on_cpu.verdict, on_gpu.verdict) == ("info", "fail")
 
 
-@pytest.mark.parametrize(("spec", "direction", "message"), [
+@pytest.mark.parametrize(("spec", "direction", "message"), cases([
     ({"tol": 0.1}, None, r"unknown key 'tol'; allowed: mode, abs, rel"),
     ({"mode": "absolute", "abs": 0.1}, None, r"mode='absolute' \(did you mean 'abs'\?\)"),
     ({"abs": 0.1, "rel": 0.1}, None, r"both abs and rel but no mode"),
@@ -155,7 +156,7 @@ def test_device_class_tolerances_beat_the_others_on_that_class_only() -> None:
     ({"rel": -0.1}, "lower", r"rel=-0.1: must be a number >= 0"),
     ({"mode": "info", "abs": 1}, None, r"mode='info' takes no abs/rel"),
     ([0.1], None, r"use a mapping such as"),
-])
+]))
 def test_invalid_tolerances_are_rejected(spec: Any, direction: str | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_rule(spec, direction)
@@ -193,7 +194,9 @@ def test_suite_cases_merge_defaults_and_resolve_paths(tmp_path: Path) -> None:
      r"device_tolerances=\['cpu'\]: use a mapping of device class"),
     ({"notebook": "NB"}, {"baseline": "b"}, r"unknown key 'baseline' \(did you mean 'baselines'\?\)"),
     ({"notebook": "NB"}, {"defaults": {"notebook": "x"}}, r"defaults: unknown key 'notebook'"),
-])
+], ids=["typo-in-case", "missing-notebook", "no-notebook-key",
+    "zero-repeats", "needs_gpu-not-bool", "bad-tolerance-mode", "bad-device-tolerance", "device_tolerances-a-list",
+    "typo-in-suite", "notebook-in-defaults"])
 def test_invalid_suites_fail_before_anything_runs(tmp_path: Path, case: dict[str, Any], top: dict[str, Any],
                                                   message: str) -> None:
     if case.get("notebook") == "NB":
@@ -303,7 +306,7 @@ def test_record_outside_a_kernel_is_a_quiet_no_op(tmp_path: Path) -> None:
     (("val loss", 1.0), {}, r"name='val loss': use letters, digits"),
     (("val_loss", 1.0), {"direction": "up"}, r"direction='up': use 'higher', 'lower' or None"),
     (("val_loss", 1.0), {"tolerance": {"absolute": 0.1}}, r"record\('val_loss'\) tolerance: unknown key 'absolute'"),
-])
+], ids=["value-a-string", "name-with-space", "bad-direction", "bad-tolerance-key"])
 def test_record_rejects_bad_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         workbench.record(*args, **kwargs)

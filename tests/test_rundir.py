@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from collected_ids import cases
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
@@ -81,7 +82,7 @@ def test_an_unknown_key_survives_in_extra() -> None:
         MetricsRow(step=1, extra={"loss": 1.0})
 
 
-@pytest.mark.parametrize("data,field", [
+@pytest.mark.parametrize("data,field", cases([
     ({"step": 1, "loss": "0.5"}, "loss"),
     ({"step": 1, "loss": True}, "loss"),
     ({"step": "1", "loss": 0.5}, "step"),
@@ -89,7 +90,7 @@ def test_an_unknown_key_survives_in_extra() -> None:
     ({"step": 1, "gpu_util_pct_per_rank": [50.0, "idle"]}, "gpu_util_pct_per_rank"),
     ({"step": 1, "verdicts": "input-bound"}, "verdicts"),
     ({"step": 1, "schema_version": "2"}, "schema_version"),
-])
+]))
 def test_a_field_of_the_wrong_type_is_refused_by_name(data: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"at step '?1'?: {field}=.* is not "):
         MetricsRow.from_dict(data)

@@ -66,7 +66,7 @@ def test_a_damaged_line_is_skipped_with_a_warning_naming_file_and_line(run: RunD
     (b'{"status": "completed", "steps": 3', "not valid JSON"),
     (b'{"status": "compl\xe9ted"}', "not UTF-8"),
     (b" \n", "empty"),
-])
+], ids=["list", "truncated", "not-utf8", "blank"])
 def test_a_damaged_summary_is_named_by_every_reader(run: RunDir, content: bytes, problem: str) -> None:
     run.summary_path.write_bytes(content)
     match = rf"{run.summary_path}: {problem}.*restore it"

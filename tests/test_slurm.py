@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from collected_ids import cases
 
 import workbench as wb
 from workbench.rundir import RunFailedError, Status
@@ -136,7 +137,8 @@ def test_a_held_job_says_pending_with_slurms_reason_and_stop_cancels_it(
 
 def test_attach_from_a_fresh_interpreter_follows_a_running_job_to_its_end(
         cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
-    run = wb.start(_cfg(tmp_path, max_steps=60), cluster=wb.Slurm(nodes=2))
+    # one node: following is what this checks (2 nodes: test_a_ddp_run_submitted_to_two_nodes_...)
+    run = wb.start(_cfg(tmp_path, max_steps=60, num_processes=1), cluster=wb.Slurm(nodes=1))
     cancel_after.append(run)
     code = ("import sys, workbench as wb; r = wb.attach(sys.argv[1]); "
             "print(r.job_id, r.wait(timeout=100).status.value, flush=True)")
@@ -152,16 +154,16 @@ def test_attach_from_a_fresh_interpreter_follows_a_running_job_to_its_end(
 def test_stop_ends_a_running_job_stopped_with_a_checkpoint_and_an_scancel_is_reported_as_such(
         cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
     slurm = wb.Slurm(nodes=2)
+    # the two jobs side by side (a task takes one of each node's cores): one is stopped, the other scancelled
     run = wb.start(_cfg(tmp_path, max_steps=100000, log_every=10, run_name="stopped"), cluster=slurm)
     cancel_after.append(run)
-    _wait_for(lambda: len(run.metrics) >= 2, "the submitted run logged no steps")
-    run.stop()
-    result = run.wait(timeout=90)
-    assert result.status is Status.STOPPED and list((run.run_dir / "checkpoints").iterdir())
     cancelled = wb.start(_cfg(tmp_path, max_steps=100000, log_every=10, run_name="cancelled"), cluster=slurm)
     cancel_after.append(cancelled)
-    _wait_for(lambda: len(cancelled.metrics) >= 1, "the second run logged no steps")
+    _wait_for(lambda: len(run.metrics) >= 2 and len(cancelled.metrics) >= 1, "the submitted runs logged no steps")
+    run.stop()
     subprocess.run(["scancel", cancelled.job_id], check=True, timeout=30)
+    result = run.wait(timeout=90)
+    assert result.status is Status.STOPPED and list((run.run_dir / "checkpoints").iterdir())
     assert cancelled.wait(timeout=90).status is Status.STOPPED, "cancelled on purpose: not a preemption to requeue"
     said = [e for e in cancelled.events if e["event"] == "cancelled"]
     assert len(said) == 1 and said[0]["job_id"] == cancelled.job_id and "scancel" in said[0]["reason"]
@@ -171,26 +173,26 @@ def test_stop_ends_a_running_job_stopped_with_a_checkpoint_and_an_scancel_is_rep
 def test_the_shell_submits_prints_the_job_and_run_directory_and_follows_it(
         cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
     config = tmp_path / "run.yaml"
-    _cfg(tmp_path, max_steps=10).to_yaml(config)
+    _cfg(tmp_path, max_steps=10, num_processes=1).to_yaml(config)
     cli = [sys.executable, "-m", "workbench.cli", "train", str(config)]
-    done = subprocess.run([*cli, "--slurm", "nodes=2,time=0:05:00", "--follow"], capture_output=True, text=True,
+    done = subprocess.run([*cli, "--slurm", "nodes=1,time=0:05:00", "--follow"], capture_output=True, text=True,
                           timeout=110, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     first, second = done.stdout.splitlines()[:2]
     job_id = first.removeprefix("submitted: Slurm job ")
     assert job_id.isdigit() and Path(second).is_dir() and wb.attach(second).job_id == job_id
     assert wb.RunResult(Path(second)).status is Status.COMPLETED
-    refused = subprocess.run([*cli, "--slurm", "partition=nope,nodes=2"], capture_output=True, text=True,
+    refused = subprocess.run([*cli, "--slurm", "partition=nope,nodes=1"], capture_output=True, text=True,
                              timeout=60, check=False)
     assert refused.returncode == 2 and "partition='nope': not a partition of this cluster" in refused.stderr
 
 
-@pytest.mark.parametrize(("spec", "message"), [
+@pytest.mark.parametrize(("spec", "message"), cases([
     ("nodes=two", r"--slurm nodes='two': a whole number"),
     ("partition", r"--slurm 'partition': write key=value"),
     ("nodes=0", r"Slurm nodes=0: a whole number of at least 1"),
     ("time=1h", r"Slurm time='1h': minutes, or 'D-HH:MM:SS'"),
-])
+]))
 def test_a_bad_slurm_spec_is_refused_with_the_item_and_the_fix(spec: str, message: str) -> None:
     from workbench.cluster.slurm import from_spec
 
@@ -269,7 +271,7 @@ def test_the_dashboard_follows_a_cluster_run_to_its_end(
         cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
     from workbench.notebook.dashboard import Dashboard
 
-    run = wb.start(_cfg(tmp_path, max_steps=200, log_every=10), cluster=wb.Slurm(nodes=2))
+    run = wb.start(_cfg(tmp_path, max_steps=200, log_every=10, num_processes=1), cluster=wb.Slurm(nodes=1))
     cancel_after.append(run)
     dash = Dashboard(run, interval=0.2, figure_interval=0.5).start()
     try:

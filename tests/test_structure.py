@@ -1,11 +1,13 @@
 """The package's shape, as the README's Layout section draws it: no import cycle (lazy imports included), the
 rank side importing only itself, a root of a few files, one name per module, and modules, functions and
-lines small enough to read."""
+lines small enough to read. And the suite's own: test ids that can't differ between two collections."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,8 +113,8 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 
 def test_every_module_imports_on_its_own() -> None:
-    # Each module first, in a fresh interpreter, with none of the package loaded before it (torch stays); the
-    # modules split between two interpreters running side by side (the check re-imports a lot).
+    # Each module first, in a fresh interpreter, with none of the package loaded before it (torch and the other
+    # libraries stay loaded: one interpreter, as the suite's two workers keep both cores busy anyway)
     def code(names: list[str]) -> str:
         return "\n".join([
             "import importlib, sys, torch",
@@ -125,15 +127,9 @@ def test_every_module_imports_on_its_own() -> None:
         ])
 
     names = sorted(MODULES)
-    procs = [subprocess.Popen([sys.executable, "-c", code(names[i::2])], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)]
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0 and out.startswith("ok"), err[-3000:]
-    finally:
-        for proc in procs:
-            proc.kill()
+    done = subprocess.run([sys.executable, "-c", code(names)], capture_output=True, text=True, cwd=REPO, timeout=100,
+                          check=False)
+    assert done.returncode == 0 and done.stdout.startswith(f"ok {len(names)}"), done.stderr[-3000:]
 
 
 def _loaded_after(statement: str) -> list[str]:
@@ -152,7 +148,7 @@ def _outside_the_rank_side(loaded: list[str]) -> list[str]:
     "import workbench.worker",
     # what a rank goes on to import: the trainer, its parallel strategies and the checkpoint code
     "import workbench.worker, workbench.training.loop, workbench.training.parallel.pipeline",
-])
+], ids=["worker", "worker-trainer-pipeline"])
 def test_a_rank_loads_only_the_rank_side(statement: str) -> None:
     loaded = _loaded_after(statement)
     assert "workbench.worker" in loaded and "workbench.rundir" in loaded
@@ -203,3 +199,53 @@ def test_modules_functions_and_lines_stay_small() -> None:
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}.{node.name}: {length} lines")
     assert too_long == []
+
+
+# ---- test ids ----------------------------------------------------------------------------------------------------
+def test_a_test_id_that_could_differ_between_collections_fails(tmp_path: Path) -> None:
+    """The suite's own hooks (tests/collected_ids.py) fail a test whose id holds bytes (a .tar.gz built at
+    collection: gzip's header holds the current second, so two xdist workers could collect different ids) or an
+    object's memory address, and leave a plainly named one alone."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "conftest.py").write_text("from collected_ids import mark_unstable_ids, pytest_runtest_setup\n\n"
+                                          "def pytest_collection_modifyitems(items):\n"
+                                          "    mark_unstable_ids(items)\n")
+    (tmp_path / "test_ids.py").write_text(
+        "import gzip, io, tarfile\nimport pytest\n\n"
+        "def packed():\n    buf = io.BytesIO()\n"
+        "    with tarfile.open(fileobj=buf, mode='w:gz') as tar:\n        tar.addfile(tarfile.TarInfo('x'))\n"
+        "    return buf.getvalue()\n\n"
+        "@pytest.mark.parametrize('archive', [packed()])\ndef test_bytes(archive):\n    pass\n\n"
+        "@pytest.mark.parametrize('thing', [object()], ids=repr)\ndef test_address(thing):\n    pass\n\n"
+        "@pytest.mark.parametrize('n, text', [(1, 'plain')])\ndef test_plain(n, text):\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    report = out.stdout + out.stderr
+    assert out.returncode == 1, report
+    assert "1 passed, 2 errors" in report, report
+    assert re.search(r"ERROR .*test_bytes\[\\x1f\\x8b", report), report
+    assert "its id holds escaped bytes; name each parameter with ids=" in report, report
+    assert "its id holds a memory address" in report, report
+
+
+def test_what_makes_an_id_unstable_is_named() -> None:
+    from collected_ids import unstable_id
+
+    # the id that made two workers disagree (issue 39), and its stable replacement
+    assert unstable_id(r"tests/test_data.py::test_unsafe_archive_member_is_refused[a.tar.gz-\x1f\x8b\x08\x00"
+                       r"\xe2(\nk\x02]") == "its id holds escaped bytes"
+    assert unstable_id("tests/test_data.py::test_unsafe_archive_member_is_refused[tar-dotdot]") is None
+    assert unstable_id("t.py::test_x[<object object at 0x7f3a2c1b9e40>]") == "its id holds a memory address"
+    assert unstable_id("t.py::test_x[<Foo object>]") == "its id holds an object's repr"
+    assert unstable_id("t.py::test_x[" + "x" * 81 + "]") == "its parameter id is 81 characters long (at most 80)"
+    assert unstable_id("t.py::test_x") is None
+
+
+def test_the_files_scheduled_first_exist() -> None:
+    """conftest.LONGEST_FIRST orders the suite for its two workers: a renamed file would silently drop to the
+    end of the order, where a long one keeps a worker busy alone."""
+    from conftest import LONGEST_FIRST
+
+    tests = {p.name for p in (REPO / "tests").rglob("test_*.py")}
+    assert [name for name in LONGEST_FIRST if name not in tests] == []

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import ipywidgets as widgets
 import pytest
 import torch
+from collected_ids import cases
 
 import workbench as wb
 from workbench.config.preflight import preflight
@@ -58,11 +59,11 @@ def test_values_outside_the_declaration_are_refused_by_name(task: str, options: 
         check(task, options)
 
 
-@pytest.mark.parametrize("task,options", [
+@pytest.mark.parametrize("task,options", cases([
     ("char-gpt", {"n_layer": None, "preset": "small"}),
     ("char-gpt", {"dropout": 0, "n_layer": 96, "bias": True, "eval_fraction": 0.5}),  # an int is a fine float
     ("digits", {"hidden": 1, "dropout": 0.0, "eval_fraction": 0.01}),
-])
+], key=1))
 def test_values_inside_the_declaration_pass(task: str, options: dict) -> None:
     check(task, options)  # raises ValueError for a value outside its declaration
     used = get_task(task).options(wb.RunConfig(task=task, task_options=options))
@@ -101,7 +102,8 @@ def test_an_explicit_size_overrides_that_value_of_the_preset_alone() -> None:
     (lambda: TaskOption("n", int, 1, min=5, max=2), r"^TaskOption 'n': min=5 is more than max=2"),
     (lambda: TaskOption("n", int, 1, choices=("1",)), r"^TaskOption 'n': choices are for str options"),
     (lambda: TaskOption("n-layers", int, 1), r"^TaskOption name='n-layers': must be a Python identifier"),
-])
+], ids=["default-below-min", "default-not-a-choice",
+    "list-type", "min-on-str", "min-above-max", "choices-on-int", "name-not-identifier"])
 def test_a_declaration_that_contradicts_itself_is_refused(make: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from collected_ids import cases
 from conftest import copy_for_resume, cpu_refusals_lifted
 from safetensors.torch import load_file
 from tasks_for_tests import SpikedCharGPT, TinyBlocks
@@ -261,7 +262,7 @@ def test_zero3_checkpoint_resumes_under_tp2(runs: dict[str, wb.RunResult], runs_
     assert worst_relative(losses(resumed)[5:], losses(runs["single"])[5:]) < 1e-5
 
 
-@pytest.mark.parametrize("fields,message", [
+@pytest.mark.parametrize("fields,message", cases([
     ({"num_processes": 3, "tp": 2}, r"tp=2 with num_processes=3: .*must divide.*use tp=1 or 3"),
     ({"num_processes": 4, "tp": 2, "parallelism": "zero1"},
      (r"tp=2 with parallelism='zero1' on num_processes=4 \(data-parallel size 2\): .*'c10d.broadcast_.default does "
@@ -277,7 +278,7 @@ def test_zero3_checkpoint_resumes_under_tp2(runs: dict[str, wb.RunResult], runs_
      r"tp=4: task 'char-gpt' has n_head=2 attention heads.*use tp=1 or 2"),
     ({"num_processes": 2, "tp": 2, "task": "tiny-blocks", "task_options": {}},
      r"tp=2: task 'tiny-blocks' has no tensor-parallel plan .*set tp=1"),
-])
+]))
 def test_impossible_layouts_are_refused_before_launch(runs_dir: Path, fields: dict, message: str) -> None:
     task = TinyBlocks() if fields.get("task") == "tiny-blocks" else None
     with pytest.raises(ValueError, match=message):

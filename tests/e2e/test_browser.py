@@ -87,8 +87,10 @@ def artifacts(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def lab(tmp_path: Path) -> Iterator[Lab]:
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """One JupyterLab server for the module's tests (starting one takes a core 2-3 s)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no Chromium at {CHROMIUM}: `apt-get install -y chromium` (or set WORKBENCH_CHROMIUM)")
     try:
@@ -152,6 +154,15 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
             server.wait(10)
 
 
+@pytest.fixture
+def lab(jupyterlab: Lab) -> Lab:
+    """The module's server with no notebook open: every session (and its kernel) of an earlier test shut down,
+    so each test opens the quickstart in a kernel of its own."""
+    for session in jupyterlab.api("GET", "/api/sessions") or []:
+        jupyterlab.api("DELETE", f"/api/sessions/{session['id']}")
+    return jupyterlab
+
+
 def _all_cells_ran(page: Any) -> bool:
     return page.evaluate("""() => {
         const prompts = [...document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt')];
@@ -192,6 +203,7 @@ def _run_quickstart(page: Any, lab: Lab, artifacts: Path) -> None:
 def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifacts: Path, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
+    earlier = set(lab.runs_dir.iterdir()) if lab.runs_dir.exists() else set()
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
@@ -278,7 +290,7 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
         finally:
             browser.close()
 
-    new_runs = [d for d in lab.runs_dir.iterdir() if d.is_dir() and d.name != first_run]
+    new_runs = [d for d in set(lab.runs_dir.iterdir()) - earlier if d.is_dir() and d.name != first_run]
     assert len(new_runs) == 1
     summary = json.loads((new_runs[0] / "summary.json").read_text())
     assert summary["status"] == "stopped" and 0 < summary["steps"] < LIVE_STEPS

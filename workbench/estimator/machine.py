@@ -6,7 +6,9 @@ step, plain and in each layout family (machine_reference.py).
 
 Measured in short-lived children of this process, never in a rank: as many children as the run has local ranks,
 each with the threads a rank will have, all measuring at once, as the ranks will compute at once; about seven
-seconds on 2 cores. machine_cache.py keeps the result in memory and on disk.
+seconds on 2 cores, for 2 ranks or 8. Each child reports every part it finishes; the measurement fails only when
+no part ends for `stall_s` (a hung child), so a machine that other work slows down is measured, more slowly.
+machine_cache.py keeps the result in memory and on disk.
 """
 
 from __future__ import annotations
@@ -124,9 +126,10 @@ def _interpolate(points: list[list[float]], x: float) -> float:
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------
-def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, deadline_s: float) -> MachineProfile:
+def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, stall_s: float) -> MachineProfile:
     """Measure in `ranks` children at once (forked, or spawned: fresh interpreters for more than one thread, as
-    OpenMP does not survive a fork), within `deadline_s`. RuntimeError saying why when a child fails."""
+    OpenMP does not survive a fork), while some child finishes a part at least every `stall_s`. RuntimeError
+    saying why when a child fails or none progresses for that long (the children are killed)."""
     import psutil
 
     if fork:  # what the children run imports these once here, not in each child (AdamW pulls in dynamo: ~1.3 s)
@@ -145,7 +148,7 @@ def measure(ranks: int, threads: int, machine: dict[str, str], *, fork: bool, de
                 child.start()
             for _, writer in pipes:
                 writer.close()
-            answers = _collect([reader for reader, _ in pipes], children, started + deadline_s)
+            answers = _collect([reader for reader, _ in pipes], children, stall_s)
         finally:
             for child in children:
                 child.join(timeout=2.0)
@@ -191,25 +194,34 @@ def _busy_s(psutil: Any) -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
 
-def _collect(readers: list[Any], children: list[Any], deadline: float) -> list[dict[str, Any]]:
+def _collect(readers: list[Any], children: list[Any], stall_s: float) -> list[dict[str, Any]]:
+    """Each child's figures, read as they come: ("part", name) as it finishes each part, then ("done", figures)
+    or ("failed", why). RuntimeError when a child fails, or when no message arrives for `stall_s`."""
     answers: dict[int, dict[str, Any]] = {}
+    done: dict[int, str] = {}
     pending = dict(enumerate(readers))
+    heard = time.perf_counter()
     while pending:
-        left = deadline - time.perf_counter()
+        left = heard + stall_s - time.perf_counter()
         if left <= 0:
-            raise RuntimeError(f"measuring this machine took longer than its deadline (children {sorted(pending)} "
-                               "still running)")
+            where = ", ".join(f"child {r} after {done[r]!r}" if r in done else f"child {r} in its first part"
+                              for r in sorted(pending))
+            raise RuntimeError(f"measuring this machine stalled: no part ended for {stall_s:.0f} s ({where})")
         for reader in wait(list(pending.values()), timeout=left):
             rank = next(r for r, c in pending.items() if c is reader)
             try:
-                ok, payload = reader.recv()
+                kind, payload = reader.recv()
             except EOFError:
                 raise RuntimeError(f"measuring this machine: child {rank} ended without an answer (exit code "
                                    f"{children[rank].exitcode})") from None
-            if not ok:
+            heard = time.perf_counter()
+            if kind == "failed":
                 raise RuntimeError(f"measuring this machine: child {rank} failed: {payload}")
-            answers[rank] = payload
-            del pending[rank]
+            if kind == "part":
+                done[rank] = payload
+            else:
+                answers[rank] = payload
+                del pending[rank]
     return [answers[r] for r in range(len(readers))]
 
 
@@ -219,11 +231,14 @@ def _child(rank: int, ranks: int, threads: int, store: str, barrier: Any, writer
 
         torch.set_num_threads(threads)
         barrier.wait(60.0)  # all at once: the ranks of a run compute side by side
-        figures = {**compute_figures(), **distributed_figures(rank, ranks, store)}
+        def report(part: str) -> None:
+            writer.send(("part", part))
+
+        figures = {**compute_figures(report), **distributed_figures(rank, ranks, store, threads, report)}
         figures["cpu_s"] = time.process_time()
-        writer.send((True, figures))
+        writer.send(("done", figures))
     except BaseException as e:  # noqa: BLE001  (sent to the parent, which raises it)
-        writer.send((False, f"{type(e).__name__}: {e}"))
+        writer.send(("failed", f"{type(e).__name__}: {e}"))
     finally:
         writer.close()
         os._exit(0)  # a forked child must not run the parent's exit handlers

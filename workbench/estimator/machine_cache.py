@@ -7,6 +7,7 @@ two is kept: other processes only ever slow a measurement down.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import platform
 import threading
 import time
 from dataclasses import asdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,10 @@ BUSY_CORES = 0.25
 """Other processes' CPU use (cores, on average) above which a profile was measured on a busy machine."""
 REMEASURE_BUSY_S = 3600.0
 """Age after which a profile measured on a busy machine is measured again."""
-DEADLINE_S = 90.0
+STALL_S = 90.0
+"""A measurement none of whose children finishes a part for this long has hung (a part takes seconds)."""
+LOCK_WAIT_S = 600.0
+"""How long to wait for another process's measurement (minutes on a loaded machine) before measuring anyway."""
 _MEMORY: dict[tuple[int, int], MachineProfile] = {}
 _LOCK = threading.Lock()
 
@@ -66,7 +71,8 @@ def cache_path(ident: dict[str, str] | None = None) -> Path:
 
 def machine_profile(ranks: int, threads: int, *, refresh: bool = False) -> MachineProfile:
     """The profile of `ranks` local ranks of `threads` threads each: from memory, from the file, or measured now
-    (in forked children for one thread each; spawned ones for more, as OpenMP does not survive a fork)."""
+    (in forked children for one thread each; spawned ones for more, as OpenMP does not survive a fork). One
+    process measures at a time (a lock beside the file): another that wants the same profile reads it after."""
     if ranks < 1 or threads < 1:
         raise ValueError(f"ranks={ranks}, threads={threads}: both must be at least 1")
     key = (ranks, threads)
@@ -75,18 +81,39 @@ def machine_profile(ranks: int, threads: int, *, refresh: bool = False) -> Machi
             return _MEMORY[key]
         ident = machine_id()
         path = cache_path(ident)
-        stored = {} if refresh else _read(path, ident)
-        found = stored.get(f"{ranks}x{threads}")
-        if found is None or (found.busy_cores > BUSY_CORES and time.time() - found.measured_at > REMEASURE_BUSY_S):
-            new = measure(ranks, threads, ident, fork=threads == 1, deadline_s=DEADLINE_S)
-            if new.busy_cores > BUSY_CORES:
-                log.info("this machine's profile was measured while other processes used %.1f core(s); it is "
-                         "measured again in an hour", new.busy_cores)
-            if found is None or new.busy_cores <= found.busy_cores:
-                found = new
-            _write(path, ident, {**_read(path, ident), f"{ranks}x{threads}": found})
+        with _measuring_alone(path):
+            stored = {} if refresh else _read(path, ident)
+            found = stored.get(f"{ranks}x{threads}")
+            if found is None or (found.busy_cores > BUSY_CORES and time.time() - found.measured_at > REMEASURE_BUSY_S):
+                new = measure(ranks, threads, ident, fork=threads == 1, stall_s=STALL_S)
+                if new.busy_cores > BUSY_CORES:
+                    log.info("this machine's profile was measured while other processes used %.1f core(s); it is "
+                             "measured again in an hour", new.busy_cores)
+                if found is None or new.busy_cores <= found.busy_cores:
+                    found = new
+                _write(path, ident, {**_read(path, ident), f"{ranks}x{threads}": found})
         _MEMORY[key] = found
         return found
+
+
+@contextlib.contextmanager
+def _measuring_alone(path: Path) -> Iterator[None]:
+    """Hold `path`.lock while measuring: two processes measuring side by side would each slow the other's figures.
+    Where the lock can't be made (a read-only folder) or is held past LOCK_WAIT_S, measure anyway."""
+    import filelock
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(f"{path}.lock", timeout=LOCK_WAIT_S)
+        lock.acquire()
+    except (OSError, filelock.Timeout) as e:
+        log.info("measuring this machine without the profile's lock (%s)", e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _read(path: Path, ident: dict[str, str]) -> dict[str, MachineProfile]:

@@ -6,10 +6,16 @@ Every compute figure is the best of many short rounds: other processes only ever
 what the machine itself does. Collectives are a call that didn't stall, plus the mean stall of all of them: every
 step pays its share of their stalls. Real steps (a reference model, plain and in each layout family) are their
 mean, as a run's log reports its steps.
+
+Each child reports every part it finishes (`report`), so the parent's deadline is on progress, not on the whole:
+on a machine loaded by other work the parts take longer but keep coming. More ranks than cores take turns on
+them, each timed sample then costs ranks / cores times as long, so the samples that need every rank (collectives,
+layout steps) are cut by as much (`samples`): the probe takes about as long at 8 ranks as at 2.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import Counter
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-from workbench.estimator.machine_reference import layout_references, reference_step
+from workbench.estimator.machine_reference import PAIRS, layout_references, reference_step
 
 VERSION = 4
 """Bumped when what is measured changes: stored profiles of another version are measured again."""
@@ -35,6 +41,8 @@ COLLECTIVE_BYTES = (64, 4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 """Full-buffer sizes each collective is timed at: gloo's time is no straight line in bytes (it changes
 algorithm and chunking with size), so a step's collectives are priced between measured sizes."""
 COLLECTIVE_ITERS = 30
+MIN_SAMPLES = 8
+"""The fewest timed calls per collective size or layout step, however many ranks share the cores."""
 JITTER_BURSTS = 60
 ROUND_S = 0.001
 ROUNDS = 12
@@ -93,11 +101,24 @@ def best(fn: Callable[[], Any], round_s: float = ROUND_S, rounds: int = ROUNDS) 
 
 
 # ---- compute -------------------------------------------------------------------------------------------------
-def compute_figures() -> dict[str, Any]:
+def samples(full: int, ranks: int, threads: int = 1) -> int:
+    """`full` timed calls where the ranks' threads fit the cores; fewer, by the ranks' share of the cores, where
+    they take turns on them (each call then takes that many times longer), and never under MIN_SAMPLES."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(MIN_SAMPLES, min(full, round(full * cores / (ranks * threads))))
+
+
+def compute_figures(report: Callable[[str], None] = lambda part: None) -> dict[str, Any]:
+    """The kernels one rank reaches, measured part by part (`report` hears each part's name once it is done)."""
     tiny = torch.ones(1)
-    op_s = best(lambda: torch.add(tiny, tiny))
-    return {"matmul": _matmul(), "attention": _attention(), "op_s": op_s, "step_op_s": _step_op_s(op_s),
-            "elementwise": _elementwise(), "batch": _batch(), "jitter": _jitter(), "reference": reference_step()}
+    out: dict[str, Any] = {"op_s": best(lambda: torch.add(tiny, tiny))}
+    parts: dict[str, Callable[[], Any]] = {
+        "matmul": _matmul, "attention": _attention, "step_op_s": lambda: _step_op_s(out["op_s"]),
+        "elementwise": _elementwise, "batch": _batch, "jitter": _jitter, "reference": reference_step}
+    for name, part in parts.items():
+        out[name] = part()
+        report(name)
+    return out
 
 
 def _jitter() -> list[float]:
@@ -202,18 +223,22 @@ def _step_op_s(op_s: float) -> float:
 
 
 # ---- gloo and DTensor ------------------------------------------------------------------------------------------
-def distributed_figures(rank: int, ranks: int, store: str) -> dict[str, Any]:
+def distributed_figures(rank: int, ranks: int, store: str, threads: int = 1,
+                        report: Callable[[str], None] = lambda part: None) -> dict[str, Any]:
     """What needs the ranks' process group (each child calls it): the extra cost of an op on DTensors (FSDP2's
-    parameters, tensor parallel's activations), and, for two ranks or more, gloo's collectives."""
+    parameters, tensor parallel's activations), and, for two ranks or more, gloo's collectives and the reference
+    step in each layout family."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=60))
     try:
         out: dict[str, Any] = {"dtensor_op_s": _dtensor_op_s(ranks)}
+        report("dtensor_op_s")
         if ranks > 1:
-            out["collectives"], out["collective_stall_s"] = _collectives(dist, rank, ranks)
-            out["layouts"] = layout_references(ranks)
+            calls = samples(COLLECTIVE_ITERS, ranks, threads)
+            out["collectives"], out["collective_stall_s"] = _collectives(dist, rank, ranks, calls, report)
+            out["layouts"] = layout_references(ranks, samples(PAIRS, ranks, threads), report)
         return out
     finally:
         dist.destroy_process_group()
@@ -237,9 +262,11 @@ def _dtensor_op_s(ranks: int) -> float:
     return max(0.0, (best(lambda: ops(a, b)) - best(lambda: ops(la, lb))) / 6)
 
 
-def _collectives(dist: Any, rank: int, ranks: int) -> tuple[dict[str, list[list[float]]], float]:
+def _collectives(dist: Any, rank: int, ranks: int, calls: int,
+                 report: Callable[[str], None]) -> tuple[dict[str, list[list[float]]], float]:
     """kind -> [[wire bytes each rank sends per call (ring), seconds of a call that didn't stall], ...] at
-    COLLECTIVE_BYTES, between this machine's `ranks` processes; and the mean stall, over every call timed.
+    COLLECTIVE_BYTES, between this machine's `ranks` processes; and the mean stall, over every call timed
+    (`calls` calls of each size up to 1 MiB, fewer of the larger ones).
 
     gloo's times here are two populations: some calls take their own time, and others wait milliseconds for a
     peer's thread to be scheduled (a quarter to over half of them on a shared 2-core box, about a scheduler tick
@@ -252,15 +279,16 @@ def _collectives(dist: Any, rank: int, ranks: int) -> tuple[dict[str, list[list[
     for kind in COLLECTIVES:
         table[kind] = []
         for nbytes in COLLECTIVE_BYTES:
-            times = sorted(_collective_times(dist, kind, nbytes, rank, ranks))
+            times = sorted(_collective_times(dist, kind, nbytes, rank, ranks, calls))
             typical = times[len(times) // 4]  # the lower quartile: a call that didn't stall
             table[kind].append([wire_bytes(kind, nbytes, 2 if kind == "send" else ranks), typical])
             excess += [t - typical for t in times]
+        report(kind)
     kept = sorted(excess)[:max(1, len(excess) - len(excess) // 50)]  # the slowest fiftieth: accidents
     return table, max(0.0, statistics.fmean(kept))
 
 
-def _collective_times(dist: Any, kind: str, nbytes: int, rank: int, ranks: int) -> list[float]:
+def _collective_times(dist: Any, kind: str, nbytes: int, rank: int, ranks: int, calls: int) -> list[float]:
     """Rank 0's times of one collective of `nbytes` (the full buffer), each started together (a barrier before
     it); a send is half its round trip."""
     part = torch.ones(max(1, nbytes // 4 // ranks))
@@ -270,7 +298,7 @@ def _collective_times(dist: Any, kind: str, nbytes: int, rank: int, ranks: int) 
            "reduce_scatter": lambda: getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(part, full),
            "broadcast": lambda: dist.broadcast(full, 0), "send": lambda: _ping(dist, full, rank)}
     times = []
-    for i in range(max(8, COLLECTIVE_ITERS * COLLECTIVE_BYTES[3] // max(nbytes, COLLECTIVE_BYTES[3])) + 2):
+    for i in range(max(MIN_SAMPLES, calls * COLLECTIVE_BYTES[3] // max(nbytes, COLLECTIVE_BYTES[3])) + 2):
         dist.barrier()
         start = time.perf_counter()
         ops[kind]()

@@ -86,12 +86,14 @@ def reference_step() -> dict[str, Any]:
     return _counted_and_timed(_train_step(model, batch))
 
 
-def layout_references(ranks: int) -> dict[str, dict[str, Any]]:
+def layout_references(ranks: int, pairs: int = PAIRS,
+                      report: Callable[[str], None] = lambda part: None) -> dict[str, dict[str, Any]]:
     """The reference step under each family of layouts, side by side with the other ranks, counted and timed as
     `reference` is, with their collectives (DDP's buckets too: on a real process group they pass the
     dispatcher): how much slower each runs here than its ops and collectives priced alone. DDP's buckets fire
     during backward on the cores backward uses; ZeRO-1 adds its optimizer's broadcasts; FSDP2 its hooks, copy-in
-    and copy-out in Python; tensor parallel is where DTensor's cost per op is measured (op_time.dtensor_op_cost)."""
+    and copy-out in Python; tensor parallel is where DTensor's cost per op is measured (op_time.dtensor_op_cost).
+    Each is timed `pairs` times (_paired); `report` hears each family's name once it is done."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -101,30 +103,35 @@ def layout_references(ranks: int) -> dict[str, dict[str, Any]]:
     plain = _train_step(*_reference_model())
     out = {}
     model, batch = _reference_model()
-    out["ddp"] = _paired(plain, _train_step(DistributedDataParallel(model), batch))
+    out["ddp"] = _paired(plain, _train_step(DistributedDataParallel(model), batch), pairs)
+    report("ddp")
     model, batch = _reference_model()
     out["zero1"] = _paired(plain, _train_step(DistributedDataParallel(model), batch, lambda params, **kw:
-                                              ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)))
+                                              ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)),
+                           pairs)
+    report("zero1")
     mesh = init_device_mesh("cpu", (ranks,))
     model, batch = _reference_model()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    out["fsdp"] = _paired(plain, _train_step(model, batch))
+    out["fsdp"] = _paired(plain, _train_step(model, batch), pairs)
+    report("fsdp")
     model, batch = _reference_model()
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "3": RowwiseParallel()})
-    out["tp"] = _paired(_train_step(*_reference_model(), clip=False), _train_step(model, batch, clip=False))
+    out["tp"] = _paired(_train_step(*_reference_model(), clip=False), _train_step(model, batch, clip=False), pairs)
+    report("tp")
     return out
 
 
-def _paired(plain: Callable[[], None], layout: Callable[[], None]) -> dict[str, Any]:
-    """`layout`'s step counted, then it and the `plain` reference step timed in turn, PAIRS times, so both see the
-    same moments of a shared machine: 'step_s' and 'plain_s' (typical())."""
+def _paired(plain: Callable[[], None], layout: Callable[[], None], pairs: int = PAIRS) -> dict[str, Any]:
+    """`layout`'s step counted, then it and the `plain` reference step timed in turn, `pairs` times, so both see
+    the same moments of a shared machine: 'step_s' and 'plain_s' (typical())."""
     plain()
     out = _counted_and_timed(layout, comm=True, steps=0)
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(PAIRS):
+    for _ in range(pairs):
         for fn, into in ((plain, times[0]), (layout, times[1])):
             start = time.perf_counter()
             fn()

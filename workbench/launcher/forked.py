@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+from multiprocessing.connection import wait
 from typing import Any
 
 from workbench.rundir import RunDir, Status
@@ -74,7 +75,9 @@ class ForkedSupervisor:
 
     def _reap(self) -> None:
         self._process.join(REAP_AFTER_S)
-        if self._process.exitcode is None:
+        # The sentinel says whether it exited, not exitcode: when the caller's interpreter exits, multiprocessing
+        # joins its children from the main thread too, and the waitpid that loses that race reads as running.
+        if not wait([self._process.sentinel], 0):
             log.warning("%s: its processes had not exited %.0f s after the run ended; killing them",
                         self._run.path.name, REAP_AFTER_S)
             with contextlib.suppress(ProcessLookupError, PermissionError):
