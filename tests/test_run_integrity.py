@@ -184,6 +184,51 @@ def test_a_disk_filled_by_a_checkpoint_reports_the_checkpoint_and_records_the_fa
     assert summary.status == "failed" and "could not write checkpoint step 2" in summary.error["message"]
 
 
+def test_a_rank_still_writing_into_the_failed_checkpoint_does_not_keep_the_others_from_recording(
+        runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same full disk, the ranks' order forced: rank 0 fails writing the checkpoint and removes it while rank 1
+    (which writes the optimizer side by side, as DDP's checkpoint does) is still writing, and recreates it; rank
+    0 records its failure only then. Before, rank 0 found no room, recorded nothing, and the run read as 'killed
+    by a signal? out of memory?' (seen once in CI's order)."""
+    import time
+
+    from workbench.training.parallel.replicated import Replicated
+
+    real_write = files.atomic_write_bytes
+    run = RunDir(runs_dir / "late")
+    tmp = run.checkpoints_path / ".tmp-step_2"
+
+    def until(condition: Any, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    def rank_1_writes_late(self: Replicated, path: Path) -> None:
+        if torch.distributed.get_rank() == 1:  # DCP's writer makes the folder it writes into
+            until(lambda: not path.exists(), "rank 0 never removed the partial checkpoint")
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "optimizer_part").write_bytes(b"x" * 1024)
+
+    first_try = [True]
+
+    def room_left(path: Path, data: bytes) -> None:
+        if path == run.errors_path / "rank_0.json" and first_try:  # once rank 1 wrote into it again
+            first_try.clear()
+            until(lambda: (tmp / "optimizer_part").exists(), "rank 1 never wrote its part")
+        if any(tmp.parent.glob(".tmp-step_*")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(Replicated, "save", rank_1_writes_late)
+    monkeypatch.setattr(files, "atomic_write_bytes", room_left)
+    with pytest.raises(wb.RunFailedError, match=r"rank 0 failed with RunDirWriteError: .*could not write checkpoint "
+                                                r"step 2 .*No space left on device"):
+        wb.launch(cfg_for(runs_dir, run_name="late", checkpoint_every=2), task=TinyRegression())
+    assert run.has_rank_error(0), "rank 0 recorded its failure"
+    assert not list(run.checkpoints_path.glob(".tmp-step_*"))
+
+
 def test_a_failure_that_cannot_be_recorded_is_still_the_one_raised(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     run = RunDir(tmp_path / "run")

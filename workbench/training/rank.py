@@ -11,9 +11,11 @@ import contextlib
 import io
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,11 +82,22 @@ def record_exception(run_dir: Path, rank: int, exc: BaseException) -> None:
     repr (EOFError() would otherwise read as 'EOFError: ')."""
     error = {"type": type(exc).__name__, "message": str(exc) or repr(exc), "traceback": traceback.format_exc(),
              "pid": os.getpid()}
-    try:
-        RunDir(run_dir).write_rank_error(rank, error)
-    except OSError as e:  # the disk that failed the run may refuse this too: the launcher's log still has it
-        print(f"[rank {rank}] could not record its error in {run_dir} ({e}): {error['type']}: {error['message']}",
-              file=sys.stderr)
+    run = RunDir(run_dir)
+    for attempt in range(3):
+        try:
+            run.write_rank_error(rank, error)
+            return
+        except OSError as e:
+            failed = e
+        # A full disk: the failed checkpoint's partial files hold the room. Each rank removes its own, but another
+        # rank may still be writing into the directory as this one clears it; the checkpoint failed as a whole, so
+        # any rank may sweep them all (a run has one writer: no other run's files are here).
+        for partial in run.checkpoints_path.glob(".tmp-step_*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        time.sleep(0.1 * attempt)
+    # the disk that failed the run refuses this too: the launcher's log still has it
+    print(f"[rank {rank}] could not record its error in {run_dir} ({failed}): {error['type']}: {error['message']}",
+          file=sys.stderr)
 
 
 class LinePrefixer(io.TextIOBase):
