@@ -300,12 +300,13 @@ def _typed_row(row: dict[str, Any], number: int, path: Path) -> MetricsRow:
 
 
 _FALLOUT = ("connection reset by peer", "connection closed by peer", "broken pipe", "nccl communicator was aborted",
-            "processgroupnccl", "got signal: 15", "timed out", "timeout", "pair closure")
+            "processgroupnccl", "got signal: 15", "timed out", "timeout", "pair closure",
+            "removed as another rank's write failed")
 
 
 def is_fallout(error: dict[str, Any]) -> bool:
-    """An error caused by another rank's death or hang: a collective that lost its peer or timed out, or the
-    launcher's SIGTERM."""
+    """An error caused by another rank's death or hang: a collective that lost its peer or timed out, the
+    launcher's SIGTERM, or a checkpoint another rank's failed write removed (training.checkpoint.SWEPT)."""
     message = error.get("message", "").lower()
     return error.get("type") == "SignalException" or any(s in message for s in _FALLOUT)
 

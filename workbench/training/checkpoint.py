@@ -69,6 +69,11 @@ FULL_BELOW_BYTES = 1 << 20
 """Less room than this left where a write failed: the disk is taken to be full, whatever the writer raised."""
 
 
+# A rank whose checkpoint write fails removes the whole unfinished checkpoint (_removed_on_failure) while another
+# rank may still be writing into it: that rank's error is fallout of the first (rundir's is_fallout knows it).
+SWEPT = "its folder was removed as another rank's write failed"
+
+
 def _write_error(error: BaseException, where: Path) -> OSError:
     """An I/O failure inside torch's writers, as an OSError saying what failed and how much room is left.
 
@@ -82,6 +87,8 @@ def _write_error(error: BaseException, where: Path) -> OSError:
     except OSError:
         free = None
     code = getattr(cause, "errno", None) or errno.EIO
+    if code == errno.ENOENT and not where.exists():
+        return OSError(code, SWEPT)
     if isinstance(cause, OSError):
         text = cause.strerror or str(cause)
     elif free is not None and free < FULL_BELOW_BYTES:
@@ -158,7 +165,11 @@ class Checkpointer:
             scaler = self.strategy.scaler
             torch.save({"rng": rng_state(self.accelerator.device), "scaler": scaler.state_dict() if scaler else None},
                        tmp / f"rank_{self.rank}.pt")
-        except (OSError, KeyboardInterrupt, SystemExit):
+        except OSError as e:
+            if e.errno == errno.ENOENT and not tmp.exists():
+                raise OSError(errno.ENOENT, SWEPT) from e
+            raise
+        except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # torch's writers turn a full disk into a RuntimeError in a CheckpointException
             raise _write_error(e, tmp) from e
