@@ -40,6 +40,13 @@ def cluster() -> Iterator[None]:
             if shutil.which("slurmctld") is None:
                 pytest.skip(f"Slurm can't be installed here: {(done.stderr or done.stdout).strip()[-400:]}")
             pytest.fail(f"scripts/slurm-local/up.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    else:  # jobs an earlier session left (killed before its teardown) would hold the nodes: up to their time limit
+        left = [line.split()[0] for line in subprocess.run(
+            ["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+            if line.split()[1:2] and line.split()[1].startswith("workbench-")]
+        if left:
+            print(f"cancelling Slurm jobs an earlier test session left: {' '.join(left)}")
+            subprocess.run(["scancel", *left], capture_output=True, timeout=30, check=False)
     try:
         yield
     finally:
@@ -72,7 +79,15 @@ def cancel_after() -> Iterator[list[wb.SlurmRun]]:
     runs: list[wb.SlurmRun] = []
     yield runs
     for run in runs:
+        # shown only when the test failed: where the job was and what it said, before it is cancelled
+        job = subprocess.run(["scontrol", "show", "job", run.job_id], capture_output=True, text=True, timeout=30,
+                             check=False)
+        print(f"--- Slurm job {run.job_id}:\n{job.stdout or job.stderr}\n--- its stderr:\n{run.stderr_tail()}")
         subprocess.run(["scancel", run.job_id], capture_output=True, timeout=30, check=False)
+    nodes = subprocess.run(["sinfo", "-N", "-l"], capture_output=True, text=True, timeout=30, check=False)
+    log = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/slurm-local")) / "log" / "slurmctld.log"
+    tail = log.read_text(errors="replace").splitlines()[-40:] if log.is_file() else ["(no slurmctld.log)"]
+    print(f"--- the nodes:\n{nodes.stdout or nodes.stderr}\n--- slurmctld.log:\n" + "\n".join(tail))
 
 
 def test_a_ddp_run_submitted_to_two_nodes_ends_completed_with_the_losses_of_the_same_run_here(
@@ -81,7 +96,7 @@ def test_a_ddp_run_submitted_to_two_nodes_ends_completed_with_the_losses_of_the_
     run = wb.start(cfg, cluster=wb.Slurm(nodes=2, time="5:00"))
     cancel_after.append(run)
     assert isinstance(run, wb.SlurmRun) and run.job_id.isdigit()
-    there = run.wait(timeout=110)
+    there = run.wait(timeout=90)  # a TimeoutError with the job's state, before pytest-timeout's 120 s
     assert there.status is Status.COMPLETED and there.summary["world_size"] == 2
     here = wb.launch(cfg.replace(run_name="local"))
     losses = [(m["step"], m["loss"]) for m in there.metrics if "loss" in m]
@@ -153,7 +168,7 @@ def test_attach_from_a_fresh_interpreter_follows_a_running_job_to_its_end(
 
 def test_stop_ends_a_running_job_stopped_with_a_checkpoint_and_an_scancel_is_reported_as_such(
         cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun]) -> None:
-    slurm = wb.Slurm(nodes=2)
+    slurm = wb.Slurm(nodes=2, time="5:00")
     # the two jobs side by side (a task takes one of each node's cores): one is stopped, the other scancelled
     run = wb.start(_cfg(tmp_path, max_steps=100000, log_every=10, run_name="stopped"), cluster=slurm)
     cancel_after.append(run)
