@@ -421,5 +421,6 @@ def test_the_rank_layout_picture_follows_the_sizes(runs_dir: Path) -> None:
     c["pp"].value, c["pp_schedule"].value, c["parallelism"].value = 1, "1f1b", "ddp"
     # impossible: 3 does not divide 4; the picture says so instead of drawing a layout
     c["parallelism"].value, c["dp_shard"].value, c["tp"].value = "zero3", 0, 3
-    assert "data-layout='impossible'" in panel.layout_box.value and "tp=3" in panel.layout_box.value
+    assert "data-layout='impossible'" in panel.layout_box.value and "tp=3" not in panel.layout_box.value
+    assert "tp=3" in panel.problem_box.value, "the reason is said once, in the problem line"
     assert not cells()

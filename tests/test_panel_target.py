@@ -97,8 +97,9 @@ def test_buttons_and_status_line_agree(runs_dir: Path) -> None:
     assert panel.stop_button.disabled and panel.stop_button.button_style == "", "a disabled Stop isn't orange"
     assert not panel.launch_button.disabled and "ready: pick the settings" in panel.status_box.value
     panel.controls["micro_batch_size"].value = "0"
-    assert panel.launch_button.disabled
-    assert "not launchable: micro_batch_size=0" in panel.status_box.value
+    assert panel.launch_button.disabled and panel.launch_button.button_style == "", "a disabled Launch isn't green"
+    assert "micro_batch_size=0" in panel.problem_box.value
+    assert "not launchable: see the problem above" in panel.status_box.value
     assert "ready: pick" not in panel.status_box.value
 
 

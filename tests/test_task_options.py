@@ -273,6 +273,20 @@ def test_param_count_builds_on_the_meta_device() -> None:
     assert {p.device.type for p in built[0].parameters()} == {"meta"}
 
 
+def test_a_count_on_the_meta_device_leaves_the_text_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count is often the first to read char-gpt's text in a kernel, under torch.device('meta'); the text
+    read then is kept for the process, and a copy on meta broke every later trace and launch (an estimate of
+    tp x pp: 'found at least two devices, cpu and meta')."""
+    from workbench.tasks import char_gpt
+
+    monkeypatch.setattr(char_gpt, "_LAST", None)  # as in a fresh kernel
+    cfg = wb.RunConfig(task="char-gpt")
+    param_count(CharGPTTask(), cfg)
+    train, _ = CharGPTTask().build_datasets(cfg)
+    x, y = train[0]
+    assert x.device.type == "cpu" and y.device.type == "cpu" and int(x.max()) < len(CharGPTTask().vocab(cfg))
+
+
 @pytest.mark.parametrize("n,text", [(1_234_567, "1.23 M parameters"), (999_999, "1 M parameters"),
                                     (26_122, "26.1 k parameters"), (840, "840 parameters"),
                                     (1, "1 parameter"), (7_100_000_000, "7.1 B parameters")])

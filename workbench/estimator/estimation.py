@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
 
+
+log = logging.getLogger("workbench")
 __all__ = ["estimate", "price"]
 
 
@@ -114,6 +117,11 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     trace = cached_trace(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)
     est = price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
     est.assumptions += [f"as planned: {w}" for w in warned]
+    if world != cfg.num_processes:  # said first: every figure is for the target's ranks, not the config's count
+        est.assumptions.insert(0, f"ranks: {world}, the target's {plan.describe(run)} (the config has "
+                                  f"num_processes={cfg.num_processes})")
+        log.info("estimate: planned for %d ranks on %s; the config has num_processes=%d", world,
+                 plan.describe(run), cfg.num_processes)
     if cfg.compile != "off":
         est.assumptions.append(f"compile={cfg.compile!r}: the step is priced as eager's (compiled steps measured "
                                "0.84-1.23x eager's on a 2-core CPU: README, Compile); the first step also compiles, "

@@ -134,11 +134,13 @@ class Estimate:
     # ---- words --------------------------------------------------------------------------------------------
     @property
     def where(self) -> str:
-        """'1 x 8 x H100-SXM-80GB' (nodes x GPUs per node x accelerator); on a CPU, its processes."""
+        """'8 x H100-SXM-80GB', '2 x 8 x H100-SXM-80GB' (nodes x GPUs per node x accelerator: the panel's and
+        Slurm's way); on a CPU, its processes."""
         if self.target.kind == "cpu":
             nodes = f"{self.nodes} nodes x " if self.nodes > 1 else ""
             return f"{self.target.name}, {nodes}{self.gpus} process" + "es" * (self.gpus != 1)
-        return f"{self.nodes} x {self.gpus} x {self.target.name}"
+        return f"{self.nodes} x {self.gpus} x {self.target.name}" if self.nodes > 1 else \
+            f"{self.gpus} x {self.target.name}"
 
     def settings(self) -> str:
         """Which settings these figures are for: task, layout, precision, micro-batch x accumulation, world."""
@@ -156,14 +158,28 @@ class Estimate:
 
     def step_line(self) -> str:
         tokens = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
-        return (f"step {fmt_seconds(self.step_s)} (compute {fmt_seconds(self.compute_s)}, exposed communication "
-                f"{fmt_seconds(self.exposed_comm_s)} of {fmt_seconds(self.comm_s)}), {self.samples_per_s:,.1f} "
-                f"samples/s{tokens}")
+        return (f"step {fmt_seconds(self.step_s)} (compute {fmt_seconds(self.compute_s)}{self._comm_text()}), "
+                f"{_rate(self.samples_per_s)} samples/s{tokens}")
+
+    def _comm_text(self) -> str:
+        """How much of the communication the step waits for: none, all, or part of it."""
+        comm, exposed = self.comm_s, self.exposed_comm_s
+        if comm <= 0:
+            return ""
+        if exposed <= 0.005 * comm:
+            return f", communication {fmt_seconds(comm)} hidden behind it"
+        if exposed >= 0.995 * comm:
+            return f", then communication {fmt_seconds(comm)}"
+        return f", communication {fmt_seconds(comm)} of which {fmt_seconds(exposed)} not hidden"
 
     def run_line(self) -> str:
+        """'400 steps: 50.2 s, 0.03 GPU-hours, $0.12'; a CPU plan has no GPU-hours (and no price)."""
+        line = f"{self.config['max_steps']} steps: {fmt_span(self.run_s)}"
+        if self.target.kind == "cpu":
+            return line
         hours = f"{self.gpu_hours:.2f}" if self.gpu_hours >= 0.01 or self.gpu_hours == 0 else "< 0.01"
         cost = f", {fmt_money(self.cost)}" if self.cost is not None else ""
-        return f"{self.config['max_steps']} steps: {fmt_span(self.run_s)}, {hours} GPU-hours{cost}"
+        return f"{line}, {hours} GPU-hours{cost}"
 
     def __repr__(self) -> str:
         fits = "fits" if self.fits else f"short by {fmt_bytes(self.short_by)}"
@@ -257,3 +273,8 @@ def describe_settings(config: dict[str, Any], world: int) -> str:
     return (f"{task}, {layout_name({**config, 'num_processes': world})}, {config['precision']}, micro-batch "
             f"{config['micro_batch_size']} x {config['grad_accum_steps']} accumulation, {world} rank"
             + "s" * (world != 1))
+
+
+def _rate(per_s: float) -> str:
+    """A rate to the digits it means: '63,063', '12.3', '0.412'."""
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.3g}"

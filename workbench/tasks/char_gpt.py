@@ -226,7 +226,10 @@ class CharGPTTask(Task):
         dataset = self.options(cfg)["dataset"]
         path = next(iter(data.resolve(dataset, progress=False).files.values()))
         if _LAST is None or (_LAST.dataset, _LAST.path) != (dataset, path):
-            _LAST = _Corpus.of(dataset, path, path.read_text(encoding="utf-8"))  # one kept: a corpus can be large
+            # on the CPU whatever device context the caller is in: the panel counts parameters by building the
+            # model under torch.device("meta"), and a corpus made there would be kept on meta for every later use
+            with torch.device("cpu"):
+                _LAST = _Corpus.of(dataset, path, path.read_text(encoding="utf-8"))  # one kept: it can be large
         return _LAST
 
     def datasets(self, cfg: RunConfig) -> list[str]:

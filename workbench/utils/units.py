@@ -10,6 +10,8 @@ def fmt_bytes(n: float | None, unit: str | None = None, spec: str | None = None)
     """'512 MiB' / '1.50 GiB' / '64.0 KiB' (the unit picked by size unless given); '?' for None."""
     if n is None:
         return "?"
+    if n == 0 and unit is None:
+        return "0 B"  # not '0 MiB' beside '0.0 KiB'
     unit = unit or ("GiB" if abs(n) >= GiB else "MiB" if abs(n) >= MiB or n == 0 else "KiB")
     if unit == "KiB":
         return f"{n / 1024:{spec or '.1f'}} KiB"

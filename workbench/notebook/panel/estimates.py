@@ -69,28 +69,32 @@ def _bar(values: dict[str, int], scale: float, usable: int | None) -> str:
 
 
 def _bars(est: Estimate) -> str:
-    """A stacked bar per group of identical ranks, the usable memory dashed, and what the scale is."""
+    """A stacked bar and the peak per group of identical ranks; what the colours, the scale and the gradient
+    figures mean sits behind a details toggle (each bar's tooltip has its breakdown too)."""
     scale, to_scale = _scale(est)
-    rows = []
+    rows, breakdown = [], []
     for label, row in est.rank_groups():
         params, grads_held, grads, optimizer, activations, buffers, temporaries, overhead, peak = row
         values = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
                   "buffers": buffers, "temporaries": temporaries, "runtime": overhead if to_scale else 0}
-        runtime = "" if to_scale else f" = {fmt_bytes(peak - overhead)} + {fmt_bytes(overhead)} runtime"
-        rows.append(f"<tr><td style='white-space:nowrap;padding-right:6px'>rank {html.escape(label)}</td>"
-                    f"<td style='width:100%'>{_bar(values, scale, est.usable if to_scale else None)}</td>"
-                    f"<td style='white-space:nowrap;padding-left:6px'>{fmt_bytes(peak)}{runtime} <small>(grads "
-                    f"{fmt_bytes(grads_held)} held, {fmt_bytes(grads)} at peak)</small></td></tr>")
+        detail = (f"rank {label}: {fmt_bytes(peak - overhead)} of tensors + {fmt_bytes(overhead)} runtime; grads "
+                  f"{fmt_bytes(grads_held)} held, {fmt_bytes(grads)} at peak")
+        breakdown.append(html.escape(detail))
+        rows.append(f"<tr title='{html.escape(detail, quote=True)}'><td style='white-space:nowrap;padding-right:6px'>"
+                    f"rank {html.escape(label)}</td><td style='width:100%'>"
+                    f"{_bar(values, scale, est.usable if to_scale else None)}</td>"
+                    f"<td style='white-space:nowrap;padding-left:6px'>{fmt_bytes(peak)}</td></tr>")
     shown = {k: c for k, c in COLORS.items() if to_scale or k != "runtime"}
     legend = " ".join(f"<span style='color:{c}'>■</span> {k}" for k, c in shown.items())
     if to_scale:
-        where = f"dashed: usable ({fmt_bytes(est.usable)} of {fmt_bytes(est.capacity)})"
+        where = f"the dashed line: usable memory, {fmt_bytes(est.usable)} of {fmt_bytes(est.capacity)}"
     else:
-        where = (f"<span class='wb-scale-note'>bars span the largest rank's tensors ({fmt_bytes(scale)}); the peak, "
-                 f"{fmt_bytes(est.peak)} with the runtime, is {est.peak / est.usable:.1%} of the usable "
-                 f"{fmt_bytes(est.usable)} (of {fmt_bytes(est.capacity)}), off the scale</span>")
-    return (f"<table style='width:100%;font-size:90%'>{''.join(rows)}</table><small>{legend}; {where}<br>"
-            f"{html.escape(GRADS_LEGEND)}</small>")
+        where = (f"<span class='wb-scale-note'>the bars span the largest rank's tensors ({fmt_bytes(scale)}), not "
+                 f"the device: the peak with the runtime is {est.peak / est.usable:.1%} of the usable "
+                 f"{fmt_bytes(est.usable)} (of {fmt_bytes(est.capacity)})</span>")
+    return (f"<table style='width:100%;font-size:90%'>{''.join(rows)}</table><details class='wb-bars-details'>"
+            f"<summary><small>{legend}</small></summary><small>{where}<br>{'<br>'.join(breakdown)}<br>"
+            f"{html.escape(GRADS_LEGEND)}</small></details>")
 
 
 def _measured(est: Estimate | None, measured: dict[str, Any]) -> str:
@@ -125,7 +129,8 @@ def _header(state: EstimateState, est: Estimate) -> str:
 def render(state: EstimateState) -> str:
     """The box's HTML: bars per rank group, the verdict, time and cost, the settings they are for."""
     if state.status == "error":
-        return f"<div class='wb-estimate-error' style='color:#b00020'>estimate: {html.escape(state.message)}</div>"
+        return (f"<div class='wb-estimate-error' style='color:#b00020'><b>Estimate</b>: none, "
+                f"{html.escape(state.message)}</div>")
     est: Estimate | None = state.result
     if est is None:
         waiting = "estimating…" if state.status == "estimating" else html.escape(state.message or "no estimate yet")
@@ -194,6 +199,23 @@ class EstimateBox:
                                             name="workbench-estimate", daemon=True)
             self._thread.start()
 
+    def mark_stale(self) -> None:
+        """A setting changed: the figures shown are for the settings before it. Called first in the change's
+        handler, before anything that takes time, so the mark shows at once."""
+        with self._lock:
+            if self.state.result is not None:
+                self.state.stale = True
+
+    def withhold(self, why: str) -> None:
+        """No estimate for a plan that can't run: no figures and no verdict, `why` in their place."""
+        with self._lock:
+            self._generation += 1
+            self._changed.notify_all()
+            with self.state.hold_trait_notifications():
+                self.state.status, self.state.result, self.state.stale = "idle", None, False
+                self.state.alternatives, self.state.message, self.state.requested = [], why, ""
+            self._thread = None
+
     def show_measured(self, step_s: float | None, peak_bytes: int | None, samples_per_s: float | None) -> None:
         """The running run's latest figures, shown beside the estimate's (all None: clear them)."""
         figures = {"step_s": step_s, "peak_bytes": peak_bytes, "samples_per_s": samples_per_s}
@@ -230,9 +252,10 @@ class EstimateBox:
         allow_traces()  # a launch that cancelled an earlier estimate has waited for it: traces may run again
         try:
             self._estimate(generation, cfg, task, target, not_before)
-        except Exception as e:  # shown in the box: an estimate must never break the panel
-            log.debug("estimate failed", exc_info=True)
-            self._publish(generation, result=None, message=f"{type(e).__name__}: {e}", stale=False, status="error")
+        except Exception as e:  # said in the box in words (the traceback goes to the log): it never breaks the panel
+            log.warning("the panel's estimate failed", exc_info=True)
+            said = (str(e).strip().splitlines() or [f"the estimator raised {type(e).__name__}"])[0]
+            self._publish(generation, result=None, message=said, stale=False, status="error")
         finally:
             with self._lock:
                 self._working.discard(threading.current_thread())

@@ -27,10 +27,9 @@ def _cell(rank: int, coords: dict[str, int], shards: int) -> str:
 
 
 def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
-    """The picture for `cfg`, or why there is none (the config's own refusal, first line)."""
+    """The picture for `cfg`; none for a plan that can't run (the panel says why once, in its problem line)."""
     if cfg is None or problem:
-        why = html.escape((problem or "the settings don't form a config").splitlines()[0])
-        return f"<div class='wb-layout' data-layout='impossible'><b>rank layout</b>: none as set: {why}</div>"
+        return "<div class='wb-layout' data-layout='impossible'><b>rank layout</b>: –</div>"
     dims = cfg.dims
     sizes = dims.sizes
     tp, shards, stages = dims.tp, dims.dp_shard, dims.pp

@@ -164,8 +164,10 @@ class Panel(RunActions):
     def _request_estimate(self) -> None:
         # While a run goes, its ranks have the cores; the box shows the estimate it was launched with.
         if self.live_estimate and self.state.status not in ACTIVE:
-            # A config this machine can't launch is still a plan to estimate (the estimate checks it against
-            # its target and says in words what doesn't fit the target).
+            if self.state.problem:  # a plan that can't run gets no figures and no verdict: its reason is above
+                self.estimate_box.withhold("none while the plan can't run")
+                return
+            # A plan for hardware elsewhere can't launch here but is a plan to estimate, on its target.
             cfg = self.state.config
             self.estimate_box.request(cfg, self.task_for(cfg.task) if cfg else None, self.target)
 
@@ -179,8 +181,12 @@ class Panel(RunActions):
 
     @property
     def config(self) -> RunConfig:
-        """The RunConfig as the controls stand; ValueError (RunConfig's message) when they don't form one."""
-        return self._base.replace(**self._control_values())
+        """The RunConfig as the controls stand; ValueError (RunConfig's message) when they don't form one. A
+        config made for this machine's CPU (device='cpu') planned for GPUs elsewhere runs on their devices."""
+        values = self._control_values()
+        if self._base.device == "cpu" and not self.target.cpu_nodes:
+            values["device"] = "auto"
+        return self._base.replace(**values)
 
     @property
     def target(self) -> Target:
@@ -202,7 +208,19 @@ class Panel(RunActions):
             for name, control in c.items():
                 value = getattr(cfg, name)
                 control.value = "" if value is None else str(value) if name == "micro_batch_size" else value
+            self._follow_target(cfg)
         self._derive()
+
+    def _follow_target(self, cfg: RunConfig) -> None:
+        """A target elsewhere decides the world size: processes become its GPUs x nodes, and the panel says so
+        when the config had another count (restored when the target is this machine again)."""
+        world = self.target_controls.world
+        if world is None or self.target_controls.problem() or world == cfg.num_processes:
+            return
+        self._processes_here = cfg.num_processes
+        self.controls["num_processes"].value = world
+        self.state.message = (f"processes set to {world} for the target's {self.target.describe(cfg)} (the config "
+                              f"had num_processes={cfg.num_processes})")
 
     @contextlib.contextmanager
     def _quietly(self) -> Iterator[None]:
@@ -216,6 +234,7 @@ class Panel(RunActions):
     def _on_control(self, change: dict[str, Any]) -> None:
         if self._filling:
             return
+        self.state.message = ""  # a note about the settings before this change
         c = self.controls
         if change["owner"] is c["task"]:  # the old task's options don't carry over
             self.task_controls.set(self._task_object(change["new"]), {})
@@ -231,6 +250,7 @@ class Panel(RunActions):
     def _on_target(self) -> None:
         if self._filling:
             return
+        self.state.message = ""
         self._relabel_precisions()
         world, processes = self.target_controls.world, self.controls["num_processes"]
         with self._quietly():
@@ -254,6 +274,8 @@ class Panel(RunActions):
         return self.user_task if self.user_task is not None and name == self.user_task.name else None
 
     def _derive(self) -> None:
+        # first, before anything that takes time: what the panel shows is for the settings before this change
+        self.estimate_box.mark_stale()
         cfg: RunConfig | None = None
         try:
             cfg = self.config
@@ -281,6 +303,7 @@ class Panel(RunActions):
             self.task_controls.disabled = frozen
             blocked = blocked_reason(s, self.target)
             self.launch_button.disabled = frozen or bool(blocked)
+            self.launch_button.button_style = "" if self.launch_button.disabled else "success"
             self.stop_button.disabled = s.status != Status.RUNNING or s.busy
             # a disabled button keeps its colour in ipywidgets; an orange Stop reads as "press me"
             self.stop_button.button_style = "" if self.stop_button.disabled else "warning"
@@ -296,8 +319,10 @@ class Panel(RunActions):
             self.problem_box.value = ("" if not s.problem else
                                       "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
                                       f"{html.escape(s.problem)}</div>")
+            # the problem line says why a plan can't run; the status line only points at it
             self.status_box.value = status_html(s, self.run.run_dir.name if self.run else "",
-                                                resumable=self._resumable(), blocked=blocked)
+                                                resumable=self._resumable(),
+                                                blocked="see the problem above" if s.problem else blocked)
             self.error_box.value = error_html(s.error)
 
     def _launch_html(self, cfg: RunConfig | None, problem: str) -> str:
@@ -306,7 +331,7 @@ class Panel(RunActions):
         if cfg is None:
             return ""
         if problem:
-            return "<i>not launchable as set: see the problem below</i>"
+            return ""
         if target.local:
             return html.escape(describe_launch(cfg))
         if target.partition:
