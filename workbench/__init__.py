@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from workbench.estimator.estimation import estimate
     from workbench.launcher.launch import Run, launch, start
     from workbench.launcher.result import RunResult
+    from workbench.notebook.dashboard import Dashboard
     from workbench.notebook.panel import Panel
+    from workbench.rundir.listing import compare, runs
     from workbench.regress.recording import record
     from workbench.rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, Status
     from workbench.tasks import Task, register_task
@@ -36,6 +38,9 @@ _HOMES = {
     "start": "workbench.launcher.launch",
     "RunResult": "workbench.launcher.result",
     "Panel": "workbench.notebook.panel",
+    "Dashboard": "workbench.notebook.dashboard",
+    "runs": "workbench.rundir.listing",
+    "compare": "workbench.rundir.listing",
     "record": "workbench.regress.recording",
     "RunDirLocked": "workbench.rundir",
     "RunDivergedError": "workbench.rundir",

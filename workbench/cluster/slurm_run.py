@@ -25,7 +25,7 @@ POLL_S = 1.0
 STDERR_TAIL = 2000
 
 
-@dataclass
+@dataclass(repr=False)  # RunFiles' one-line repr, not every field's
 class SlurmRun(RunFiles):
     """A run submitted to Slurm (`wb.start(cfg, cluster=wb.Slurm(...))` or `wb.attach(run_dir)`)."""
 

@@ -91,26 +91,39 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
 
 @overload
 def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[True] = True, mode: Mode = "fork",
-           progress: bool = False, cluster: Slurm | None = None) -> RunResult: ...
+           progress: bool | None = None, cluster: Slurm | None = None) -> RunResult: ...
 
 
 @overload
 def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[False], mode: Mode = "fork",
-           progress: bool = False, cluster: Slurm | None = None) -> Run | SlurmRun: ...
+           progress: bool | None = None, cluster: Slurm | None = None) -> Run | SlurmRun: ...
 
 
 def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode: Mode = "fork",
-           progress: bool = False, cluster: Slurm | None = None) -> RunResult | Run | SlurmRun:
+           progress: bool | None = None, cluster: Slurm | None = None) -> RunResult | Run | SlurmRun:
     """Run `cfg` on cfg.num_processes ranks and block until it ends: returns the RunResult, or raises
     RunFailedError naming the failing rank. `start()` is the same without blocking; `cluster=` as there.
 
+    `progress`: in a notebook, a line that follows the run (progress, loss, step time, ETA) and becomes its
+    summary when it ends; in a terminal, rank 0's progress bar. None (the default): the line in a notebook,
+    nothing in a terminal; False: nothing anywhere.
+
     `wait=False` is the older spelling of `start()` and is deprecated.
     """
+    from workbench.utils.kernel import in_kernel
+
+    live = progress is not False and in_kernel()
+    bar = bool(progress) and not live  # in a kernel the ranks' bar would go to the kernel's own stdout
     if not wait:
         warnings.warn("launch(cfg, wait=False) is deprecated: use wb.start(cfg), which returns the Run handle",
                       DeprecationWarning, stacklevel=2)
-        return start(cfg, task, mode=mode, progress=progress, cluster=cluster)
-    run = start(cfg, task, mode=mode, progress=progress, cluster=cluster)
+        return start(cfg, task, mode=mode, progress=bar, cluster=cluster)
+    run = start(cfg, task, mode=mode, progress=bar, cluster=cluster)
+    view = None
+    if live:
+        from workbench.notebook.live_view import LiveView
+
+        view = LiveView(run)
     try:
         return run.wait()
     except BaseException:
@@ -119,6 +132,9 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode:
         if not run.done():
             run.kill()
         raise
+    finally:
+        if view is not None:
+            view.close()
 
 
 RunResult.launcher = launch  # result.resume() launches through here

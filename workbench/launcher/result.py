@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from workbench.tasks import Task
 
 
-@dataclass
+@dataclass(repr=False)  # RunFiles' one-line repr, not every field's
 class RunResult(RunFiles):
     """A run that has ended, read back from its run directory."""
 
@@ -74,7 +74,3 @@ class RunResult(RunFiles):
         run = RunDir(run_dir)
         return cls(run.path, run.config())
 
-    def _repr_html_(self) -> str:
-        s = self.summary
-        return (f"<b>{self.run_dir.name}</b>: {s.get('status')} after {s.get('steps')} steps, "
-                f"loss {s.get('final_loss')}, {s.get('samples_per_s', 0) or 0:.0f} samples/s")

@@ -43,7 +43,7 @@ from workbench.utils.lifecycle import preempt_signals
 log = logging.getLogger("workbench")
 
 
-@dataclass
+@dataclass(repr=False)  # RunFiles' one-line repr, not every field's
 class Run(RunFiles):
     """A launched run. `stop()` asks ranks to checkpoint and exit; `wait()` returns the RunResult.
 

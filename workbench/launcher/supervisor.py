@@ -34,17 +34,27 @@ if TYPE_CHECKING:
 
 
 class DropLines(io.TextIOBase):
-    """A text stream that passes on everything but the lines starting with one of `prefixes`."""
+    """A text stream that passes on everything but the lines starting with one of `prefixes`. print() writes a
+    line's text and its end apart: a start that may become a dropped line waits for its end (or for what shows
+    it is not one), so neither half leaks (the lone newline was a blank line in the notebook); anything else, a
+    progress bar's '\r' updates included, passes at once."""
 
     def __init__(self, target: TextIO, prefixes: tuple[str, ...]) -> None:
         super().__init__()
-        self.target, self.prefixes = target, prefixes
+        self.target, self.prefixes, self._held = target, prefixes, ""
 
     def writable(self) -> bool:
         return True
 
+    def _may_drop(self, start: str) -> bool:
+        return any(start.startswith(p) or p.startswith(start) for p in self.prefixes)
+
     def write(self, text: str) -> int:
-        kept = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(self.prefixes))
+        lines = (self._held + text).splitlines(keepends=True)
+        self._held = ""
+        if lines and not lines[-1].endswith(("\n", "\r")) and self._may_drop(lines[-1]):
+            self._held = lines.pop()
+        kept = "".join(line for line in lines if not line.startswith(self.prefixes))
         if kept:
             self.target.write(kept)
         return len(text)

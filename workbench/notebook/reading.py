@@ -320,6 +320,8 @@ def progress_line(reading: Reading, max_steps: int | None, step: int, ended: str
         tail = ended + (f" in {fmt_duration(wall)}" if wall else "")
     elif reading.compile.startswith("compiling"):
         tail = reading.compile
+    elif max_steps and step >= max_steps:  # not 'ETA 0 s' while the final evaluation and checkpoint run
+        tail = "finishing: the final evaluation and checkpoint…"
     elif reading.train_rows:
         tail = f"ETA {fmt_duration(eta_s(reading, max_steps, step))}"
     else:

@@ -3,6 +3,7 @@ exception (RunFailedError and its kinds), and the config that resumes a run."""
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +80,46 @@ class RunFiles:
     def events(self) -> list[dict[str, Any]]:
         return self.dir.events()
 
+    def brief(self) -> str:
+        """One line: name, status, step of max_steps, the latest loss ('digits-... running: step 40/100, loss
+        0.6771')."""
+        return " ".join(_brief(self).values())
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.brief()}>"
+
+    def _repr_html_(self) -> str:
+        parts = _brief(self)
+        color = _STATUS_COLORS.get(parts["status"].rstrip(":"), "#555")
+        rest = html.escape(" ".join(v for k, v in parts.items() if k not in ("name", "status")))
+        return (f"<span class='wb-run' title='{html.escape(str(self.run_dir), quote=True)}'><b>"
+                f"{html.escape(parts['name'])}</b> <span style='color:{color}'>{html.escape(parts['status'])}</span> "
+                f"{rest}</span>")
+
     @property
     def status(self) -> Status:
         """The summary's status; 'failed' for a run that says it runs but whose processes are all gone."""
         return self.dir.observed_status()[0]
+
+
+_STATUS_COLORS = {"completed": "#2e7d32", "running": "#1565c0", "starting": "#1565c0", "failed": "#b00020",
+                  "diverged": "#b00020", "stopped": "#a15c00", "preempted": "#a15c00"}
+
+
+def _brief(run: RunFiles) -> dict[str, str]:
+    """The parts of a run's one-line description, read from its directory (the tail of metrics.jsonl)."""
+    folder = RunDir(run.run_dir)
+    try:
+        status = folder.observed_status()[0].value
+    except ValueError as e:  # a damaged summary.json: said, not raised from a repr
+        return {"name": folder.name, "status": "unreadable:", "why": str(e).split(":")[0]}
+    cfg = folder.config()
+    row = folder.last_train_row()
+    step = row.get("step") if row else folder.summary().steps
+    parts = {"name": folder.name, "status": f"{status}:"}
+    parts["step"] = f"step {step or 0}/{cfg.max_steps}" if cfg is not None else f"step {step or 0}"
+    loss = row.get("loss") if row else None
+    if isinstance(loss, (int, float)):
+        parts["step"] += ","
+        parts["loss"] = f"loss {loss:.4g}"
+    return parts

@@ -1,0 +1,155 @@
+"""wb.runs(runs_dir): the past runs in a folder as one table (text in a terminal, HTML in a notebook), newest
+first, read from each run's summary.json and the tail of its metrics.jsonl; wb.compare(...): runs overlaid."""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from workbench.rundir.run_dir import RunDir
+from workbench.rundir.run_files import _STATUS_COLORS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from workbench.launcher.result import RunResult
+
+COLUMNS = ("name", "status", "task", "layout", "precision", "steps", "loss", "eval", "samples/s", "started")
+
+
+def _layout(summary: Any) -> str:
+    """'zero3 x 4, tp 2': the data-parallel mode over the world size, then the model-parallel sizes."""
+    mesh = summary.mesh or {}
+    split = [f"{k} {mesh[k]}" for k in ("tp", "pp", "cp") if (mesh.get(k) or 1) > 1]
+    world = f" x {summary.world_size}" if summary.world_size else ""
+    return ", ".join([f"{summary.parallelism or '?'}{world}", *split])
+
+
+def _eval(row: dict[str, Any] | None) -> str:
+    if not row:
+        return ""
+    return ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in row.items()
+                     if k.startswith("eval_") and isinstance(v, (int, float)))
+
+
+def _row(folder: RunDir) -> dict[str, Any]:
+    """One run's columns; a run whose summary can't be read is listed as such, not skipped."""
+    try:
+        summary = folder.summary()
+        status = folder.observed_status()[0].value
+    except ValueError as e:
+        return {"name": folder.name, "status": "unreadable", "task": str(e).split(":")[0], "started_at": None}
+    train = folder.last_train_row()
+    loss = summary.final_loss if summary.final_loss is not None else (train or {}).get("loss")
+    rate = summary.samples_per_s if summary.samples_per_s is not None else (train or {}).get("samples_per_s")
+    return {"name": folder.name, "status": status, "task": summary.task or "", "layout": _layout(summary),
+            "precision": summary.precision or "", "steps": summary.steps if summary.steps is not None else
+            (train or {}).get("step"), "loss": loss, "eval": _eval(folder.last_row(lambda r: any(
+                k.startswith("eval_") for k in r))), "samples/s": rate, "started_at": summary.started_at}
+
+
+def _cell(column: str, row: dict[str, Any]) -> str:
+    value = row.get(column)
+    if column == "started":
+        started = row.get("started_at")
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(started)) if started else ""
+    if value is None:
+        return ""
+    if column == "loss":
+        return f"{value:.4g}"
+    if column == "samples/s":
+        return f"{value:,.0f}"
+    return str(value)
+
+
+@dataclass
+class RunsTable:
+    """The runs of a folder, newest first: `table[name]` (or `table[0]`) is that run's RunResult,
+    `table.compare(names...)` overlays them, `table.rows` holds the columns as values."""
+
+    runs_dir: Path
+    rows: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[RunResult]:
+        return (self[i] for i in range(len(self.rows)))
+
+    def __getitem__(self, key: int | str) -> RunResult:
+        from workbench.launcher.result import RunResult
+
+        names = [r["name"] for r in self.rows]
+        if isinstance(key, int):
+            return RunResult.load(self.runs_dir / names[key])
+        if key not in names:
+            raise KeyError(f"{key!r}: no run of that name in {self.runs_dir} (it has {len(names)}: "
+                           f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+        return RunResult.load(self.runs_dir / key)
+
+    @property
+    def names(self) -> list[str]:
+        return [r["name"] for r in self.rows]
+
+    def compare(self, *keys: int | str, **kwargs: Any) -> Figure:
+        """The runs named (or at those places in the table) overlaid: loss, throughput, memory."""
+        return compare(*(self[k] for k in keys), **kwargs)
+
+    def __repr__(self) -> str:
+        if not self.rows:
+            return f"no runs in {self.runs_dir}"
+        cells = [[_cell(c, r) for c in COLUMNS] for r in self.rows]
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip()]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        if not self.rows:
+            return f"<i>no runs in {html.escape(str(self.runs_dir))}</i>"
+        head = "".join(f"<th style='text-align:left'>{c}</th>" for c in COLUMNS)
+        body = []
+        for r in self.rows:
+            cells = []
+            for c in COLUMNS:
+                text = html.escape(_cell(c, r))
+                if c == "status":
+                    text = f"<span style='color:{_STATUS_COLORS.get(r['status'], '#555')}'>{text}</span>"
+                align = "right" if c in ("steps", "loss", "samples/s") else "left"
+                cells.append(f"<td style='text-align:{align}'>{text}</td>")
+            body.append(f"<tr data-run='{html.escape(r['name'], quote=True)}'>{''.join(cells)}</tr>")
+        return (f"<table class='wb-runs'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+                f"<small>{len(self.rows)} run(s) in {html.escape(str(self.runs_dir))}</small>")
+
+
+def runs(runs_dir: str | os.PathLike[str] = "runs", *, limit: int | None = None) -> RunsTable:
+    """The runs in `runs_dir` (folders with a summary.json), newest first; `limit`: only that many."""
+    root = Path(runs_dir).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"runs_dir={str(runs_dir)!r}: no such folder; runs go to RunConfig.runs_dir ('runs' "
+                         "unless set)")
+    folders = [RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "summary.json").is_file()]
+    rows = sorted((_row(f) for f in folders), key=lambda r: (r.get("started_at") or 0, r["name"]), reverse=True)
+    return RunsTable(root, rows[:limit] if limit is not None else rows)
+
+
+def compare(*runs: Any, labels: list[str] | None = None, path: str | os.PathLike[str] | None = None,
+            log_loss: bool | None = None) -> Figure:
+    """Runs overlaid in one figure (loss, throughput, memory): RunResults, Runs or run directories."""
+    from workbench.launcher.result import RunResult
+    from workbench.notebook.plots import plot_runs
+    from workbench.rundir.run_files import RunFiles
+
+    if not runs:
+        raise ValueError("compare(): name at least one run (a RunResult, a Run or a run directory)")
+    results = [r if isinstance(r, RunFiles) else RunResult.load(r) for r in runs]
+    missing = [str(r.run_dir) for r in results if not r.dir.metrics_path.exists()]
+    if missing:
+        raise ValueError(f"compare(): no metrics.jsonl in {', '.join(missing)}: not a run directory, or a run "
+                         "that logged nothing yet")
+    return plot_runs(results, labels, path, log_loss=log_loss)  # type: ignore[arg-type]
