@@ -322,36 +322,37 @@ def test_the_step_time_breakdown_is_a_bar_per_rank_with_the_slowest_marked(tmp_p
     bars = re.findall(r"<div class='wb-breakdown-rank' data-rank='(\d)'.*?</span></div>", dash.breakdown.value)
     assert bars == ["0", "1"]
     rank1 = dash.breakdown.value.split("data-rank='1'")[1]
-    assert "◀ slowest" in rank1 and "◀ slowest" not in dash.breakdown.value.split("data-rank='1'")[0]
+    assert "◀ straggler: 43.0 ms of its own work" in rank1 and "◀" not in dash.breakdown.value.split(
+        "data-rank='1'")[0]
     # widths are shares of the longest step (45 ms): rank 1's compute is 40/45 of the bar
     assert re.search(r"wb-breakdown-compute' title='forward\+backward: 40.00 ms \(89%\)' style='width:88.89%", rank1)
     assert "⚠ rank 1 is 238% slower" in dash.breakdown.value
     snapshot = dash.snapshot_html()
-    assert "where the step time goes" in snapshot and "◀ slowest" in snapshot
+    assert "where the step time goes" in snapshot and "◀ straggler" in snapshot
     # a row without a breakdown (an old run directory) shows none
     old = Dashboard(fake_run(tmp_path / "old", trainer_rows([0.1] * 10, log_every=5)))
     old.refresh(draw=False)
     assert old.train_rows and old.breakdown.value == ""
 
 
-def test_the_slowest_mark_goes_to_the_rank_whose_bar_reads_the_longest(tmp_path: Path) -> None:
-    # The trainer names rank 0 (more time in its own work); the bars, which add the wait in communication, read
-    # 10.3 ms for rank 0 and 10.4 ms for rank 1: the mark goes where the numbers say.
-    def marked(compute: list[float], comm: list[float], trainer_says: int) -> list[str]:
+def test_the_mark_and_the_verdict_name_the_same_rank_or_none(tmp_path: Path) -> None:
+    """Rank 0 does more of its own work; rank 1's bar reads longer only for waiting in communication. The mark
+    goes where the trainer's verdict points (the same measure), and with no straggler no rank is marked."""
+    def marks(compute: list[float], comm: list[float], straggler: int | None, verdicts: list[str]) -> list[str]:
         rows = trainer_rows([0.1] * 10, log_every=5)
         rows[-1].update({"data_ms_per_rank": [0.5, 0.5], "compute_ms_per_rank": compute, "comm_ms_per_rank": comm,
                          "optimizer_ms_per_rank": [1.0, 1.0], "other_ms_per_rank": [0.5, 0.5],
-                         "comm_measured": True, "slowest_rank": trainer_says, "verdicts": []})
-        dash = Dashboard(fake_run(tmp_path / f"{compute}{comm}{trainer_says}", rows))
+                         "comm_measured": True, "slowest_rank": straggler, "verdicts": verdicts})
+        dash = Dashboard(fake_run(tmp_path / f"{compute}{comm}{straggler}", rows))
         dash.refresh(draw=False)
-        ranks = re.findall(r"data-rank='(\d)'", dash.breakdown.value)
-        totals = re.findall(r"font-size:90%'>([\d.]+) ms( <b class='wb-slowest'>)?", dash.breakdown.value)
         assert dash.breakdown.value in dash.snapshot_html(figure=False)  # the snapshot shows the same bars
-        return [f"{rank}:{ms}{'*' if mark else ''}" for rank, (ms, mark) in zip(ranks, totals, strict=True)]
+        marked = re.findall(r"data-rank='(\d)'.*?font-size:90%'>[\d.]+ ms( <b class='wb-slowest'>)?",
+                            dash.breakdown.value)
+        return [rank for rank, mark in marked if mark]
 
-    assert marked([7.3, 4.0], [1.0, 4.4], trainer_says=0) == ["0:10.3", "1:10.4*"]
-    assert marked([7.3, 4.0], [1.04, 4.36], trainer_says=0) == ["0:10.3", "1:10.4*"]  # 10.34 against 10.36
-    assert marked([7.3, 4.0], [1.01, 4.34], trainer_says=0) == ["0:10.3*", "1:10.3"]  # a tie as shown: kept
+    verdict = "rank 0 is 61% slower than the others: they wait for it every step"
+    assert marks([7.3, 4.0], [1.0, 4.4], 0, [verdict]) == ["0"]
+    assert marks([7.3, 4.0], [1.0, 4.4], None, []) == [], "no verdict: no mark, whichever bar is longer"
 
 
 # ---- reading a poll at a time ---------------------------------------------------------------------------------

@@ -92,9 +92,20 @@ def test_invalid_combination_shows_runconfig_message_and_disables_launch(runs_di
     assert panel.state.problem == "" and not panel.launch_button.disabled
 
     # A config RunConfig accepts but this machine can't run: check()'s message, and Save stays on.
-    panel.controls["precision"].value = "fp8"
-    assert panel.state.problem == expected_error(lambda: preflight(tiny(runs_dir, precision="fp8")))
+    panel.controls["precision"].value = "fp16"
+    assert panel.state.problem == expected_error(lambda: preflight(tiny(runs_dir, precision="fp16")))
     assert panel.launch_button.disabled and not panel.save_button.disabled
+
+
+def test_a_precision_workbench_does_not_train_is_not_offered_unless_the_config_has_it(runs_dir: Path) -> None:
+    panel = wb.Panel(tiny(runs_dir), estimate=False)
+    assert "fp8" not in [value for _, value in panel.controls["precision"].options]
+    fp8 = wb.Panel(tiny(runs_dir, precision="fp8"), estimate=False)
+    assert fp8.controls["precision"].value == "fp8" and fp8.config.precision == "fp8"
+    assert fp8.state.problem == expected_error(lambda: preflight(tiny(runs_dir, precision="fp8")))
+    fp8.controls["precision"].value = "bf16"
+    fp8.target_controls.gpu.value = "H100-SXM-80GB"  # relabelled for the target: fp8 is not offered again
+    assert "fp8" not in [value for _, value in fp8.controls["precision"].options]
 
 
 def test_task_options_problem_is_shown(runs_dir: Path) -> None:
@@ -108,7 +119,7 @@ def test_unavailable_precisions_are_labelled_with_the_reason(runs_dir: Path) -> 
     panel = wb.Panel(tiny(runs_dir), estimate=False)
     hw = detect()
     labels = dict((value, label) for label, value in panel.controls["precision"].options)
-    assert set(labels) == set(get_args(Precision))
+    assert set(labels) == set(get_args(Precision)) - {"fp8"}
     for precision, label in labels.items():
         problem = hw.precision_problem(precision, panel.device)
         assert (label == precision) == (problem is None)
@@ -120,7 +131,7 @@ def test_unavailable_precisions_are_labelled_with_the_reason(runs_dir: Path) -> 
 def test_precision_labels_on_an_old_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     v100 = Hardware(cpu_count=8, gpus=(GPU(name="Tesla V100", compute_capability=(7, 0), memory_bytes=2**34),))
     monkeypatch.setattr(panel_mod, "detect", lambda: v100)
-    options, reasons = panel_mod.precision_options("cuda")
+    options, reasons = panel_mod.precision_options("cuda", shown="fp8")
     labels = dict((value, label) for label, value in options)
     assert labels["fp16"] == "fp16" and labels["fp32"] == "fp32"
     assert labels["bf16"] == "bf16 (unavailable: needs compute capability 8.0+ (A100 and newer))"

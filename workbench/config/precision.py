@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Literal
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+NOT_TRAINED_YET = ("fp8",)
+"""Named in a config (the estimator plans it) but refused at launch until workbench trains it: the panel doesn't
+offer it (a config that has it shows it, marked)."""
 
 
 def accelerate_mixed_precision(precision: str) -> str:

@@ -1,5 +1,6 @@
 """The step-time breakdown as HTML: a stacked bar per rank (data, compute, exposed communication, optimizer, the
-rest), the slowest rank marked, and the verdicts in words. Shared by the live dashboard and its static
+rest), the straggler the verdict names marked (by its own work, the measure the verdict uses), and the verdicts
+in words. Shared by the live dashboard and its static
 snapshot; plain HTML so it shows in any frontend, papermill output included."""
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ LABELS = {"data": "waiting for data", "compute": "forward+backward", "comm": "ex
 
 def _bar(rank: int, parts: dict[str, float], scale: float, slowest: bool) -> str:
     total = sum(parts.values())
+    own = parts["data"] + parts["compute"] + parts["optimizer"]  # verdicts.busy: the straggler's measure
     segments = "".join(
         f"<div class='wb-breakdown-{name}' title='{LABELS[name]}: {1e3 * s:.2f} ms ({s / total:.0%})' "
         f"style='width:{100 * s / scale:.2f}%;background:{COLOURS[name]}'></div>"
         for name, s in parts.items() if s > 0)
-    mark = " <b class='wb-slowest'>◀ slowest</b>" if slowest else ""
+    mark = f" <b class='wb-slowest'>◀ straggler: {1e3 * own:.1f} ms of its own work</b>" if slowest else ""
     return (f"<div class='wb-breakdown-rank' data-rank='{rank}' style='display:flex;align-items:center;gap:6px;"
             f"margin:2px 0'><span style='width:4em;font-family:monospace'>rank {rank}</span>"
             f"<div style='display:flex;width:320px;height:14px;background:#f2f2f2'>{segments}</div>"
@@ -38,7 +40,7 @@ def breakdown_html(row: MetricsRow | None) -> str:
     ranks = len(parts["data"])
     steps = [sum(parts[name][r] for name in PHASES) for r in range(ranks)]
     scale = max(steps) or 1.0
-    slowest = row.slowest_rank if row.slowest_rank is not None and ranks > 1 else -1
+    slowest = row.slowest_rank if row.slowest_rank is not None and ranks > 1 else -1  # the verdict's rank
     bars = "".join(_bar(r, {name: parts[name][r] for name in PHASES}, scale, r == slowest)
                    for r in range(ranks))
     legend = " ".join(f"<span style='color:{COLOURS[name]}'>■</span> {LABELS[name]}" for name in PHASES)

@@ -39,7 +39,8 @@ from workbench.notebook.reading import (
     session_start,
     throughput_items,
 )
-from workbench.notebook.snapshot import dashboard_html, shown_breakdown, table
+from workbench.notebook.breakdown_bars import breakdown_html
+from workbench.notebook.snapshot import dashboard_html, table
 from workbench.rundir import ENDED, MetricsRow, RunDir, Status
 from workbench.utils.kernel import in_kernel
 from workbench.utils.units import fmt_bytes
@@ -218,7 +219,7 @@ class Dashboard(widgets.VBox):
                                 f"<span class='wb-run-status'>{html.escape(self.status)}</span>")
             self.progress_text.value = html.escape(self.progress_line())
             self.stats.value = table(self.stat_items(), "wb-stat-")
-            self.breakdown.value = shown_breakdown(self.last_train_row)
+            self.breakdown.value = breakdown_html(self.last_train_row)
             hold = self._hold_figure
         if not hold:
             self._show_figure(change is not None and change["name"] == "log_loss")
@@ -328,7 +329,7 @@ class Dashboard(widgets.VBox):
             shown = "the final figure is in the output of the cell that waited for the run"
         return dashboard_html(self.run_dir.name, self.status, self.progress_line(),
                               self.stat_items(show_error=show_error),
-                              shown_breakdown(self.last_train_row), shown)
+                              breakdown_html(self.last_train_row), shown)
 
     def show_final(self) -> None:
         """Show the final numbers and figure as a static output, so a saved or papermill-executed notebook

@@ -6,18 +6,13 @@ instead of `VBox(children=...)`. Plain values in, HTML out: the live readings ar
 from __future__ import annotations
 
 import base64
-import dataclasses
 import html
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from workbench.notebook.breakdown_bars import breakdown_html
-from workbench.training.verdicts import PHASES, per_rank
-
 if TYPE_CHECKING:
     from workbench.notebook.panel import Panel
-    from workbench.rundir import MetricsRow
 
 _LABEL = "text-align:left;padding-right:1em;color:#666"
 
@@ -37,20 +32,6 @@ def table(items: Sequence[tuple[str, str]], css_prefix: str) -> str:
     cells = "".join(f"<tr><td style='{_LABEL}'>{html.escape(k)}</td><td style='text-align:left' "
                     f"class='{css(k)}'>{html.escape(v)}</td></tr>" for k, v in items)
     return f"<table style='font-family:monospace'>{cells}</table>"
-
-
-def shown_breakdown(row: MetricsRow | None) -> str:
-    """The step-time breakdown of `row` with its "slowest" mark on the rank whose bar reads the longest, its
-    milliseconds as the bars show them (rounded the same way), so the mark and the numbers beside it agree. The
-    trainer's own `slowest_rank` (most time in its own work, waiting left out) stands where it is among those."""
-    parts = per_rank(row) if row is not None else None
-    if row is None or parts is None or row.slowest_rank is None:
-        return breakdown_html(row)
-    shown = [float(f"{1e3 * sum(parts[name][r] for name in PHASES):.1f}") for r in range(len(parts["data"]))]
-    marked = row.slowest_rank
-    if shown and not (0 <= marked < len(shown) and shown[marked] == max(shown)):
-        row = dataclasses.replace(row, slowest_rank=shown.index(max(shown)))
-    return breakdown_html(row)
 
 
 def dashboard_html(name: str, status: str, progress: str, stats: Sequence[tuple[str, str]],

@@ -82,7 +82,8 @@ class MetricsRow:
     comm_measured: bool | None = None
     """Whether comm_ms_per_rank was measured (DDP); False: collectives are counted in compute."""
     slowest_rank: int | None = None
-    """The rank with the most time per step in its own work (data, compute, optimizer)."""
+    """The straggler: the rank with the most time per step in its own work (data, compute, optimizer), by enough
+    and over enough windows to hold the others back (training/verdicts.py); None when no rank does."""
     verdicts: list[str] | None = None
     """What limits the step, in words with the fix (training/verdicts.py); [] when nothing does."""
     gpu_util_pct_per_rank: PerRank | None = None

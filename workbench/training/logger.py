@@ -8,6 +8,7 @@ run's trackers (TensorBoard, MLflow).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ import torch
 from workbench.rundir.metrics_row import MetricsRow
 from workbench.training.measures import peak_memory_bytes
 from workbench.training.monitor import row_fields
-from workbench.training.verdicts import PHASES, busy, diagnose, per_rank
+from workbench.training.verdicts import PHASES, STRAGGLER_WINDOWS, diagnose, per_rank, straggler
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -59,6 +60,8 @@ class MetricsLogger:
         self.trackers = trackers
         self.breakdown = breakdown
         """Each rank's step-time breakdown rides in the same all-gather; rank 0 turns it into verdicts."""
+        self._windows: deque[dict[str, list[float]]] = deque(maxlen=STRAGGLER_WINDOWS - 1)
+        """The breakdowns of this session's latest windows before the one being logged (a straggler must hold)."""
         self.loss_ranks = slice(None) if loss_ranks is None else slice(loss_ranks.start, loss_ranks.stop)
         """The ranks whose window loss the row averages: a pipeline's last stage; every rank otherwise."""
 
@@ -93,9 +96,13 @@ class MetricsLogger:
         row.set_phases_ms({name: [round(1e3 * float(v), 4) for v in columns[:, i]]
                            for i, name in enumerate(PHASES)})
         row.comm_measured = measured = self.breakdown.comm_measured
-        work = busy(per_rank(row) or {})
-        row.slowest_rank = max(range(len(work)), key=work.__getitem__)
-        row.verdicts = diagnose(row, self.cfg.num_workers, self.device.type, measured)
+        parts = per_rank(row)
+        assert parts is not None
+        # one decision, by one measure, for the bars' mark and the verdict: the straggler over several windows
+        slow = straggler([*self._windows, parts])
+        row.slowest_rank = slow[0] if slow is not None else None
+        row.verdicts = diagnose(row, self.cfg.num_workers, self.device.type, measured, earlier=list(self._windows))
+        self._windows.append(parts)
 
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.log_every == 0

@@ -9,6 +9,7 @@ communication-bound would send the user after the wrong fix.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 from workbench.rundir.metrics_row import PHASES, MetricsRow
 
@@ -20,7 +21,12 @@ COMM_BOUND_SHARE = 0.3
 STRAGGLER_RATIO = 1.15
 """A rank busy this much longer per step than the median of the others is a straggler..."""
 STRAGGLER_MIN_S = 1e-3
-"""... and by at least this much (a few percent of a 1 ms step is noise)."""
+"""... by at least this much (a few percent of a 1 ms step is noise)..."""
+STRAGGLER_WINDOWS = 3
+"""... in each of the last this many logged windows, the same rank each time, by more than NOISE_FACTOR times
+how much a rank's own busy time moves from window to window: a 2.6 ms gap on a 13 ms step that moves from rank
+to rank on a shared box is the box, not a rank."""
+NOISE_FACTOR = 2.0
 
 
 def per_rank(row: MetricsRow) -> dict[str, list[float]] | None:
@@ -36,21 +42,40 @@ def busy(parts: dict[str, list[float]]) -> list[float]:
     return [parts["data"][r] + parts["compute"][r] + parts["optimizer"][r] for r in range(len(parts["data"]))]
 
 
-def straggler(parts: dict[str, list[float]]) -> tuple[int, float] | None:
-    """(rank, how much slower than the median of the others) when one rank holds everyone back."""
+def _busiest(parts: dict[str, list[float]]) -> tuple[int, float, float] | None:
+    """(rank, its busy time, the others' median) when one rank is busier by the ratio and the margin."""
     work = busy(parts)
     if len(work) < 2:
         return None
     rank = max(range(len(work)), key=work.__getitem__)
     others = statistics.median(w for r, w in enumerate(work) if r != rank)
     if others > 0 and work[rank] >= STRAGGLER_RATIO * others and work[rank] - others >= STRAGGLER_MIN_S:
-        return rank, work[rank] / others - 1
+        return rank, work[rank], others
     return None
 
 
-def diagnose(row: MetricsRow, num_workers: int, device: str,
-             comm_measured: bool = True) -> list[str]:
-    """What limits the step, in words with the fix; [] when nothing stands out (or no breakdown)."""
+def straggler(windows: Sequence[dict[str, list[float]]]) -> tuple[int, float] | None:
+    """(rank, how much slower than the median of the others, in the latest window) when one rank holds everyone
+    back: the same rank, by busy time (its own work, the others' waiting left out), in each of the last
+    STRAGGLER_WINDOWS windows (oldest first), its lead above the windows' own noise."""
+    recent = list(windows)[-STRAGGLER_WINDOWS:]
+    if len(recent) < STRAGGLER_WINDOWS:
+        return None
+    named = [found for parts in recent if (found := _busiest(parts)) is not None]
+    if len(named) < len(recent) or len({rank for rank, _, _ in named}) != 1:
+        return None
+    noise = max(statistics.pstdev(busy(parts)[r] for parts in recent) for r in range(len(recent[-1]["data"])))
+    if min(work - others for _, work, others in named) <= NOISE_FACTOR * noise:
+        return None
+    rank, work, others = named[-1]
+    return rank, work / others - 1
+
+
+def diagnose(row: MetricsRow, num_workers: int, device: str, comm_measured: bool = True,
+             earlier: Sequence[dict[str, list[float]]] = ()) -> list[str]:
+    """What limits the step, in words with the fix; [] when nothing stands out (or no breakdown). `earlier`: the
+    breakdowns (per_rank) of this session's windows before `row`, oldest first: a straggler is named only when
+    it holds over several windows."""
     parts = per_rank(row)
     if parts is None:
         return []
@@ -58,7 +83,7 @@ def diagnose(row: MetricsRow, num_workers: int, device: str,
     if not all(s > 0 for s in steps):
         return []
     verdicts = []
-    slow = straggler(parts)
+    slow = straggler([*earlier, parts])
     if slow is not None:
         rank, slower = slow
         verdicts.append(f"rank {rank} is {slower:.0%} slower than the others: they wait for it every step "

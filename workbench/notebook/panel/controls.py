@@ -8,7 +8,7 @@ from typing import Any, get_args
 import ipywidgets as widgets
 
 from workbench.config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
-from workbench.config.precision import Precision
+from workbench.config.precision import NOT_TRAINED_YET, Precision
 from workbench.tasks import Task, available
 from workbench.utils.hardware import Hardware, detect
 
@@ -27,12 +27,16 @@ def short_reason(precision: str, problem: str) -> str:
     return re.split(r"[:;]", reason, maxsplit=1)[0].strip()
 
 
-def precision_options(device: str, hw: Hardware | None = None) -> tuple[list[tuple[str, str]], dict[str, str]]:
+def precision_options(device: str, hw: Hardware | None = None, shown: str | None = None
+                      ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """(label, value) pairs for the precision dropdown, and the full reason for each precision unavailable on
-    `hw` (default: this machine; a planned target's hardware otherwise)."""
+    `hw` (default: this machine; a planned target's hardware otherwise). A precision workbench doesn't train yet
+    is offered only as `shown`, the config's own value."""
     hw = hw or detect()
     options, reasons = [], {}
     for precision in get_args(Precision):
+        if precision in NOT_TRAINED_YET and precision != shown:
+            continue
         problem = hw.precision_problem(precision, device)
         if problem:
             reasons[precision] = problem

@@ -205,6 +205,7 @@ class Panel(RunActions):
             c = self.controls
             self.task_controls.set(self._task_object(cfg.task), cfg.task_options)
             c["task"].options = self._task_options(cfg.task)
+            self._relabel_precisions(shown=cfg.precision)
             for name, control in c.items():
                 value = getattr(cfg, name)
                 control.value = "" if value is None else str(value) if name == "micro_batch_size" else value
@@ -225,11 +226,11 @@ class Panel(RunActions):
     @contextlib.contextmanager
     def _quietly(self) -> Iterator[None]:
         """Set controls from code without each change re-deriving the panel (the caller derives once)."""
-        self._filling = True
+        before, self._filling = self._filling, True
         try:
             yield
         finally:
-            self._filling = False
+            self._filling = before  # nested (a fill that relabels the precisions): still filling after the inner
 
     def _on_control(self, change: dict[str, Any]) -> None:
         if self._filling:
@@ -338,15 +339,17 @@ class Panel(RunActions):
             return f"Launch submits a Slurm job: {html.escape(target.describe(cfg))}"
         return f"planned for {html.escape(target.describe(cfg))}"
 
-    def _relabel_precisions(self) -> None:
-        """Precisions are marked unavailable for the target's devices, not this machine's."""
+    def _relabel_precisions(self, shown: str | None = None) -> None:
+        """Precisions are marked unavailable for the target's devices, not this machine's. `shown`: the value
+        to show (a config's own), offered even where workbench doesn't train it."""
         target = self.target
         hw = target.hardware(self._base)
         device = self.device if target.local else "cpu" if target.cpu_nodes else "cuda"
-        options, self.precision_reasons = precision_options(device, hw)
         control = self.controls["precision"]
+        value = shown or control.value
+        options, self.precision_reasons = precision_options(device, hw, shown=value)
         with self._quietly():
-            control.options, control.value = options, control.value
+            control.options, control.value = options, value
             control.tooltip = "; ".join(self.precision_reasons.values()) or None
 
     def _show_fields(self, cfg: RunConfig | None) -> None:
