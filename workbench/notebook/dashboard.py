@@ -113,7 +113,7 @@ class Dashboard(widgets.VBox):
         self.image.add_class("wb-figure")
         self.loss_scale = widgets.ToggleButtons(options=list(LOSS_SCALES), description="loss axis",
                                                 tooltips=["log once the loss spans a decade", "linear", "log"],
-                                                style={"button_width": "56px"})
+                                                style={"button_width": "64px"})  # 'linear' whole
         self.loss_scale.add_class("wb-loss-scale")
         by_value = {v: k for k, v in LOSS_SCALES.items()}
         self.loss_scale.value = by_value[self.log_loss]  # the link starts from the toggle: it must agree first

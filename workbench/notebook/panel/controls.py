@@ -60,8 +60,9 @@ def build_controls(device: str, task_options: list[tuple[str, str]]
         # Plain number boxes, no bounds: a bounded widget clamps what the user typed without a word; here
         # RunConfig refuses it and the panel says why (num_processes=3: this machine has 2 CPU cores...).
         "num_processes": widgets.IntText(description="processes", style=STYLE, layout=widgets.Layout(width="220px")),
-        "oversubscribe": widgets.Checkbox(description="share cores (more processes than cores, slower)",
-                                          indent=False, layout=widgets.Layout(margin="0 0 0 144px")),
+        "oversubscribe": widgets.Checkbox(description="let ranks share cores", indent=False,
+                                          tooltip="more processes than cores: each rank runs slower",
+                                          layout=widgets.Layout(margin="0 0 0 144px", width="auto")),
         "parallelism": widgets.Dropdown(options=[(PARALLELISM_LABELS.get(p, p), p) for p in get_args(Parallelism)],
                                         description="parallelism", style=STYLE, layout=_wide()),
         "dp_shard": widgets.IntText(description="hsdp shard group", style=STYLE, layout=_wide(),

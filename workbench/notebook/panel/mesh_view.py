@@ -41,15 +41,20 @@ def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
         for dp_index in range(stage * per_stage, (stage + 1) * per_stage):
             ranks = range(dp_index * tp * dims.cp, (dp_index + 1) * tp * dims.cp)  # a row: one batch's ranks
             cells = "".join(_cell(r, dims.coordinates(r), shards) for r in ranks)
-            rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px;margin:2px 0'>{cells}</div>")
+            rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px'>{cells}</div>")
         held = ", ".join(str(stage + k * stages) for k in range(chunks))
         title = f"<small>stage{'s' * (chunks > 1)} {held}</small>" if stages > 1 else ""
-        columns.append(f"<div class='wb-layout-stage' data-stage='{stage}'>{title}{''.join(rows)}</div>")
+        # one rank per row (no tp or cp) flows side by side, wrapping: 8 replicas are a line, not a column
+        flow = "display:flex;flex-wrap:wrap;gap:3px 10px" if tp * dims.cp == 1 and stages == 1 else \
+            "display:flex;flex-direction:column;gap:2px"
+        columns.append(f"<div class='wb-layout-stage' data-stage='{stage}'>{title}<div style='{flow}'>"
+                       f"{''.join(rows)}</div></div>")
     arrow = "<div style='align-self:center'>→</div>"
     body = f"<div style='display:flex;gap:8px'>{arrow.join(columns)}</div>"
     shape = dims.describe()
     split = f" and split each planned matrix {tp} ways" if tp > 1 else ""
-    legend = [f"a row: ranks that see the same batches{split}"]
+    legend = [f"a row: ranks that see the same batches{split}" if tp * dims.cp > 1 or stages > 1 else
+              "each rank sees its own batches"]
     if stages > 1:
         legend.append(f"columns: {stages} pipeline stages, each a slice of the model's blocks (activations flow "
                       "left to right, micro-batch by micro-batch)")

@@ -140,14 +140,18 @@ class Panel(RunActions):
                              self.mode_info, c["dp_shard"], c["tp"], c["cp"], c["pp"], c["pp_schedule"],
                              c["pp_virtual_stages"],
                              c["activation_checkpointing"], c["compile"], c["precision"], c["micro_batch_size"],
-                             c["grad_accum_steps"], c["max_steps"], c["lr"], c["run_name"]])
+                             c["grad_accum_steps"], c["max_steps"], c["lr"], c["run_name"]],
+                            layout=widgets.Layout(flex="0 0 auto"))  # the controls keep their width
         self.layout_box = _html("wb-layout-box")
+        # what the settings imply takes the room left, and goes below the controls when there is too little
         right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,
                               self.layout_box, self.estimate_box.widget],
-                             layout=widgets.Layout(margin="0 0 0 2em", max_width="560px"))
+                             layout=widgets.Layout(margin="0 0 0 1.5em", flex="1 1 320px", min_width="300px",
+                                                   max_width="560px"))
         self.widget = widgets.VBox([
             widgets.HTML("<h3 style='margin:0.2em 0'>workbench: configure a run</h3>"),
-            widgets.HBox([left, right]), self.problem_box,
+            widgets.HBox([left, right], layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start")),
+            self.problem_box,
             widgets.HBox([self.launch_button, self.stop_button, self.resume_button, self.yaml_path, self.save_button]),
             self.status_box, self.error_box, self.dashboard_box,
         ])

@@ -38,18 +38,18 @@ class TargetControls:
                                     style=STYLE, layout=widgets.Layout(width="380px"),
                                     tooltip="the hardware the run is planned for: checks, rank layout and "
                                             "estimate are for it")
-        small = {"description_width": "90px"}
         per_node = cluster.per_node(cfg or RunConfig()) if cluster else None
+        # one under the other, labelled like every control: side by side they overflowed a narrow notebook
         self.gpus_per_node = widgets.BoundedIntText(value=per_node or target.gpus_per_node or 8, min=1, max=1024,
-                                                    description="GPUs per node", style=small,
-                                                    layout=widgets.Layout(width="170px"))
+                                                    description="GPUs per node", style=STYLE,
+                                                    layout=widgets.Layout(width="220px"))
         self.nodes = widgets.BoundedIntText(value=cluster.nodes if cluster else target.nodes, min=1, max=4096,
-                                            description="nodes", style=small, layout=widgets.Layout(width="170px"))
+                                            description="nodes", style=STYLE, layout=widgets.Layout(width="220px"))
         for control, css in ((self.where, "wb-where"), (self.gpu, "wb-target"), (self.gpus_per_node, "wb-target-gpus"),
                              (self.nodes, "wb-target-nodes")):
             control.add_class(css)
         self.slurm = SlurmControls(cluster)
-        self.size_box = widgets.HBox([self.gpus_per_node, self.nodes], layout=widgets.Layout(margin="0 0 0 144px"))
+        self.size_box = widgets.VBox([self.gpus_per_node, self.nodes])
         self.widget = widgets.VBox([self.where, self.slurm.widget, self.gpu, self.size_box])
         self._callbacks: list[Callable[[], None]] = []
         self._refreshing = False
