@@ -48,7 +48,8 @@ def _text(message: dict[str, Any]) -> str:
 
 def test_a_launch_in_a_kernel_shows_a_line_that_follows_the_run_and_ends_as_its_summary(runs_dir: Path) -> None:
     code = (f"import workbench as wb\n"
-            f"cfg = wb.RunConfig(task='digits', num_processes=2, max_steps=400, log_every=20, "
+            # 1,500 steps, 6 s or more: updates (one a second) see it running on any machine
+            f"cfg = wb.RunConfig(task='digits', num_processes=2, max_steps=1500, log_every=50, "
             f"runs_dir={str(runs_dir)!r}, run_name='live')\n"
             f"result = wb.launch(cfg)\n")
     messages, status = _kernel_messages(code)
@@ -58,10 +59,10 @@ def test_a_launch_in_a_kernel_shows_a_line_that_follows_the_run_and_ends_as_its_
     ids = {m["transient"]["display_id"] for m in shown}
     assert len(ids) == 1, "every update goes to the one line"
     running = [_text(m) for m in shown if "data-status='running'" in m["data"]["text/html"]]
-    assert any(re.search(r"step \d+/400 \(\d+%\) · ETA .* · loss [\d.]+ · [\d.]+ ms/step", t) for t in running), \
+    assert any(re.search(r"step \d+/1500 \(\d+%\) · ETA .* · loss [\d.]+ · [\d.]+ ms/step", t) for t in running), \
         f"no update while it ran: {[_text(m) for m in shown]}"
     final = _text(shown[-1])
-    assert "live completed" in final and "step 400/400 (100%) · completed in" in final
+    assert "live completed" in final and "step 1500/1500 (100%) · completed in" in final
     assert re.search(r"eval accuracy [\d.]+", final) and re.search(r"[\d,]+ samples/s", final), final
     assert not [m for m in messages if m["type"] == "stream" and m["text"].strip() == ""], "no blank lines"
 
