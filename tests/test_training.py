@@ -37,11 +37,17 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it exited between the listing and this look (seen once in a full run)
+        return False
+
+
 def no_children_left() -> list[psutil.Process]:
     deadline = time.time() + 10
     while time.time() < deadline:
-        alive = [p for p in psutil.Process().children(recursive=True) if p.is_running()
-                 and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in psutil.Process().children(recursive=True) if _running(p)]
         if not alive:
             return []
         time.sleep(0.2)
