@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from workbench.notebook.reading import fmt_num
-from workbench.rundir.run_files import _STATUS_COLORS
+from workbench.rundir.run_files import STATUS_COLORS
 
 log = logging.getLogger("workbench")
 
@@ -42,7 +42,7 @@ class LiveView:
         """The line as the run directory stands."""
         d = self.dashboard
         status = d.status
-        color = _STATUS_COLORS.get(status, "#555")
+        color = STATUS_COLORS.get(status, "#555")
         max_steps = d.max_steps or 0
         bar = (f"<progress value='{min(d.step, max_steps)}' max='{max_steps}' style='width:10em;"
                "vertical-align:middle'></progress> ") if max_steps else ""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.rundir.run_dir import RunDir
-from workbench.rundir.run_files import _STATUS_COLORS
+from workbench.rundir.run_files import STATUS_COLORS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -119,7 +119,7 @@ class RunsTable:
             for c in COLUMNS:
                 text = html.escape(_cell(c, r))
                 if c == "status":
-                    text = f"<span style='color:{_STATUS_COLORS.get(r['status'], '#555')}'>{text}</span>"
+                    text = f"<span style='color:{STATUS_COLORS.get(r['status'], '#555')}'>{text}</span>"
                 align = "right" if c in ("steps", "loss", "samples/s") else "left"
                 cells.append(f"<td style='text-align:{align}'>{text}</td>")
             body.append(f"<tr data-run='{html.escape(r['name'], quote=True)}'>{''.join(cells)}</tr>")

@@ -90,7 +90,7 @@ class RunFiles:
 
     def _repr_html_(self) -> str:
         parts = _brief(self)
-        color = _STATUS_COLORS.get(parts["status"].rstrip(":"), "#555")
+        color = STATUS_COLORS.get(parts["status"].rstrip(":"), "#555")
         rest = html.escape(" ".join(v for k, v in parts.items() if k not in ("name", "status")))
         return (f"<span class='wb-run' title='{html.escape(str(self.run_dir), quote=True)}'><b>"
                 f"{html.escape(parts['name'])}</b> <span style='color:{color}'>{html.escape(parts['status'])}</span> "
@@ -102,8 +102,10 @@ class RunFiles:
         return self.dir.observed_status()[0]
 
 
-_STATUS_COLORS = {"completed": "#2e7d32", "running": "#1565c0", "starting": "#1565c0", "failed": "#b00020",
-                  "diverged": "#b00020", "stopped": "#a15c00", "preempted": "#a15c00"}
+STATUS_COLORS: dict[str, str] = {
+    "completed": "#2e7d32", "running": "#1565c0", "starting": "#1565c0", "failed": "#b00020", "diverged": "#b00020",
+    "stopped": "#a15c00", "preempted": "#a15c00"}
+"""The colour a status is written in wherever a notebook shows runs (reprs, wb.runs, the launch's line)."""
 
 
 def _brief(run: RunFiles) -> dict[str, str]:
