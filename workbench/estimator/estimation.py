@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
 
-
 log = logging.getLogger("workbench")
 __all__ = ["estimate", "price"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from workbench.training.verdicts import PHASES, per_rank
+from workbench.training.verdicts import PHASES, busy, per_rank
 
 if TYPE_CHECKING:
     from workbench.rundir import MetricsRow
@@ -18,14 +18,14 @@ LABELS = {"data": "waiting for data", "compute": "forward+backward", "comm": "ex
           "optimizer": "optimizer", "other": "the rest"}
 
 
-def _bar(rank: int, parts: dict[str, float], scale: float, slowest: bool) -> str:
+def _bar(rank: int, parts: dict[str, float], scale: float, own: float | None) -> str:
+    """`own`: the rank's own work (verdicts.busy) when it is the straggler, else None."""
     total = sum(parts.values())
-    own = parts["data"] + parts["compute"] + parts["optimizer"]  # verdicts.busy: the straggler's measure
     segments = "".join(
         f"<div class='wb-breakdown-{name}' title='{LABELS[name]}: {1e3 * s:.2f} ms ({s / total:.0%})' "
         f"style='width:{100 * s / scale:.2f}%;background:{COLOURS[name]}'></div>"
         for name, s in parts.items() if s > 0)
-    mark = f" <b class='wb-slowest'>◀ straggler: {1e3 * own:.1f} ms of its own work</b>" if slowest else ""
+    mark = f" <b class='wb-slowest'>◀ straggler: {1e3 * own:.1f} ms of its own work</b>" if own is not None else ""
     return (f"<div class='wb-breakdown-rank' data-rank='{rank}' style='display:flex;align-items:center;gap:6px;"
             f"margin:2px 0'><span style='width:4em;font-family:monospace'>rank {rank}</span>"
             f"<div style='display:flex;width:320px;height:14px;background:#f2f2f2'>{segments}</div>"
@@ -41,7 +41,8 @@ def breakdown_html(row: MetricsRow | None) -> str:
     steps = [sum(parts[name][r] for name in PHASES) for r in range(ranks)]
     scale = max(steps) or 1.0
     slowest = row.slowest_rank if row.slowest_rank is not None and ranks > 1 else -1  # the verdict's rank
-    bars = "".join(_bar(r, {name: parts[name][r] for name in PHASES}, scale, r == slowest)
+    work = busy(parts)
+    bars = "".join(_bar(r, {name: parts[name][r] for name in PHASES}, scale, work[r] if r == slowest else None)
                    for r in range(ranks))
     legend = " ".join(f"<span style='color:{COLOURS[name]}'>■</span> {LABELS[name]}" for name in PHASES)
     if row.comm_measured is False:

@@ -28,10 +28,8 @@ class LiveView:
 
         from workbench.notebook.dashboard import Dashboard
 
-        self.run, self.interval = run, interval
+        self.interval = interval
         self.dashboard = Dashboard(run, interval=interval)
-        self.updates = 0
-        """Lines shown so far (tests count them)."""
         self._html = HTML
         self._handle = display(HTML(self.html()), display_id=True)
         self._stop = threading.Event()
@@ -68,7 +66,6 @@ class LiveView:
         """Read the run directory and update the line now."""
         self.dashboard.refresh(draw=False)
         self._handle.update(self._html(self.html()))
-        self.updates += 1
 
     def _follow(self) -> None:
         while not self._stop.wait(self.interval):

@@ -44,13 +44,15 @@ def _row(folder: RunDir) -> dict[str, Any]:
         status = folder.observed_status()[0].value
     except ValueError as e:
         return {"name": folder.name, "status": "unreadable", "task": str(e).split(":")[0], "started_at": None}
-    train = folder.last_train_row()
-    loss = summary.final_loss if summary.final_loss is not None else (train or {}).get("loss")
-    rate = summary.samples_per_s if summary.samples_per_s is not None else (train or {}).get("samples_per_s")
+    tail = list(folder.tail_rows())  # read once for both rows
+    train = next((r for r in tail if "loss" in r), {})
+    evaluated = next((r for r in tail if any(k.startswith("eval_") for k in r)), None)
+    loss = summary.final_loss if summary.final_loss is not None else train.get("loss")
+    rate = summary.samples_per_s if summary.samples_per_s is not None else train.get("samples_per_s")
     return {"name": folder.name, "status": status, "task": summary.task or "", "layout": _layout(summary),
-            "precision": summary.precision or "", "steps": summary.steps if summary.steps is not None else
-            (train or {}).get("step"), "loss": loss, "eval": _eval(folder.last_row(lambda r: any(
-                k.startswith("eval_") for k in r))), "samples/s": rate, "started_at": summary.started_at}
+            "precision": summary.precision or "",
+            "steps": summary.steps if summary.steps is not None else train.get("step"), "loss": loss,
+            "eval": _eval(evaluated), "samples/s": rate, "started_at": summary.started_at}
 
 
 def _cell(column: str, row: dict[str, Any]) -> str:
@@ -84,7 +86,7 @@ class RunsTable:
     def __getitem__(self, key: int | str) -> RunResult:
         from workbench.launcher.result import RunResult
 
-        names = [r["name"] for r in self.rows]
+        names = self.names
         if isinstance(key, int):
             return RunResult.load(self.runs_dir / names[key])
         if key not in names:

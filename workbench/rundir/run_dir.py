@@ -17,7 +17,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +61,7 @@ WEIGHTS = "model.safetensors"
 COMPLETE_MARKER = "manifest.json"
 """Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not complete."""
 TAIL_BYTES = 64 * 1024
-"""How much of metrics.jsonl's end last_train_row reads: rows are a few hundred bytes."""
+"""How much of metrics.jsonl's end tail_rows reads: rows are a few hundred bytes."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _ATTEMPT = re.compile(r"^config\.attempt-(\d+)\.yaml$")
 
@@ -143,26 +143,25 @@ class RunDir:
 
     def last_train_row(self) -> dict[str, Any] | None:
         """The newest metrics row with a loss; None before the first."""
-        return self.last_row(lambda row: "loss" in row)
+        return next((row for row in self.tail_rows() if "loss" in row), None)
 
-    def last_row(self, where: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
-        """The newest metrics row `where` accepts, read from the file's tail (a repr or a table of 2,000 runs must
-        not read each run's whole history); None when the tail has none."""
+    def tail_rows(self) -> Iterator[dict[str, Any]]:
+        """The rows at the end of metrics.jsonl, newest first, parsed as they are asked for: a repr or a table
+        of 2,000 runs must not read each run's whole history."""
         try:
             with open(self.metrics_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - TAIL_BYTES))
                 lines = f.read().split(b"\n")
         except FileNotFoundError:
-            return None
+            return
         for line in reversed(lines[1:] if len(lines) > 1 else lines):  # the first may be cut
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(row, dict) and where(row):
-                return row
-        return None
+            if isinstance(row, dict):
+                yield row
 
     def metrics_rows(self) -> list[MetricsRow]:
         """The rows of metrics.jsonl, typed; a row that doesn't fit the schema raises ValueError

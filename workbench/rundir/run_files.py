@@ -83,18 +83,17 @@ class RunFiles:
     def brief(self) -> str:
         """One line: name, status, step of max_steps, the latest loss ('digits-... running: step 40/100, loss
         0.6771')."""
-        return " ".join(_brief(self).values())
+        name, status, progress = _brief(self)
+        return f"{name} {status}: {progress}"
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.brief()}>"
 
     def _repr_html_(self) -> str:
-        parts = _brief(self)
-        color = STATUS_COLORS.get(parts["status"].rstrip(":"), "#555")
-        rest = html.escape(" ".join(v for k, v in parts.items() if k not in ("name", "status")))
-        return (f"<span class='wb-run' title='{html.escape(str(self.run_dir), quote=True)}'><b>"
-                f"{html.escape(parts['name'])}</b> <span style='color:{color}'>{html.escape(parts['status'])}</span> "
-                f"{rest}</span>")
+        name, status, progress = _brief(self)
+        return (f"<span class='wb-run' title='{html.escape(str(self.run_dir), quote=True)}'><b>{html.escape(name)}"
+                f"</b> <span style='color:{STATUS_COLORS.get(status, '#555')}'>{html.escape(status)}:</span> "
+                f"{html.escape(progress)}</span>")
 
     @property
     def status(self) -> Status:
@@ -108,20 +107,19 @@ STATUS_COLORS: dict[str, str] = {
 """The colour a status is written in wherever a notebook shows runs (reprs, wb.runs, the launch's line)."""
 
 
-def _brief(run: RunFiles) -> dict[str, str]:
-    """The parts of a run's one-line description, read from its directory (the tail of metrics.jsonl)."""
+def _brief(run: RunFiles) -> tuple[str, str, str]:
+    """A run's name, status and progress ('step 40/100, loss 0.6771'), read from its directory (the tail of
+    metrics.jsonl)."""
     folder = RunDir(run.run_dir)
     try:
         status = folder.observed_status()[0].value
     except ValueError as e:  # a damaged summary.json: said, not raised from a repr
-        return {"name": folder.name, "status": "unreadable:", "why": str(e).split(":")[0]}
+        return folder.name, "unreadable", str(e).split(":")[0]
     cfg = folder.config()
     row = folder.last_train_row()
-    step = row.get("step") if row else folder.summary().steps
-    parts = {"name": folder.name, "status": f"{status}:"}
-    parts["step"] = f"step {step or 0}/{cfg.max_steps}" if cfg is not None else f"step {step or 0}"
+    step = (row.get("step") if row else folder.summary().steps) or 0
+    progress = f"step {step}/{cfg.max_steps}" if cfg is not None else f"step {step}"
     loss = row.get("loss") if row else None
     if isinstance(loss, (int, float)):
-        parts["step"] += ","
-        parts["loss"] = f"loss {loss:.4g}"
-    return parts
+        progress += f", loss {loss:.4g}"
+    return folder.name, status, progress

@@ -184,7 +184,6 @@ class _Corpus:
 
     dataset: str
     path: Path
-    text: str
     vocab: tuple[str, ...]
     ids: torch.Tensor
 
@@ -193,11 +192,11 @@ class _Corpus:
         vocab = tuple(sorted(set(text)))
         dtype = torch.int16 if len(vocab) > 255 else torch.uint8
         if not text:
-            return cls(dataset, path, text, vocab, torch.zeros(0, dtype=dtype))
+            return cls(dataset, path, vocab, torch.zeros(0, dtype=dtype))
         points = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32).long()
         index = torch.zeros(ord(vocab[-1]) + 1, dtype=torch.int16)  # code point -> its place in the vocabulary
         index[[ord(c) for c in vocab]] = torch.arange(len(vocab), dtype=torch.int16)
-        return cls(dataset, path, text, vocab, index[points].to(dtype))
+        return cls(dataset, path, vocab, index[points].to(dtype))
 
 
 _LAST: _Corpus | None = None
