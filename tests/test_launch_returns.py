@@ -101,6 +101,37 @@ def test_a_run_whose_ranks_exit_promptly_leaves_no_process_and_no_warning(
     assert "had not exited" not in caplog.text
 
 
+@pytest.mark.parametrize("removed", ["its files", "the folder"])
+def test_a_run_dir_removed_once_the_run_returned_stays_removed(
+        runs_dir: Path, removed: str, killed_at_the_end: list[int]) -> None:
+    """A caller may delete the run directory as soon as the run returns (a benchmark's temporary folder, a test's
+    tmp_path), while the supervisor still waits for its ranks' exits. A run that recorded its ending leaves the
+    supervisor nothing to write: it neither brings the lock's guard file back into the folder being deleted nor
+    fails on the folder being gone. The ranks take 1 s to exit, so the deletion surely comes first."""
+    import shutil
+    from multiprocessing.connection import wait
+
+    cfg = wb.RunConfig(task="tiny-regression", num_processes=2, max_steps=2, micro_batch_size=8,
+                       runs_dir=str(runs_dir), trackers=[], monitor_interval_s=0.0)
+    run = wb.start(cfg, SlowToExit(exit_s=1.0))
+    killed_at_the_end.extend(tree(run._process.pid))
+    result = run.wait(timeout=100)
+    supervisor = run._process._process
+    assert result.summary["status"] == "completed" and alive(supervisor.pid), "answered before the exits"
+    if removed == "the folder":
+        shutil.rmtree(result.run_dir)
+    else:
+        for path in result.run_dir.iterdir():
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    assert wait([supervisor.sentinel], 60), "the supervisor exits once its ranks did"
+    supervisor.join(10)
+    assert supervisor.exitcode == 0
+    if removed == "the folder":
+        assert not result.run_dir.exists()
+    else:
+        assert sorted(p.name for p in result.run_dir.iterdir()) == []
+
+
 def test_a_supervisor_reaped_by_someone_else_is_not_taken_for_one_that_lingers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """When the caller's interpreter exits, multiprocessing joins its children from the main thread while the

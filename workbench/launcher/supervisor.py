@@ -151,12 +151,16 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
                               monitor_interval=0.02)
     except BaseException as exc:  # noqa: BLE001  (recorded in the run directory, then reported by exit code)
         error = exc
-    # The launcher answers a run whose ranks all returned without waiting for this process to exit
-    # (launcher/forked.py), and a new launch may own the directory by now: only while this launch holds it.
+    # No error: every rank returned from rank_main, so rank 0 recorded the ending and there is nothing to add.
+    # The launcher may have answered such a run without waiting for this process (launcher/forked.py), and its
+    # caller may be deleting the directory by now: nothing here touches it (the lock's guard file would come
+    # back into a folder being emptied). After a failure the launcher waits for this exit, and a new launch
+    # may own the directory only later, so the failure is recorded only while this launch holds the lock.
+    if error is None:
+        os._exit(0)
     with lock.holding(run, token) as ours:
         if ours:
-            if error is not None:
-                record_signal_deaths(run, error)
+            record_signal_deaths(run, error)
             # Preemption signals never reach elastic here (_pass_to_ranks): the ranks record that ending themselves.
             finalize(run, error)
-    os._exit(0 if error is None else 1)
+    os._exit(1)
