@@ -3,13 +3,17 @@ alternated, and the cost is 1 - the median pair ratio (the speed target itself l
 
 from __future__ import annotations
 
+import datetime
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from workbench.cli import main
 from workbench.commands.bench.dashboard_cost import BUDGET, ArmRun, DashboardReport, dashboard_cost
+from workbench.utils.hardware import detect
 
 
 def _report(rates: list[tuple[float, float]]) -> DashboardReport:
@@ -40,6 +44,9 @@ def test_the_benchmark_runs_both_arms_of_one_config(tmp_path: Path) -> None:
     assert all(r.samples_per_s > 0 for r in report.runs) and report.runs[0].figures == 0
     saved = json.loads((tmp_path / "cost.json").read_text())
     assert saved["ratios"] == pytest.approx(report.ratios) and saved["steps"] == 40
+    stamp = saved["measured_on"]  # a result says where and when it was measured (bench/results.py)
+    assert stamp["cores"] == str(detect().cpu_count) and stamp["torch"] == torch.__version__ and stamp["cpu"]
+    assert abs(datetime.datetime.fromisoformat(stamp["date"]).timestamp() - time.time()) < 600
     with pytest.raises(ValueError, match="pairs=0"):
         dashboard_cost(steps=40, pairs=0)
 

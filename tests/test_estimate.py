@@ -176,3 +176,49 @@ def test_a_cost_under_a_cent_reads_as_under_a_cent_not_as_free() -> None:
     from workbench.utils.units import fmt_money
 
     assert [fmt_money(x) for x in (0.004, 0.0, 0.01, 1234.5, None)] == ["< $0.01", "$0.00", "$0.01", "$1,234.50", "?"]
+
+
+def test_the_tracked_steps_peak_is_torchs_own_with_only_the_global_peak_kept_up_to_date() -> None:
+    """training/memory.py keeps only MemTracker's global peak up to date at each op (its per-module peaks, of
+    every module at every op, were half an estimate's trace): the peak snapshot and the activations after
+    forward it reports are those of torch's own update."""
+    import types
+
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from workbench.training import memory
+
+    def measure(own_update: bool) -> tuple[dict[str, int], bool]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                          torch.nn.Linear(256, 64)) for _ in range(3)))
+        optimizer = torch.optim.AdamW(model.parameters())
+        x = torch.randn(32, 64)
+        strategy = types.SimpleNamespace(module=model, device=torch.device("cpu"),
+                                         local_optimizer=lambda: optimizer)
+        trackers: list[MemTracker] = []
+
+        def train() -> None:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def step() -> None:
+            trackers.append(memory._ACTIVE[-1])
+            train()
+
+        step_once = memory._global_peak_only
+        if own_update:
+            memory._global_peak_only = lambda tracker: None
+        try:
+            train()  # the optimizer's state exists before the step that counts
+            _, report = memory.tracked(strategy, step, (x,))
+        finally:
+            memory._global_peak_only = step_once
+        return report, "_update_peak_stats" in vars(trackers[-1])
+
+    fast, replaced = measure(own_update=False)
+    torchs, _ = measure(own_update=True)
+    assert replaced, "the per-module update is replaced (or torch's tracker changed: see _global_peak_only)"
+    assert fast == torchs and fast["peak"] > 0 and fast["activations_after_forward"] > 0

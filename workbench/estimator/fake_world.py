@@ -284,17 +284,15 @@ def update(strategy: Any, cfg: RunConfig, grads: list[Any]) -> None:
 
 def count_then_track(strategy: Any, step: Any, inputs: tuple[Any, ...], counter: Any,
                      first: Any = None) -> tuple[float, dict[str, int]]:
-    """Run `step` twice: with FLOPs counted (the first creates the optimizer state; `first`, a second counter,
-    counts its ATen ops), then the steady state under PyTorch's memory tracker (its peak), with its collectives
-    and ATen ops counted by `counter`: the first step's extra ops (AdamW creating its state, FSDP's lazy
-    initialization) are not what every step pays."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
+    """Run `step` twice: first (it creates the optimizer state; `first`, a second counter, counts its ATen
+    ops), then the steady state under PyTorch's memory tracker (its peak), with its collectives, ATen ops and
+    FLOPs counted by `counter`: the first step's extra ops (AdamW creating its state, FSDP's lazy
+    initialization) are not what every step pays. The FLOPs are the counter's, by FlopCounterMode's formulas
+    (flop_formulas): a FlopCounterMode around the first step counted the same total, at the price of its
+    module hooks."""
     from workbench.training.memory import tracked
 
-    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as flops, \
-            (first if first is not None else contextlib.nullcontext()):
+    with first if first is not None else contextlib.nullcontext():
         step()
     gc.collect()
 
@@ -304,4 +302,4 @@ def count_then_track(strategy: Any, step: Any, inputs: tuple[Any, ...], counter:
 
     _, memory = tracked(strategy, counted, inputs)
     gc.collect()
-    return float(flops.get_total_flops()), memory
+    return sum(flops * calls for (_, flops), calls in counter.flop_calls.items()), memory

@@ -10,7 +10,6 @@ eager's. Runs go eager, cold, warm in that order, each layout in turn.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.commands.bench.compile_ceiling import Floor, matmul_floor
+from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
 from workbench.utils.files import read_json
@@ -145,5 +145,5 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
     rates = dict.fromkeys(f"{f.rate / 1e9:.0f} GFLOP/s ({f.rate_source})" for f in floors.values())
     result = CompileReport(rows=rows, config=cfg.to_dict(), matmul_rate="; ".join(rates))
     if json_path is not None:
-        json_path.write_text(json.dumps({**asdict(result), "ceilings": [r.ceiling for r in rows]}, indent=2))
+        write_result(json_path, {**asdict(result), "ceilings": [r.ceiling for r in rows]})
     return result

@@ -11,7 +11,6 @@ the noise shows. The kernel-side CPU the dashboard used is the difference of thi
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import statistics
@@ -20,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.config.preflight import preflight
 from workbench.launcher.launch import start
@@ -144,6 +144,6 @@ def dashboard_cost(steps: int = DASHBOARD_BENCH.max_steps, pairs: int = 4, inter
                 report.runs.append(_run_arm(cfg.replace(runs_dir=tmp, run_name=f"{arm}-{i}"), i, arm, interval))
                 log.debug("pair %d %s: %.0f samples/s", i, arm, report.runs[-1].samples_per_s)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps({**asdict(report), "ratios": report.ratios, "cost": report.cost,
-                                               "passed": report.passed}, indent=2))
+        write_result(json_path, {**asdict(report), "ratios": report.ratios, "cost": report.cost,
+                                 "passed": report.passed})
     return report

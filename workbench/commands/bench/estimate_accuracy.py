@@ -12,7 +12,6 @@ A layout the shape's task can't run (digits has no tensor-parallel plan or pipel
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
 from workbench.utils.hardware import detect, resolve_device
@@ -158,7 +158,7 @@ def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, layouts: dict[
         _learn_from_a_first_run(rows, Path(tmp), hw)
     report = EstimateReport(device=hw.describe(device), rows=rows)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps({"device": report.device, "rows": [asdict(r) for r in rows]}, indent=2))
+        write_result(json_path, {"device": report.device, "rows": [asdict(r) for r in rows]})
     return report
 
 

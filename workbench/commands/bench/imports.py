@@ -9,12 +9,13 @@ a warming page cache favours neither; the verdict is on the median of the pairs'
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from workbench.commands.bench.results import write_result
 
 BASELINE = "import torch, accelerate"
 RANK_SIDE = "import torch, accelerate, workbench.worker"
@@ -77,5 +78,5 @@ def imports(repeats: int = 7, json_path: Path | None = None) -> ImportReport:
         report.rank_side_s.append(rank)
     if json_path is not None:
         data = {**asdict(report), "added_s": report.added_s, "passed": report.passed}
-        Path(json_path).write_text(json.dumps(data, indent=2))
+        write_result(json_path, data)
     return report

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench.commands.bench.hand_loops import hand_loop
+from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
 from workbench.launcher.processes import free_port
@@ -122,6 +122,5 @@ def launch_latency(pairs: int = 6, cfg: RunConfig = LAUNCH_BENCH, *, cold_pairs:
             report.cold_workbench_s.append(_cold("wb", str(Path(tmp) / f"cold-wb-{i}")))
             report.cold_notebook_launcher_s.append(_cold("nl", str(Path(tmp) / f"cold-nl-{i}")))
     if json_path is not None:
-        json_path.write_text(json.dumps({**asdict(report), "ratio": report.ratio, "passed": report.passed},
-                                        indent=2))
+        write_result(json_path, {**asdict(report), "ratio": report.ratio, "passed": report.passed})
     return report

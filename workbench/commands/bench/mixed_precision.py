@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
 from workbench.utils.hardware import detect, resolve_device
@@ -75,5 +75,5 @@ def precision(cfg: RunConfig, json_path: Path | None = None) -> PrecisionReport:
                                      final_loss=s["final_loss"], compute_dtype=s["ranks"][0]["compute_dtype"]))
     report = PrecisionReport(device=hw.describe(device), config=cfg.to_dict(), rows=rows)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(asdict(report), indent=2))
+        write_result(json_path, asdict(report))
     return report

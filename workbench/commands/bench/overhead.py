@@ -13,7 +13,6 @@ final checkpoint).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from workbench.commands.bench.hand_loops import HAND_MODES, run_hand_loop
+from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.config.preflight import preflight
 from workbench.launcher.launch import launch
@@ -198,5 +198,5 @@ def overhead(steps: int = 200, repeats: int = 9, num_processes: int = 2, cfg: Ru
                             weights_equal=len(digests) == 1, device=resolve_device(cfg), log_every=cfg.log_every,
                             mode=mode, task=str(cfg.task), weights_max_abs_diff=diff, weights_max_abs=scale)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2))
+        write_result(json_path, {**asdict(report), "passed": report.passed})
     return report

@@ -13,13 +13,13 @@ how much of each, on this machine.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.config.preflight import preflight
 from workbench.launcher.launch import launch
@@ -135,5 +135,5 @@ def parallelism(cfg: RunConfig, modes: tuple[str, ...] = MODES, json_path: Path 
                                 peak_memory_bytes=s["peak_memory_bytes"], final_loss=s["final_loss"]))
     report = ParallelismReport(device=hw.describe(resolve_device(cfg, hw)), config=cfg.to_dict(), rows=rows)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(asdict(report), indent=2))
+        write_result(json_path, asdict(report))
     return report
