@@ -24,9 +24,13 @@ _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1em}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;
 vertical-align:top}th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
-.status{padding:1px 8px;border-radius:8px;font-size:90%;color:#fff}.passed,.pass{background:#2e7d32}
-.failed,.fail,.missing{background:#c62828}.error{background:#6a1b9a}.new,.updated{background:#1565c0}
-.skipped,.info{background:#757575}tr.fail td,tr.missing td{background:#fdecea}
+.status{padding:1px 8px;border-radius:8px;font-size:90%;color:#fff;white-space:nowrap}
+.status.passed,.status.pass{background:#1b5e20}.status.passed::before,.status.pass::before{content:"\\2713  "}
+.status.failed,.status.fail,.status.missing{background:#b71c1c}
+.status.failed::before,.status.fail::before,.status.missing::before{content:"\\2717  "}
+.status.error{background:#6a1b9a}.status.error::before{content:"!  "}
+.status.new,.status.updated{background:#0d47a1}.status.skipped,.status.info{background:#545454}
+tr.fail td,tr.missing td{background:#fdecea}
 pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:85%}img{max-width:100%}
 """
 
