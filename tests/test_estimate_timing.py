@@ -327,6 +327,32 @@ def test_a_damaged_run_among_the_runs_teaches_nothing_and_stops_nothing(tmp_path
     assert completed_runs(tmp_path, "cuda-H100") == []
 
 
+def test_the_runs_read_are_the_most_recent_by_age_not_the_last_by_name(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder with more runs than are read: the newest are read, whatever their names sort as."""
+    from workbench.estimator import learning
+    from workbench.rundir import RunDir, Status
+
+    monkeypatch.setattr(learning, "SCAN", 4)
+    now = 1_700_000_000.0
+
+    def completed(name: str, device_class: str, age_s: float) -> None:
+        run = RunDir(tmp_path / name)
+        run.path.mkdir()
+        run.write_config(CFG)
+        run.set_status(Status.COMPLETED, device_class=device_class, world_size=2, started_at=now - age_s - 60)
+        run.write_timings([0.03] * 10)
+        os.utime(run.summary_path, (now - age_s, now - age_s))
+
+    completed("digits-new", "cpu", 0)          # the run just made: its name sorts first
+    completed("digits-old", "cpu", 10_000)     # older than SCAN others: not read
+    for i in range(5):                          # names that sort after both, written in between
+        completed(f"zz-other-{i}", "cuda-H100", 100 + i)
+    assert [r.name for r in learning.completed_runs(tmp_path, "cpu")] == ["digits-new"]
+    lesson = learning.learn(CFG, 2, "cpu", tmp_path, "key", lambda *a: 0.01)
+    assert lesson.runs == ["digits-new"] and lesson.ratio == pytest.approx(3.0), lesson.note
+
+
 def test_what_was_learnt_is_remembered_on_disk_and_tied_to_the_model(cache_dir: Path, tmp_path: Path) -> None:
     from workbench.estimator.learning import PastRun, _remembered, memo_path
 

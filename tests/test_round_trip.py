@@ -4,6 +4,7 @@ model and per-rank values back in the kernel, resume, files the team can read, a
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -207,3 +208,110 @@ def test_ranks_forked_after_the_caller_used_openmp_do_not_hang(runs_dir: Path) -
         run.kill()
         pytest.fail("the forked rank hung after the caller used OpenMP")
     assert result.status == wb.Status.COMPLETED
+
+
+# ---- the task's code changed since the run ----------------------------------------------------------------------
+class Widened(TinyRegression):
+    """tiny-regression after its hidden layer was widened from 32 to 48."""
+
+    def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 48), torch.nn.GELU(), torch.nn.Dropout(0.0),
+                                   torch.nn.Linear(48, 1))
+
+
+class Deeper(TinyRegression):
+    """tiny-regression with a layer added at the end."""
+
+    def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
+        return torch.nn.Sequential(*super().build_model(cfg), torch.nn.Linear(1, 1))
+
+
+class Shallower(TinyRegression):
+    """tiny-regression with its output layer removed."""
+
+    def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
+        return torch.nn.Sequential(*list(super().build_model(cfg))[:3])
+
+
+class WithSGD(TinyRegression):
+    """tiny-regression, the same model, now with SGD and momentum instead of the default AdamW."""
+
+    def configure_optimizers(self, model: torch.nn.Module, cfg: wb.RunConfig) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> wb.RunResult:
+    """A 2-rank DDP run of tiny-regression with its final weights and a checkpoint at step 2."""
+    return wb.launch(cfg_for(tmp_path_factory.mktemp("runs"), run_name="trained", max_steps=2), task=TinyRegression())
+
+
+CHANGED = {
+    "widened": (Widened, ("shape mismatch: 0.bias saved [32], model [48], 0.weight saved [32, 8], model [48, 8], "
+                          "3.weight saved [1, 32], model [1, 48]")),
+    "deeper": (Deeper, "missing from the saved weights (the model has them): 4.bias [1], 4.weight [1, 1]"),
+    "shallower": (Shallower, "unexpected (saved, the model has no such entry): 3.bias [1], 3.weight [1, 32]"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGED))
+def test_load_model_with_changed_task_code_names_every_difference(trained: wb.RunResult, change: str) -> None:
+    task, differences = CHANGED[change]
+    result = wb.RunResult(trained.run_dir, task=task())
+    ckpt = trained.run_dir / "checkpoints" / "step_2"
+    with pytest.raises(ValueError, match=re.escape(  # a ValueError: `except Exception` catches it
+            f"checkpoint {ckpt} doesn't match the task's model: {differences}. The task's code changed since the "
+            "run saved it (the config is the run's own): load it with the task as it was")):
+        result.load_model(step=2)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{trained.run_dir / 'model.safetensors'} doesn't match the task's model: {differences}. ")):
+        result.load_model()
+
+
+def test_a_resume_with_changed_task_code_fails_naming_what_changed_and_the_way_out(trained: wb.RunResult) -> None:
+    ckpt = trained.run_dir / "checkpoints" / "step_2"
+    fix = ("The task's code changed since the checkpoint was written (its config, task_options included, is checked "
+           "before launch; resume_allow allows config changes, not another model): resume with the code that wrote "
+           "it, or start a new run (another run_name, or resume=False)")
+    with pytest.raises(wb.RunFailedError, match=re.escape(
+            f"failed with ModelMismatchError: resume from {ckpt}: the checkpoint doesn't match the task's model: "
+            f"{CHANGED['widened'][1]}. {fix}\n")):
+        wb.RunResult(trained.run_dir, task=Widened()).resume(max_steps=4)
+    # the same model with another optimizer: torch's CheckpointException (a BaseException) made an error that says
+    # what each rank met
+    with pytest.raises(wb.RunFailedError, match=re.escape(
+            f"failed with CheckpointLoadError: resume from {ckpt}: the checkpoint could not be loaded into this run: "
+            "rank 0: RuntimeError: Missing key in checkpoint state_dict: optim.state.0.weight.momentum_buffer.")):
+        wb.RunResult(trained.run_dir, task=WithSGD()).resume(max_steps=4)
+    assert trained.load_model(step=2) is not None, "the checkpoint is untouched by the refused resumes"
+
+
+def test_a_run_read_back_in_a_fresh_interpreter_resumes(runs_dir: Path) -> None:
+    """`import workbench` loads its names on first use; RunResult.resume must not depend on wb.launch having been
+    touched first."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    cfg = cfg_for(runs_dir, task="tasks_for_tests:TinyRegression", run_name="halves", max_steps=2, trackers=[])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(TESTS))
+        wb.launch(cfg)
+    code = ("import sys, workbench as wb\n"
+            "result = wb.RunResult.load(sys.argv[1]).resume(max_steps=4)\n"
+            "print('resumed to', result.summary['steps'], result.status.value)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(runs_dir / "halves")], text=True,
+                            env={**os.environ, "PYTHONPATH": str(TESTS)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:  # timed out: it and everything it started go
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 0 and "needs the launcher" not in err, err[-3000:]
+    assert "resumed to 4 completed" in out, out

@@ -3,8 +3,12 @@ up by scripts/slurm-local/up.sh for this module and taken down after it when it 
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -384,3 +388,107 @@ def test_the_panel_says_a_held_job_is_pending_with_slurms_reason_and_its_stop_ca
     panel.stop()
     assert panel.wait(timeout=60, show=False).status is Status.STOPPED
     _wait_for(lambda: run.job()[0] not in ("PENDING", "RUNNING"), "the cancelled job left the queue")
+
+
+def _dead_controller_conf(tmp_path: Path) -> Path:
+    """The cluster's configuration with the controller at a port nothing listens on, and a 1 s message timeout
+    (with the default, squeue and scontrol take 18 s to give up): a client that reads it can't reach the
+    controller, for real, while the cluster goes on for everyone else."""
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).read_text()
+    dead = tmp_path / "slurm-unreachable.conf"
+    dead.write_text(re.sub(r"(?m)^SlurmctldPort=.*$", f"SlurmctldPort={port}", conf) + "\nMessageTimeout=1\n")
+    return dead
+
+
+def test_an_unreachable_controller_leaves_a_live_run_running_locked_and_waited_for(
+        cluster: None, tmp_path: Path, cancel_after: list[wb.SlurmRun], caplog: pytest.LogCaptureFixture) -> None:
+    from workbench.commands.status import describe_run
+    from workbench.rundir import RunDirLocked, prepare
+
+    cfg = _cfg(tmp_path, max_steps=100000, log_every=10, run_name="outage")
+    config = tmp_path / "run.yaml"
+    cfg.to_yaml(config)
+    # submitted by a process that then exits (a notebook kernel restarted): the lock's owner is gone
+    done = subprocess.run([sys.executable, "-m", "workbench.cli", "train", str(config), "--slurm",
+                           "nodes=2,time=5:00"], capture_output=True, text=True, timeout=110, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = wb.attach(done.stdout.splitlines()[1])
+    cancel_after.append(run)
+    recorded = json.loads((run.run_dir / "slurm.json").read_text())
+    shown = subprocess.run(["scontrol", "show", "job", "-o", run.job_id], capture_output=True, text=True,
+                           timeout=30, check=True).stdout
+    assert recorded["cluster"] == "local" and recorded["job_name"] == "workbench-outage"
+    assert "JobName=workbench-outage " in shown and f" SubmitTime={recorded['submit_time']} " in shown
+    _wait_for(lambda: len(run.metrics) >= 1, "the submitted run logged no steps")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SLURM_CONF", str(_dead_controller_conf(tmp_path)))
+        assert "DOWN" in subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30,
+                                        check=False).stdout
+        with caplog.at_level(logging.WARNING, logger="workbench"), pytest.raises(
+                TimeoutError, match=rf"\(Slurm job {run.job_id}\) still unknown \(the Slurm controller can't be "
+                                    r"asked \(squeue: slurm_load_jobs error: Unable to contact slurm controller"):
+            run.wait(timeout=3)
+        assert f"Slurm job {run.job_id}'s state is unknown" in caplog.text and "still waiting" in caplog.text
+        assert run.dir.summary().status is Status.RUNNING and run.dir.lock_path.exists(), "nothing finalized"
+        text, code = describe_run(run.run_dir)
+        assert code == 0 and text.startswith(f"outage: running (unknown: its Slurm job {run.job_id}'s state is "
+                                             "unknown: the Slurm controller can't be asked"), text
+        with pytest.raises(RunDirLocked, match=r"its ranks' heartbeats are fresh .*, and its Slurm job \d+'s state "
+                                               r"is unknown"):
+            prepare(cfg.replace(resume="auto"))
+    # the controller answers again: the run went on all along, and ends as asked
+    assert run.job()[0] == "RUNNING" and run.status is Status.RUNNING
+    run.stop()
+    assert run.wait(timeout=90).status is Status.STOPPED
+
+
+def test_a_job_id_given_to_another_job_is_not_the_runs_and_is_never_cancelled_for_it(
+        cluster: None, tmp_path: Path) -> None:
+    from workbench.rundir import RunDir
+    from workbench.rundir.scheduler import query
+
+    # someone else's job (named workbench-* so that a session killed midway has it cancelled by the fixture)
+    other = subprocess.run(["sbatch", "--parsable", "--requeue", "-J", "workbench-someone-elses-job", "-t", "2",
+                            "-o", "/dev/null", "--wrap", "sleep 120"], capture_output=True, text=True, timeout=30,
+                           check=True).stdout.strip().split(";")[0]
+    try:
+        _wait_for(lambda: query(other).state == "RUNNING", "the other job did not start", 30)
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait(30)
+        dirs = {}
+        for name, job in (("dead", {"job_id": other, "job_name": "workbench-dead",
+                                    "submit_time": "2026-01-02T03:04:05", "cluster": "local"}),
+                          ("old-format", {"job_id": other})):
+            # a run of the cluster's earlier life, dead: its slurm.json names the id its own job had
+            run = RunDir(tmp_path / "runs" / name)
+            run.path.mkdir(parents=True)
+            _cfg(tmp_path, run_name=name).to_yaml(run.config_path)
+            run.set_status(Status.RUNNING, run_name=name)
+            run.write_heartbeat(0, {"host": socket.gethostname(), "pid": gone.pid, "create_time": 0.0, "step": 7})
+            (run.path / "slurm.json").write_text(json.dumps(job))
+            dirs[name] = run
+        status, why = dirs["dead"].observed_status()
+        assert status is Status.FAILED, why
+        assert f"job id {other} now names another job (named 'workbench-someone-elses-job', not 'workbench-dead')" \
+            in why
+        dead = wb.attach(dirs["dead"].path)
+        assert dead.job()[0] == "GONE"
+        with pytest.raises(ValueError, match=rf"cancel\(\): dead's Slurm job has ended, and job id {other} now names "
+                                             r"another job .*that job is not this run's and was not cancelled"):
+            dead.cancel()
+        assert query(other).state == "RUNNING", "the other job was left alone"
+        # a slurm.json from before the job's name and submit time were recorded: the id alone, as it always was
+        assert dirs["old-format"].observed_status()[0] is Status.RUNNING
+        # a requeue gives the job a new submit time: it is still the same job
+        now = query(other)
+        expected = {"job_name": now.name, "submit_time": now.submit_time, "cluster": now.cluster}
+        time.sleep(1.1)  # submit times are in whole seconds
+        subprocess.run(["scontrol", "requeue", other], check=True, timeout=30)
+        _wait_for(lambda: query(other).submit_time != now.submit_time, "the requeued job kept its submit time", 30)
+        again = query(other, expected)
+        assert again.state != "GONE" and not again.foreign and again.submit_time != expected["submit_time"], again
+    finally:
+        subprocess.run(["scancel", other], capture_output=True, timeout=30, check=False)

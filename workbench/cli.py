@@ -279,6 +279,12 @@ def _bench(args: argparse.Namespace) -> int:
         cfg = (RunConfig.from_yaml(args.config) if args.config else COMPILE_BENCH).with_overrides(args.overrides)
         print(compile_bench(cfg, tuple(args.layouts or LAYOUTS), json_path=args.json).table())
         return 0
+    if args.bench_command == "big-run":
+        from workbench.commands.bench.big_run import big_run
+
+        big = big_run(rows=args.rows, json_path=args.json, keep=args.keep)
+        print(big.table())
+        return 0 if big.passed else 1
     if args.bench_command == "dashboard":
         from workbench.commands.bench.dashboard_cost import dashboard_cost
 

@@ -7,22 +7,26 @@ same handle from a new kernel."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from workbench.config import RunConfig
 from workbench.launcher.result import RunResult
 from workbench.launcher.run import raise_for_ending
 from workbench.rundir import RunDir, RunFiles, Status, lock
-from workbench.rundir.scheduler import ACTIVE, JOB_FILE, job_state
+from workbench.rundir.scheduler import ACTIVE, GONE, JOB_FILE, UNKNOWN, JobAnswer, identity_of, query
 from workbench.utils.files import read_json
 from workbench.utils.mounts import on_network_filesystem
 
 POLL_S = 1.0
 """How often wait() asks Slurm and the run directory."""
 STDERR_TAIL = 2000
+
+log = logging.getLogger("workbench")
 
 
 @dataclass(repr=False)  # RunFiles' one-line repr, not every field's
@@ -34,6 +38,8 @@ class SlurmRun(RunFiles):
     job_id: str
     _token: str | None = field(default=None, repr=False)
     _result: RunResult | None = field(default=None, repr=False)
+    _unasked_since: float | None = field(default=None, repr=False)
+    """Since when (time.monotonic) wait() has found the controller unreachable; None while it answers."""
 
     @property
     def start_method(self) -> str:
@@ -41,9 +47,19 @@ class SlurmRun(RunFiles):
 
     def job(self) -> tuple[str, str]:
         """(state, reason) of the job as Slurm tells it now ('PENDING', 'Resources'); ('UNKNOWN', why) when the
-        Slurm commands can't be reached from here."""
-        state = job_state(self.job_id)
-        return state if state is not None else ("UNKNOWN", "squeue/scontrol are not on PATH here")
+        controller can't be asked from here (down or unreachable, or no Slurm commands here); ('GONE', why) once
+        the controller says it doesn't know the job, or its id names another job (see `scheduler`)."""
+        answer = self._ask()
+        return answer.state, answer.reason
+
+    def _ask(self) -> JobAnswer:
+        answer = query(self.job_id, self._identity())
+        return answer if answer is not None else JobAnswer(UNKNOWN, "squeue/scontrol are not on PATH here")
+
+    def _identity(self) -> dict[str, Any]:
+        """Who the run's job is, from slurm.json ({} for an old one that names it by id only)."""
+        info = read_json(self.run_dir / JOB_FILE)
+        return identity_of(info) if isinstance(info, dict) and str(info.get("job_id")) == self.job_id else {}
 
     def job_line(self) -> str:
         """The job as Slurm tells it now: 'Slurm job 42 RUNNING', 'Slurm job 42 PENDING (Resources)'."""
@@ -59,7 +75,7 @@ class SlurmRun(RunFiles):
         """The job has ended (Slurm no longer runs or queues it); where Slurm can't be asked, the run recorded an
         ending."""
         state = self.job()[0].split()[0]
-        if state == "UNKNOWN":
+        if state == UNKNOWN:
             return self.dir.summary().status.ended
         return state not in ACTIVE
 
@@ -77,7 +93,19 @@ class SlurmRun(RunFiles):
         self.dir.request_stop()
 
     def cancel(self) -> None:
-        """Hard stop: `scancel` the job. The last complete checkpoint stays; the run ends 'failed'."""
+        """Hard stop: `scancel` the job. The last complete checkpoint stays; the run ends 'failed'. Refused
+        (ValueError) when the job id now names another job, and (RuntimeError) when the controller can't be
+        asked whether it still is the run's; a job that has ended is left as it is."""
+        answer = self._ask()
+        if answer.foreign:
+            raise ValueError(f"cancel(): {self.run_dir.name}'s Slurm job has ended, and {answer.reason}; that job "
+                             f"is not this run's and was not cancelled (see it with `scontrol show job "
+                             f"{self.job_id}`)")
+        if answer.state == UNKNOWN:
+            raise RuntimeError(f"cancel(): Slurm job {self.job_id} was not cancelled: {answer.reason}; call cancel() "
+                               "again once `scontrol ping` says the controller is UP")
+        if answer.state == GONE or answer.state.split()[0] not in ACTIVE:
+            return
         _scancel(self.job_id)
 
     kill = cancel
@@ -86,12 +114,16 @@ class SlurmRun(RunFiles):
     def wait(self, timeout: float | None = None) -> RunResult:
         """Block until the job has ended and the run recorded why. A job that ended without its ranks recording
         an ending (it never started, or was cancelled or killed) is 'failed' with Slurm's state and reason and
-        the job's stderr tail. Raises as a local run does (RunFailedError, ...), or TimeoutError."""
+        the job's stderr tail. While the controller can't be reached nothing is concluded: wait() goes on
+        waiting (and logs so), unless the ranks record an ending meanwhile. Raises as a local run does
+        (RunFailedError, ...), or TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
+        while not self._ended():
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"run {self.run_dir.name} (Slurm job {self.job_id}) still "
-                                   f"{self.job()[0].lower()} after {timeout}s; call wait() again, or stop()")
+                state, reason = self.job()
+                said = f"{state.lower()} ({reason})" if state == UNKNOWN else state.lower()
+                raise TimeoutError(f"run {self.run_dir.name} (Slurm job {self.job_id}) still {said} after "
+                                   f"{timeout}s; call wait() again, or stop()")
             time.sleep(POLL_S)
         self._record_an_ending()
         self._report_a_cancel()
@@ -99,6 +131,22 @@ class SlurmRun(RunFiles):
         lock.release(self.dir, self._token)
         raise_for_ending(self.dir)
         return self._result
+
+    def _ended(self) -> bool:
+        """done(), saying once when the controller stops answering (and when it answers again)."""
+        state, reason = self.job()
+        if state == UNKNOWN:
+            if self._unasked_since is None:
+                self._unasked_since = time.monotonic()
+                log.warning("%s: Slurm job %s's state is unknown: %s; still waiting (the run is not taken for "
+                            "ended until the controller answers, or its ranks record an ending)",
+                            self.run_dir.name, self.job_id, reason)
+            return self.dir.summary().status.ended
+        if self._unasked_since is not None:
+            log.info("%s: the Slurm controller answers again after %.0f s: job %s is %s", self.run_dir.name,
+                     time.monotonic() - self._unasked_since, self.job_id, state)
+            self._unasked_since = None
+        return state.split()[0] not in ACTIVE
 
     def result(self) -> RunResult:
         return self._result or self.wait()

@@ -12,7 +12,7 @@ from workbench.cluster.job import WARNING_SIGNAL, run_rank
 from workbench.cluster.slurm import Slurm, check, executor_parameters, python_for_jobs
 from workbench.cluster.slurm_run import SlurmRun
 from workbench.rundir import Status, lock, prepare
-from workbench.rundir.scheduler import JOB_FILE
+from workbench.rundir.scheduler import JOB_FILE, UNKNOWN, query
 from workbench.utils.files import write_json
 
 if TYPE_CHECKING:
@@ -54,11 +54,25 @@ def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
         run.event("failed", type=type(e).__name__, message=f"sbatch refused the job: {e}")
         lock.release(run, token)
         raise ValueError(f"Slurm: the job was not submitted: {e}") from e
-    write_json(run.path / JOB_FILE, {"job_id": job.job_id, "folder": str(folder), "partition": partition,
-                                       "nodes": slurm.nodes, "ranks_per_node": slurm.per_node(cfg),
-                                       "submitted_at": time.time()})
+    identity = job_identity(job.job_id, slurm.job_name or f"workbench-{cfg.run_name}")
+    write_json(run.path / JOB_FILE, {"job_id": job.job_id, **identity, "folder": str(folder),
+                                       "partition": partition, "nodes": slurm.nodes,
+                                       "ranks_per_node": slurm.per_node(cfg), "submitted_at": time.time()})
     run.event("submitted", job_id=job.job_id, partition=partition, nodes=slurm.nodes)
-    lock.set_runner(run, token, {"slurm_job_id": job.job_id})
+    lock.set_runner(run, token, {"slurm_job_id": job.job_id, **identity})
     log.info("submitted %s to Slurm: job %s on partition %s, %d node(s) x %d rank(s) -> %s", cfg.run_name,
              job.job_id, partition, slurm.nodes, slurm.per_node(cfg), run.path)
     return SlurmRun(run.path, cfg, job.job_id, token)
+
+
+def job_identity(job_id: str, job_name: str) -> dict[str, str]:
+    """Who the job just submitted is, as Slurm prints it (scheduler.IDENTITY): its name, submit time and cluster.
+    A job id alone is not enough: ids start over when a cluster's state is reset, and a dead run must not take
+    another's job of its id for its own. What the controller can't say right now is left out (not checked)."""
+    answer = query(job_id)
+    if answer is None or answer.state == UNKNOWN:
+        log.warning("Slurm job %s: its submit time and cluster could not be read (%s); slurm.json names it by id "
+                    "and name only", job_id, "no squeue here" if answer is None else answer.reason)
+        return {"job_name": job_name}
+    found = {"job_name": answer.name or job_name, "submit_time": answer.submit_time, "cluster": answer.cluster}
+    return {k: v for k, v in found.items() if v}

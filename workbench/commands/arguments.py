@@ -72,6 +72,11 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     da.add_argument("--steps", type=int, default=2000)
     da.add_argument("--pairs", type=int, default=4, help="back-to-back pairs, order alternating")
     da.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    br = bsub.add_parser("big-run", help="reading a run of 200,000 logged steps: workbench status, the last row, "
+                                         "RunResult.metrics, plot() and the dashboard's first view, timed")
+    br.add_argument("--rows", type=int, default=200_000, help="training rows of the synthetic run")
+    br.add_argument("--keep", type=Path, default=None, help="write the run into this folder and leave it there")
+    br.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
     sp = bsub.add_parser("estimate-speed", help="the first estimate in a fresh interpreter (library and panel box), "
                                                 "and changes answered from the trace in memory")
     sp.add_argument("--models", nargs="+", default=None, help="digits and/or gpt2-small (default: both)")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.launcher.signals import EXIT_PREEMPTED
-from workbench.rundir import RunDir, Status
+from workbench.rundir import MetricsRow, RunDir, Status
 from workbench.utils.units import fmt_duration
 
 
@@ -21,12 +21,12 @@ def describe_run(path: Path) -> tuple[str, int]:
     if not run.summary_path.exists():
         raise ValueError(f"{run.path}: not a run directory (no summary.json)")
     summary = run.summary()
-    status, why = run.observed_status()
-    rows = [r for r in run.metrics_rows() if r.is_train]
+    status, why = run.observed_status(settle=True)  # one look: a heartbeat old by the clocks' difference is re-read
+    newest = run.last_train_row()  # read from the file's end: a run of 200,000 rows costs the rows shown
     cfg = run.config()
     lines = [f"{run.name}: {status.value}" + (f" ({why})" if why else "")]
-    if rows:
-        last = rows[-1]
+    if newest is not None:
+        last = MetricsRow.from_dict(newest)
         total = f"/{cfg.max_steps}" if cfg else ""
         lines.append(f"  step {last.step}{total}, loss {last.loss:.4g}, "
                      f"{last.samples_per_s or 0:,.0f} samples/s (last window)")

@@ -35,6 +35,12 @@ def check_layout(cfg: RunConfig) -> None:
                          "parallelism='ddp' or num_processes=1")
     if tp < 1:
         raise ValueError(f"tp={tp}: the tensor-parallel size must be at least 1 (1 turns tensor parallelism off)")
+    if cfg.find_unused_parameters and (p not in ("ddp", "zero1") or tp > 1 or cfg.pp > 1):
+        how = f"parallelism={p!r}" + f" with tp={tp}" * (tp > 1) + f" with pp={cfg.pp}" * (cfg.pp > 1)
+        raise ValueError(f"find_unused_parameters=True with {how}: it is DistributedDataParallel's switch, and this "
+                         "layout builds no DistributedDataParallel (it reduces gradients through FSDP2, tensor "
+                         "parallel's replicate or the pipeline's own reduction), so it would do nothing; set "
+                         "find_unused_parameters=False, or parallelism='ddp' (or 'zero1') with tp=1 and pp=1")
     if n % tp:
         raise ValueError(f"tp={tp} with num_processes={n}: the tensor-parallel size must divide the number of ranks "
                          f"(data-parallel size = num_processes / tp); use tp={' or '.join(map(str, _divisors(n)))}, "

@@ -101,6 +101,9 @@ class RunConfig:
     grad_compression: GradCompression = "none"
     """ddp/zero1 without tp: compress gradients for DDP's all-reduce ('fp16', 'bf16' on NCCL, 'powersgd' low
     rank)."""
+    find_unused_parameters: bool = False
+    """ddp/zero1 without tp or pp: DDP's own switch for a model some of whose parameters a step may leave out of the
+    loss (a branch, a head used on some batches); DDP then looks for them after every forward. Refused elsewhere."""
     precision: Precision = "fp32"
     """Compute precision: 'bf16'/'fp16' autocast, or parameters cast by FSDP2 (fp16 with dynamic loss scaling, in
     every layout tp included); 'fp8' is rejected for now."""

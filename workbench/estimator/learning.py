@@ -37,7 +37,8 @@ log = logging.getLogger("workbench")
 MAX_RUNS = 5
 """Runs one lesson is drawn from, newest first."""
 SCAN = 200
-"""Newest run directories looked at."""
+"""Run directories looked at: the most recently written (their summary.json's modification time), whatever their
+names."""
 MIN_STEPS = 3
 NEW_TRACES = 1
 """Past runs a lesson may trace anew per call (about a second each); the rest wait for later calls."""
@@ -92,11 +93,12 @@ def measured_step_s(path: Path) -> float | None:
 
 
 def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
-    """Completed runs on `device_class` in `runs_dir` with a measured step time, newest first."""
+    """Completed runs on `device_class` with a measured step time, among the SCAN run directories of `runs_dir`
+    written to most recently, newest (by recorded start) first."""
     from workbench.rundir import RunDir
 
     found = []
-    for summary_path in sorted(Path(runs_dir).expanduser().glob("*/summary.json"))[-SCAN:]:
+    for summary_path, _ in newest_summaries(runs_dir):
         run = RunDir(summary_path.parent)
         try:
             s = run.summary()
@@ -113,6 +115,22 @@ def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
             cfg = cfg.replace(micro_batch_size=s.micro_batch_size)
         found.append(PastRun(run.name, run.path, cfg, s.world_size, measured, s.started_at or 0.0))
     return sorted(found, key=lambda r: r.started_at, reverse=True)
+
+
+def newest_summaries(runs_dir: Path) -> list[tuple[Path, int]]:
+    """The summary.json of the SCAN run directories written to most recently, newest first, each with its
+    modification time (ns). By age, not by name: run names sort by task and timestamp, so a folder holding many runs
+    of a task named later in the alphabet (or of a user's own naming) would otherwise hide every other task's runs,
+    however recent. A summary is rewritten at each status change, so its time is the run's latest news (its end, for
+    an ended run); one stat per run keeps this cheap however many runs the folder holds."""
+    dated = []
+    for path in Path(runs_dir).expanduser().glob("*/summary.json"):
+        try:
+            dated.append((path, path.stat().st_mtime_ns))
+        except OSError:  # removed since the listing
+            continue
+    dated.sort(key=lambda item: (item[1], item[0].parent.name), reverse=True)
+    return dated[:SCAN]
 
 
 def learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profile_key: str,
@@ -141,12 +159,13 @@ def learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profile
 def _signature(runs_dir: Path) -> tuple[tuple[str, int], ...]:
     """What the lessons of `runs_dir` depend on: its newest runs' summaries and step timings, as of now."""
     out = []
-    for summary_path in sorted(Path(runs_dir).expanduser().glob("*/summary.json"))[-SCAN:]:
-        for path in (summary_path, summary_path.with_name("timings.json")):
-            try:
-                out.append((str(path), path.stat().st_mtime_ns))
-            except OSError:
-                out.append((str(path), 0))
+    for summary_path, modified in newest_summaries(runs_dir):
+        out.append((str(summary_path), modified))
+        timings = summary_path.with_name("timings.json")
+        try:
+            out.append((str(timings), timings.stat().st_mtime_ns))
+        except OSError:
+            out.append((str(timings), 0))
     return tuple(out)
 
 

@@ -17,8 +17,10 @@ import os
 import signal
 import threading
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
+from workbench.launcher.scratch import remove_scratch
 from workbench.rundir import RunDir, Status
 
 log = logging.getLogger("workbench")
@@ -32,8 +34,11 @@ class ForkedSupervisor:
     """multiprocessing.Process's pid, sentinel, exitcode and join for Run, with `exitcode` 0 as soon as every
     rank returned from a run that ended as a whole. `waitables` wake a waiter on either event."""
 
-    def __init__(self, process: Any, write_fd: int, read_fd: int, ranks: int, run: RunDir) -> None:
+    def __init__(self, process: Any, write_fd: int, read_fd: int, ranks: int, run: RunDir,
+                 scratch: Path | None = None) -> None:
         self._process, self._read_fd, self._ranks, self._run = process, read_fd, ranks, run
+        self._scratch = scratch
+        """The launch's TMPDIR (scratch.py): removed here, once the supervisor has exited (its ranks before it)."""
         self._returned, self._let_go = 0, False
         os.set_blocking(read_fd, False)
         os.close(write_fd)  # the supervisor and its ranks hold it now
@@ -55,7 +60,7 @@ class ForkedSupervisor:
             return 0
         code = self._process.exitcode
         if code is not None:
-            self._close_pipe()
+            self._gone()
         elif self._all_returned() and self._run.summary().status in _ENDED_AS_A_WHOLE:
             self._let_go = True
             threading.Thread(target=self._reap, name=f"workbench-reap-{self.pid}", daemon=True).start()
@@ -83,7 +88,14 @@ class ForkedSupervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             self._process.join()
+        self._gone()
+
+    def _gone(self) -> None:
+        """The supervisor has exited, so have its ranks (elastic waits for them; a killpg takes them all): what the
+        launch left in its temporary folder goes, a failed run's error files included."""
         self._close_pipe()
+        scratch, self._scratch = self._scratch, None
+        remove_scratch(scratch)
 
     def _close_pipe(self) -> None:
         fd, self._read_fd = self._read_fd, -1

@@ -9,7 +9,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from workbench.config import PARALLELISM_MODES, RunConfig
 from workbench.config.mesh import virtual_stages
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.forked import ForkedSupervisor
+from workbench.launcher.scratch import ScratchProcess, make_scratch, remove_scratch
 from workbench.launcher.signals import elastic_signals
 from workbench.launcher.spawn import SpawnedRanks, StartPlan, die_with_caller, write_task
 from workbench.rundir import (
@@ -71,6 +71,7 @@ def describe_launch(cfg: RunConfig) -> str:
     extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
     extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")
     extras += ["parameters offloaded to CPU"] * cfg.cpu_offload
+    extras += ["DDP finds unused parameters"] * cfg.find_unused_parameters
     batch = f"global batch {cfg.global_batch_size or 'chosen by the ranks'}"
     if cfg.micro_batch_size == "auto":
         batch += " (micro-batch: the largest that fits)"
@@ -105,6 +106,19 @@ def start_processes(cfg: RunConfig, task: Task | None, run: RunDir, token: str, 
     log.info("%s -> %s", describe_launch(cfg), run.path)
     if plan.method != "subprocess":
         log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
+    scratch = make_scratch(cfg.run_name)  # the launch's TMPDIR, removed once its processes are gone (scratch.py)
+    try:
+        process = _start(cfg, task, run, token, plan, progress, port, scratch)
+    except BaseException:
+        remove_scratch(scratch)
+        raise
+    lock.set_runner(run, token, {**this_process(), "pid": process.pid,
+                                 "create_time": psutil.Process(process.pid).create_time()})
+    return process
+
+
+def _start(cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: StartPlan, progress: bool, port: int,
+           scratch: Path | None) -> Any:
     if plan.method == "fork":
         from workbench.launcher.supervisor import load_rank_modules, supervise
 
@@ -113,25 +127,20 @@ def start_processes(cfg: RunConfig, task: Task | None, run: RunDir, token: str, 
         read_fd, write_fd = os.pipe()
         ctx = multiprocessing.get_context("fork")
         forked = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token, os.getpid(),
-                                                     write_fd), name=f"workbench-{cfg.run_name}")
+                                                     write_fd, scratch), name=f"workbench-{cfg.run_name}")
         in_a_lasting_thread(forked.start)  # the supervisor dies with this process (supervise)
-        process: Any = ForkedSupervisor(forked, write_fd, read_fd, cfg.num_processes, run)
-    else:
-        env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
-               "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1",
-               "WORKBENCH_LOCK_TOKEN": token, "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg)}
-        command = launch_command(cfg, run.path, port)
-        if plan.method == "spawn":
-            assert plan.payload is not None
-            env.update(write_task(run.path, plan.payload))
-            process = in_a_lasting_thread(lambda: SpawnedRanks(command, env, f"workbench-{cfg.run_name}"))
-        else:
-            # The preexec_fn only makes two system calls (prctl, getppid): safe beside other threads.
-            process = in_a_lasting_thread(lambda: subprocess.Popen(command, env=env, start_new_session=True,
-                                                                   preexec_fn=die_with_caller()))  # noqa: PLW1509
-    lock.set_runner(run, token, {**this_process(), "pid": process.pid,
-                                 "create_time": psutil.Process(process.pid).create_time()})
-    return process
+        return ForkedSupervisor(forked, write_fd, read_fd, cfg.num_processes, run, scratch)
+    env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
+           "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1",
+           "WORKBENCH_LOCK_TOKEN": token, "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg)}
+    command = launch_command(cfg, run.path, port)
+    if plan.method == "spawn":
+        assert plan.payload is not None
+        env.update(write_task(run.path, plan.payload))
+        return in_a_lasting_thread(lambda: SpawnedRanks(command, env, f"workbench-{cfg.run_name}", scratch))
+    # The preexec_fn only makes two system calls (prctl, getppid): safe beside other threads.
+    return in_a_lasting_thread(lambda: ScratchProcess(command, scratch=scratch, env=env, start_new_session=True,
+                                                      preexec_fn=die_with_caller()))
 
 
 def in_a_lasting_thread(start: Callable[[], T]) -> T:

@@ -4,6 +4,7 @@ launcher (resume)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from workbench.rundir import RunDir, RunFiles
 from workbench.rundir.run_files import resume_config
+from workbench.utils.jsonl import JsonlRows
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -60,17 +62,80 @@ class RunResult(RunFiles):
         """Continue this run from its newest checkpoint, with `changes` to the config (e.g. max_steps=2000);
         blocks like wb.launch. Changes you name are allowed even where they alter the trajectory."""
         if RunResult.launcher is None:
-            raise RuntimeError("resume() needs the launcher: import workbench (or workbench.launcher.launch) first")
+            # `import workbench` loads its names on first use: wb.RunResult alone (a fresh kernel reading an old
+            # run) never imported the launcher, which registers itself here as it is imported.
+            importlib.import_module("workbench.launcher.launch")
+        assert RunResult.launcher is not None, "workbench.launcher.launch registers RunResult.launcher"
         return RunResult.launcher(resume_config(self._config(), self.run_dir, changes), self.task)
 
+    _metrics_rows: JsonlRows | None = field(default=None, init=False, repr=False, compare=False)
+    """metrics.jsonl as parsed so far (`metrics`)."""
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The rows of metrics.jsonl: a list of plain dicts, as written (`dir.metrics_rows()`: typed). Parsed at the
+        first access and kept; a later one parses only the rows appended since (a result of a run still going, as
+        wb.runs() gives one) and reads the file again only when it was replaced (a resume sets rows aside). A new
+        list each time; its dicts are the ones kept, so copy a row before changing it."""
+        if self._metrics_rows is None or self._metrics_rows.path != self.dir.metrics_path:
+            self._metrics_rows = JsonlRows(self.dir.metrics_path, shared=("verdicts",))
+        return list(self._metrics_rows.read())
+
     def plot(self, *others: RunResult, **kwargs: Any) -> Any:
-        """Loss, throughput and memory; pass other results to overlay them (e.g. fp32 against bf16)."""
+        """Loss, throughput and memory; pass other results to overlay them (e.g. fp32 against bf16). A long run is
+        drawn from an even sample of its rows (the newest and its evaluations included), read without parsing the
+        rest of metrics.jsonl."""
         from workbench.notebook.plots import plot_runs
 
         return plot_runs([self, *others], **kwargs)
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike[str]) -> RunResult:
-        run = RunDir(run_dir)
+        """The run in `run_dir` (one folder under runs_dir, as wb.launch made it). ValueError when it isn't a run
+        directory (a mistyped path, the runs_dir itself), naming the runs there are: a RunResult of nothing would
+        read as a run forever 'starting', with no rows."""
+        run = RunDir(Path(run_dir).expanduser())
+        if not run.config_paths() and not run.summary_path.exists():
+            raise ValueError(not_a_run_directory(run.path))
         return cls(run.path, run.config())
+
+
+SHOWN_RUNS = 5
+"""Run names an error about a runs_dir lists (the newest)."""
+
+
+def _runs_in(folder: Path) -> list[str]:
+    """Names of the run directories in `folder`, most recently written first."""
+    try:
+        found = [(p.stat().st_mtime, p.parent.name) for pattern in ("*/summary.json", "*/config.yaml")
+                 for p in folder.glob(pattern)]
+    except OSError:
+        return []
+    newest: dict[str, float] = {}
+    for modified, name in found:
+        newest[name] = max(modified, newest.get(name, modified))
+    return sorted(newest, key=lambda name: (-newest[name], name))
+
+
+def not_a_run_directory(path: Path) -> str:
+    """What is wrong with loading `path` as a run, and what to load instead."""
+    from workbench.utils.suggest import did_you_mean
+
+    head = f"RunResult.load: not a run directory: {path}"
+    if not path.is_dir():
+        siblings = _runs_in(path.parent) if path.parent.is_dir() else []
+        hint = did_you_mean(path.name, siblings)
+        there = (f"; the runs in {path.parent} are {_listed(siblings)}" if siblings else "")
+        return f"{head} {'is a file' if path.exists() else 'does not exist'}{hint}{there}"
+    runs = _runs_in(path)
+    if runs:
+        return (f"{head} has no config.yaml or summary.json: it is a runs_dir; its runs are {_listed(runs)}. Load "
+                f"one, e.g. wb.RunResult.load({str(path / runs[0])!r}), or list them with wb.runs({str(path)!r})")
+    return (f"{head} has no config.yaml or summary.json, nor runs in it; pass the folder wb.launch made under "
+            "runs_dir (result.run_dir)")
+
+
+def _listed(names: list[str]) -> str:
+    more = len(names) - SHOWN_RUNS
+    return ", ".join(names[:SHOWN_RUNS]) + (f", ... ({len(names)} in all)" if more > 0 else "")
 

@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import torch
 
+from workbench.launcher.scratch import ScratchProcess
 from workbench.utils.files import atomic_write_bytes
 from workbench.utils.hardware import resolve_device
 from workbench.utils.lifecycle import ending_with_parent
@@ -188,13 +189,14 @@ def die_with_caller() -> Callable[[], None] | None:
     return ending_with_parent(signal.SIGTERM, os.getpid())
 
 
-class SpawnedRanks(subprocess.Popen):
+class SpawnedRanks(ScratchProcess):
     """The shell launcher of spawned ranks, its stdout and stderr copied to the caller's sys.stdout and
-    sys.stderr (in a notebook: the cell) by one thread each, until every process holding them has exited."""
+    sys.stderr (in a notebook: the cell) by one thread each, until every process holding them has exited. Its
+    temporary folder `scratch` goes once it has been waited for (ScratchProcess)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
-        super().__init__(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=die_with_caller())
+    def __init__(self, args: list[str], env: dict[str, str], name: str, scratch: Path | None = None) -> None:
+        super().__init__(args, scratch=scratch, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, preexec_fn=die_with_caller())
         assert self.stdout is not None and self.stderr is not None
         self._copiers = [_copier(self.stdout, sys.stdout, f"{name}-stdout"),
                          _copier(self.stderr, sys.stderr, f"{name}-stderr")]

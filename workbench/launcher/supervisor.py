@@ -20,6 +20,7 @@ import psutil
 
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.postmortem import finalize, record_signal_deaths
+from workbench.launcher.scratch import remove_scratch, use_scratch
 from workbench.rundir import RunDir, lock
 from workbench.training.guard import keep_signal
 from workbench.training.parallel import strategy_module
@@ -29,6 +30,8 @@ from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.lifecycle import preempt_signals
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from workbench.config import RunConfig
     from workbench.tasks import Task
 
@@ -107,11 +110,12 @@ def load_rank_modules(cfg: RunConfig) -> None:
 
 
 def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int, token: str, caller: int,
-              returned_fd: int) -> None:
-    """Body of the supervisor process: run notebook_launcher, then record a failure the ranks couldn't. The
-    ranks write to `returned_fd` once training returned (forked.py)."""
+              returned_fd: int, scratch: Path | None = None) -> None:
+    """Body of the supervisor process: run notebook_launcher, then record a failure the ranks couldn't. The ranks
+    write to `returned_fd` once training returned (forked.py). `scratch`: the launch's TMPDIR (scratch.py)."""
     global _supervisor_pid
     _supervisor_pid = os.getpid()
+    use_scratch(scratch)  # elastic's logs and error files go there; the caller removes it once this process exited
     # The preemption signals are passed on to the ranks here, not by elastic: elastic would end its workers
     # (SIGTERM, then SIGKILL 30 s on), and a rank that checkpointed and returned waits in elastic's wrapper for
     # a launcher that no longer reads its result. Not the caller's handlers either (Run.wait's, on a restart).
@@ -157,6 +161,7 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     # back into a folder being emptied). After a failure the launcher waits for this exit, and a new launch
     # may own the directory only later, so the failure is recorded only while this launch holds the lock.
     if error is None:
+        remove_scratch(scratch)  # the ranks are gone (elastic waited); the caller may not wait for this process
         os._exit(0)
     with lock.holding(run, token) as ours:
         if ours:

@@ -14,6 +14,7 @@ from matplotlib.figure import Figure  # this module is imported only when someth
 from matplotlib.layout_engine import TightLayoutEngine
 from matplotlib.ticker import Formatter, LogFormatter
 
+from workbench.notebook.reading import PLOT_POINTS, sampled_rows
 from workbench.rundir.metrics_row import MetricsRow, PerRank
 
 if TYPE_CHECKING:
@@ -92,8 +93,8 @@ def of(value: Callable[[MetricsRow], float | None], scale: float = 1.0) -> Serie
 
 
 def _plot(ax: Axes, drawn: Drawn, series: Series, rows: Sequence[MetricsRow], **style: Any) -> Line2D:
-    """A line of `series` over `rows`, remembered in `drawn` so a live figure can move it."""
-    (line,) = ax.plot(*series(rows), **style)
+    """A line of `series` over `rows` (thinned to PLOT_POINTS), remembered in `drawn` so a live figure can move it."""
+    (line,) = ax.plot(*thin(*series(rows), PLOT_POINTS), **style)
     drawn.append((line, series))
     return line
 
@@ -231,7 +232,7 @@ def _draw_run(axes: Sequence[Axes], rows: Sequence[MetricsRow], label: str, i: i
               live: bool = False) -> None:
     """One run's loss, throughput, memory and learning rate, in the style of the i-th run."""
     ax_loss, ax_tp, ax_mem, ax_lr = axes
-    n = max(1, len(_series(rows, lambda r: r.loss)[0]))
+    n = max(1, min(PLOT_POINTS, len(_series(rows, lambda r: r.loss)[0])))  # the points drawn: see _plot
     style = {"color": f"C{i}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
              "marker": MARKERS[i % len(MARKERS)], "markevery": max(1, n // 8), "markersize": 4}
     _draw_loss(ax_loss, rows, label, style, drawn, live)
@@ -386,11 +387,12 @@ class RunFigure(Figure):
 def plot_runs(results: Sequence[RunResult], labels: Sequence[str] | None = None,
               path: str | Path | None = None, *, log_loss: bool | None = None) -> Figure:
     """One figure overlaying `results`; saved to `path` when given. log_loss as `draw` takes it (None: log
-    once the loss spans a decade)."""
-    rows = [r.dir.metrics_rows() for r in results]
+    once the loss spans a decade). Each run is drawn from `sampled_rows`: a long one costs what is drawn."""
+    rows = [sampled_rows(r.dir.metrics_path, PLOT_POINTS) for r in results]
     fig = RunFigure(figsize=(10, 10 if any(monitor_kind(run) for run in rows) else 7))
     draw(fig, [(_label(r, labels, i), run) for i, (r, run) in enumerate(zip(results, rows))],
          title=results[0].run_dir.name if len(results) == 1 else None, log_loss=log_loss)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
+

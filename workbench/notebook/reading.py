@@ -3,7 +3,8 @@ figures the dashboard derives from it (throughput over the session, the window a
 
 The numbers follow summary.json's definitions, so the dashboard and the summary never disagree about
 what "samples/s" means. `RowTail` reads metrics.jsonl a poll at a time, parsing only what was appended:
-a poll of a long run costs what its new rows cost, not the whole file.
+a poll of a long run costs what its new rows cost, not the whole file; its first poll of a long run reads the newest
+rows and an even sample of the ones before (what the figure draws), so the first view costs what it shows.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from workbench.rundir.metrics_row import MetricsRow
+from workbench.utils.jsonl import count_lines, sample_jsonl, sample_lines
 from workbench.utils.units import fmt_bytes, fmt_duration
 
 log = logging.getLogger("workbench")
@@ -39,7 +41,8 @@ class Reading:
     """What one poll of a run directory found: the dashboard's state, compared by value."""
 
     rows: list[MetricsRow] = field(default_factory=list)
-    """The rows of metrics.jsonl, training and eval rows as they came."""
+    """The rows of metrics.jsonl, training and eval rows as they came; of a long run watched from late on, a sample of
+    the rows before the newest (RowTail): the figure's points, and coarser windows for the ETA's pace."""
     summary: dict[str, Any] = field(default_factory=dict)
     """The content of summary.json."""
     observed: tuple[str, str] = ("starting", "")
@@ -64,17 +67,40 @@ class Reading:
         return [r for r in self.rows if r.is_eval]
 
 
+FIRST_VIEW_ROWS = 800
+"""Rows of a long run's history the first poll reads, spread evenly over metrics.jsonl (twice the points a line of
+the live figure draws, plots.LIVE_POINTS, so thinning has room): the first view of a 200,000-row run costs what
+it shows, not the file."""
+FIRST_VIEW_TAIL_BYTES = 512 * 1024
+"""The end of metrics.jsonl the first poll reads whole: the newest rows, every one, for the numbers and the ETA's
+recent pace (a file no longer than this is read whole)."""
+EVAL_MARK = b'"eval_loss"'
+"""What an eval row holds and a training row doesn't: the first view keeps the eval rows of the history."""
+PLOT_POINTS = 2000
+"""The most points a line of a figure of ended runs (RunResult.plot, wb.compare) draws, and about the rows of a run it
+reads (sampled_rows): 200,000 rows drawn from an even sample look the same, for a fraction of the time."""
+PLOT_TAIL_BYTES = 64 * 1024
+"""The end of metrics.jsonl a figure reads whole (its newest rows); a shorter file is read whole, every row drawn."""
+
+
 class RowTail:
     """The typed rows of one metrics.jsonl, read incrementally: each `read()` parses only the whole lines
-    appended since the last one. A file replaced (a new inode) or shorter than what was read is read again
-    from the start; a last line without its end waits for it. A row that doesn't fit the schema raises
-    ValueError naming the file and row, at every read until it is fixed, as `RunDir.metrics_rows()` does."""
+    appended since the last one. The first read of a long file takes its newest FIRST_VIEW_TAIL_BYTES whole and
+    FIRST_VIEW_ROWS of the rows before them, spread evenly, with their eval rows (sample_lines): the rows before
+    a live run's newest are for the figure, which draws a sample of them anyway. A file replaced (a new inode) or
+    shorter than what was read is read again from the start; a last line without its end waits for it. A row that
+    doesn't fit the schema raises ValueError naming the file and row, at every read until it is fixed, as
+    `RunDir.metrics_rows()` does."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._rows: list[MetricsRow] = []
-        self._offset = self._lines = 0
+        self._offset = 0
+        self._lines: int | None = 0
+        """Lines read so far; None after a sampled first read (counted only when a message needs a number)."""
         self._file_id: tuple[int, int] | None = None
+        self.sampled = False
+        """Whether the history before the newest rows was sampled (a long file's first read)."""
 
     def read(self) -> list[MetricsRow]:
         """All rows so far (a new list each time the file grew; the same one when it didn't)."""
@@ -82,27 +108,41 @@ class RowTail:
             with self.path.open("rb") as f:
                 st = os.fstat(f.fileno())
                 if (st.st_dev, st.st_ino) != self._file_id or st.st_size < self._offset:
-                    self._rows, self._offset, self._lines = [], 0, 0
+                    self._rows, self._offset, self._lines, self.sampled = [], 0, 0, False
                     self._file_id = (st.st_dev, st.st_ino)
                 if st.st_size == self._offset:
                     return self._rows
+                if self._offset == 0:
+                    return self._first_read(f)
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
-            self._rows, self._offset, self._lines, self._file_id = [], 0, 0, None
+            self._rows, self._offset, self._lines, self._file_id, self.sampled = [], 0, 0, None, False
             return self._rows
         whole = data[:data.rfind(b"\n") + 1]
         rows, offset, lines = list(self._rows), self._offset, self._lines
         for line in whole.split(b"\n")[:-1]:
-            lines += 1
-            row = self._parse(line, lines)
+            lines = None if lines is None else lines + 1
+            row = self._parse(line, lines, offset)
             offset += len(line) + 1
             if row is not None:
                 rows.append(row)
         self._rows, self._offset, self._lines = rows, offset, lines
         return rows
 
-    def _parse(self, line: bytes, number: int) -> MetricsRow | None:
+    def _first_read(self, f: BinaryIO) -> list[MetricsRow]:
+        sampled = sample_lines(f, FIRST_VIEW_ROWS, whole_tail=FIRST_VIEW_TAIL_BYTES, keep=EVAL_MARK)
+        rows = []
+        for number, (offset, line) in enumerate(sampled.lines, 1):
+            row = self._parse(line, number if sampled.complete else None, offset)
+            if row is not None:
+                rows.append(row)
+        self._rows, self._offset = rows, sampled.end
+        self._lines = len(sampled.lines) if sampled.complete else None
+        self.sampled = not sampled.complete
+        return rows
+
+    def _parse(self, line: bytes, number: int | None, offset: int) -> MetricsRow | None:
         if not line.strip():
             return None
         try:
@@ -110,12 +150,24 @@ class RowTail:
         except (UnicodeDecodeError, json.JSONDecodeError):
             data = None
         if not isinstance(data, dict):  # skipped, as read_jsonl does: a line torn by a crash, say
-            log.warning("%s, line %d: not a JSON object, skipped: %.80r", self.path, number, line)
+            log.warning("%s, line %d: not a JSON object, skipped: %.80r", self.path, self._number(number, offset),
+                        line)
             return None
         try:
             return MetricsRow.from_dict(data)
         except ValueError as e:
-            raise ValueError(f"{self.path}, row {number}: {e}") from None
+            raise ValueError(f"{self.path}, row {self._number(number, offset)}: {e}") from None
+
+    def _number(self, number: int | None, offset: int) -> int:
+        """The line's number: counted as read, or (after a sampled first read) from the newlines before it."""
+        return number if number is not None else count_lines(self.path, offset) + 1
+
+
+def sampled_rows(path: Path, most: int) -> list[MetricsRow]:
+    """The rows of the metrics.jsonl at `path` a figure needs, typed: all of a short file; of a long one, `most` spread
+    evenly, the newest (its last PLOT_TAIL_BYTES) and the eval rows (thinned to `most`). Only those lines are parsed;
+    a row that doesn't fit the schema raises ValueError, as RunDir.metrics_rows() does."""
+    return [MetricsRow.from_dict(row) for row in sample_jsonl(path, most, whole_tail=PLOT_TAIL_BYTES, keep=EVAL_MARK)]
 
 
 def lower_thread_priority() -> bool:

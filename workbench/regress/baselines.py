@@ -42,6 +42,9 @@ def _problem(data: dict[str, Any]) -> str | None:
         if "metrics" not in data:
             return f"no 'metrics' (its keys: {', '.join(map(str, data)) or 'none'})"
         return f"'metrics' is {_shown(metrics)}, not a mapping of metric name to {{'value': number}}"
+    if not metrics:
+        # a baseline that compares nothing would pass every case, whatever the notebook records
+        return "'metrics' is empty: a baseline compares at least one metric"
     for name, metric in metrics.items():
         if not isinstance(metric, dict) or "value" not in metric:
             return f"metrics[{name!r}] is {_shown(metric)}, not {{'value': number, ...}}"
@@ -57,6 +60,47 @@ def _problem(data: dict[str, Any]) -> str | None:
     return None
 
 
+class _Parsed(dict):  # type: ignore[type-arg]
+    """A JSON object as parsed, with the keys it held more than once: (key, first value, later value)."""
+
+    duplicates: list[tuple[str, Any, Any]]
+
+
+def _keeping_duplicates(pairs: list[tuple[str, Any]]) -> _Parsed:
+    out, duplicates = _Parsed(), []
+    for key, value in pairs:
+        if key in out:
+            duplicates.append((key, out[key], value))
+        out[key] = value
+    out.duplicates = duplicates
+    return out
+
+
+def _first_duplicate(node: Any, where: str) -> str | None:
+    if isinstance(node, _Parsed):
+        if node.duplicates:
+            key, first, then = node.duplicates[0]
+            return (f"key {key!r} is written twice in {where or 'the top-level object'} (first {_shown(first)}, "
+                    f"then {_shown(then)}); JSON would silently keep the last, so write each key once")
+        children: Any = ((f"{where}[{k!r}]" if where else k, v) for k, v in node.items())
+    elif isinstance(node, list):
+        children = ((f"{where}[{i}]", v) for i, v in enumerate(node))
+    else:
+        return None
+    return next((found for path, child in children if (found := _first_duplicate(child, path))), None)
+
+
+def _duplicate_key(path: Path) -> str | None:
+    """Where the (valid JSON) file holds a key twice in one object, or None. json keeps the last of two equal
+    keys without a word, so a hand edit that adds a metric's value again would silently decide the case; refused,
+    as suite YAML files refuse theirs."""
+    try:
+        parsed = json.loads(Path(path).read_bytes().decode("utf-8"), object_pairs_hook=_keeping_duplicates)
+    except (OSError, ValueError):  # replaced or damaged since it was read: what was read is judged
+        return None
+    return _first_duplicate(parsed, "")
+
+
 def load_baseline(path: Path) -> dict[str, Any] | None:
     """A baseline file, or None when there is none yet. ValueError naming the file and what is wrong with it
     when it exists but can't be used (so the runner can report that case as an error and go on)."""
@@ -66,7 +110,7 @@ def load_baseline(path: Path) -> dict[str, Any] | None:
         raise ValueError(f"baseline {path}: {e.problem}; expected {_SHAPE}; {_FIX}") from None
     if data is None:
         return None
-    problem = _problem(data)
+    problem = _duplicate_key(path) or _problem(data)
     if problem is not None:
         raise ValueError(f"baseline {path}: {problem}; {_FIX}")
     return data
@@ -85,6 +129,11 @@ def _to_json(obj: Any, indent: str = "") -> str:
 
 def write_baseline(path: Path, case: Case, parameters: Mapping[str, Any], metrics: Sequence[MetricResult],
                    curves: Mapping[str, list[list[float]]], device_class: str) -> None:
+    """Write the baseline of `case`; ValueError (nothing written) when no metric has a value to store, since
+    load_baseline refuses a baseline that compares nothing."""
+    if not any(m.current is not None for m in metrics):
+        raise ValueError(f"baseline {path}: not written: the notebook of {case.id} recorded no metrics, and a "
+                         "baseline compares at least one; call wb.record(name, value) in it, or launch a run there")
     data = {
         "case": case.id, "notebook": case.notebook.name, "device_class": device_class,
         "parameters": dict(parameters), "repeats": case.repeats, "workbench_version": __version__,

@@ -67,7 +67,11 @@ def run_case(case: Case, overrides: Mapping[str, Any], out: Path, *, device_clas
         result.notes.append(f"parameters differ from the baseline's ({baseline.get('parameters')}): the "
                             "comparison may be meaningless")
     if update_baselines:
-        write_baseline(result.baseline_path, case, params, result.metrics, result.curves, device_class)
+        try:
+            write_baseline(result.baseline_path, case, params, result.metrics, result.curves, device_class)
+        except ValueError as e:  # nothing to store: a baseline that compares nothing would pass any later run
+            result.status, result.error = ERROR, CaseError("no metrics", str(e))
+            return result
         result.status = UPDATED
         result.notes.append(f"baseline written to {result.baseline_path}")
     elif baseline is None:

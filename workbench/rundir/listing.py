@@ -149,7 +149,8 @@ def compare(*runs: Any, labels: list[str] | None = None, path: str | os.PathLike
 
     if not runs:
         raise ValueError("compare(): name at least one run (a RunResult, a Run or a run directory)")
-    results = [r if isinstance(r, RunFiles) else RunResult.load(r) for r in runs]
+    # not RunResult.load, which refuses a folder that isn't a run: the check below names every such folder at once
+    results = [r if isinstance(r, RunFiles) else RunResult(Path(r), RunDir(r).config()) for r in runs]
     missing = [str(r.run_dir) for r in results if not r.dir.metrics_path.exists()]
     if missing:
         raise ValueError(f"compare(): no metrics.jsonl in {', '.join(missing)}: not a run directory, or a run "

@@ -3,7 +3,9 @@
 LOCK records its owner: host, pid, process start time, and, once started, the process that runs the ranks.
 It is written whole to a temp file and hard-linked into place (a link fails where LOCK exists), so no one
 ever reads a half-written lock and two launches racing for a new run directory can't both win. A lock whose
-processes are all gone (checked by pid on the same host, by heartbeat age elsewhere) is stale and taken over.
+processes are all gone (checked by pid on the same host, by its Slurm job's state, and elsewhere by whether the
+ranks' heartbeats still change, timed on this host's clock) is stale and taken over; one whose Slurm job can't be
+asked (the controller is unreachable) is not, while its heartbeats are fresh or there are none to tell.
 Judging a lock and taking it over happen under an flock on LOCK_GUARD, a file that is never deleted: without
 it, two launches could both judge one stale lock, and the second delete the first's new lock to put its own.
 """
@@ -21,7 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.rundir.liveness import STALE_AFTER_S, heartbeats, is_alive, this_process
+from workbench.rundir.liveness import heartbeat_verdict, is_alive, this_process
+from workbench.rundir.scheduler import ACTIVE, UNKNOWN, identity_of, query
 from workbench.utils.files import DamagedFileError, mkstemp_like_open, parse_json, read_json_checked, write_json
 
 try:
@@ -48,15 +51,31 @@ class RunDirLocked(ValueError):
     """Another live launch holds the run directory (or its lock can't be read: the message says what to do)."""
 
 
-def _stale(run: RunDir, owner: dict[str, Any]) -> bool:
-    holders = [owner] + ([owner["runner"]] if isinstance(owner.get("runner"), dict) else [])
-    verdicts = [is_alive(h) for h in holders]
+def _stale(run: RunDir, owner: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the lock's processes are all gone, and (when not) why it is taken for held."""
+    runner = owner["runner"] if isinstance(owner.get("runner"), dict) else None
+    job = runner.get("slurm_job_id") if runner else None
+    verdicts = [is_alive(owner)]
+    unasked = ""
+    if job:
+        answer = query(str(job), identity_of(runner))
+        if answer is not None and answer.state == UNKNOWN:
+            unasked = f"its Slurm job {job}'s state is unknown ({answer.reason})"
+        verdicts.append(None if answer is None or unasked else answer.state.split()[0] in ACTIVE)
+    elif runner is not None:
+        verdicts.append(is_alive(runner))
     if any(v is True for v in verdicts):
-        return False
+        return False, ""
     if verdicts and all(v is False for v in verdicts):
-        return True
-    newest = max([b.get("time", 0) for b in heartbeats(run)] + [owner.get("time", 0)])
-    return time.time() - newest > STALE_AFTER_S
+        return True, ""
+    # Another host's processes, or a job that can't be asked: do the ranks' heartbeats still change, timed on this
+    # host's clock? The lock's own record counts as one (a launch that took it has no heartbeat yet).
+    fresh, why, beats = heartbeat_verdict(run, settle=True, also=((run.lock_path, owner),))
+    if fresh is True:
+        return False, f"; its ranks' heartbeats are fresh ({why})" + (f", and {unasked}" if unasked else "")
+    if unasked and not beats:  # nothing to go by (a job still pending?): nothing says it is gone
+        return False, f"; {unasked}, and it has no heartbeat to tell by: try again once `scontrol ping` says UP"
+    return (True, "") if fresh is False else (False, f"; {why}")
 
 
 @contextlib.contextmanager
@@ -130,11 +149,12 @@ def _judge(run: RunDir) -> tuple[int, str] | None:
                                f"seconds, and if it stays so, delete {path} (if no launch is using this run "
                                "directory)") from None
         return logging.WARNING, f"{path} can't be read ({e.problem}) and is {age:.0f} s old: a damaged lock, taken over"
-    if not _stale(run, owner):
+    stale, why = _stale(run, owner)
+    if not stale:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("time", 0)))
         raise RunDirLocked(f"run directory {run.path} is in use by pid {owner.get('pid')} on "
-                           f"{owner.get('host')} (since {since}); wait for that run to end or stop it, or pick "
-                           "another run_name")
+                           f"{owner.get('host')} (since {since}){why}; wait for that run to end or stop it, or "
+                           "pick another run_name")
     return logging.INFO, f"the launch of {path} (pid {owner.get('pid')} on {owner.get('host')}) is gone; taken over"
 
 

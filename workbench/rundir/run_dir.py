@@ -13,7 +13,6 @@ by something else (summary.json that isn't a JSON object) reads as a ValueError 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import time
@@ -35,6 +34,7 @@ from workbench.utils.files import (
     write_json,
     write_jsonl,
 )
+from workbench.utils.jsonl import tail_jsonl
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -61,7 +61,7 @@ WEIGHTS = "model.safetensors"
 COMPLETE_MARKER = "manifest.json"
 """Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not complete."""
 TAIL_BYTES = 64 * 1024
-"""How much of metrics.jsonl's end tail_rows reads: rows are a few hundred bytes."""
+"""How much of metrics.jsonl's end tail_rows reads at a time: rows are a few hundred bytes."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _ATTEMPT = re.compile(r"^config\.attempt-(\d+)\.yaml$")
 
@@ -143,25 +143,13 @@ class RunDir:
 
     def last_train_row(self) -> dict[str, Any] | None:
         """The newest metrics row with a loss; None before the first."""
-        return next((row for row in self.tail_rows() if "loss" in row), None)
+        return next((row for row in self.tail_rows(limit=None) if "loss" in row), None)
 
-    def tail_rows(self) -> Iterator[dict[str, Any]]:
-        """The rows at the end of metrics.jsonl, newest first, parsed as they are asked for: a repr or a table
-        of 2,000 runs must not read each run's whole history."""
-        try:
-            with open(self.metrics_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - TAIL_BYTES))
-                lines = f.read().split(b"\n")
-        except FileNotFoundError:
-            return
-        for line in reversed(lines[1:] if len(lines) > 1 else lines):  # the first may be cut
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                yield row
+    def tail_rows(self, limit: int | None = TAIL_BYTES) -> Iterator[dict[str, Any]]:
+        """The rows of metrics.jsonl from the newest back, those of its last `limit` bytes (None: as far back as
+        they are asked for), read from the file's end and parsed as they are asked for: a repr, `workbench status`
+        or a table of 2,000 runs costs the rows it shows, not each run's whole history."""
+        return tail_jsonl(self.metrics_path, TAIL_BYTES, limit)
 
     def metrics_rows(self) -> list[MetricsRow]:
         """The rows of metrics.jsonl, typed; a row that doesn't fit the schema raises ValueError
@@ -181,20 +169,25 @@ class RunDir:
         """Who holds the lock (host, pid, ...); None when no one does, or LOCK can't be read."""
         return lock.owner(self)
 
-    def observe(self) -> Observation:
-        """Whether the run's processes are still there (heartbeats, recorded pids)."""
+    def observe(self, settle: bool = False) -> Observation:
+        """Whether the run's processes are still there (heartbeats, recorded pids, its Slurm job). `settle`: a
+        one-shot reader (`workbench status`) may re-read heartbeats for a few seconds before judging them."""
         from workbench.rundir.liveness import observe
 
-        return observe(self)
+        return observe(self, settle=settle)
 
-    def observed_status(self) -> tuple[Status, str]:
-        """The status, corrected for a run whose processes are all gone without recording an ending."""
+    def observed_status(self, settle: bool = False) -> tuple[Status, str]:
+        """The status, corrected for a run whose processes are all gone without recording an ending; with why,
+        or with what is in doubt for a run still starting or running (its Slurm controller can't be asked, its
+        heartbeats can't be judged yet). Never 'failed' from a doubt: only from processes seen gone."""
         status = self.summary().status
         if status in (Status.STARTING, Status.RUNNING):
-            seen = self.observe()
+            seen = self.observe(settle)
             if seen.alive is False:
                 return Status.FAILED, (f"status says {status.value}, but {seen.reason} (last heartbeat at step "
                                        f"{seen.last_step}); resume it from its newest checkpoint")
+            if seen.doubt:
+                return status, f"unknown: {seen.doubt}"
         return status, ""
 
     # ---- writing --------------------------------------------------------------------------------------
@@ -234,10 +227,23 @@ class RunDir:
         found = self.checkpoints()
         step, ckpt = found[-1] if found else (0, None)
         resume = f"it resumes from {ckpt}" if ckpt else "it has no checkpoint: a resume starts it over"
+        at, where = self._ranks_at()
         ending = {"step": step, "checkpoint": str(ckpt) if ckpt else None, "signal": signal_name,
-                  "message": f"{signal_name} {why}; {resume}", **{k: v for k, v in extra.items() if v}}
+                  "message": f"{signal_name} {why}{where}; {resume}", **({"ranks_at_step": at} if where else {}),
+                  **{k: v for k, v in extra.items() if v}}
         self.set_status(Status.PREEMPTED, ending=ending)
         self.event(Status.PREEMPTED.value, **ending)
+
+    def _ranks_at(self) -> tuple[int | None, str]:
+        """From the ranks' heartbeats: the steps they had completed, and '; the ranks had completed N step(s), last
+        seen in PHASE' for a preemption's message once they had started training ('' before)."""
+        beats = [b for p in self.ranks_path.glob("rank_*.json") if isinstance(b := read_json(p), dict)]
+        steps = [b["step"] for b in beats if isinstance(b.get("step"), int)]
+        phases = sorted({str(b.get("phase")) for b in beats} - {"starting", "ended", "None"})
+        if not steps or not (max(steps) or phases):
+            return None, ""
+        return max(steps), f"; the ranks had completed {max(steps)} step(s)" + (
+            f", last seen in {', '.join(map(repr, phases))}" if phases else "")
 
     def append_metrics(self, row: MetricsRow) -> None:
         if not isinstance(row, MetricsRow):

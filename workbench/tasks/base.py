@@ -140,9 +140,15 @@ class Task:
         key, cache = (type(self), repr(sorted(self.options(cfg).items()))), _TRAIN_SIZES
         if key not in cache:
             try:
-                cache[key] = len(self.build_datasets(cfg)[0])
-            except Exception as e:  # noqa: BLE001  (a dataset without len(), or one only a rank can build)
+                built = self.build_datasets(cfg)
+            except Exception as e:  # noqa: BLE001  (one only a rank can build)
                 log.debug("%s: training-set size unknown before launch (%s: %s)", self.name, type(e).__name__, e)
+                built = (None, None)
+            else:
+                dataset_pair(self, built)  # a pair that isn't one is the task's bug: said now, not by a rank
+            try:
+                cache[key] = len(built[0])
+            except TypeError:  # a dataset without len(), or none built
                 cache[key] = None
         return cache[key]
 
@@ -192,3 +198,25 @@ class Task:
         specs = self.declared_options()
         for key, value in cfg.task_options.items():
             specs[key].check(value)
+
+
+def dataset_pair(task: Task, built: Any) -> tuple[Any, Any | None]:
+    """What `task.build_datasets(cfg)` returned, checked: a (train, eval or None) pair whose eval set is not empty.
+    TypeError or ValueError naming the method, what it returned and what it should."""
+    method = f"{type(task).__name__}.build_datasets(cfg)"
+    if not isinstance(built, (tuple, list)) or len(built) != 2:
+        what = type(built).__name__
+        if isinstance(built, (tuple, list)):
+            what += f" of {len(built)} item(s)"
+        elif hasattr(built, "__getitem__"):
+            what += " (one dataset: return (dataset, None) to train without evaluation)"
+        raise TypeError(f"{method} returned {what}; it must return a pair (train_dataset, eval_dataset or None)")
+    train, evaluation = built
+    if train is None:
+        raise TypeError(f"{method} returned None as the training set; it must return a pair (train_dataset, "
+                        "eval_dataset or None)")
+    if evaluation is not None and hasattr(evaluation, "__len__") and len(evaluation) == 0:
+        raise ValueError(f"{method} returned an empty eval dataset ({type(evaluation).__name__} of 0 samples): "
+                         "evaluation would measure nothing and report no eval_loss; return (train, None) to train "
+                         "without evaluation, or give the eval split some samples")
+    return train, evaluation

@@ -30,7 +30,19 @@ import torch
 from accelerate.utils import gather_object
 
 from workbench.rundir import COMPLETE_MARKER, RunDir
-from workbench.training.checkpoint_files import file_problems, files_in, read_manifest, sha256
+from workbench.training.checkpoint_files import (
+    CheckpointLoadError,
+    ModelMismatchError,
+    failure_summary,
+    file_problems,
+    files_in,
+    is_checkpoint_exception,
+    model_differences,
+    read_manifest,
+    saved_model_shapes,
+    sha256,
+    shapes_of,
+)
 from workbench.training.train_state import TrainerState
 from workbench.utils.files import write_json
 
@@ -116,6 +128,11 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 def _has_dropout(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+_RESUME_FIX = ("The task's code changed since the checkpoint was written (its config, task_options included, is "
+               "checked before launch; resume_allow allows config changes, not another model): resume with the code "
+               "that wrote it, or start a new run (another run_name, or resume=False)")
 
 
 class Checkpointer:
@@ -231,12 +248,33 @@ class Checkpointer:
             log.warning(message)
             self.run.event("resume_differs", step=saved.get("step"), reason="dropout", message=message)
 
+    def _check_model(self, ckpt: Path) -> None:
+        """The checkpoint's model entries against the model this run built, every name and full shape, before
+        anything loads: DCP would resume a model that lost a layer without a word, and fail on a changed one with
+        a CheckpointException that names neither the parameter nor its shapes. Collective: a pipeline rank holds
+        only its stages, so the ranks' entries are put together first."""
+        model: dict[str, tuple[int, ...] | None] = {}
+        for part in self._everyone(shapes_of(self.strategy.state_dict()["model"])):
+            model.update(part)
+        differences = model_differences(saved_model_shapes(ckpt / "model"), model)
+        if differences:
+            raise ModelMismatchError(f"resume from {ckpt}: the checkpoint doesn't match the task's model: "
+                                     f"{differences}. {_RESUME_FIX}")
+
     def resume(self) -> tuple[TrainerState, Path]:
         """Load the newest checkpoint that verifies, resharded to this run's mode and ranks."""
         ckpt = self._usable()
         saved = json.loads((ckpt / STATE).read_text())
         configured = _hyperparameters(self.strategy.optimizer), _hyperparameters(self.strategy.local_optimizer())
-        self.strategy.load(ckpt)
+        self._check_model(ckpt)
+        try:
+            self.strategy.load(ckpt)
+        except BaseException as e:
+            if not is_checkpoint_exception(e):
+                raise
+            # e.g. the task's optimizer changed: its message names only the ranks; each rank's failure is inside
+            raise CheckpointLoadError(f"resume from {ckpt}: the checkpoint could not be loaded into this run: "
+                                      f"{failure_summary(e)}. {_RESUME_FIX}") from e
         self._keep_configured(*configured)
         self._note_dropout(ckpt, saved)
         mine = ckpt / f"rank_{self.rank}.pt"
@@ -248,9 +286,9 @@ class Checkpointer:
         elif self.rank < saved.get("world_size", 0):
             raise FileNotFoundError(f"{mine}: the checkpoint was saved by {saved['world_size']} ranks but has no "
                                     f"state for rank {self.rank}")
-        else:
-            log.warning("[rank %d] %s was saved by %s rank(s): this rank starts with fresh random states, so "
-                        "dropout differs from an uninterrupted run", self.rank, ckpt, saved.get("world_size"))
+        else:  # a rank the checkpoint had no state for: what that changes (dropout) _note_dropout said once
+            log.debug("[rank %d] %s was saved by %s rank(s): this rank starts with fresh random states", self.rank,
+                      ckpt.name, saved.get("world_size"))
         state = TrainerState.from_dict(saved)
         # The data position counts samples, so a resume on another layout (same global batch) continues it.
         state.micro_batches = state.step * self.cfg.grad_accum_steps

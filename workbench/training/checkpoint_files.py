@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +65,80 @@ def verify_part(ckpt: Path, part: str) -> None:
     if found:
         raise ValueError(f"checkpoint {ckpt} is damaged: {'; '.join(found)}; load another step, or the final "
                          "weights")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that verifies but that this model or optimizer can't take: torch's CheckpointException (a
+    BaseException, which `except Exception` lets through) made an ordinary error saying what each rank met."""
+
+
+class ModelMismatchError(ValueError):
+    """Saved weights whose parameter names or shapes are not those of the task's model as its code builds it now
+    (the task's code or options changed since): every difference named, with its shapes."""
+
+
+Shapes = dict[str, "tuple[int, ...] | None"]
+"""Parameter (or buffer) name -> its full shape; None for a saved value that isn't a tensor."""
+SHOWN = 8
+"""Names listed per kind of difference; the rest are counted."""
+
+
+def shapes_of(state: Mapping[str, Any]) -> Shapes:
+    """The full shape of every tensor in a model state dict (a DTensor's global shape, not its local shard)."""
+    return {name: tuple(value.shape) if hasattr(value, "shape") else None for name, value in state.items()}
+
+
+def saved_model_shapes(model_dir: Path) -> Shapes:
+    """The model entries of a DCP checkpoint (checkpoints/step_<N>/model), read from its metadata alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
+            for key, meta in metadata.items()}
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "(not a tensor)" if shape is None else f"[{', '.join(map(str, shape))}]"
+
+
+def _some(items: list[str]) -> str:
+    return ", ".join(items[:SHOWN]) + (f", ... ({len(items)} in all)" if len(items) > SHOWN else "")
+
+
+def model_differences(saved: Shapes, model: Shapes) -> str | None:
+    """How the saved entries differ from the model's ('missing ...; unexpected ...; shape mismatch ...'), or
+    None when every name and shape agrees."""
+    missing = sorted(set(model) - set(saved))
+    unexpected = sorted(set(saved) - set(model))
+    mismatched = sorted(n for n in set(model) & set(saved)
+                        if saved[n] is not None and model[n] is not None and saved[n] != model[n])
+    parts = []
+    if missing:
+        parts.append(f"missing from the saved weights (the model has them): "
+                     f"{_some([f'{n} {_shape(model[n])}' for n in missing])}")
+    if unexpected:
+        parts.append(f"unexpected (saved, the model has no such entry): "
+                     f"{_some([f'{n} {_shape(saved[n])}' for n in unexpected])}")
+    if mismatched:
+        shapes = [f"{n} saved {_shape(saved[n])}, model {_shape(model[n])}" for n in mismatched]
+        parts.append(f"shape mismatch: {_some(shapes)}")
+    return "; ".join(parts) or None
+
+
+def is_checkpoint_exception(error: BaseException) -> bool:
+    """torch's CheckpointException (DCP's failure on any rank) derives from BaseException, so `except Exception`
+    lets it through; an interrupt or exit is not one."""
+    return not isinstance(error, (Exception, KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def failure_summary(error: BaseException) -> str:
+    """One line per failure of a DCP CheckpointException (its message lists only the ranks), else the error's."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        lines.append(f"rank {rank}: {type(cause).__name__}: {str(cause).strip()}")
+    return "; ".join(dict.fromkeys(lines))

@@ -10,6 +10,8 @@ import torch
 from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader, DistributedSampler
 
+from workbench.training.first_step import check_metrics, differing_keys
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -44,6 +46,7 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
     loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
     model.eval()
     totals: dict[str, torch.Tensor] = {}
+    keys: list[str] | None = None  # the metric keys of the first batch, that every batch must return
     count = torch.zeros((), device=device, dtype=torch.float64)
     for i, batch in enumerate(loader):
         if cfg.eval_batches and i >= cfg.eval_batches:
@@ -57,6 +60,12 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
         else:
             with batch_context(batch) if batch_context else nullcontext(), forward_context():
                 loss, extras = split_loss(task.loss(model, batch))
+        check_metrics(task, extras)  # a few isinstance checks per batch: nothing beside its forward
+        if keys is not None and sorted(extras) != keys:
+            raise ValueError(f"{type(task).__name__}.loss returned metrics {keys} on one eval batch and "
+                             f"{sorted(extras)} on another; return the same keys on every call (0.0 where there is "
+                             "nothing to report), as evaluation averages each over every batch")
+        keys = sorted(extras)
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
         for name, value in {"loss": loss, **extras}.items():
             value = torch.as_tensor(value, device=device, dtype=torch.float64)
@@ -64,8 +73,15 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
         count += n
     model.train()
     names = sorted(totals)
+    # The ranks reduce their sums by position: they must hold the same names, or the reduction mixes metrics up
+    # (or waits forever for a tensor of another size). One small gather per evaluation agrees them first.
+    parts = gather_object([names]) if accelerator.num_processes > 1 else [names]
     if eval_loss is not None:  # ranks without a loss must still reduce the same metrics, as zeros
-        names = sorted({name for part in gather_object([names]) for name in part})
+        names = sorted({name for part in parts for name in part})
+    else:
+        problem = differing_keys(task, parts, "in evaluation (with the loss)")
+        if problem:
+            raise ValueError(problem)
     zero = torch.zeros((), device=device, dtype=torch.float64)
     stacked = torch.stack([totals.get(k, zero) for k in names] + [count])
     summed = accelerator.reduce(stacked, "sum").cpu()

@@ -1,10 +1,7 @@
-"""The per-rank training loop.
-
-Every rank runs `Trainer.fit()`. The loop only sequences a step: micro-batches with gradient sync held
-back until the last one, clipping, the update; then logging, evaluation and checkpoints when due. How
-the model is parallel (parallel.py), how metrics are agreed and written (logger.py), how checkpoints are
-saved and restored (checkpoint.py) and what the summary says (report.py) live in their own modules.
-"""
+"""The per-rank training loop. Every rank runs `Trainer.fit()`; the loop only sequences a step (micro-batches with
+gradient sync held back until the last one, clipping, the update; then logging, evaluation and checkpoints when
+due). How the model is parallel (parallel/), metrics (logger.py), checkpoints (checkpoint.py), the summary
+(outcome.py) and the first step's checks of the task (first_step.py) live in their own modules."""
 
 from __future__ import annotations
 
@@ -24,6 +21,7 @@ from workbench import data
 from workbench.config import ParallelDims, RunConfig
 from workbench.rundir import MetricsRow, RunDir, Status, lock
 from workbench.tasks import Task
+from workbench.tasks.base import dataset_pair
 from workbench.training import autobatch, monitor
 from workbench.training.accelerator import build_accelerator
 from workbench.training.agreement import Agreement, Verdict, votes_every_step
@@ -33,16 +31,17 @@ from workbench.training.checkpoint import Checkpointer
 from workbench.training.compiling import CompileWatch, compiled_module
 from workbench.training.compiling import describe as describe_compile
 from workbench.training.evaluation import evaluate
+from workbench.training.first_step import FirstStep, check_trainable
 from workbench.training.guard import Guard
 from workbench.training.logger import MetricsLogger
 from workbench.training.memory import method as tracking_method
 from workbench.training.memory import tracked
-from workbench.training.stage_memory import METHOD as LIVE_METHOD
-from workbench.training.stage_memory import live_tracked
 from workbench.training.optim import build_optimizer, set_lr
-from workbench.training.outcome import export_weights, first_leaf_dtype, running_fields, summary_fields
+from workbench.training.outcome import check_replicas, export_weights, first_leaf_dtype, running_fields, summary_fields
 from workbench.training.parallel import parallelize
 from workbench.training.profiling import StepProfiler
+from workbench.training.stage_memory import METHOD as LIVE_METHOD
+from workbench.training.stage_memory import live_tracked
 from workbench.training.step import accumulate
 from workbench.training.tracker_log import RunTrackers
 from workbench.training.train_state import TrainerState
@@ -85,7 +84,7 @@ class Trainer:
 
         data.reset_used_datasets()  # a forked rank inherits the kernel's list; record only this run's data
         model = self._build_model()
-        train_ds, self.eval_ds = task.build_datasets(cfg)
+        train_ds, self.eval_ds = dataset_pair(task, task.build_datasets(cfg))
         self.collate_fn = task.collate_fn(cfg)
         self.compiled = CompileWatch(cfg, compiled_module(cfg, model))  # named before FSDP renames its class
         self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task))
@@ -103,6 +102,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
         self.agreement = Agreement(self.accelerator, self.run, self.guard,
                                    every_step=votes_every_step(cfg, self.parallel))
+        self.first_step: FirstStep | None = FirstStep(task, self.parallel, self.accelerator, cfg)
         # Started by fit(), stopped by close(): model building and data loading are not idle training time.
         self.breakdown = StepBreakdown(self.device, self.parallel.comm_stats)
         self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)
@@ -216,7 +216,8 @@ class Trainer:
         or gradient norm is not finite is never applied."""
         cfg, parallel, step = self.cfg, self.parallel, self.state.step
         self.lr = set_lr(parallel.optimizer, self.task.lr_scale(step, cfg))
-        step_loss = accumulate(parallel, self.task, batches, cfg.grad_accum_steps, self.device,
+        first, self.first_step = self.first_step, None  # its checks, once per session
+        step_loss = accumulate(parallel, first.task if first else self.task, batches, cfg.grad_accum_steps, self.device,
                                at=lambda where: self._at(step, where), before_last_backward=self.agreement.start)
         self._at(step, "optimizer")
         grad_norm = None
@@ -229,6 +230,8 @@ class Trainer:
         if verdict.nonfinite:
             self._diverged(verdict.reason)
             return grad_norm, verdict
+        if first is not None:
+            first.check()
         if parallel.step():
             self.state.skipped_steps += 1  # fp16 overflow: the scaler skipped the update and lowered the scale
             self.consecutive_skips += 1
@@ -300,6 +303,7 @@ class Trainer:
                                 tokens_per_s=tokens / session_time if tokens else None,
                                 steps_run=self.state.step - steps0)
         if status is not Status.DIVERGED:
+            check_replicas(self, fields)
             fields["weights_sha256"] = export_weights(self)
             value = self.task.rank_value(self.parallel.model, self.cfg)
             if value is not None:
@@ -332,6 +336,7 @@ class Trainer:
         model = task.build_model(cfg)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a torch.nn.Module")
+        check_trainable(task, model)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_sample = task.flops_per_sample(cfg, model)
         self.tokens_per_sample = task.tokens_per_sample(cfg)

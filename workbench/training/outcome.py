@@ -9,6 +9,8 @@ import torch
 from accelerate.utils import gather_object
 
 from workbench import data
+from workbench.rundir import Status
+from workbench.training.first_step import BYPASS_FIX, UnsyncedReplicas
 from workbench.training.measures import peak_memory_bytes, state_digest
 from workbench.utils.files import atomic_write_bytes
 from workbench.utils.hardware import detect
@@ -93,6 +95,26 @@ def summary_fields(t: Trainer, *, samples_per_s: float, tokens_per_s: float | No
         "mfu": t.mfu(samples_per_s),
     }
     return fields
+
+
+def check_replicas(t: Trainer, fields: dict[str, Any]) -> None:
+    """Collective, at the end: the replicas of a replicated layout (every rank holds the whole model) end with the
+    same parameters, or every rank raises UnsyncedReplicas, rank 0 first recording what the ranks reported (their
+    digests and gradient syncs). Buffers are left out: DDP broadcasts them at each forward, and a last forward in
+    training mode updates each rank's running statistics from its own batch."""
+    if t.world == 1 or t.parallel.sharded or len({r["weights_sha256"] for r in fields["ranks"]}) == 1:
+        return  # the whole states are equal (their digests are taken anyway): nothing more to compare
+    digests = gather_object([state_digest(dict(t.parallel.module.named_parameters()))])
+    if len(set(digests)) == 1:
+        return
+    if t.main:
+        t.run.set_status(Status.RUNNING, **running_fields(t), **fields)
+    syncs = [r.get("gradient_syncs") for r in fields["ranks"]]
+    raise UnsyncedReplicas(
+        f"the replicas' parameters differ at the end of training (parallelism={t.cfg.parallelism!r}; sha256 "
+        + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)) + f"; gradient syncs per rank: {syncs}): "
+        f"there is no one trained model, and model.safetensors was not written. {BYPASS_FIX[0].upper()}"
+        f"{BYPASS_FIX[1:]}; or code changed parameters on some ranks only (an in-place edit under torch.no_grad())")
 
 
 def export_weights(t: Trainer) -> str | None:

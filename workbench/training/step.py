@@ -10,14 +10,16 @@ import torch
 from accelerate.utils import send_to_device
 
 from workbench.training.evaluation import split_loss
+from workbench.training.first_step import explain_ddp_error
 from workbench.training.memory import next_micro_batch
 
 if TYPE_CHECKING:
     from workbench.tasks import Task
+    from workbench.training.first_step import CheckedTask
     from workbench.training.parallel import Strategy
 
 
-def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: int, device: torch.device,
+def accumulate(strategy: Strategy, task: Task | CheckedTask, batches: Iterator[Any], accum: int, device: torch.device,
                at: Callable[[str], None] | None = None,
                before_last_backward: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor:
     """Forward and backward over `accum` micro-batches, gradient sync held back until the last; returns the
@@ -27,24 +29,28 @@ def accumulate(strategy: Strategy, task: Task, batches: Iterator[Any], accum: in
     if getattr(strategy, "pipelined", False):  # the pipeline schedule runs the micro-batches itself
         return strategy.pipeline_step(batches, accum, at, before_last_backward)  # type: ignore[attr-defined]
     step_loss = torch.zeros((), device=device)
-    for micro in range(accum):
-        last = micro == accum - 1
-        if at is not None:
-            at("data")
-        # Asynchronous from pinned batches (pin_memory): the copy overlaps the previous work; the stream still
-        # orders it before the forward that reads it.
-        batch = send_to_device(next(batches), device, non_blocking=True)
-        if at is not None:
-            at("forward/backward (Task.loss)")
-        with strategy.sync_gradients(last), strategy.batch_context(batch):
-            with strategy.forward_context():
-                loss, _ = split_loss(task.loss(strategy.model, batch))
-            step_loss += loss.detach().float() / accum
-            if last and before_last_backward is not None:
-                factor = before_last_backward(step_loss)
-                if factor is not None:
-                    loss = loss * factor.to(loss.dtype)
-            strategy.backward(loss / accum)
-        if not last:
-            next_micro_batch()
+    try:  # free in Python 3.11 unless something raises
+        for micro in range(accum):
+            last = micro == accum - 1
+            if at is not None:
+                at("data")
+            # Asynchronous from pinned batches (pin_memory): the copy overlaps the previous work; the stream still
+            # orders it before the forward that reads it.
+            batch = send_to_device(next(batches), device, non_blocking=True)
+            if at is not None:
+                at("forward/backward (Task.loss)")
+            with strategy.sync_gradients(last), strategy.batch_context(batch):
+                with strategy.forward_context():
+                    loss, _ = split_loss(task.loss(strategy.model, batch))
+                step_loss += loss.detach().float() / accum
+                if last and before_last_backward is not None:
+                    factor = before_last_backward(step_loss)
+                    if factor is not None:
+                        loss = loss * factor.to(loss.dtype)
+                strategy.backward(loss / accum)
+            if not last:
+                next_micro_batch()
+    except RuntimeError as e:
+        explain_ddp_error(e)
+        raise
     return step_loss

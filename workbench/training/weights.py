@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.training.checkpoint_files import verify_part
+from workbench.training.checkpoint_files import (
+    CheckpointLoadError,
+    ModelMismatchError,
+    failure_summary,
+    is_checkpoint_exception,
+    model_differences,
+    saved_model_shapes,
+    shapes_of,
+    verify_part,
+)
 from workbench.training.measures import state_digest
 from workbench.utils.distributed import single_process_dcp
 
@@ -44,10 +53,10 @@ def _load_final(run: RunDir, state: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import load_file
 
     saved = load_file(str(run.weights_path))
-    missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
-    if missing or unexpected:
-        raise ValueError(f"{run.weights_path} doesn't match the task's model: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}; was the run trained with other task_options?")
+    differences = model_differences(shapes_of(saved), shapes_of(state))
+    if differences:
+        raise ModelMismatchError(f"{run.weights_path} doesn't match the task's model: {differences}. "
+                                 f"{_CHANGED_CODE}")
     want = run.summary().to_dict().get("weights_sha256")
     if want and state_digest(saved) != want:
         raise ValueError(f"{run.weights_path} does not match the sha256 in summary.json (damaged or replaced); "
@@ -62,8 +71,7 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
 
     found = dict(run.checkpoints())
     if not found:
-        raise FileNotFoundError(f"{run.path} has neither {run.weights_path.name} nor a complete checkpoint: the run "
-                                "ended before saving any weights")
+        raise FileNotFoundError(_no_weights_yet(run, step))
     if step is None:
         step = max(found)
         log.warning("%s has no %s; loading the newest checkpoint (step %d)", run.name, run.weights_path.name, step)
@@ -71,10 +79,48 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
         raise ValueError(f"step={step}: {run.name} has complete checkpoints at steps {sorted(found)} only "
                          f"(keep_checkpoints keeps the newest few)")
     verify_part(found[step], "model")  # as a resume would: a damaged shard must not load as weights
+    # Checked first: DCP would load a model that lost a layer without a word, and report a changed one as a
+    # CheckpointException (a BaseException, past `except Exception`) without the parameter's name.
+    differences = model_differences(saved_model_shapes(found[step] / "model"), shapes_of(state))
+    if differences:
+        raise ModelMismatchError(f"checkpoint {found[step]} doesn't match the task's model: {differences}. "
+                                 f"{_CHANGED_CODE}")
     # DCP loads in place into the tensors of `state` (the model's own), resharding whatever layout saved them;
     # without a process group it loads in this one process, which is what is meant here.
-    with single_process_dcp():
-        dcp.load({"model": state}, checkpoint_id=str(found[step] / "model"))
+    try:
+        with single_process_dcp():
+            dcp.load({"model": state}, checkpoint_id=str(found[step] / "model"))
+    except BaseException as e:
+        if not is_checkpoint_exception(e):
+            raise
+        raise CheckpointLoadError(f"checkpoint {found[step]}: the model could not be loaded: "
+                                  f"{failure_summary(e)}") from e
+
+
+_CHANGED_CODE = ("The task's code changed since the run saved it (the config is the run's own): load it with the "
+                 "task as it was (wb.RunResult(run_dir, task=TheTaskAsItWas())), or build the model yourself and "
+                 "load what matches")
+
+
+def _no_weights_yet(run: RunDir, step: int | None) -> str:
+    """Why a run has no weights to load: still before its first checkpoint, or ended without one."""
+    from workbench.rundir import Status
+
+    try:
+        status, _ = run.observed_status()
+    except ValueError:  # a damaged summary: said where it is read
+        status = None
+    if status in (Status.STARTING, Status.RUNNING):
+        row = run.last_train_row()
+        at = f" (at step {row['step']})" if row and row.get("step") is not None else ""
+        cfg = run.config()
+        every = cfg.checkpoint_every if cfg is not None else 0
+        when = (f"its first checkpoint comes at step {every}" if every else
+                "with checkpoint_every=0 it saves only at the end (or when stopped)")
+        return (f"{run.name} is still {status.value}{at} and has saved no checkpoint yet: {when}. Wait for it, then "
+                "call load_model() again, or load_model(step=N) with a step it has saved by then")
+    ended = f"the run ended ({status.value}) before saving any weights" if status else "no weights were saved"
+    return f"{run.path} has neither {run.weights_path.name} nor a complete checkpoint: {ended}"
 
 
 def save_rank_value(run: RunDir, rank: int, value: Any) -> None:

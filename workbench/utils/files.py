@@ -4,6 +4,8 @@ A JSON or text file is written to a unique temp file beside it, flushed to disk,
 old one, so a reader (or a crash) sees the old file or the new one, never half of either. JSONL files grow
 by one write() per line on an O_APPEND descriptor; a line torn by a crash is ended before the next one is
 appended, and readers skip (and name) a line they can't parse.
+
+Reading JSONL files of any length (a long run's metrics): workbench/utils/jsonl.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from workbench.utils.jsonl import JSON_TYPES as _JSON_TYPES
+from workbench.utils.jsonl import JsonlRows
 
 _UMASK_LOCK = threading.Lock()
 log = logging.getLogger("workbench")
@@ -92,10 +97,6 @@ def read_json(path: Path) -> Any:
         return None
 
 
-_JSON_TYPES = {dict: "a JSON object", list: "a JSON list", str: "a JSON string", int: "a JSON number",
-               float: "a JSON number", bool: "a JSON boolean", type(None): "JSON null"}
-
-
 def read_json_checked(path: Path, expect: type = dict) -> Any:
     """The parsed file, or None when it is missing; DamagedFileError naming the file when it can't be read,
     isn't UTF-8 JSON, or holds something other than `expect` (a JSON object: dict)."""
@@ -155,42 +156,10 @@ def _end_torn_line(fd: int, path: Path) -> bytes:
     return b"\n"
 
 
-_WARNED: set[tuple[str, int, bytes]] = set()
-"""Damaged lines already reported: a reader that polls a file (a dashboard) warns about each line once."""
-
-
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, one a line; a line that isn't one is skipped with a warning naming the
-    file and line (a last line without its end is skipped silently: it may be being written)."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return []
-    lines = data.split(b"\n")
-    rows: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            row, problem = None, "not UTF-8 text"
-        except json.JSONDecodeError as e:
-            row, problem = None, f"not valid JSON ({e.msg})"
-        else:
-            problem = None if isinstance(row, dict) else f"{_JSON_TYPES.get(type(row), 'a value')}, not a JSON object"
-        if problem is None:
-            rows.append(row)
-        elif number < len(lines):
-            _warn_once(path, number, line, problem)
-    return rows
-
-
-def _warn_once(path: Path, number: int, line: bytes, problem: str) -> None:
-    key = (str(path), number, line[:64])
-    if key not in _WARNED:
-        _WARNED.add(key)
-        log.warning("%s, line %d: skipped, %s: %r", path, number, problem, line[:80])
+    file and line (a last line without its end is skipped silently: it may be being written). jsonl.py reads."""
+    return JsonlRows(path).read()
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:

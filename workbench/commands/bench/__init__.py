@@ -1,5 +1,5 @@
 """Benchmarks, each measured side by side in one run: `workbench bench overhead | precision | parallelism |
-compile | launch | estimate | estimate-speed | dashboard | imports`."""
+compile | launch | estimate | estimate-speed | dashboard | big-run | imports`."""
 
 from __future__ import annotations
 

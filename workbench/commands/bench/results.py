@@ -21,7 +21,7 @@ def measured_on() -> dict[str, Any]:
     from workbench.version import __version__
 
     hardware = detect()
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **machine_id(), "gpus": [g.name for g in hardware.gpus], "device_class": hardware.device_class,
             "load_average_1min": round(os.getloadavg()[0], 2), "platform": platform.platform(),
             "cuda": torch.version.cuda, "workbench": __version__}

@@ -4,6 +4,7 @@ compression hook); 'zero1' also shards the optimizer state (ZeroRedundancyOptimi
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
     from workbench.config import RunConfig
 
+log = logging.getLogger("workbench")
+
 
 class Replicated(Strategy):
     """DDP when there is more than one rank (a plain module otherwise), autocast for bf16/fp16."""
@@ -39,10 +42,14 @@ class Replicated(Strategy):
         # adds them (one copy of the gradients) and their all-reduce from their known size.
         if accelerator.num_processes > 1 and not getattr(accelerator, "tracing", False):
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.module, device_ids=ids)
+            self.model = DistributedDataParallel(self.module, device_ids=ids,
+                                                 find_unused_parameters=cfg.find_unused_parameters)
             self.comm_stats = DDPCommStats(self.model)
             if cfg.grad_compression != "none":
                 self._register_hook(cfg)
+        elif cfg.find_unused_parameters and not getattr(accelerator, "tracing", False):  # one rank: no DDP
+            log.warning("find_unused_parameters=True: this run has one rank, hence no DistributedDataParallel to "
+                        "pass it to; the setting does nothing here")
         self.optimizer = make_optimizer(self.module)
         if cfg.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
