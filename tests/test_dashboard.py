@@ -266,6 +266,9 @@ def test_panel_bundle_has_the_widget_and_a_static_snapshot(tmp_path: Path, runs_
     page = bundle["text/html"]
     assert "data-status='ready'" in page and "global batch <b>16</b>" in page
     assert re.search(r"max steps</td><td [^>]*class='wb-snapshot-setting-max-steps'>42<", page)
+    # one line names the run; the twenty settings rows are behind it
+    assert "<summary><b>workbench</b>: digits, 2 processes, ddp, fp32, micro-batch 8 x 1, 42 steps</summary>" in page
+    assert page.index("<details") < page.index("wb-snapshot-setting-max-steps") < page.index("</details>")
     # What the settings imply, as the live panel shows it: the rank layout and the estimate box.
     assert panel.layout_box.value.strip()
     assert f"<div class='wb-snapshot-layout'>{panel.layout_box.value}</div>" in page
@@ -411,3 +414,27 @@ def test_lowering_the_priority_takes_only_the_calling_thread() -> None:
     thread.start()
     thread.join(10)
     assert seen == [1, 19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+@pytest.mark.parametrize("headless", [True, False], ids=["headless", "a-persons-notebook"])
+def test_a_panel_executed_headless_saves_the_estimate_that_arrived_after_its_cell(
+        runs_dir: Path, monkeypatch: pytest.MonkeyPatch, headless: bool) -> None:
+    """papermill keeps the snapshot as last displayed; the estimate arrives after the panel's cell has finished,
+    so a headless run refreshes the snapshot then (it stayed at "estimating..."). A person's notebook is left
+    alone: re-displaying would re-create the live widget's view under their cursor."""
+    import workbench.regress.recording as rec
+
+    monkeypatch.setattr(rec, "headless", lambda: headless)
+    cfg = wb.RunConfig(task="digits", num_processes=2, runs_dir=str(runs_dir))
+    panel = wb.Panel(cfg, display=False, estimate=False)
+    updates: list[dict] = []
+    panel._display = type("Handle", (), {"update": lambda self, bundle, raw: updates.append(bundle)})()
+    panel.estimate_box.state.status = "estimating"
+    assert updates == []
+    panel.estimate_box.html.value = "<div class='wb-estimate'>fits: 0.3 GiB of 16 GiB per rank</div>"
+    panel.estimate_box.state.status = "done"
+    if headless:
+        [bundle] = updates
+        assert "fits: 0.3 GiB of 16 GiB per rank" in bundle["text/html"] and WIDGET_VIEW in bundle
+    else:
+        assert updates == []

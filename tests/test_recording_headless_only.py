@@ -1,6 +1,6 @@
-"""Recorded metrics and curves ("[workbench] recorded run: ...", "[workbench curve] ...") appear only where a notebook
-is executed headless (papermill, nbconvert --execute, `workbench regress`), where the regression suite reads them
-back; a person's notebook shows none of them."""
+"""Recorded metrics and curves are kept only where a notebook is executed headless (papermill, nbconvert --execute,
+`workbench regress`), where the regression suite reads them back; a person's notebook gets none of them, and a
+saved notebook shows none (no text/plain line: only the suite's MIME types)."""
 
 from __future__ import annotations
 
@@ -71,11 +71,12 @@ def test_a_notebook_executed_headless_records_runs_metrics_and_curves(tmp_path: 
     monkeypatch.setattr(rec.kernel, "kernel_shell", lambda: _Shell(HEADLESS))
     assert rec.headless()
     assert _record_everything(tmp_path) == "run"
-    lines = [b["text/plain"] for b in shown]
-    assert lines[0].startswith("[workbench] recorded run: final_loss = 0.5")
-    assert lines[1] == "[workbench curve] run.loss: 1 points of loss by step"
-    assert lines[2].startswith("[workbench metric] val_loss = 1")
-    assert lines[3].startswith("[workbench curve] custom")
+    assert [next(iter(b)) for b in shown] == [rec.METRIC_MIME, rec.CURVE_MIME, rec.METRIC_MIME, rec.CURVE_MIME]
+    assert shown[0][rec.METRIC_MIME]["text"].startswith("recorded run: final_loss = 0.5")
+    assert shown[1][rec.CURVE_MIME]["name"] == "run.loss" and shown[1][rec.CURVE_MIME]["points"] == [[1, 0.7]]
+    assert shown[2][rec.METRIC_MIME]["name"] == "val_loss" and shown[3][rec.CURVE_MIME]["name"] == "custom"
+    # Nothing a saved notebook would print as a line of raw numbers: the suite's report shows them.
+    assert all(list(b) in ([rec.METRIC_MIME], [rec.CURVE_MIME]) for b in shown)
 
 
 @pytest.mark.parametrize(("hist_file", "said", "records"), [(INTERACTIVE, "1", True), (HEADLESS, "0", False)], ids=["interactive", "headless"])

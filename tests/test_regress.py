@@ -228,7 +228,13 @@ def test_cli_parameters_are_read_like_papermill() -> None:
 def test_shipped_smoke_suite_is_valid() -> None:
     suite = REPO / "regress" / "smoke.yaml"
     cases = load_targets([suite])  # raises if a notebook is missing
-    assert {c.notebook.name for c in cases} == {p.name for p in (REPO / "notebooks").glob("*.ipynb")}
+    gallery = load_targets([REPO / "regress" / "gallery.yaml"])  # CI runs it as its own step (.ci/run)
+    # every notebook is in one suite or the other, with its committed CPU baseline
+    assert sorted(c.notebook.name for c in [*cases, *gallery]) == \
+        sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+    for case in gallery:
+        assert load_baseline(baseline_path(case, "cpu")) is not None, case.id
+    assert "regress/gallery.yaml" in (REPO / ".ci" / "run").read_text()
     assert {c.profiles for c in cases} == {("smoke",)}
     rule, _ = cases[0].rule_for("run.samples_per_s", "higher")
     assert rule == Rule("higher_is_better", rel=0.6)
@@ -279,10 +285,10 @@ def test_record_run_names_runs_in_launch_order_and_reads_back(tmp_path: Path,
     assert metrics[:6] == ["run.final_loss", "run.eval_accuracy", "run.samples_per_s", "run.peak_memory_bytes",
                            "run.wall_time_s", "run.eval_perplexity"]  # tokens_per_s is None: left out
     assert len(metrics) == 18
-    assert all("text/plain" in b for b in fake_kernel)
+    assert not any("text/plain" in b for b in fake_kernel), "a saved notebook prints no raw record lines"
     summaries = [b for b in fake_kernel if rec.METRIC_MIME in b]
     assert len(summaries) == 3, "one output per recorded run, not one per metric"
-    assert summaries[0]["text/plain"].startswith("[workbench] recorded run: final_loss = 1")
+    assert summaries[0][rec.METRIC_MIME]["text"].startswith("recorded run: final_loss = 1")
     # Read back from a notebook holding these outputs, as an executed notebook would.
     outputs = [nbformat.v4.new_output("display_data", data=b) for b in fake_kernel]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("wb.launch(cfg)", outputs=outputs)])
@@ -447,13 +453,21 @@ MALFORMED_BASELINES = [  # (file text, what the error must say is wrong)
     ('{"metrics": [1.0]}', r"'metrics' is \[1.0\], not a mapping"),
     ('{"metrics": {"val_loss": 1.0}}', r"metrics\['val_loss'\] is 1.0, not \{'value'"),
     ('{"metrics": {"val_loss": {"value": null}}}', r"metrics\['val_loss'\].value=None: must be a number"),
-    ('{"metrics": {}, "curves": {"loss": [[1, "low"]]}}', r"curves\['loss'\] is \[\[1, \"low\"\]\]: use a list of"),
+    ('{"metrics": {"steps": {"value": 10}}, "curves": {"loss": [[1, "low"]]}}',
+     r"curves\['loss'\] is \[\[1, \"low\"\]\]: use a list of"),
+    ('{"metrics": {}}', r"'metrics' is empty: a baseline compares at least one metric"),
+    ('{"metrics": {"val_loss": {"value": 1.0, "value": 50.0}}}',
+     (r"key 'value' is written twice in metrics\['val_loss'\] \(first 1.0, then 50.0\); JSON would silently keep "
+      r"the last, so write each key once")),
+    ('{"metrics": {"val_loss": {"value": 1.0}}, "metrics": {"val_loss": {"value": 50.0}}}',
+     r"key 'metrics' is written twice in the top-level object \(first"),
 ]
 
 
 @pytest.mark.parametrize(("text", "problem"), MALFORMED_BASELINES,
                          ids=["null", "string", "list", "empty-mapping", "no-metrics", "not-json", "empty-file",
-                              "metrics-list", "metric-no-value", "value-null", "curve-text"])
+                              "metrics-list", "metric-no-value", "value-null", "curve-text", "metrics-empty",
+                              "duplicate-value", "duplicate-metrics"])
 def test_a_malformed_baseline_is_a_value_error_naming_the_file_and_the_problem(tmp_path: Path, text: str,
                                                                               problem: str) -> None:
     path = tmp_path / "cpu" / "t.c.json"
@@ -505,6 +519,23 @@ def test_update_baselines_rewrites_a_malformed_baseline(tmp_path: Path) -> None:
     assert load_baseline(path)["metrics"]["val_loss"]["value"] == 1.0
     [case] = json.loads((tmp_path / "report" / "results.json").read_text())["cases"]
     assert case["status"] == "updated" and any("holds JSON null" in n for n in case["notes"])
+
+
+@pytest.mark.slow
+def test_update_baselines_of_a_notebook_that_records_nothing_writes_no_empty_baseline(tmp_path: Path) -> None:
+    nb = nbformat.read(FIXTURES / "records_metric.ipynb", as_version=4)
+    nb.cells = [cell for cell in nb.cells if "wb.record" not in cell.source]  # runs, records nothing
+    nbformat.write(nb, tmp_path / "records_nothing.ipynb")
+    suite = write_suite(tmp_path, [{"notebook": "records_nothing.ipynb"}])
+    code = run_suite([suite], parameters={}, out=tmp_path / "report", baselines=None, update_baselines=True,
+                     junit=None, profile=None)
+    path = tmp_path / "baselines" / "cpu" / "t.records_nothing.json"
+    assert code == 2 and not path.exists(), "a baseline comparing nothing would pass every later run"
+    [case] = json.loads((tmp_path / "report" / "results.json").read_text())["cases"]
+    assert case["status"] == "error" and case["error"]["kind"] == "no metrics"
+    assert case["error"]["message"] == (f"baseline {path}: not written: the notebook of t.records_nothing recorded "
+                                        "no metrics, and a baseline compares at least one; call wb.record(name, "
+                                        "value) in it, or launch a run there")
 
 
 def test_a_broken_baseline_is_reported_before_any_notebook_runs(tmp_path: Path,

@@ -53,9 +53,16 @@ def panel_html(panel: Panel) -> str:
     its status and error, and the run's dashboard."""
     settings = [(name.replace("_", " "), "" if control.value is None else str(control.value))
                 for name, control in panel.controls.items()]
+    # One line names the run; every setting is a click away (a saved notebook read top to bottom shouldn't wade
+    # through twenty rows before what they imply).
+    value = {name: control.value for name, control in panel.controls.items()}
+    line = ", ".join(str(v) for v in (
+        value.get("task"), f"{value.get('num_processes')} processes", value.get("parallelism"), value.get("precision"),
+        f"micro-batch {value.get('micro_batch_size')} x {value.get('grad_accum_steps')}",
+        f"{value.get('max_steps')} steps") if v is not None)
     parts = [("<div class='wb-snapshot wb-snapshot-panel'>"
-              "<h3 style='margin:0.2em 0'>workbench: run settings</h3>"),
-             table(settings, "wb-snapshot-setting-"),
+              f"<details class='wb-snapshot-settings'><summary><b>workbench</b>: {html.escape(line)}</summary>"),
+             table(settings, "wb-snapshot-setting-"), "</details>",
              f"<div>{panel.batch_info.value}</div><div>{panel.launch_info.value}</div>",
              # What the settings imply, as the live panel shows it beside them: the ranks' layout and the estimate.
              f"<div class='wb-snapshot-layout'>{panel.layout_box.value}</div>",

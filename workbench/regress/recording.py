@@ -1,8 +1,10 @@
 """Metrics a notebook hands to the regression suite: `wb.record(...)` and `record_run(result)`.
 
-A recorded metric is a display_data output with the MIME type `application/vnd.workbench.metric+json` (and a
-text/plain line for people), so it lives in the executed notebook itself: the suite reads it back with nbformat,
-and nothing is written beside the notebook. Loss curves travel the same way as `application/vnd.workbench.curve+json`.
+A recorded metric is a display_data output with the MIME type `application/vnd.workbench.metric+json` alone, so
+it lives in the executed notebook itself (the suite reads it back with nbformat, and nothing is written beside the
+notebook) and shows nowhere: no text/plain fallback, which JupyterLab, nbconvert and the docs would print as a
+line of raw numbers in the saved notebook; the suite's report is where people read them. Loss curves travel the
+same way as `application/vnd.workbench.curve+json`.
 They are displayed only where a notebook is executed headless (`workbench regress`, papermill, nbconvert
 --execute: see `headless()`); in a person's notebook nothing would read them back, so nothing is shown, and
 outside a Jupyter kernel neither: scripts and tests can call these freely.
@@ -151,7 +153,7 @@ def record(name: str, value: float, *, direction: str | None = None,
     if not headless():
         log.info("recorded %s (not a notebook executed headless: nothing is kept for the regression suite)", text)
         return
-    _display({METRIC_MIME: payload, "text/plain": f"[workbench metric] {text}"})
+    _display({METRIC_MIME: payload})
 
 
 def record_curve(name: str, points: Sequence[Sequence[float]], *, x: str = "step", y: str = "loss") -> None:
@@ -161,8 +163,7 @@ def record_curve(name: str, points: Sequence[Sequence[float]], *, x: str = "step
     if not headless():
         log.debug("curve %s: %d points (not a notebook executed headless: nothing recorded)", name, len(clean))
         return
-    _display({CURVE_MIME: {"name": name, "x": x, "y": y, "points": clean},
-              "text/plain": f"[workbench curve] {name}: {len(clean)} points of {y} by {x}"})
+    _display({CURVE_MIME: {"name": name, "x": x, "y": y, "points": clean}})
 
 
 def _new_run_name(prefix: str) -> str:
@@ -222,8 +223,7 @@ def record_run(result: RunResult, prefix: str = "") -> str | None:
             payloads.append(payload)
             texts.append(text.removeprefix(f"{name}."))
     if payloads:  # one output per run: a notebook shows one line, not one per metric
-        _display({METRIC_MIME: {"metrics": payloads},
-                  "text/plain": f"[workbench] recorded {name}: " + ", ".join(texts)})
+        _display({METRIC_MIME: {"metrics": payloads, "text": f"recorded {name}: " + ", ".join(texts)}})
     points = [[row.step, row.loss] for row in result.dir.metrics_rows() if row.loss is not None]
     if points:
         record_curve(f"{name}.loss", points)

@@ -95,6 +95,7 @@ class Panel(RunActions):
         self._fill(base)
         self._displayed_in: int | None = None
         self._display: Any = None  # the handle that refreshes the static snapshot when a run ends
+        self.estimate_box.state.observe(self._estimate_arrived, names="status")
         if display and in_kernel():
             from IPython import get_ipython
             from IPython.display import display as show

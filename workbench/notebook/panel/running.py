@@ -189,6 +189,14 @@ class RunActions:
         assert self.result is not None
         return self.result
 
+    def _estimate_arrived(self: Panel, change: dict[str, Any]) -> None:
+        """Executed headless (papermill), the saved snapshot is the last displayed: refresh it when an estimate
+        arrives after the cell ended. Only there: re-displaying re-creates the live widget under a person's cursor."""
+        from workbench.regress.recording import headless
+
+        if change["new"] in ("done", "error") and self._display is not None and headless():
+            self._display.update(self._repr_mimebundle_(), raw=True)
+
     def save_yaml(self: Panel, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the config as YAML (the Save button, to the path in the text box) for `workbench train`."""
         cfg = self.config
