@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -55,3 +56,6 @@ def test_shipped_smoke_case_passes_against_its_committed_baseline(tmp_path: Path
         panels = [o["data"]["text/html"] for o in outputs
                   if "wb-snapshot-panel" in o.get("data", {}).get("text/html", "")]
         assert len(panels) == 1 and "data-status='completed'" in panels[0], path
+        # executed headless, the panel waited for its estimate: the saved snapshot has it, not "estimating..."
+        shown = re.sub(r"<[^>]+>", "", panels[0])
+        assert "estimating" not in shown and "Estimate on this machine" in shown, path
