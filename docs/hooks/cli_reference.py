@@ -24,7 +24,7 @@ def on_page_markdown(markdown, page, config, files):
 def cli_reference() -> str:
     from workbench import cli
 
-    parser = getattr(cli, "build_parser", None) or cli._parser
+    parser = cli._parser
     before = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = WIDTH
     try:

@@ -44,7 +44,7 @@ class Step:
     skipped: str = ""
     """Why this machine can't run it ("" when it runs)."""
     table: bool = True
-    """Its output ends with a table for the README."""
+    """Its output ends with a table of what each step found."""
     typical_s: int = 0
     """How long it usually takes (0: not declared); only shown, the plan uses the cap."""
     result: Path | None = None

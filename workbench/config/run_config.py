@@ -87,7 +87,7 @@ class RunConfig:
     compile: Literal["off", "model", "blocks"] = "off"
     """torch.compile: 'blocks' compiles each repeated block (torchtitan's way: after tensor parallel and activation
     checkpointing, before FSDP); 'model' the whole model once it is parallel; 'off' trains eagerly. The first
-    steps compile (seconds to a minute, cached for later launches): it pays on long runs (README, "Compile")."""
+    steps compile (seconds to a minute, cached for later launches): it pays on long runs (the docs' Compile guide)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile's backend: 'inductor' generates fused kernels; 'aot_eager' traces forward and backward
     without generating code (a quick check that a model compiles); 'eager' captures graphs only."""

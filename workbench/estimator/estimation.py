@@ -123,8 +123,8 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
                  plan.describe(run), cfg.num_processes)
     if cfg.compile != "off":
         est.assumptions.append(f"compile={cfg.compile!r}: the step is priced as eager's (compiled steps measured "
-                               "0.84-1.23x eager's on a 2-core CPU: README, Compile); the first step also compiles, "
-                               "15-26 s with an empty cache and 3-5 s warm there, outside the step time")
+                               "0.84-1.23x eager's on a 2-core CPU: the docs' Compile guide); the first step also "
+                               "compiles, 15-26 s with an empty cache and 3-5 s warm there, outside the step time")
     if partition and local:
         est.assumptions.append(f"Slurm partition {partition}: CPU nodes, priced as this machine's cores and its gloo "
                                "collectives (between nodes, the cluster's network decides)")

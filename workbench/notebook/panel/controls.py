@@ -87,7 +87,7 @@ def build_controls(device: str, task_options: list[tuple[str, str]]
                                              ("the whole model", "model")],
                                     description="torch.compile", style=STYLE, layout=_wide(),
                                     tooltip="the first steps compile (cached for later launches); pays on long "
-                                            "runs, see the README's Compile section"),
+                                            "runs, see the docs' Compile guide"),
         "precision": widgets.Dropdown(options=precisions, description="precision", style=STYLE, layout=_wide(),
                                       tooltip="; ".join(reasons.values()) or None),
         # Text, not a number box: 'auto' (the largest that fits, chosen by the ranks) is a value too.
