@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import time
 from pathlib import Path
 
@@ -51,15 +52,36 @@ def test_the_benchmark_runs_both_arms_of_one_config(tmp_path: Path) -> None:
         dashboard_cost(steps=40, pairs=0)
 
 
-def test_the_command_line_parses_and_calls_the_benchmark(monkeypatch: pytest.MonkeyPatch,
+def test_the_command_line_parses_and_calls_the_benchmark(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     called: dict[str, object] = {}
 
     def fake(**kwargs: object) -> DashboardReport:
         called.update(kwargs)
+        if kwargs["json_path"] is not None:
+            Path(str(kwargs["json_path"])).parent.mkdir(parents=True, exist_ok=True)
+            Path(str(kwargs["json_path"])).write_text("{}")
         return _report([(100.0, 99.0)])
 
     monkeypatch.setattr("workbench.commands.bench.dashboard_cost.dashboard_cost", fake)
+    monkeypatch.chdir(tmp_path)  # no benchmarks/results here: no result file unless --json names one
     assert main(["bench", "dashboard", "--steps", "300", "--pairs", "2"]) == 0
     assert called == {"steps": 300, "pairs": 2, "json_path": None}
     assert "workbench bench dashboard" in capsys.readouterr().out
+
+
+def test_a_bench_run_in_a_checkout_keeps_its_result_under_benchmarks_results(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from workbench.commands.bench.results import machine_tag
+
+    paths: list[object] = []
+    monkeypatch.setattr("workbench.commands.bench.dashboard_cost.dashboard_cost",
+                        lambda **kw: paths.append(kw["json_path"]) or _report([(100.0, 99.0)]))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    assert main(["bench", "dashboard", "--pairs", "1"]) == 0
+    today = datetime.date.today().isoformat()
+    assert paths[-1] == Path("benchmarks/results/dashboard") / f"{today}-{machine_tag()}.json"
+    assert machine_tag() == (f"cpu-{os.cpu_count()}cores" if not detect().gpus else machine_tag())
+    assert main(["bench", "dashboard", "--pairs", "1", "--no-json"]) == 0 and paths[-1] is None
+    assert main(["bench", "dashboard", "--pairs", "1", "--json", "mine.json"]) == 0 and paths[-1] == Path("mine.json")

@@ -137,12 +137,22 @@ def test_sci_labels_and_ema() -> None:
 def test_overlaid_runs_differ_in_colour_line_style_and_marker() -> None:
     fig = Figure()
     draw(fig, [(name, _rows_with_wobble()) for name in ("fp32", "bf16", "fp16")])
-    emas = [line for line in fig.axes[0].get_lines() if line.get_label().endswith("(EMA)")]
+    emas = [line for line in fig.axes[0].get_lines() if line.get_label() in ("fp32", "bf16", "fp16")]
     assert len(emas) == 3
     for attr in ("get_color", "get_linestyle", "get_marker"):
         assert len({getattr(line, attr)() for line in emas}) == 3, attr
-    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == \
-           ["fp32 train (EMA)", "bf16 train (EMA)", "fp16 train (EMA)"]
+    # One legend entry per run; the title says what the lines are.
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["fp32", "bf16", "fp16"]
+    assert fig.axes[0].get_title() == "loss (log scale), train smoothed (EMA)"  # 2/s: past a decade
+
+
+def test_overlaid_runs_with_evaluations_get_one_eval_entry_not_one_per_run() -> None:
+    fig = Figure()
+    rows = [dict(r, eval_loss=r["loss"] * 1.1) if r["step"] % 20 == 0 else r for r in _rows_with_wobble()]
+    draw(fig, [("ddp", rows), ("zero3", rows)])
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["ddp", "zero3", "eval (hollow markers)"]
+    evals = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == "None" and len(line.get_xdata())]
+    assert len(evals) == 2 and {line.get_color() for line in evals} == {"C0", "C1"}
 
 
 def test_the_loss_axis_goes_log_once_the_loss_spans_a_decade_and_the_toggle_decides() -> None:

@@ -261,10 +261,25 @@ def test_rows_without_monitoring_keep_the_four_panels() -> None:
     fig = Figure()
     draw(fig, [("run", [{k: v for k, v in r.items() if not k.endswith("_per_rank")} for r in monitored_rows("cpu")])])
     assert len(fig.axes) == 4
-    draw(fig, [("a", monitored_rows("gpu")), ("b", monitored_rows("gpu"))])  # overlaid: rank colour, run style
+    draw(fig, [("run", monitored_rows("gpu"))])  # one run: a line per rank
     util = fig.axes[4]
-    assert [line.get_label() for line in util.get_lines()] == ["a rank 0", "a rank 1", "b rank 0", "b rank 1"]
-    assert list(util.get_lines()[1].get_ydata())[-1] == 4.0
+    assert [line.get_label() for line in util.get_lines()] == ["rank 0", "rank 1"]
+    assert list(util.get_lines()[1].get_ydata())[-1] == 4.0 and util.get_title() == "GPU utilisation (%, window mean)"
+
+
+def test_overlaid_runs_show_each_runs_busiest_rank_in_the_runs_own_style() -> None:
+    fig = Figure()
+    idle = [dict(r, gpu_util_pct_per_rank=[20.0, 30.0]) for r in monitored_rows("gpu")]
+    draw(fig, [("a", monitored_rows("gpu")), ("b", idle)])
+    loss, util, memory = fig.axes[0], fig.axes[4], fig.axes[5]
+    assert [line.get_label() for line in util.get_lines()] == ["a", "b"]  # one line per run, not runs x ranks
+    assert list(util.get_lines()[0].get_ydata()) == [93.0] * 8 and list(util.get_lines()[1].get_ydata()) == [30.0] * 8
+    assert util.get_title() == "GPU utilisation (%, window mean)\nthe busiest rank of each run"
+    assert memory.get_title() == "GPU memory used (GiB, window max)\nthe busiest rank of each run"
+    run_lines = {line.get_label(): line for line in loss.get_lines() if line.get_label() in ("a", "b")}
+    for line in util.get_lines():  # the colour and style the run has in the loss panel
+        twin = run_lines[line.get_label()]
+        assert (line.get_color(), line.get_linestyle()) == (twin.get_color(), twin.get_linestyle())
 
 
 # ---- for real -------------------------------------------------------------------------------------------------

@@ -166,8 +166,8 @@ def test_attach_from_a_fresh_interpreter_follows_a_running_job_to_its_end(
     assert follower.returncode == 0, follower.stderr[-2000:]
     assert follower.stdout.split() == [run.job_id, "completed"]
     assert wb.RunResult(run.run_dir).summary["steps"] == 60
-    with pytest.raises(ValueError, match=r"no slurm.json naming a job; attach\(\) follows runs submitted"):
-        wb.attach(tmp_path)
+    with pytest.raises(ValueError, match=r"attach: not a run directory: .* has no config.yaml or summary.json"):
+        wb.attach(tmp_path / "empty")
 
 
 def test_stop_ends_a_running_job_stopped_with_a_checkpoint_and_an_scancel_is_reported_as_such(

@@ -15,9 +15,10 @@ from workbench.version import __version__
 if TYPE_CHECKING:
     from workbench import data, tasks
     from workbench.cluster import Slurm
-    from workbench.cluster.slurm_run import SlurmRun, attach
+    from workbench.cluster.slurm_run import SlurmRun
     from workbench.config import RunConfig
     from workbench.estimator.estimation import estimate
+    from workbench.launcher.attached import AttachedRun, attach
     from workbench.launcher.launch import Run, launch, start
     from workbench.launcher.result import RunResult
     from workbench.notebook.dashboard import Dashboard
@@ -31,7 +32,8 @@ _HOMES = {
     "RunConfig": "workbench.config",
     "Slurm": "workbench.cluster",
     "SlurmRun": "workbench.cluster.slurm_run",
-    "attach": "workbench.cluster.slurm_run",
+    "attach": "workbench.launcher.attached",
+    "AttachedRun": "workbench.launcher.attached",
     "estimate": "workbench.estimator.estimation",
     "Run": "workbench.launcher.launch",
     "launch": "workbench.launcher.launch",

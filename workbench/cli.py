@@ -250,6 +250,19 @@ def _regress(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from workbench.commands.bench.results import default_result_path
+
+    if args.no_json:
+        args.json = None
+    elif args.json is None:
+        args.json = default_result_path(args.bench_command)
+    code = _run_bench(args)
+    if args.json is not None and Path(args.json).exists():
+        print(f"result: {args.json}")
+    return code
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     from workbench.commands import bench
     from workbench.config import RunConfig
 

@@ -1,6 +1,6 @@
 """The benchmarks page's tables, rendered at build time from the result files under benchmarks/results/.
 
-Each `workbench bench NAME --json FILE` result kept in benchmarks/results/NAME/ starts with a `measured_on` block
+Each `workbench bench NAME` result kept in benchmarks/results/NAME/ starts with a `measured_on` block
 (date, CPU, cores, GPUs, device class, versions: workbench/commands/bench/results.py). In a page,
 `<!-- generated: bench-results NAME -->` becomes, for each device class, a table of the newest result of that
 class, headed by its machine and date; older results stay in their files. `<!-- generated: bench-results-others

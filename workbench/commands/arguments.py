@@ -20,12 +20,19 @@ def estimate_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--suggest", action="store_true", help="when it doesn't fit: changes that would, each estimated")
 
 
+def _result_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="write the result as JSON here (default: benchmarks/results/BENCH/DATE-MACHINE.json "
+                             "when ./benchmarks/results exists, as in a workbench checkout)")
+    parser.add_argument("--no-json", action="store_true", help="write no result file")
+
+
 def _config_bench(bsub: argparse._SubParsersAction, name: str, text: str, default: str) -> argparse.ArgumentParser:
     """A bench that runs a RunConfig: an optional YAML (`default` without one), --set overrides, --json."""
     parser = bsub.add_parser(name, help=text)
     parser.add_argument("config", type=Path, nargs="?", default=None, help=f"RunConfig YAML (default: {default})")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(parser)
     return parser
 
 
@@ -42,7 +49,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--num-processes", type=int, default=2)
     o.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None,
                    help="where both loops train (default: the CPU, whatever the machine has)")
-    o.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(o)
     _config_bench(bsub, "precision", "the same run in every precision this machine supports, side by side",
                   "char-gpt 'small' on one device, 50 steps")
     pa = _config_bench(bsub, "parallelism", "the same run under every parallel layout (data, tensor, pipeline), "
@@ -60,30 +67,30 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
                                         "running the equivalent function, interleaved")
     la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")
     la.add_argument("--cold-pairs", type=int, default=1, help="first launches in fresh interpreters, each side")
-    la.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(la)
     im = bsub.add_parser("imports", help="importing the rank side against `import torch, accelerate`, in fresh "
                                          "interpreters side by side")
     im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")
-    im.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(im)
     es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
-    es.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(es)
     da = bsub.add_parser("dashboard", help="the quickstart run headless against the same run with a live dashboard, "
                                            "side by side: what the dashboard costs the ranks")
     da.add_argument("--steps", type=int, default=2000)
     da.add_argument("--pairs", type=int, default=4, help="back-to-back pairs, order alternating")
-    da.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(da)
     br = bsub.add_parser("big-run", help="reading a run of 200,000 logged steps: workbench status, the last row, "
                                          "RunResult.metrics, plot() and the dashboard's first view, timed")
     br.add_argument("--rows", type=int, default=200_000, help="training rows of the synthetic run")
     br.add_argument("--keep", type=Path, default=None, help="write the run into this folder and leave it there")
-    br.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(br)
     sp = bsub.add_parser("estimate-speed", help="the first estimate in a fresh interpreter (library and panel box), "
                                                 "and changes answered from the trace in memory")
     sp.add_argument("--models", nargs="+", default=None, help="digits and/or gpt2-small (default: both)")
     sp.add_argument("--gpu", default="H100-SXM-80GB", help="catalog accelerator of the target")
     sp.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target")
     sp.add_argument("--repeats", type=int, default=3, help="fresh interpreters per model and way in")
-    sp.add_argument("--json", type=Path, default=None, help="also write the result as JSON")
+    _result_args(sp)
 
 
 def doctor_parser(sub: argparse._SubParsersAction) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -53,12 +52,6 @@ class Step:
 
 MFU_SHAPE = ["task_options.preset=gpt2-small", "compile=blocks", "micro_batch_size=16", "max_steps=30"]
 """The MFU target's run (45% in bf16 on one H100): GPT-2 small's shape, each block compiled, nanoGPT's batch."""
-
-
-def device_tag(name: str) -> str:
-    """'NVIDIA H200' -> 'h200': the device part of a result's file name."""
-    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in {"nvidia", "tesla", "geforce"}]
-    return "-".join(words[:3]) or "gpu"
 
 
 def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
@@ -219,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     gpus = gpu_count()
+    from workbench.commands.bench.results import device_tag
+
     steps = plan(gpus, args.out, device_tag(gpu_name(gpus)) if gpus else "gpu")
     names = {step.name for step in steps}
     if unknown := [name for name in args.skip if name not in names]:

@@ -117,11 +117,11 @@ def _runs_in(folder: Path) -> list[str]:
     return sorted(newest, key=lambda name: (-newest[name], name))
 
 
-def not_a_run_directory(path: Path) -> str:
-    """What is wrong with loading `path` as a run, and what to load instead."""
+def not_a_run_directory(path: Path, call: str = "RunResult.load") -> str:
+    """What is wrong with loading `path` as a run (through `call`), and what to load instead."""
     from workbench.utils.suggest import did_you_mean
 
-    head = f"RunResult.load: not a run directory: {path}"
+    head = f"{call}: not a run directory: {path}"
     if not path.is_dir():
         siblings = _runs_in(path.parent) if path.parent.is_dir() else []
         hint = did_you_mean(path.name, siblings)
@@ -130,7 +130,7 @@ def not_a_run_directory(path: Path) -> str:
     runs = _runs_in(path)
     if runs:
         return (f"{head} has no config.yaml or summary.json: it is a runs_dir; its runs are {_listed(runs)}. Load "
-                f"one, e.g. wb.RunResult.load({str(path / runs[0])!r}), or list them with wb.runs({str(path)!r})")
+                f"one, e.g. wb.{call}({str(path / runs[0])!r}), or list them with wb.runs({str(path)!r})")
     return (f"{head} has no config.yaml or summary.json, nor runs in it; pass the folder wb.launch made under "
             "runs_dir (result.run_dir)")
 

@@ -26,6 +26,7 @@ from typing import Any
 import ipywidgets as widgets
 import traitlets
 
+from workbench.notebook.breakdown_bars import breakdown_html
 from workbench.notebook.reading import (
     Reading,
     RowTail,
@@ -39,7 +40,6 @@ from workbench.notebook.reading import (
     session_start,
     throughput_items,
 )
-from workbench.notebook.breakdown_bars import breakdown_html
 from workbench.notebook.snapshot import dashboard_html, table
 from workbench.rundir import ENDED, MetricsRow, RunDir, Status
 from workbench.utils.kernel import in_kernel

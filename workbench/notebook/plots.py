@@ -5,7 +5,6 @@ dashboard's: built once, then redrawn in place as rows arrive."""
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -14,46 +13,28 @@ from matplotlib.figure import Figure  # this module is imported only when someth
 from matplotlib.layout_engine import TightLayoutEngine
 from matplotlib.ticker import Formatter, LogFormatter
 
+from workbench.notebook.figure_lines import (
+    LINESTYLES,
+    MARKERS,
+    Drawn,
+    Runs,
+    of,
+    plot_line,
+    series_of,
+    thin,
+    typed_rows,
+)
+from workbench.notebook.monitor_figure import MONITOR_PANELS, draw_monitor, monitor_kind, monitor_ranks
 from workbench.notebook.reading import PLOT_POINTS, sampled_rows
-from workbench.rundir.metrics_row import MetricsRow, PerRank
+from workbench.rundir.metrics_row import MetricsRow
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.lines import Line2D
     from matplotlib.text import Text
 
     from workbench.launcher.result import RunResult
 
 PANELS = ("loss", "throughput", "memory", "lr")
-LINESTYLES = ("-", "--", "-.", ":")
-MARKERS = ("o", "s", "^", "D", "v", "P")
-"""Overlaid runs differ in line style and marker as well as colour: printed in grey, or to a colour-blind
-reader, the runs stay apart."""
-
-
-class MonitorPanel(NamedTuple):
-    """One panel of the device monitor's figure row."""
-
-    values: Callable[[MetricsRow], PerRank | None]
-    """The row's per-rank values it draws."""
-    title: str
-    unit: float
-    """What the values are divided by (bytes to GiB, ...)."""
-    missing: str = ""
-    """Why the values may be missing, said where they are."""
-
-
-MONITOR_PANELS: dict[str, tuple[MonitorPanel, ...]] = {
-    "gpu": (MonitorPanel(lambda r: r.gpu_util_pct_per_rank, "GPU utilisation (%, window mean)",
-                         1.0, " (needs nvidia-ml-py)"),
-            MonitorPanel(lambda r: r.gpu_mem_used_bytes_per_rank,
-                         "GPU memory used (GiB, window max)", 2.0**30)),
-    "cpu": (MonitorPanel(lambda r: r.cpu_pct_per_rank,
-                         "process CPU (%, window mean; 100 = one core)", 1.0),
-            MonitorPanel(lambda r: r.rss_bytes_per_rank,
-                         "process resident memory (MiB, window max)", 2.0**20)),
-}
-"""The device monitor's two panels per kind of run."""
 EMA_WEIGHT = 0.5
 """Weight of the past in the smoothed loss (per logged row): enough to calm the noise of small batches,
 little enough that a 20-row run still shows its shape."""
@@ -65,93 +46,12 @@ cost a fraction to render."""
 LOG_LOSS_SPAN = 10.0
 """log_loss=None (auto) puts the loss on a log scale once its largest value is this many times its smallest."""
 
-Runs = Sequence[tuple[str, Sequence[MetricsRow]]]
-"""(label, rows) of each run drawn."""
-Series = Callable[[Sequence[MetricsRow]], tuple[list[float], list[float]]]
-"""What a line shows, as a function of the rows: (x, y)."""
-Drawn = list[tuple["Line2D", Series]]
-"""Each line drawn and the series it shows: what a live figure moves when new rows come."""
-
-
-def typed_rows(rows: Sequence[MetricsRow | Mapping[str, Any]]) -> list[MetricsRow]:
-    """Rows as MetricsRow: the plain dicts of `RunResult.metrics` read as metrics.jsonl's rows."""
-    return [r if isinstance(r, MetricsRow) else MetricsRow.from_dict(r) for r in rows]
-
-
-def _series(rows: Sequence[MetricsRow],
-            value: Callable[[MetricsRow], float | None]) -> tuple[list[float], list[float]]:
-    pts = [(r.step, v) for r in rows if (v := value(r)) is not None]
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def of(value: Callable[[MetricsRow], float | None], scale: float = 1.0) -> Series:
-    """The series of one row field (divided by `scale`) by step."""
-    def series(rows: Sequence[MetricsRow]) -> tuple[list[float], list[float]]:
-        x, y = _series(rows, value)
-        return x, [v / scale for v in y] if scale != 1.0 else y
-    return series
-
-
-def _plot(ax: Axes, drawn: Drawn, series: Series, rows: Sequence[MetricsRow], **style: Any) -> Line2D:
-    """A line of `series` over `rows` (thinned to PLOT_POINTS), remembered in `drawn` so a live figure can move it."""
-    (line,) = ax.plot(*thin(*series(rows), PLOT_POINTS), **style)
-    drawn.append((line, series))
-    return line
-
-
-def thin(x: Sequence[float], y: Sequence[float], most: int) -> tuple[Sequence[float], Sequence[float]]:
-    """At most `most` points, evenly strided, the last always kept (the newest value is what a live figure is
-    for)."""
-    if len(x) <= most:
-        return x, y
-    stride = math.ceil(len(x) / (most - 1))
-    keep = [*range(0, len(x) - 1, stride), len(x) - 1]
-    return [x[i] for i in keep], [y[i] for i in keep]
-
-
 def loss_on_log_scale(runs: Runs, log_loss: bool | None) -> bool:
     """The loss axis's scale: as asked, or with None, log once the positive losses span LOG_LOSS_SPAN."""
-    losses = [v for _, rows in runs for v in _series(rows, lambda r: r.loss)[1] if v > 0]
+    losses = [v for _, rows in runs for v in series_of(rows, lambda r: r.loss)[1] if v > 0]
     if log_loss is not None:
         return log_loss and bool(losses)
     return bool(losses) and max(losses) >= LOG_LOSS_SPAN * min(losses)
-
-
-def monitor_kind(rows: Sequence[MetricsRow]) -> str | None:
-    """'gpu' or 'cpu' when the rows carry device monitoring (monitor.py), else None: the figure
-    grows a row."""
-    if any(r.gpu_util_pct_per_rank or r.gpu_mem_used_bytes_per_rank for r in rows):
-        return "gpu"
-    return "cpu" if any(r.cpu_pct_per_rank for r in rows) else None
-
-
-def _per_rank(panel: MonitorPanel, rank: int) -> Series:
-    def series(rows: Sequence[MetricsRow]) -> tuple[list[float], list[float]]:
-        pts = [(r.step, v[rank] / panel.unit) for r in rows
-               if (v := panel.values(r)) and rank < len(v) and v[rank] is not None]
-        return [p[0] for p in pts], [p[1] for p in pts]
-    return series
-
-
-def monitor_ranks(rows: Sequence[MetricsRow], panel: MonitorPanel) -> int:
-    return max((len(v) for r in rows if (v := panel.values(r))), default=0)
-
-
-def _draw_monitor(axes: Sequence[Axes], runs: Runs, kind: str, drawn: Drawn) -> None:
-    """One line per rank (colour) and run (line style): which rank's device idles, fills up or runs hot."""
-    for ax, panel in zip(axes, MONITOR_PANELS[kind]):
-        for i, (label, rows) in enumerate(runs):
-            for rank in range(monitor_ranks(rows, panel)):
-                name = f"rank {rank}" if len(runs) == 1 else f"{label} rank {rank}"
-                _plot(ax, drawn, _per_rank(panel, rank), rows, color=f"C{rank}", label=name,
-                      linestyle=LINESTYLES[i % len(LINESTYLES)], marker=".", markersize=3)
-        ax.set_title(panel.title)
-        ax.set_ylim(bottom=0)
-        if ax.get_lines():
-            ax.legend(fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "not measured" + panel.missing, ha="center", va="center",
-                    transform=ax.transAxes, color="#777")
 
 
 def ema(values: Sequence[float], weight: float = EMA_WEIGHT) -> list[float]:
@@ -203,23 +103,35 @@ def _label(result: RunResult, labels: Sequence[str] | None, i: int) -> str:
 
 
 def _loss_ema(rows: Sequence[MetricsRow]) -> tuple[list[float], list[float]]:
-    x, y = _series(rows, lambda r: r.loss)
+    x, y = series_of(rows, lambda r: r.loss)
     return x, ema(y)
 
 
 def _draw_loss(ax: Axes, rows: Sequence[MetricsRow], label: str, style: dict[str, Any], drawn: Drawn,
-               live: bool) -> None:
+               live: bool, several: bool = False) -> None:
+    """The run's training loss (smoothed once there are enough points) and its evaluations. Several runs: the
+    legend names each run once, and one entry says what the hollow markers are (`_legend_loss`)."""
     loss = of(lambda r: r.loss)
     if live or len(loss(rows)[0]) >= 4:  # a live figure smooths from the start: its lines stay what they are
         # The raw curve faint, the smoothed one on top in the run's style: the trend reads at a glance and
         # the noise stays visible.
-        _plot(ax, drawn, loss, rows, color=style["color"], alpha=0.3, linewidth=0.8)
-        _plot(ax, drawn, _loss_ema, rows, label=f"{label} train (EMA)", **style)
+        plot_line(ax, drawn, loss, rows, color=style["color"], alpha=0.3, linewidth=0.8)
+        plot_line(ax, drawn, _loss_ema, rows, label=label if several else f"{label} train (EMA)", **style)
     else:
-        _plot(ax, drawn, loss, rows, label=f"{label} train", **style)
+        plot_line(ax, drawn, loss, rows, label=label if several else f"{label} train", **style)
     if any(r.eval_loss is not None for r in rows):
-        _plot(ax, drawn, of(lambda r: r.eval_loss), rows, linestyle="none", marker=style["marker"], markersize=8,
-              markerfacecolor="none", markeredgewidth=1.5, color=style["color"], label=f"{label} eval")
+        plot_line(ax, drawn, of(lambda r: r.eval_loss), rows, linestyle="none", marker=style["marker"],
+                  markersize=8, markerfacecolor="none", markeredgewidth=1.5, color=style["color"],
+                  label="_eval" if several else f"{label} eval")
+
+
+def _legend_loss(ax: Axes, several: bool) -> None:
+    """Several runs: one entry per run (its train line, smoothed when drawn faint behind), and a grey hollow
+    marker for 'eval' when any run evaluated."""
+    if several and any(line.get_label() == "_eval" for line in ax.get_lines()):
+        ax.plot([], [], linestyle="none", marker="o", markersize=8, markerfacecolor="none", markeredgewidth=1.5,
+                color="#555", label="eval (hollow markers)")
+    ax.legend(fontsize="small")
 
 
 def _rate(rows: Sequence[MetricsRow]) -> tuple[Callable[[MetricsRow], float | None], str]:
@@ -229,18 +141,18 @@ def _rate(rows: Sequence[MetricsRow]) -> tuple[Callable[[MetricsRow], float | No
 
 
 def _draw_run(axes: Sequence[Axes], rows: Sequence[MetricsRow], label: str, i: int, drawn: Drawn,
-              live: bool = False) -> None:
+              live: bool = False, several: bool = False) -> None:
     """One run's loss, throughput, memory and learning rate, in the style of the i-th run."""
     ax_loss, ax_tp, ax_mem, ax_lr = axes
-    n = max(1, min(PLOT_POINTS, len(_series(rows, lambda r: r.loss)[0])))  # the points drawn: see _plot
+    n = max(1, min(PLOT_POINTS, len(series_of(rows, lambda r: r.loss)[0])))  # the points drawn: see _plot
     style = {"color": f"C{i}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
              "marker": MARKERS[i % len(MARKERS)], "markevery": max(1, n // 8), "markersize": 4}
-    _draw_loss(ax_loss, rows, label, style, drawn, live)
+    _draw_loss(ax_loss, rows, label, style, drawn, live, several)
     rate, unit = _rate(rows)
-    _plot(ax_tp, drawn, of(rate), rows, label=label, **style)
+    plot_line(ax_tp, drawn, of(rate), rows, label=label, **style)
     ax_tp.set_ylabel(unit + " (per logged window)")
-    _plot(ax_mem, drawn, of(lambda r: r.peak_memory_bytes, 2**20), rows, label=label, **style)
-    _plot(ax_lr, drawn, of(lambda r: r.lr), rows, label=label, **style)
+    plot_line(ax_mem, drawn, of(lambda r: r.peak_memory_bytes, 2**20), rows, label=label, **style)
+    plot_line(ax_lr, drawn, of(lambda r: r.lr), rows, label=label, **style)
 
 
 class _Drawing(NamedTuple):
@@ -254,7 +166,7 @@ class _Drawing(NamedTuple):
 
 
 def _memory_top(runs: Runs) -> float:
-    return max((v for _, rows in runs for v in _series(rows, lambda r: r.peak_memory_bytes)[1]), default=0) / 2**20
+    return max((v for _, rows in runs for v in series_of(rows, lambda r: r.peak_memory_bytes)[1]), default=0) / 2**20
 
 
 def _loss_scale(ax: Axes, log: bool) -> None:
@@ -272,8 +184,10 @@ def _draw(fig: Figure, typed: Runs, title: str | None, log: bool, drawn_at: int 
     ax_loss, ax_tp, ax_mem, ax_lr, *ax_monitor = fig.subplots(3 if kind else 2, 2).flat
     drawn: Drawn = []
     for i, (label, rows) in enumerate(typed):
-        _draw_run((ax_loss, ax_tp, ax_mem, ax_lr), rows, label, i, drawn, live)
+        _draw_run((ax_loss, ax_tp, ax_mem, ax_lr), rows, label, i, drawn, live, several=len(typed) > 1)
     _loss_scale(ax_loss, log)
+    if len(typed) > 1:
+        ax_loss.set_title(ax_loss.get_title() + ", train smoothed (EMA)")
     # From zero: a wobble of 1 MiB on 300 must look like one, not like a leak.
     top = _memory_top(typed)
     ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1)
@@ -283,12 +197,12 @@ def _draw(fig: Figure, typed: Runs, title: str | None, log: bool, drawn_at: int 
     ax_mem.set_title("peak memory (MiB, max over ranks)")
     ax_lr.set_title("learning rate")
     if kind:
-        _draw_monitor(ax_monitor, typed, kind, drawn)
+        draw_monitor(ax_monitor, typed, kind, drawn)
     for ax in (ax_loss, ax_tp, ax_mem, ax_lr, *ax_monitor):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     if typed:
-        ax_loss.legend(fontsize="small")
+        _legend_loss(ax_loss, several=len(typed) > 1)
         if len(typed) > 1:
             ax_tp.legend(fontsize="small")
     if title:

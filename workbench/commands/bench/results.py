@@ -6,10 +6,39 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
 from workbench.utils.files import write_json
+
+RESULTS_DIR = Path("benchmarks") / "results"
+"""Where a bench run from a workbench checkout keeps its result: RESULTS_DIR/<bench>/<date>-<machine>.json (the
+benchmarks page shows the newest per machine; older ones stay in the files)."""
+
+
+def device_tag(name: str) -> str:
+    """'NVIDIA H200' -> 'h200': the device part of a result's file name."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in {"nvidia", "tesla", "geforce"}]
+    return "-".join(words[:3]) or "gpu"
+
+
+def machine_tag() -> str:
+    """This machine in a result's file name: 'h100-sxm-80gb', 'h100-sxm-80gbx8', or 'cpu-2cores'."""
+    from workbench.utils.hardware import detect
+
+    gpus = detect().gpus
+    if gpus:
+        return device_tag(gpus[0].name) + (f"x{len(gpus)}" if len(gpus) > 1 else "")
+    return f"cpu-{os.cpu_count()}cores"
+
+
+def default_result_path(bench: str, results: Path = RESULTS_DIR) -> Path | None:
+    """Where `workbench bench <bench>` writes its result without --json: under `results` (relative to the current
+    folder) when that folder exists, else nowhere. One file per machine and day: a rerun the same day replaces it."""
+    if not results.is_dir():
+        return None
+    return results / bench / f"{datetime.date.today().isoformat()}-{machine_tag()}.json"
 
 
 def measured_on() -> dict[str, Any]:
