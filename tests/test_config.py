@@ -64,7 +64,6 @@ BAD_FOR_MACHINE = [
     (CPU2, {"precision": "fp8"}, r"precision='fp8' on CPU \(2 cores\): fp8 needs a CUDA GPU of compute capability 8.9"),
     (V100x2, {"num_processes": 4}, r"num_processes=4: this machine has 2 GPU\(s\); use num_processes=2 or fewer"),
     (V100x2, {"precision": "bf16"}, r"precision='bf16' on 2 x Tesla V100: bf16 needs compute capability 8.0\+"),
-    (H100x1, {"precision": "fp8"}, r"precision='fp8' on 1 x NVIDIA H100.*not implemented in workbench yet; use bf16"),
     (CPU2, {"task": "digitz"}, r"task='digitz': unknown task \(did you mean 'digits'\?\)"),
     (CPU2, {"task": "nosuchmodule:Task"}, r"task='nosuchmodule:Task': cannot import it"),
     (CPU2, {"task_options": {"hiddn": 3}}, r"task_options: unknown key\(s\) \['hiddn'\] for task 'digits'; known:"),
@@ -145,6 +144,16 @@ def test_set_overrides_parse_types_and_nest_task_options() -> None:
         wb.RunConfig().with_overrides(["epochs=3"])
     with pytest.raises(ValueError, match=r"max_steps='ten': expected int, got str"):
         wb.RunConfig().with_overrides(["max_steps=ten"])
+
+
+def test_off_written_unquoted_is_the_choice_not_a_boolean(tmp_path: Path) -> None:
+    # YAML 1.1 reads `off` as False: `--set compile=off` was refused with "compile=False: choose one of 'off' | ..."
+    assert wb.RunConfig().with_overrides(["compile=off"]).compile == "off"
+    (tmp_path / "run.yaml").write_text("task: digits\ncompile: off\n")
+    assert wb.RunConfig.from_yaml(tmp_path / "run.yaml").compile == "off"
+    assert wb.RunConfig().with_overrides(["resume=off"]).resume is False  # a boolean field keeps its boolean
+    with pytest.raises(ValueError, match=r"compile=True: choose one of 'off' \| 'model' \| 'blocks'"):
+        wb.RunConfig().with_overrides(["compile=yes"])  # a choice without 'on' still names what would work
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_to_min_on_last_step() -> None:

@@ -12,7 +12,6 @@ tests' (char-gpt tiny, 32-character windows: 4 chunks of 8 under cp=2, dropout o
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,24 +44,6 @@ def test_cp2_trains_like_one_process_on_gpus(runs_dir: Path) -> None:
     cp = wb.launch(cfg_for(runs_dir, run_name="cp2", num_processes=2, cp=2, parallelism="zero3", **gpu))
     assert_trains_like_one_process(cp, single, {"cp": 2})
     assert cp.summary["ranks"][0]["parallelism"] == "zero3 x cp2"
-
-
-@pytest.fixture
-def ring_lifted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """wb.launch with ring_trace in place of the CUDA kernels (see the module docstring): preflight's CPU refusal
-    of cp, and only that, is lifted."""
-    ring = pytest.importorskip("workbench.estimator.ring_trace", reason="PyTorch's ring templates moved")
-    from workbench.launcher import launch as launching
-
-    checked = launching.preflight
-
-    def lifted(cfg: wb.RunConfig, task: Any = None) -> None:
-        checked(cfg.replace(cp=1), task=task)
-        check_context_parallel_task(cfg, task or get_task(cfg.task))
-
-    monkeypatch.setattr(launching, "preflight", lifted)
-    with ring.installed():
-        yield
 
 
 def test_cp2_wiring_on_gloo_with_the_cpu_ring_stand_in(runs_dir: Path, ring_lifted: None) -> None:

@@ -195,8 +195,8 @@ def test_the_tracked_steps_peak_is_torchs_own_with_only_the_global_peak_kept_up_
                                                           torch.nn.Linear(256, 64)) for _ in range(3)))
         optimizer = torch.optim.AdamW(model.parameters())
         x = torch.randn(32, 64)
-        strategy = types.SimpleNamespace(module=model, device=torch.device("cpu"),
-                                         local_optimizer=lambda: optimizer)
+        strategy = types.SimpleNamespace(module=model, device=torch.device("cpu"), pipelined=False,
+                                         local_optimizer=lambda: optimizer, receive_buffers=list)
         trackers: list[MemTracker] = []
 
         def train() -> None:

@@ -15,10 +15,10 @@ from machine_stand_in import made_up_profile, sized
 import workbench as wb
 from workbench.estimator import machine_cache
 from workbench.estimator.catalog import lookup
+from workbench.estimator.efficiency import matmul_efficiency
 from workbench.estimator.machine import MachineProfile
 from workbench.estimator.machine_probe import COLLECTIVES, KINDS, op_kind
 from workbench.estimator.op_time import (
-    GPU_EFFICIENCY,
     GPU_LAUNCH_S,
     GPU_STEP_S,
     cpu_step,
@@ -257,7 +257,8 @@ def test_a_gpu_target_is_priced_from_its_datasheet_not_this_machine(monkeypatch:
     trace = made_up_trace(1e13, {"aten.mm": (100, 0), "aten.add_": (100, 10**9)},
                           {"all_gather@8": {**collective(4, 1e9), "group": 8}})
     t = timing.step_time(CFG.replace(precision="bf16"), trace, {}, h100, 1, "infiniband", Path("/nonexistent"))
-    matmul = 1e13 / (h100.peak("bf16") * GPU_EFFICIENCY)
+    efficiency = matmul_efficiency(h100, "bf16", 0)[0]  # the catalog's, for the trace's size
+    matmul = 1e13 / (h100.peak("bf16") * efficiency)
     assert t.compute_s == pytest.approx(matmul + 10**9 / h100.memory_bandwidth)
     assert t.comm_s == pytest.approx(4 * 20e-6 + 1e9 / h100.link_bandwidth) and t.correction == 1.0
     tiny = gpu_step(CFG, made_up_trace(1e6, {"aten.mm": (1000, 0)}), {}, h100, 1, "infiniband")

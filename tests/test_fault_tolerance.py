@@ -243,13 +243,13 @@ def test_every_damaged_checkpoint_means_a_loud_failure_not_a_fresh_start(runs_di
                          ids=["told-by-the-clipped-norm", "told-by-the-unclipped-norm", "voted-every-step"])
 def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(runs_dir: Path, grad_clip: float, every_step: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # By the norm (clipped or not): rank 1's NaN loss poisons its gradients, the all-reduce spreads them, the
-    # agreed norm is NaN and one extra all-reduce names the rank. Voting every step (what fp16 scaling and the
-    # pipeline do; forced here, in the forked ranks, on CPU): the loss flags travel in the vote.
-    from workbench.training import loop
+    # Each rank notes its loss and the norm (clipped or not) on the device; the step's read point
+    # (log_every=1) gathers every rank's notes and names rank 1. Voting on stops and signals every
+    # step (forced here, in the forked ranks) changes nothing about it.
+    from workbench.training import stop_vote
 
     if every_step:
-        monkeypatch.setattr(loop, "votes_every_step", lambda cfg, strategy: True)
+        monkeypatch.setattr(stop_vote, "VOTE_EVERY_S", 0.0)
     cfg = cfg_for(runs_dir, run_name="nan", max_steps=20, checkpoint_every=4, grad_clip=grad_clip,
                   task_options={"nan_rank": 1, "nan_at_call": 7})
     message = r"diverged at step 7: the loss was not finite \(NaN or inf\) on rank 1; last good checkpoint: .*step_4"

@@ -97,15 +97,12 @@ def test_invalid_combination_shows_runconfig_message_and_disables_launch(runs_di
     assert panel.launch_button.disabled and not panel.save_button.disabled
 
 
-def test_a_precision_workbench_does_not_train_is_not_offered_unless_the_config_has_it(runs_dir: Path) -> None:
-    panel = wb.Panel(tiny(runs_dir), estimate=False)
-    assert "fp8" not in [value for _, value in panel.controls["precision"].options]
+def test_fp8_is_offered_and_labelled_for_the_machine_or_the_target(runs_dir: Path) -> None:
     fp8 = wb.Panel(tiny(runs_dir, precision="fp8"), estimate=False)
     assert fp8.controls["precision"].value == "fp8" and fp8.config.precision == "fp8"
     assert fp8.state.problem == expected_error(lambda: preflight(tiny(runs_dir, precision="fp8")))
-    fp8.controls["precision"].value = "bf16"
-    fp8.target_controls.gpu.value = "H100-SXM-80GB"  # relabelled for the target: fp8 is not offered again
-    assert "fp8" not in [value for _, value in fp8.controls["precision"].options]
+    fp8.target_controls.gpu.value = "H100-SXM-80GB"  # relabelled for the target, which has fp8 cores
+    assert ("fp8", "fp8") in fp8.controls["precision"].options
 
 
 def test_task_options_problem_is_shown(runs_dir: Path) -> None:
@@ -119,7 +116,7 @@ def test_unavailable_precisions_are_labelled_with_the_reason(runs_dir: Path) -> 
     panel = wb.Panel(tiny(runs_dir), estimate=False)
     hw = detect()
     labels = dict((value, label) for label, value in panel.controls["precision"].options)
-    assert set(labels) == set(get_args(Precision)) - {"fp8"}
+    assert set(labels) == set(get_args(Precision))
     for precision, label in labels.items():
         problem = hw.precision_problem(precision, panel.device)
         assert (label == precision) == (problem is None)

@@ -18,7 +18,6 @@ import workbench as wb
 from workbench.notebook.panel import panel as panel_module
 
 
-
 def gpt(runs_dir: Path, **changes: Any) -> wb.RunConfig:
     """test_panel_target's char-gpt config, on one process unless told."""
     return planned_gpt(runs_dir, **{"num_processes": 1, **changes})

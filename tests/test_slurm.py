@@ -166,6 +166,7 @@ def test_attach_from_a_fresh_interpreter_follows_a_running_job_to_its_end(
     assert follower.returncode == 0, follower.stderr[-2000:]
     assert follower.stdout.split() == [run.job_id, "completed"]
     assert wb.RunResult(run.run_dir).summary["steps"] == 60
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"attach: not a run directory: .* has no config.yaml or summary.json"):
         wb.attach(tmp_path / "empty")
 

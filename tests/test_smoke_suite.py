@@ -19,9 +19,9 @@ import nbformat
 import pytest
 from conftest import REPO
 
+from workbench.regress.case_run import run_case
 from workbench.regress.judging import PASSED
 from workbench.regress.report import write_junit, write_report
-from workbench.regress.case_run import run_case
 from workbench.regress.suite import load_targets
 from workbench.utils.hardware import detect
 

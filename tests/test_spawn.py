@@ -191,10 +191,10 @@ def test_forced_spawn_of_an_unpicklable_task_is_refused_with_the_fix(runs_dir: P
 
 
 def test_auto_forks_when_cuda_is_not_initialised(runs_dir: Path) -> None:
-    plan = spawn.plan_start(cfg_for(runs_dir), TinyRegression(), "fork")
+    plan = spawn.plan_start(cfg_for(runs_dir), TinyRegression())
     assert (plan.method, plan.payload) == ("fork", None) and "a CPU run" in plan.reason
-    assert spawn.plan_start(cfg_for(runs_dir, start_method="spawn"), TinyRegression(), "subprocess").method == \
-        "subprocess", "workbench train starts fresh interpreters whatever start_method says"
+    assert spawn.plan_start(cfg_for(runs_dir, start_method="subprocess"), TinyRegression()).method == \
+        "subprocess", "start_method='subprocess' (what workbench train resolves 'auto' to) starts fresh interpreters"
 
 
 def test_the_call_that_initialised_cuda_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,8 +251,8 @@ def test_a_cuda_run_starts_fresh_interpreters_even_before_cuda_is_initialised(
     # torch.cuda.is_available() alone leaves a fork unable to use CUDA, and is_initialized() can't tell
     monkeypatch.setattr(spawn, "run_uses_cuda", lambda cfg: True)
     assert not torch.cuda.is_initialized()
-    plan = spawn.plan_start(cfg_for(runs_dir), TinyRegression(), "fork")
+    plan = spawn.plan_start(cfg_for(runs_dir), TinyRegression())
     assert plan.method == "spawn" and plan.payload and "a CUDA run" in plan.reason
-    fallback = spawn.plan_start(cfg_for(runs_dir), Unpicklable(), "fork")
+    fallback = spawn.plan_start(cfg_for(runs_dir), Unpicklable())
     assert (fallback.method, fallback.payload) == ("fork", None) and "can't be pickled" in fallback.reason
     assert fallback.level == logging.WARNING

@@ -249,3 +249,97 @@ def test_the_files_scheduled_first_exist() -> None:
 
     tests = {p.name for p in (REPO / "tests").rglob("test_*.py")}
     assert [name for name in LONGEST_FIRST if name not in tests] == []
+
+
+SIGNAL_OWNER = "workbench.utils.preemption"
+"""The one module that installs the handlers of the signals a run reacts to, on the caller's side and the rank
+side alike; everyone else calls it. No exceptions: Ctrl-C's handler for `workbench train` is
+installed there too."""
+
+
+def signal_installations(source: str) -> list[int]:
+    """The lines of `source` that install a signal handler: `signal.signal(...)`, however `signal` was imported
+    (`from signal import signal` included)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "signal" or \
+                isinstance(func, ast.Name) and func.id == "signal":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_one_module_installs_the_signal_handlers() -> None:
+    found = {name: lines for name, path in MODULES.items()
+             if name != SIGNAL_OWNER and (lines := signal_installations(path.read_text()))}
+    assert found == {}, f"signal handlers installed outside {SIGNAL_OWNER} (call it instead): {found}"
+    assert signal_installations(MODULES[SIGNAL_OWNER].read_text()), "the owner installs them"
+
+
+def test_the_signal_check_finds_an_installation() -> None:
+    assert signal_installations("import signal\nsignal.signal(signal.SIGTERM, print)\n") == [2]
+    assert signal_installations("from signal import signal\nsignal(15, print)\n") == [2]
+    assert signal_installations("import signal\nsignal.getsignal(signal.SIGTERM)\n") == []
+
+
+# ---- the parallel layer: one mesh, declared capabilities, DCP's state-dict API (issue 38)
+# -------------------
+PROBED = ("strategy", "accelerator", "parallel")
+"""Names a getattr must not probe: a strategy's and an accelerator's capabilities are declared attributes."""
+
+
+def calls_of(source: str, function: str) -> list[int]:
+    """The lines of `source` that call `function`, by name or as an attribute (`device_mesh.init_device_mesh`)."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+            and (isinstance(node.func, ast.Name) and node.func.id == function
+                 or isinstance(node.func, ast.Attribute) and node.func.attr == function)]
+
+
+def probes(source: str) -> list[int]:
+    """The lines of `source` with getattr(x, ...) where x is a strategy or an accelerator: `strategy`,
+    `accelerator`, `self.parallel`, `self.strategy`, `self.accelerator`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            target = node.args[0] if node.args else None
+            name = target.id if isinstance(target, ast.Name) else \
+                target.attr if isinstance(target, ast.Attribute) else ""
+            if name in PROBED:
+                lines.append(node.lineno)
+    return lines
+
+
+def checkpoint_overrides(source: str) -> dict[str, str]:
+    """{'Class.save' or 'Class.load': its docstring} for every class but the base Strategy."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name != "Strategy":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name in ("save", "load"):
+                    found[f"{node.name}.{item.name}"] = ast.get_docstring(item) or ""
+    return found
+
+
+def test_one_mesh_builder_no_probes_and_at_most_two_checkpoint_overrides() -> None:
+    training = {name: path.read_text() for name, path in MODULES.items() if name.startswith("workbench.training")}
+    meshes = {name: lines for name, source in training.items() if (lines := calls_of(source, "init_device_mesh"))}
+    assert meshes == {"workbench.training.parallel.device_mesh": meshes.get("workbench.training.parallel.device_mesh")}
+    assert sum(len(lines) for lines in meshes.values()) == 1, meshes
+    probing = {name: lines for name, source in training.items() if (lines := probes(source))}
+    assert probing == {}, f"capabilities probed with getattr (declare them on Strategy / Placement): {probing}"
+    overrides = {where: doc for name, source in training.items() if name.startswith("workbench.training.parallel")
+                 for where, doc in checkpoint_overrides(source).items()}
+    assert len(overrides) <= 2, f"save/load overridden beyond the two documented exceptions: {sorted(overrides)}"
+    assert [where for where, doc in overrides.items() if "why" not in doc.lower()] == [], overrides
+
+
+def test_the_parallel_layer_checks_can_fail() -> None:
+    assert calls_of("from torch.distributed import device_mesh as dm\ndm.init_device_mesh('cpu', (2,))\n"
+                    "init_device_mesh('cpu', (2,))\n", "init_device_mesh") == [2, 3]
+    assert probes("getattr(strategy, 'pipelined', False)\ngetattr(self.parallel, 'loss_ranks', None)\n"
+                  "getattr(accelerator, 'tracing', False)\ngetattr(info, 'buffer', None)\n") == [1, 2, 3]
+    assert checkpoint_overrides("class Strategy:\n    def load(self, p): ...\n"
+                                "class Mine(Strategy):\n    def load(self, p):\n        '''Why: x.'''\n"
+                                "    def save(self, p): ...\n") == {"Mine.load": "Why: x.", "Mine.save": ""}

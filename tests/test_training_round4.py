@@ -311,7 +311,7 @@ def test_ranks_returning_different_metric_keys_fail_at_once_naming_the_keys(runs
 
 # ---- a preemption recorded while the ranks trained -----------------------------------------------------------
 def test_a_preemption_recorded_by_the_launcher_says_the_step_the_ranks_were_at(tmp_path: Path) -> None:
-    from workbench.launcher.signals import record_preemption
+    from workbench.launcher.preempted import record_preemption
     from workbench.rundir import Status
 
     run = RunDir(tmp_path / "run")

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from workbench.launcher.result import RunResult
     from workbench.notebook.dashboard import Dashboard
     from workbench.notebook.panel import Panel
-    from workbench.rundir.listing import compare, runs
     from workbench.regress.recording import record
     from workbench.rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, Status
+    from workbench.rundir.listing import compare, runs
     from workbench.tasks import Task, register_task
 
 _HOMES = {

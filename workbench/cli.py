@@ -97,7 +97,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     training = args.command == "train" and not args.prepare_only
     if training:
-        _take_signals(None)  # first: a signal while the config, the task and torch load is a preemption too
+        from workbench.utils.preemption import launcher_takes_signals
+
+        # first: a signal while the config, the task and torch load is a preemption too
+        launcher_takes_signals(None)
     from workbench.config import RunConfig
     from workbench.config.preflight import preflight
 
@@ -120,7 +123,8 @@ def _train(args: argparse.Namespace) -> int:
         return _submit(cfg, args)
     from workbench.launcher.launch import check_launch
 
-    cfg, _ = check_launch(cfg, None, args.mode)  # --prepare-only too: the same checks as a launch
+    cfg = _shell_start_method(cfg, args.mode)
+    cfg, _ = check_launch(cfg, None)  # --prepare-only too: the same checks as a launch
     if args.prepare_only:
         from workbench.rundir import lock, prepare
 
@@ -129,12 +133,13 @@ def _train(args: argparse.Namespace) -> int:
         print(run.path)
         return 0
     from workbench.launcher.launch import launch
-    from workbench.launcher.signals import EXIT_PREEMPTED, take_received
+    from workbench.launcher.preempted import EXIT_PREEMPTED
     from workbench.rundir import RunFailedError, RunPreemptedError
+    from workbench.utils.preemption import before_launch, launcher_takes_signals
 
-    _take_signals(cfg)  # and cfg.preempt_signal
+    launcher_takes_signals(cfg)  # and cfg.preempt_signal
     try:
-        result = launch(cfg, mode=args.mode, progress=not args.no_progress)
+        result = launch(cfg, progress=not args.no_progress)
     except RunPreemptedError as e:
         print(f"preempted: {e.exc_message} (run the same command with --set resume=auto, or resume: auto in the "
               "YAML, to continue)", file=sys.stderr)
@@ -143,7 +148,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        take_received()  # delivered again by the launch once the ranks were safe: acted on
+        before_launch.take()  # delivered again by the launch once the ranks were safe: acted on
     _print_summary(result.summary, result.run_dir)
     return 0
 
@@ -167,20 +172,14 @@ def _submit(cfg: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def _take_signals(cfg: Any) -> None:
-    """Handle, not inherit: Ctrl-C stops gracefully whatever the shell left SIGINT as (a background job
-    ignores it); a preemption signal is kept for the launch: before the ranks start it ends the run preempted
-    without starting them, after it is forwarded to them; and one the launch has forwarded doesn't end this
-    process before they have checkpointed (the launch delivers it here again when they are done)."""
-    import signal
-
-    from workbench.launcher.signals import remember
-    from workbench.utils.lifecycle import preempt_signals
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in preempt_signals(cfg):
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, remember)
+def _shell_start_method(cfg: Any, mode: str | None) -> Any:
+    """start_method 'auto' from the shell is 'subprocess' (accelerate launch / torchrun); --mode is the older
+    spelling of --set start_method, warned about and forwarded."""
+    if mode is not None:
+        print(f"workbench train: --mode {mode} is deprecated; use --set start_method="
+              f"{'subprocess' if mode == 'subprocess' else 'fork'}", file=sys.stderr)
+        return cfg.replace(start_method="subprocess" if mode == "subprocess" else "fork")
+    return cfg.replace(start_method="subprocess") if cfg.start_method == "auto" else cfg
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -255,7 +254,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.no_json:
         args.json = None
     elif args.json is None:
-        args.json = default_result_path(args.bench_command)
+        # `bench estimate --cited-only` is a result of its own kind: its rows are the published runs
+        cited_only = getattr(args, "cited_only", False)
+        args.json = default_result_path("estimate-cited" if cited_only else args.bench_command)
     code = _run_bench(args)
     if args.json is not None and Path(args.json).exists():
         print(f"result: {args.json}")
@@ -264,14 +265,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from workbench.commands import bench
-    from workbench.config import RunConfig
 
+    if args.bench_command in ("compile", "mfu", "checkpoint", "precision", "parallelism"):
+        return _run_config_bench(args)
     if args.bench_command == "imports":
         report = bench.imports(repeats=args.repeats, json_path=args.json)
         print(report.table())
         return 0 if report.passed else 1
     if args.bench_command == "estimate":
-        print(bench.estimate_accuracy(json_path=args.json).table())
+        print(bench.estimate_accuracy(json_path=args.json, measured=not args.cited_only,
+                                      cited=not args.no_cited).table())
         return 0
     if args.bench_command == "estimate-speed":
         from workbench.commands.bench.estimate_speed import MODELS, estimate_speed
@@ -286,12 +289,6 @@ def _run_bench(args: argparse.Namespace) -> int:
         latency = launch_latency(args.pairs, cold_pairs=args.cold_pairs, json_path=args.json)
         print(latency.table())
         return 0 if latency.passed else 1
-    if args.bench_command == "compile":
-        from workbench.commands.bench.compile_speed import COMPILE_BENCH, LAYOUTS, compile_bench
-
-        cfg = (RunConfig.from_yaml(args.config) if args.config else COMPILE_BENCH).with_overrides(args.overrides)
-        print(compile_bench(cfg, tuple(args.layouts or LAYOUTS), json_path=args.json).table())
-        return 0
     if args.bench_command == "big-run":
         from workbench.commands.bench.big_run import big_run
 
@@ -304,6 +301,38 @@ def _run_bench(args: argparse.Namespace) -> int:
         cost = dashboard_cost(steps=args.steps, pairs=args.pairs, json_path=args.json)
         print(cost.table())
         return 0 if cost.passed else 1
+    report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
+                            json_path=args.json, mode=args.mode, device=args.device)
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+def _run_config_bench(args: argparse.Namespace) -> int:
+    """The benches that run a RunConfig: their default one, or a YAML file, with --set overrides."""
+    from workbench.commands import bench
+    from workbench.config import RunConfig
+
+    if args.bench_command == "compile":
+        from workbench.commands.bench.compile_speed import COMPILE_BENCH, LAYOUTS, compile_bench
+
+        cfg = (RunConfig.from_yaml(args.config) if args.config else COMPILE_BENCH).with_overrides(args.overrides)
+        print(compile_bench(cfg, tuple(args.layouts or LAYOUTS), json_path=args.json).table())
+        return 0
+    if args.bench_command == "mfu":
+        from workbench.commands.bench.mfu import MFU_BENCH, mfu
+
+        cfg = (RunConfig.from_yaml(args.config) if args.config else MFU_BENCH).with_overrides(args.overrides)
+        report = mfu(cfg, json_path=args.json)
+        print(report.table())
+        return 0 if report.passed else 1
+    if args.bench_command == "checkpoint":
+        from workbench.commands.bench import checkpoint_stall as ck
+
+        cfg = RunConfig.from_yaml(args.config) if args.config else ck.CHECKPOINT_BENCH
+        layouts = tuple(args.layouts or ck.LAYOUTS)
+        report = ck.checkpoint_stall(cfg.with_overrides(args.overrides), layouts, args.json)
+        print(report.table())
+        return 0
     if args.bench_command in ("precision", "parallelism"):
         default = bench.PRECISION_BENCH if args.bench_command == "precision" else bench.PARALLELISM_BENCH
         cfg = (RunConfig.from_yaml(args.config) if args.config else default).with_overrides(args.overrides)
@@ -313,10 +342,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             modes = tuple(args.modes) if args.modes else bench.MODES
             print(bench.parallelism(cfg, modes=modes, json_path=args.json).table())
         return 0
-    report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
-                            json_path=args.json, mode=args.mode, device=args.device)
-    print(report.table())
-    return 0 if report.passed else 1
+    raise AssertionError(f"not a config bench: {args.bench_command}")
 
 
 def _doctor(args: argparse.Namespace) -> int:

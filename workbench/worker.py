@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workbench.rundir import RunDir
-from workbench.training.guard import catch_early
 from workbench.training.rank import die_with_parent, rank_main, record_exception
+from workbench.utils.preemption import catch_early
 
 if TYPE_CHECKING:
     from workbench.tasks import Task
@@ -57,7 +57,7 @@ def load_task(run_dir: Path, digest: str) -> Task:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # First, before torch and the task load (seconds): a preemption signal from now on is kept for the guard
+    # First, before torch and the task load (seconds): a preemption signal from now on is kept (preemption.py)
     # (a signal that killed the rank here would read as an out-of-memory kill), and the rank dies with its
     # launcher, or exits now if that is gone already.
     catch_early()

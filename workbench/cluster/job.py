@@ -5,6 +5,13 @@ A job runs again with the same id when Slurm requeues it (its time-limit warning
 rank 0 asked for a requeue; a node failed; the cluster preempted it with PreemptMode=REQUEUE):
 SLURM_RESTART_COUNT then says which attempt this is, rank 0 opens the next attempt of the run directory with
 `resume: auto`, and the other ranks wait for it before they start.
+
+submitit submits the job, starts one task per rank and sets torch.distributed's variables
+(TorchDistributedEnvironment). Its own requeue (a `Checkpointable` callable) stays unused, for a reason: its
+signal handler checkpoints and requeues from global rank 0 at once and exits that rank, while the other ranks
+train on. workbench's ranks must first agree on one step and write one checkpoint together (a collective, longer
+than a signal handler may take), so the worker's handler of the warning signal only raises the preemption flag,
+and rank 0 requeues with `scontrol requeue` after the ranks have checkpointed and returned.
 """
 
 from __future__ import annotations

@@ -50,6 +50,32 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None,
                    help="where both loops train (default: the CPU, whatever the machine has)")
     _result_args(o)
+    _run_benches(bsub)
+    la = bsub.add_parser("launch", help="wb.launch of a 1-step 2-rank run against accelerate.notebook_launcher "
+                                        "running the equivalent function, interleaved")
+    la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")
+    la.add_argument("--cold-pairs", type=int, default=1, help="first launches in fresh interpreters, each side")
+    _result_args(la)
+    im = bsub.add_parser("imports", help="importing the rank side against `import torch, accelerate`, in fresh "
+                                         "interpreters side by side")
+    im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")
+    _result_args(im)
+    _estimate_benches(bsub)
+    da = bsub.add_parser("dashboard", help="the quickstart run headless against the same run with a live dashboard, "
+                                           "side by side: what the dashboard costs the ranks")
+    da.add_argument("--steps", type=int, default=2000)
+    da.add_argument("--pairs", type=int, default=4, help="back-to-back pairs, order alternating")
+    _result_args(da)
+    br = bsub.add_parser("big-run", help="reading a run of 200,000 logged steps: workbench status, the last row, "
+                                         "RunResult.metrics, plot() and the dashboard's first view, timed")
+    br.add_argument("--rows", type=int, default=200_000, help="training rows of the synthetic run")
+    br.add_argument("--keep", type=Path, default=None, help="write the run into this folder and leave it there")
+    _result_args(br)
+
+
+def _run_benches(bsub: argparse._SubParsersAction) -> None:
+    """The benches that train a RunConfig of their own (or yours): precision, parallelism, compile, mfu,
+    checkpoint."""
     _config_bench(bsub, "precision", "the same run in every precision this machine supports, side by side",
                   "char-gpt 'small' on one device, 50 steps")
     pa = _config_bench(bsub, "parallelism", "the same run under every parallel layout (data, tensor, pipeline), "
@@ -63,27 +89,25 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--layouts", nargs="+", default=None,
                     help="layouts to run (default: ddp zero3 tp pp one; one: a single process on every core, "
                          "micro-batch 16)")
-    la = bsub.add_parser("launch", help="wb.launch of a 1-step 2-rank run against accelerate.notebook_launcher "
-                                        "running the equivalent function, interleaved")
-    la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")
-    la.add_argument("--cold-pairs", type=int, default=1, help="first launches in fresh interpreters, each side")
-    _result_args(la)
-    im = bsub.add_parser("imports", help="importing the rank side against `import torch, accelerate`, in fresh "
-                                         "interpreters side by side")
-    im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")
-    _result_args(im)
-    es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, two model shapes")
+    _config_bench(bsub, "mfu", "model FLOPs utilisation of one device on GPT-2 small's shape (target: 45%% in bf16, "
+                  "blocks compiled, on one H100)", "char-gpt 'gpt2-small', bf16, compile blocks, 30 steps")
+    ck = _config_bench(bsub, "checkpoint", "how long each checkpoint stops training, written "
+                       "synchronously against in the background (checkpoint_async), side by side",
+                       "char-gpt 'small' on 2 CPU ranks, 16 steps, a checkpoint every 2")
+    ck.add_argument("--layouts", nargs="+", default=None,
+                    help="layouts to run (default: ddp zero3)")
+
+
+def _estimate_benches(bsub: argparse._SubParsersAction) -> None:
+    """`bench estimate` (its accuracy) and `bench estimate-speed`."""
+    es = bsub.add_parser("estimate", help="estimated against measured peak per rank, every mode, "
+                         "two model shapes; then against each published run the catalog cites")
+    part = es.add_mutually_exclusive_group()
+    part.add_argument("--no-cited", action="store_true",
+                      help="leave out the published runs (minutes of tracing)")
+    part.add_argument("--cited-only", action="store_true",
+                      help="only the published runs: no training here")
     _result_args(es)
-    da = bsub.add_parser("dashboard", help="the quickstart run headless against the same run with a live dashboard, "
-                                           "side by side: what the dashboard costs the ranks")
-    da.add_argument("--steps", type=int, default=2000)
-    da.add_argument("--pairs", type=int, default=4, help="back-to-back pairs, order alternating")
-    _result_args(da)
-    br = bsub.add_parser("big-run", help="reading a run of 200,000 logged steps: workbench status, the last row, "
-                                         "RunResult.metrics, plot() and the dashboard's first view, timed")
-    br.add_argument("--rows", type=int, default=200_000, help="training rows of the synthetic run")
-    br.add_argument("--keep", type=Path, default=None, help="write the run into this folder and leave it there")
-    _result_args(br)
     sp = bsub.add_parser("estimate-speed", help="the first estimate in a fresh interpreter (library and panel box), "
                                                 "and changes answered from the trace in memory")
     sp.add_argument("--models", nargs="+", default=None, help="digits and/or gpt2-small (default: both)")
@@ -117,8 +141,9 @@ def train_parser(sub: Any) -> None:
     t.add_argument("config", type=Path, help="RunConfig YAML")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set max_steps=200 --set task_options.n_layer=4")
-    t.add_argument("--mode", choices=["subprocess", "fork"], default="subprocess",
-                   help="subprocess: accelerate launch (default); fork: notebook_launcher in this process")
+    t.add_argument("--mode", choices=["subprocess", "fork"], default=None,
+                   help="deprecated: use --set start_method=subprocess|fork|spawn (default from the shell: "
+                        "subprocess, accelerate launch / torchrun)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--prepare-only", action="store_true",
                    help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "

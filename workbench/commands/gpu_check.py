@@ -50,10 +50,6 @@ class Step:
     """The JSON it writes, if any."""
 
 
-MFU_SHAPE = ["task_options.preset=gpt2-small", "compile=blocks", "micro_batch_size=16", "max_steps=30"]
-"""The MFU target's run (45% in bf16 on one H100): GPT-2 small's shape, each block compiled, nanoGPT's batch."""
-
-
 def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
     """The steps for a machine with `gpus` CUDA GPUs, in the order they run, writing their JSON under `out`."""
     cli = [sys.executable, "-m", "workbench.cli"]
@@ -67,12 +63,13 @@ def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
 
     # Caps (typical, max in s) for one H100/H200; the one-GPU steps' caps add up to 525 = 540 - MARGIN_S.
     return [
-        # No `bench mfu` command yet: bench precision's run on GPT-2 small's shape, bf16, blocks compiled.
-        bench("bench mfu", "mfu", ["precision", *(a for kv in MFU_SHAPE for a in ("--set", kv))], 60, 90),
+        # GPT-2 small's shape, bf16, blocks compiled, one GPU: the MFU target (bench/mfu.py).
+        bench("bench mfu", "mfu", ["mfu"], 60, 90),
         # -n 0: one test at a time (the suite's two workers would share the GPUs)
         Step("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-rA", "-p",
                            "no:cacheprovider", str(REPO / "tests")], 120, table=False, typical_s=60),
-        bench("bench estimate", "estimate", ["estimate"], 60, 90),
+        # the published runs' part is the same on any machine (estimates only): run it on a CPU
+        bench("bench estimate", "estimate", ["estimate", "--no-cited"], 60, 90),
         bench("bench precision", "precision", ["precision"], 45, 75),
         # ddp runs on one GPU too (its ranks, the trainer's and the hand loop's, as many as there are, up to 2).
         bench("bench overhead ddp", "overhead-ddp", ["overhead", "--mode", "ddp", "--device", "cuda",

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.launcher.signals import EXIT_PREEMPTED
+from workbench.launcher.preempted import EXIT_PREEMPTED
 from workbench.rundir import MetricsRow, RunDir, Status
 from workbench.utils.units import fmt_duration
 

@@ -2,14 +2,17 @@
 
 checks.py validates the fields on construction (ranges, names); preflight.py checks a config against a task
 and a machine before a launch; mesh.py owns the rank layout (mesh sizes, data-parallel size, global batch);
-precision.py and trackers.py name what the precision and trackers fields mean. RunConfig and what it
-imports need no task, trainer or machine: preflight.py alone looks at those, and nothing here imports it.
+choices.py, precision.py and trackers.py name what the choice, precision and trackers fields mean. RunConfig
+and what it imports need no task, trainer or machine: preflight.py alone looks at those, and nothing here
+imports it.
 """
 
 from __future__ import annotations
 
+from workbench.config.choices import PARALLELISM_MODES, ActivationCheckpointing, Parallelism
 from workbench.config.mesh import SHARDED, ParallelDims
-from workbench.config.run_config import PARALLELISM_MODES, ActivationCheckpointing, Parallelism, Precision, RunConfig
+from workbench.config.precision import Precision
+from workbench.config.run_config import RunConfig
 
 __all__ = ["PARALLELISM_MODES", "SHARDED", "ActivationCheckpointing", "ParallelDims", "Parallelism", "Precision",
            "RunConfig"]

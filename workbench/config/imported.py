@@ -25,7 +25,7 @@ FSDP_STRATEGIES = {"FULL_SHARD": "zero3", "SHARD_GRAD_OP": "zero2", "HYBRID_SHAR
                    "4": "hsdp", "5": "hsdp"}
 """fsdp_sharding_strategy (names, or FSDP1's numbers) -> parallelism."""
 ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}  # fp8: torchao's Float8
 NEUTRAL = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0, "num_machines": 1,
            "main_training_function": "main", "rdzv_backend": "static", "same_network": True, "tpu_env": [],
            "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False, "gpu_ids": "all",
@@ -86,7 +86,7 @@ def read_accelerate(path: str | os.PathLike[str]) -> Imported:
     if precision in PRECISIONS:
         mapped["precision"] = PRECISIONS[precision]
     else:
-        unmapped["mixed_precision"] = f"{precision!r}: workbench trains in fp32, bf16 or fp16"
+        unmapped["mixed_precision"] = f"{precision!r}: workbench trains in fp32, bf16, fp16 or fp8"
     if data.get("use_cpu"):
         mapped["device"] = "cpu"
     if kind == "FSDP":

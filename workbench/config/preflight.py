@@ -59,6 +59,10 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
     check_parallel_task(cfg, task)
     if cfg.activation_checkpointing != "none" or cfg.compile == "blocks":
         _check_checkpoint_units(cfg, task)
+    if cfg.precision == "fp8":  # the model has Linear layers to swap (imported for fp8 runs only)
+        from workbench.training.parallel.float8 import check_task
+
+        check_task(cfg, task)
 
 
 def check_runs_dir(cfg: RunConfig) -> None:

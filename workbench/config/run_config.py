@@ -14,9 +14,16 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 
 from workbench.config.checks import check_names, check_numbers
+from workbench.config.choices import (
+    ActivationCheckpointing,
+    Device,
+    GradCompression,
+    Parallelism,
+    PipelineSchedule,
+)
 from workbench.config.mesh import ParallelDims
 from workbench.config.mesh_checks import check_layout
-from workbench.config.precision import Precision
+from workbench.config.precision import Fp8Recipe, Precision, check_fp8_recipe
 from workbench.config.trackers import Tracker
 from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
 from workbench.utils.suggest import unknown_keys
@@ -24,24 +31,6 @@ from workbench.utils.typecheck import check_type, plain
 
 if TYPE_CHECKING:
     from workbench.utils.hardware import Hardware
-
-Parallelism = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
-ActivationCheckpointing = Literal["none", "full", "selective"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
-GradCompression = Literal["none", "fp16", "bf16", "powersgd"]
-
-PARALLELISM_MODES: dict[str, str] = {
-    "none": "one plain process",
-    "ddp": "full replica per rank, gradients all-reduced (DDP)",
-    "zero1": "replicas, optimizer state sharded over ranks (ZeRO-1)",
-    "zero2": "gradients and optimizer state sharded; parameters gathered from forward to backward (FSDP2)",
-    "zero3": "parameters, gradients and optimizer state sharded (FSDP2)",
-    "fsdp": "same as zero3: parameters, gradients and optimizer state sharded (FSDP2)",
-    "hsdp": "sharded within groups of dp_shard ranks, replicated across groups (FSDP2, 2-D mesh)",
-}
-"""One line per parallelism mode, as the panel and `workbench check` show them."""
-Device = Literal["auto", "cpu", "cuda"]
-
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -106,13 +95,18 @@ class RunConfig:
     loss (a branch, a head used on some batches); DDP then looks for them after every forward. Refused elsewhere."""
     precision: Precision = "fp32"
     """Compute precision: 'bf16'/'fp16' autocast, or parameters cast by FSDP2 (fp16 with dynamic loss scaling, in
-    every layout tp included); 'fp8' is rejected for now."""
+    every layout tp included); 'fp8': the blocks' Linear layers matmul in fp8 (torchao's
+    Float8, GPUs of compute capability 8.9+, `pip install 'workbench[fp8]'`), the rest in bf16."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """precision='fp8': torchao's scaling recipe, 'tensorwise' (one scale per tensor, fastest; with
+    FSDP2 the weights are all-gathered in fp8) or 'rowwise' (a scale per row of each operand, more
+    accurate; weights all-gathered in bf16)."""
     device: Device = "auto"
     """'auto' picks CUDA when present, else CPU."""
-    start_method: Literal["auto", "fork", "spawn"] = "auto"
-    """How a launch from Python starts its ranks: 'fork' (tasks as they are, fast), or 'spawn' (fresh
-    interpreters, the task pickled with cloudpickle); 'auto' forks unless CUDA is already initialised in this
-    process and the run uses CUDA, then spawns. `workbench train` always starts fresh interpreters."""
+    start_method: Literal["auto", "fork", "spawn", "subprocess"] = "auto"
+    """How ranks start: 'fork' (tasks as they are, fast), 'spawn' (fresh interpreters, the task pickled with
+    cloudpickle), 'subprocess' (`accelerate launch`/torchrun, tasks by name). 'auto': from Python, fork unless
+    the run uses CUDA, then spawn; from `workbench train`, subprocess. Clusters: `cluster=` of wb.start."""
     micro_batch_size: int | Literal["auto"] = 32
     """Samples per rank per forward/backward; 'auto' picks the largest that fits (see target_global_batch; the
     ranks of a TP group take the same size, as they share batches)."""
@@ -155,6 +149,10 @@ class RunConfig:
     """Save a checkpoint every N steps; 0 saves only at the end (and on stop)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
+    checkpoint_async: Literal["auto", "on", "off"] = "auto"
+    """'on': checkpoints are copied to host memory (pinned on GPUs) and written in the background
+    while training goes on (DCP's async_save), one at a time; 'off': written whole before training
+    goes on; 'auto': on GPUs, off on CPU."""
     seed: int = 0
     """Seeds model init, data order and dropout; same seed, same run."""
     runs_dir: str = "runs"
@@ -271,6 +269,7 @@ class RunConfig:
         self._check_numbers()
         self._check_parallelism()
         self._check_names()
+        check_fp8_recipe(self)
 
     def _check_numbers(self) -> None:
         check_numbers(self)
@@ -378,7 +377,8 @@ def _field_types() -> dict[str, Any]:
 
 def _coerce(key: Any, value: Any) -> Any:
     """YAML 1.1 reads '3e-4' (no dot) as a string; in a YAML file or --set, users mean a number when the field
-    is a float. Text that is no finite number ('1e400', 'nan') stays text, for validation to name as written."""
+    is a float. Text that is no finite number ('1e400', 'nan') stays text, for validation to name as written.
+    And it reads `off`/`on` as booleans: a choice field that has them (compile) gets the word back."""
     tp = _field_types().get(key) if isinstance(key, str) else None
     if tp is float and isinstance(value, str):
         try:
@@ -386,6 +386,9 @@ def _coerce(key: Any, value: Any) -> Any:
         except ValueError:
             return value
         return number if math.isfinite(number) else value
+    if isinstance(value, bool) and typing.get_origin(tp) is Literal:  # YAML 1.1 reads off/on as booleans
+        word = "on" if value else "off"
+        return word if word in typing.get_args(tp) else value
     return value
 
 

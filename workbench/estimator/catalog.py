@@ -10,12 +10,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.estimator.efficiency import (
+    Efficiency,
+    Measurement,
+    parse_efficiency,
+    parse_measurement,
+    resolve,
+)
 from workbench.utils.files import read_yaml
 from workbench.utils.suggest import did_you_mean
 
 BUILTIN = Path(__file__).with_name("accelerators.yaml")
 THIS_MACHINE = "this-machine"
 FIELDS = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "link", "price_per_hour", "price_source")
+"""Each entry's required fields; `efficiency` and `efficiency_from` are optional (efficiency.py)."""
 NETWORKS = {"infiniband": 50e9, "ethernet": 12.5e9}
 """Bandwidth per GPU between nodes (bytes/s): 400 Gb/s InfiniBand NDR per GPU, 100 Gb/s Ethernet per GPU."""
 
@@ -40,6 +48,10 @@ class Accelerator:
     """'cuda' for a GPU, 'cpu' for this machine's CPU."""
     notes: tuple[str, ...] = field(default=())
     """How figures were obtained when not from a datasheet (this machine)."""
+    efficiency: tuple[Efficiency, ...] = field(default=())
+    """The fraction of the peak its matrix multiplies reach, by precision and model size, each
+    value citing the published runs it comes from (efficiency.py); () for none (the estimate then
+    says what it takes)."""
 
     def peak(self, precision: str) -> float | None:
         return self.peak_flops.get(precision)
@@ -63,26 +75,56 @@ def _parse(entry: Any, source: str) -> Accelerator:
     price = entry["price_per_hour"]
     if price is not None and (not isinstance(price, (int, float)) or price < 0):
         raise ValueError(f"{where}: price_per_hour={price!r}: use dollars per GPU-hour, or null when unknown")
+    efficiency = (parse_efficiency(entry["efficiency"], where, peaks) if "efficiency" in entry
+                  else ())
     return Accelerator(name=str(entry["name"]), memory_bytes=int(entry["memory_gib"] * 2**30),
                        peak_flops={k: float(v) * 1e12 for k, v in peaks.items()},
                        memory_bandwidth=float(entry["memory_bandwidth_gbs"]) * 1e9, link=str(link["kind"]),
                        link_bandwidth=float(link["gbs"]) * 1e9,
-                       price_per_hour=None if price is None else float(price), price_source=str(entry["price_source"]))
+                       price_per_hour=None if price is None else float(price),
+                       price_source=str(entry["price_source"]), efficiency=efficiency)
 
 
-def _read(path: Path) -> list[Accelerator]:
+def _read(path: Path) -> tuple[list[Accelerator], dict[str, str], dict[str, Measurement]]:
+    """A catalog file's accelerators, which of them take another's efficiency (efficiency_from),
+    and its published measurements."""
     data = read_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("accelerators"), list):
         raise ValueError(f"{path}: expected 'accelerators:' with a list of entries")
-    return [_parse(entry, str(path)) for entry in data["accelerators"]]
+    measured = data.get("measurements") or []
+    if not isinstance(measured, list):
+        raise ValueError(f"{path}: measurements={measured!r}: expected a list of entries")
+    accelerators = [_parse(entry, str(path)) for entry in data["accelerators"]]
+    inherit = {str(e["name"]): str(e["efficiency_from"]) for e in data["accelerators"]
+               if e.get("efficiency_from")}
+    runs = (parse_measurement(e, str(path)) for e in measured)
+    return accelerators, inherit, {m.id: m for m in runs}
+
+
+def _load(extra: str | os.PathLike[str] | None
+          ) -> tuple[dict[str, Accelerator], dict[str, Measurement]]:
+    catalog: dict[str, Accelerator] = {}
+    inherit: dict[str, str] = {}
+    measured: dict[str, Measurement] = {}
+    for path in [BUILTIN, *filter(None, [os.environ.get("WORKBENCH_ACCELERATORS"), extra])]:
+        accelerators, taken, found = _read(Path(path).expanduser())
+        for a in accelerators:  # a later file's entry replaces the whole one, efficiency_from too
+            catalog[a.name] = a
+            inherit.pop(a.name, None)
+        inherit.update(taken)
+        measured.update(found)
+    return resolve(catalog, measured, inherit), measured
 
 
 def load_catalog(extra: str | os.PathLike[str] | None = None) -> dict[str, Accelerator]:
     """The built-in catalog, then WORKBENCH_ACCELERATORS and `extra` (their entries win by name)."""
-    catalog = {a.name: a for a in _read(BUILTIN)}
-    for path in filter(None, [os.environ.get("WORKBENCH_ACCELERATORS"), extra]):
-        catalog.update({a.name: a for a in _read(Path(path).expanduser())})
-    return catalog
+    return _load(extra)[0]
+
+
+def load_measurements(extra: str | os.PathLike[str] | None = None) -> dict[str, Measurement]:
+    """The published training runs the catalogs cite (the built-in one's, then
+    WORKBENCH_ACCELERATORS' and `extra`'s), by id."""
+    return _load(extra)[1]
 
 
 def lookup(name: str, catalog: dict[str, Accelerator] | None = None) -> Accelerator:

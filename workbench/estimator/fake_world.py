@@ -17,26 +17,18 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from workbench.training.parallel.placement import Placement as RankPlacement
+
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
 
 
 @dataclass
-class Placement:
-    """What a strategy asks of an Accelerator, for one simulated rank of a fake world."""
+class Placement(RankPlacement):
+    """One simulated rank of a fake world: the trainer's Placement, tracing."""
 
-    device: torch.device
-    num_processes: int
-    process_index: int = 0
-    mesh: Any = None
     tracing: bool = True
-    stage_params: list[set[str]] | None = None
-    """Pipeline: the parameter names each stage holds (what the ranks would gather from each other)."""
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.process_index == 0
 
 
 # ---- counting collectives ---------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 newest completed runs on the same device class that are most like it: the same task and layout (parallelism, tp,
 pp, ranks) first; on a GPU, else the same layout with any task (what the trainer's layout adds, DDP's hooks or
 DTensor's bookkeeping, is the task's as much as another's), else any run on as many ranks, else any run on that
-device class (the GPU model rests on a datasheet and a typical efficiency, which every run there corrects alike).
+device class (the GPU model rests on a datasheet and a published efficiency, which every run there
+corrects alike).
 On this machine's CPU, whose model is measured here, only the same task and layout teach.
 
 A run's "estimated" is today's model re-applied to its config (config.yaml, with the micro-batch it ran), so a

@@ -16,8 +16,8 @@ import os
 import platform
 import threading
 import time
-from dataclasses import asdict
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 

@@ -9,19 +9,23 @@ slower than its best as the same work runs here on average. Collectives cost glo
 their kind and size, and none of it hides behind compute: the ranks already use every core,
 and gloo copies and sums on those cores.
 
-GPU: FLOPs at a typical fraction of the datasheet peak, elementwise bytes at the datasheet memory bandwidth,
-never less than the host's time to launch the step's kernels; collectives at a per-collective latency plus
-ring bytes over the datasheet link; data-parallel ones overlap compute.
+GPU: FLOPs at the fraction of the datasheet peak published runs reach on that accelerator, for the
+precision and the model's size (the catalog's efficiency, efficiency.py), elementwise bytes at the
+datasheet memory bandwidth, never less than the host's time to launch the step's kernels;
+collectives at a per-collective latency plus ring bytes over the datasheet link; data-parallel ones
+overlap compute.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from workbench.estimator.catalog import NETWORKS, Accelerator
+from workbench.estimator.efficiency import matmul_efficiency
 from workbench.estimator.machine_probe import op_kind
 from workbench.estimator.trace import StepTrace
 from workbench.utils.units import fmt_seconds
@@ -30,8 +34,6 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.estimator.machine import MachineProfile
 
-GPU_EFFICIENCY = 0.4
-"""Fraction of the datasheet peak FLOP/s a GPU step's matrix multiplies reach before runs teach otherwise."""
 GPU_LAUNCH_S = 33e-6
 """Host time per working op of an eager step (module call, autograd, dispatch, cudaLaunchKernel): a step is never
 shorter. Measured on an H100 server (16 cores, torch 2.11, 2026-11-24): a hand-written loop and the trainer ran
@@ -264,7 +266,8 @@ def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
                          f"(it lists {', '.join(target.peak_flops)})")
     # the host constants were fitted on an H100 to the first step's op counts (see StepTrace.first_ops)
     ops = by_kind(SimpleNamespace(ops=trace.first_ops or trace.ops, op_bytes=trace.first_op_bytes or trace.op_bytes))
-    matmul = trace.flops / (peak * GPU_EFFICIENCY)
+    efficiency, why = matmul_efficiency(target, precision, model_params(cfg, trace))
+    matmul = trace.flops / (peak * efficiency)
     memory = sum(nbytes for kind, rows in ops.items() if kind not in ("flop", "view", "dtensor")
                  for _, _, nbytes in rows)
     kernels = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
@@ -279,7 +282,7 @@ def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
         comm += rec["count"] * NCCL_LATENCY_S[bool(rec["spans_nodes"])] + rec["wire_bytes"] / bandwidth
     exposed = max(comm - compute, comm / max(1, trace.units)) if comm else 0.0
     assumptions = [
-        f"compute: FLOPs at {GPU_EFFICIENCY:.0%} of {target.name}'s {peak / 1e12:g} TFLOP/s {precision} datasheet "
+        f"compute: FLOPs at {why} of {target.name}'s {peak / 1e12:g} TFLOP/s {precision} datasheet "
         f"peak, elementwise bytes at its {target.memory_bandwidth / 1e9:g} GB/s; never less than the host's time to "
         f"launch {kernels} kernels at {1e6 * GPU_LAUNCH_S:g} us (eager PyTorch, measured on an H100 server) plus "
         f"{1e3 * GPU_STEP_S:g} ms a step" +
@@ -290,6 +293,18 @@ def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, A
          + (f", {NETWORKS[network] / 1e9:g} GB/s over {network} between nodes" if nodes > 1 else "")),
         "overlap: collectives run during compute (FSDP prefetch, DDP buckets in backward); exposed is what exceeds "
         "compute, and never less than one shard unit's share (the first all-gather or last bucket)"]
-    return RawStep(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, efficiency=GPU_EFFICIENCY,
+    return RawStep(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, efficiency=efficiency,
                    parts={"matmul": matmul, "memory": memory / target.memory_bandwidth,
                           "host": host}, assumptions=assumptions)
+
+
+def model_params(cfg: RunConfig, trace: StepTrace) -> int:
+    """The model's parameter count, the size the catalog's efficiency bands go by: the traced
+    rank's tensors at their global shapes (a DTensor's shape is the whole tensor's), times the
+    stages under a pipeline (a stage's trace holds its own); the rank's own fp32 bytes / 4 where
+    the trace kept no shapes."""
+    pieces = [p for p in trace.state if p.category == "params"]
+    if not pieces:
+        return trace.held.get("params", 0) // 4
+    count = sum(p.count * math.prod(p.shape) for p in pieces)
+    return count * (cfg.pp if cfg.pp > 1 else 1)

@@ -97,12 +97,12 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
         optimizer_for,
     )
     from workbench.estimator.held import checked_state, state_pieces
+    from workbench.training.parallel.device_mesh import build_mesh
     from workbench.training.parallel.pipeline import PipelineParallel
-    from workbench.training.parallel.pipeline_parts import pipeline_mesh
 
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
     columns = world // cfg.pp  # ranks per stage: a column each, one whole pipeline
-    mesh = pipeline_mesh(cfg, "cpu", world)
+    mesh = build_mesh(cfg, "cpu", world)
     placement = Placement(device, world, rank, mesh, stage_params=stage_params(task, cfg))
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))

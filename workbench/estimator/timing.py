@@ -27,7 +27,7 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 DDP_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 """DDP's default buckets (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25): the first is small so
 the first all-reduce starts early in backward."""
-MODEL_VERSION = 3
+MODEL_VERSION = 4
 """Bumped when the step-time model changes: past runs are then estimated again before they teach."""
 
 

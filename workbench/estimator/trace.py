@@ -198,7 +198,6 @@ def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
 def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: int, fake: Any,
                     gpu_target: bool, gpus_per_node: int) -> dict[str, Any]:
     """The data-parallel and tensor-parallel modes: the trainer's strategy and its own step (accumulate)."""
-    from workbench.config import SHARDED
     from workbench.estimator.fake_world import (
         CollectiveCounter,
         count_then_track,
@@ -211,14 +210,12 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     )
     from workbench.estimator.held import checked_state, state_pieces
     from workbench.training.parallel import parallelize
-    from workbench.training.parallel.layout import layout_mesh
-    from workbench.training.parallel.sharded import data_parallel_mesh
+    from workbench.training.parallel.device_mesh import build_mesh
     from workbench.training.step import accumulate
 
     device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
     # A DeviceMesh needs real tensors: it is built before fake mode, and the strategy takes it from the Placement.
-    mesh = (layout_mesh(cfg, "cpu", world) if cfg.tp > 1 or cfg.cp > 1 else
-            data_parallel_mesh(cfg, "cpu", world) if cfg.parallelism in SHARDED else None)
+    mesh = build_mesh(cfg, "cpu", world)
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     with fake:

@@ -29,6 +29,7 @@ NOT_TRACED = frozenset({
     "monitor_interval_s", "idle_util_pct", "idle_after_s", "preempt_signal", "preempt_grace_s", "max_restarts",
     "restart_backoff_s", "profile_steps", "dist_timeout_s", "start_method", "max_skipped_steps", "oversubscribe",
     "target_global_batch", "memory_budget_gb", "compile", "compile_backend", "find_unused_parameters",
+    "checkpoint_async",
 })
 """RunConfig fields that change neither the model, the layout nor one step's tensors: a trace stands for every
 value of them. Any other field (including ones added later) keys the cache."""

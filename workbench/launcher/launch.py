@@ -15,16 +15,17 @@ from typing import TYPE_CHECKING, Literal, overload
 
 from workbench.config import RunConfig
 from workbench.config.preflight import preflight
-from workbench.launcher.processes import Mode, start_processes
+from workbench.launcher.preempted import record_preemption
+from workbench.launcher.processes import start_processes
 from workbench.launcher.result import RunResult
 from workbench.launcher.run import Run, raise_for_ending
-from workbench.launcher.signals import record_preemption, take_received
 from workbench.launcher.spawn import plan_start
 from workbench.rundir import (
     lock,
     prepare,
 )
 from workbench.tasks import Task, get_task
+from workbench.utils.preemption import before_launch
 
 if TYPE_CHECKING:
     from workbench.cluster import Slurm
@@ -34,43 +35,42 @@ log = logging.getLogger("workbench")
 
 
 
-def check_launch(cfg: RunConfig, task: Task | None, mode: Mode) -> tuple[RunConfig, Task]:
+def check_launch(cfg: RunConfig, task: Task | None) -> tuple[RunConfig, Task]:
     """The config and task to run, every check done before anything is created or started."""
-    if mode not in ("fork", "subprocess"):
-        raise ValueError(f"mode={mode!r}: choose 'fork' or 'subprocess'")
     if task is not None:
         if not isinstance(task, Task):
             raise TypeError(f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()")
         if cfg.task != task.name:
             cfg = cfg.replace(task=task.name)
-        if mode == "subprocess":
-            raise ValueError("mode='subprocess' starts fresh interpreters that can't see a task object: register "
-                             "the task in an importable module (or name it 'module:Class' in cfg.task) and pass "
-                             "no task=, or use mode='fork' for tasks defined in a notebook")
+        if cfg.start_method == "subprocess":
+            raise ValueError("start_method='subprocess' starts fresh interpreters that can't see a task object: "
+                             "register the task in an importable module (or name it 'module:Class' in cfg.task) "
+                             "and pass no task=, or use start_method='auto' for tasks defined in a notebook")
     preflight(cfg, task=task)  # hardware, precision, task and its options: all before anything starts
     return cfg, task or get_task(cfg.task)
 
 
-def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", progress: bool = False,
-          cluster: Slurm | None = None) -> Run | SlurmRun:
+def start(cfg: RunConfig, task: Task | None = None, *, progress: bool = False, cluster: Slurm | None = None,
+          mode: str | None = None) -> Run | SlurmRun:
     """Start `cfg` on cfg.num_processes ranks and return the `Run` handle at once (see `launch` to block).
 
-    `cluster=wb.Slurm(...)` submits it to that cluster instead (checked against the cluster first) and returns
-    its SlurmRun, which has the same status, wait(), stop() and result().
+    How the ranks start is cfg.start_method: from Python, 'auto' forks them (tasks defined in a notebook cell
+    work) or, for a CUDA run, spawns fresh interpreters with the task pickled; 'subprocess' runs `accelerate
+    launch` (torchrun for multi-process CPU) like `workbench train`. `cluster=wb.Slurm(...)` submits the run to
+    that cluster instead (checked against the cluster first) and returns its SlurmRun, which has the same
+    status, wait(), stop() and result(). Everything is validated before any process starts. A preemption
+    signal `workbench train` caught while it checked and prepared ends the run 'preempted' here, before any
+    rank starts (RunPreemptedError).
 
-    mode='fork' (notebooks, any Python process) forks ranks through accelerate.notebook_launcher, so tasks
-    defined in a notebook cell work, or, per cfg.start_method (when CUDA is already initialised here), spawns
-    them as fresh interpreters with the task pickled; mode='subprocess' runs `accelerate launch` (torchrun for
-    multi-process CPU) like `workbench train`. Everything is validated before any process starts. A
-    preemption signal `workbench train` caught while it checked and prepared ends the run 'preempted' here,
-    before any rank starts (RunPreemptedError).
+    `mode=` is the older spelling of start_method ('subprocess'; 'fork' is start_method='auto'), deprecated.
     """
+    cfg = _forward_mode(cfg, mode)
     if cluster is not None:
         from workbench.cluster.submit import submit
 
         return submit(cfg, cluster, task)
-    cfg, task = check_launch(cfg, task, mode)
-    plan = plan_start(cfg, task, mode)  # may refuse: still nothing created
+    cfg, task = check_launch(cfg, task)
+    plan = plan_start(cfg, task)  # may refuse: still nothing created
     cfg, run_dir, token = prepare(cfg)
     try:
         if cfg.micro_batch_size == "auto":
@@ -78,7 +78,7 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
             from workbench.utils.files import write_json
 
             write_json(run_dir.path / "autobatch.json", propose(cfg, task))
-        early = take_received()  # `workbench train` was sent a preemption signal while it checked and prepared
+        early = before_launch.take()  # `workbench train` was sent a preemption signal while it checked and prepared
         if early:
             record_preemption(run_dir, early, "came before the ranks were started, so none was")
             raise_for_ending(run_dir)
@@ -86,21 +86,37 @@ def start(cfg: RunConfig, task: Task | None = None, *, mode: Mode = "fork", prog
     except BaseException:
         lock.release(run_dir, token)
         raise
-    return Run(cfg, run_dir.path, process, mode, task if mode == "fork" else None, progress, token, _plan=plan)
+    return Run(cfg, run_dir.path, process, task if plan.method == "fork" else None, progress, token, _plan=plan)
+
+
+def _forward_mode(cfg: RunConfig, mode: str | None) -> RunConfig:
+    """The config that `mode=` (deprecated) meant: 'subprocess' is start_method='subprocess', 'fork' the
+    default way from Python."""
+    if mode is None:
+        return cfg
+    if mode not in ("fork", "subprocess"):
+        raise ValueError(f"mode={mode!r}: choose 'fork' or 'subprocess' (deprecated: set "
+                         "RunConfig.start_method='auto' | 'fork' | 'spawn' | 'subprocess' instead)")
+    method = "subprocess" if mode == "subprocess" else ("auto" if cfg.start_method == "subprocess" else None)
+    warnings.warn(f"mode={mode!r} is deprecated: set RunConfig.start_method="
+                  f"{method or cfg.start_method!r} instead (cfg.replace(start_method=...))",
+                  DeprecationWarning, stacklevel=3)
+    return cfg.replace(start_method=method) if method else cfg
 
 
 @overload
-def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[True] = True, mode: Mode = "fork",
-           progress: bool | None = None, cluster: Slurm | None = None) -> RunResult: ...
+def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[True] = True,
+           progress: bool | None = None, cluster: Slurm | None = None, mode: str | None = None) -> RunResult: ...
 
 
 @overload
-def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[False], mode: Mode = "fork",
-           progress: bool | None = None, cluster: Slurm | None = None) -> Run | SlurmRun: ...
+def launch(cfg: RunConfig, task: Task | None = None, *, wait: Literal[False],
+           progress: bool | None = None, cluster: Slurm | None = None, mode: str | None = None) -> Run | SlurmRun:
+    ...
 
 
-def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode: Mode = "fork",
-           progress: bool | None = None, cluster: Slurm | None = None) -> RunResult | Run | SlurmRun:
+def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, progress: bool | None = None,
+           cluster: Slurm | None = None, mode: str | None = None) -> RunResult | Run | SlurmRun:
     """Run `cfg` on cfg.num_processes ranks and block until it ends: returns the RunResult, or raises
     RunFailedError naming the failing rank. `start()` is the same without blocking; `cluster=` as there.
 
@@ -108,17 +124,18 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode:
     summary when it ends; in a terminal, rank 0's progress bar. None (the default): the line in a notebook,
     nothing in a terminal; False: nothing anywhere.
 
-    `wait=False` is the older spelling of `start()` and is deprecated.
+    `wait=False` is the older spelling of `start()` and `mode=` of cfg.start_method; both are deprecated.
     """
     from workbench.utils.kernel import in_kernel
 
     live = progress is not False and in_kernel()
     bar = bool(progress) and not live  # in a kernel the ranks' bar would go to the kernel's own stdout
+    cfg = _forward_mode(cfg, mode)
     if not wait:
         warnings.warn("launch(cfg, wait=False) is deprecated: use wb.start(cfg), which returns the Run handle",
                       DeprecationWarning, stacklevel=2)
-        return start(cfg, task, mode=mode, progress=bar, cluster=cluster)
-    run = start(cfg, task, mode=mode, progress=bar, cluster=cluster)
+        return start(cfg, task, progress=bar, cluster=cluster)
+    run = start(cfg, task, progress=bar, cluster=cluster)
     view = None
     if live:
         from workbench.notebook.live_view import LiveView
@@ -136,5 +153,3 @@ def launch(cfg: RunConfig, task: Task | None = None, *, wait: bool = True, mode:
         if view is not None:
             view.close()
 
-
-RunResult.launcher = launch  # result.resume() launches through here

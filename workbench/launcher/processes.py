@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import psutil
 
@@ -23,7 +23,6 @@ from workbench.config.mesh import virtual_stages
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.forked import ForkedSupervisor
 from workbench.launcher.scratch import ScratchProcess, make_scratch, remove_scratch
-from workbench.launcher.signals import elastic_signals
 from workbench.launcher.spawn import SpawnedRanks, StartPlan, die_with_caller, write_task
 from workbench.rundir import (
     RunDir,
@@ -32,10 +31,10 @@ from workbench.rundir import (
 from workbench.rundir.liveness import this_process
 from workbench.tasks import Task
 from workbench.utils.hardware import detect, resolve_device
+from workbench.utils.preemption import elastic_signals
 
 log = logging.getLogger("workbench")
 
-Mode = Literal["fork", "subprocess"]
 T = TypeVar("T")
 _starter: list[ThreadPoolExecutor] = []
 """The thread that forks the launcher processes of launches from other threads than the main one."""

@@ -4,12 +4,10 @@ launcher (resume)."""
 
 from __future__ import annotations
 
-import importlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from workbench.rundir import RunDir, RunFiles
 from workbench.rundir.run_files import resume_config
@@ -54,19 +52,14 @@ class RunResult(RunFiles):
 
         return rank_values(self.dir)
 
-    launcher: ClassVar[Callable[..., RunResult] | None] = None
-    """wb.launch, registered by workbench.launcher.launch when it is imported: the run directory's code stays free of
-    the caller's launcher (and the ranks of it)."""
-
     def resume(self, **changes: Any) -> RunResult:
         """Continue this run from its newest checkpoint, with `changes` to the config (e.g. max_steps=2000);
         blocks like wb.launch. Changes you name are allowed even where they alter the trajectory."""
-        if RunResult.launcher is None:
-            # `import workbench` loads its names on first use: wb.RunResult alone (a fresh kernel reading an old
-            # run) never imported the launcher, which registers itself here as it is imported.
-            importlib.import_module("workbench.launcher.launch")
-        assert RunResult.launcher is not None, "workbench.launcher.launch registers RunResult.launcher"
-        return RunResult.launcher(resume_config(self._config(), self.run_dir, changes), self.task)
+        # Through the public wb.launch (resolved on first use, PEP 562): the launcher imports this module, so
+        # a module-level import back would be a cycle, and a RunResult alone (reading old runs) loads no launcher.
+        import workbench
+
+        return workbench.launch(resume_config(self._config(), self.run_dir, changes), self.task)
 
     _metrics_rows: JsonlRows | None = field(default=None, init=False, repr=False, compare=False)
     """metrics.jsonl as parsed so far (`metrics`)."""

@@ -22,9 +22,9 @@ import psutil
 
 from workbench.config import RunConfig
 from workbench.launcher.postmortem import finalize
-from workbench.launcher.processes import Mode, start_processes
+from workbench.launcher.preempted import record_preemption
+from workbench.launcher.processes import start_processes
 from workbench.launcher.result import RunResult
-from workbench.launcher.signals import record_preemption, take_received
 from workbench.launcher.spawn import StartPlan
 from workbench.rundir import (
     RunDir,
@@ -38,7 +38,7 @@ from workbench.rundir import (
 )
 from workbench.rundir.liveness import heartbeats, is_alive
 from workbench.tasks import Task
-from workbench.utils.lifecycle import preempt_signals
+from workbench.utils import preemption
 
 log = logging.getLogger("workbench")
 
@@ -57,7 +57,6 @@ class Run(RunFiles):
     config: RunConfig
     run_dir: Path
     _process: Any = field(repr=False)
-    _mode: Mode = "fork"
     _task: Task | None = field(default=None, repr=False)
     _progress: bool = False
     _token: str | None = field(default=None, repr=False)
@@ -153,7 +152,7 @@ class Run(RunFiles):
         log.warning("%s: %s received; the ranks save a checkpoint and exit", self.run_dir.name,
                     signal.Signals(signum).name)
         # Straight to the ranks (a signal through torch elastic would be followed by its SIGKILL 30 s later, and
-        # a traceback), started ones too (they keep it until they can act on it, see training/guard.py); before
+        # a traceback), started ones too (they keep it until they can act on it, see utils/preemption.py); before
         # any rank exists, to the launcher process.
         runner = self._runner()
         ranks = {b["pid"] for b in heartbeats(self.dir) if is_alive(b)}
@@ -184,21 +183,13 @@ class Run(RunFiles):
 
     @contextlib.contextmanager
     def _forwarding_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
+        # nohup: an ignored SIGHUP was meant to be ignored
+        with preemption.handling(self._forward, self.config, leave_ignored=True) as installed:
+            # came while the launch was starting the ranks (`workbench train`)
+            early = preemption.before_launch.take() if installed else 0
+            if early:
+                self._forward(early, None)
             yield
-            return
-        previous = {}
-        for sig in preempt_signals(self.config):
-            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: SIGHUP was meant to be ignored
-                previous[sig] = signal.signal(sig, self._forward)
-        early = take_received()  # came while the launch was starting the ranks (`workbench train`)
-        if early:
-            self._forward(early, None)
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     def wait(self, timeout: float | None = None) -> RunResult:
         """Block until the run ends. Raises RunFailedError naming the failing rank (RunPreemptedError,

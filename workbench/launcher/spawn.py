@@ -105,10 +105,11 @@ def run_uses_cuda(cfg: RunConfig) -> bool:
     return resolve_device(cfg) == "cuda"
 
 
-def plan_start(cfg: RunConfig, task: Task, mode: str) -> StartPlan:
-    """Fork or spawn, and why; raises before anything is created when neither can work."""
-    if mode == "subprocess":
-        return StartPlan("subprocess", "mode='subprocess' starts fresh interpreters by name")
+def plan_start(cfg: RunConfig, task: Task) -> StartPlan:
+    """Fork, spawn or subprocess, and why; raises before anything is created when none can work."""
+    if cfg.start_method == "subprocess":
+        return StartPlan("subprocess", "start_method='subprocess': accelerate launch / torchrun starts fresh "
+                                       "interpreters, the task by name")
     cuda = cuda_initialised_by() if run_uses_cuda(cfg) else None
     if cfg.start_method == "fork":
         if cuda:

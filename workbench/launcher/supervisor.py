@@ -22,12 +22,11 @@ from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.postmortem import finalize, record_signal_deaths
 from workbench.launcher.scratch import remove_scratch, use_scratch
 from workbench.rundir import RunDir, lock
-from workbench.training.guard import keep_signal
 from workbench.training.parallel import strategy_module
 from workbench.training.rank import RETURNED_FD, die_with_parent, expect_forked_ranks, rank_main
+from workbench.utils import preemption
 from workbench.utils.distributed import FORKED_RANKS
 from workbench.utils.hardware import detect, resolve_device
-from workbench.utils.lifecycle import preempt_signals
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -67,10 +66,10 @@ class DropLines(io.TextIOBase):
 
 
 def _pass_to_ranks(signum: int, frame: Any) -> None:
-    """A preemption signal in the supervisor: kept (ranks forked later inherit it, and catch_early's list, as
+    """A preemption signal in the supervisor: kept (ranks forked later inherit it, and preemption.early, as
     an early preemption) and sent to the ranks already forked. In a rank forked before its own catch_early,
     only kept."""
-    keep_signal(signum, frame)
+    preemption.early.keep(signum, frame)
     if os.getpid() != _supervisor_pid:
         return
     for child in psutil.Process().children():
@@ -119,9 +118,7 @@ def supervise(cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: in
     # The preemption signals are passed on to the ranks here, not by elastic: elastic would end its workers
     # (SIGTERM, then SIGKILL 30 s on), and a rank that checkpointed and returned waits in elastic's wrapper for
     # a launcher that no longer reads its result. Not the caller's handlers either (Run.wait's, on a restart).
-    for sig in preempt_signals(cfg):
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _pass_to_ranks)
+    preemption.install(_pass_to_ranks, cfg, leave_ignored=True)
     # When the caller dies (SIGKILL, a restarted kernel): SIGTERM, passed on to the ranks, which checkpoint and
     # exit; they die with this process (rank_main).
     die_with_parent(signal.SIGTERM, parent=caller)

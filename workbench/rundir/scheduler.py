@@ -7,6 +7,11 @@ outage) says nothing about the job: that is UNKNOWN, and nothing is concluded fr
 enough to name a job: ids start over when a cluster's state is reset, so slurm.json records who the job is
 (its name, submit time and cluster, as Slurm prints them) and a job whose id matches but who doesn't is
 another's: GONE for this run, and never cancelled.
+
+Asked of squeue and scontrol here, not through submitit's job watcher: submitit reads job states from `sacct`,
+which needs Slurm's accounting database (slurmdbd; absent on small clusters and on the test cluster, where
+submitit logs "Bypassing sacct error" and guesses), and it reports an unreachable controller and an unknown job
+alike, where this module must tell them apart (UNKNOWN against GONE).
 """
 
 from __future__ import annotations

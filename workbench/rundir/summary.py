@@ -100,6 +100,9 @@ class Summary:
     compile: dict[str, Any] | None = None
     """compile on: mode, backend, the first step's seconds (compiling), graphs, graph breaks by reason,
     recompilations and inductor's cache folder (rank 0's)."""
+    checkpoints: dict[str, Any] | None = None
+    """This session's checkpoints: whether written in the background (checkpoint_async) and why,
+    and per checkpoint the seconds the training loop was blocked by it (stall_s)."""
     weights_sha256: str | None = None
     """sha256 of the full weights written to model.safetensors at the end of the session."""
     eval: dict[str, float] = field(default_factory=dict)

@@ -63,8 +63,8 @@ def _trial_peak(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, m:
     batch = send_to_device(next(iter(DataLoader(dataset, batch_size=m, collate_fn=collate))), device)
 
     def forward_backward() -> None:
-        if getattr(strategy, "pipelined", False):  # the step's micro-batches through the schedule
-            strategy.pipeline_step(iter([batch] * cfg.grad_accum_steps), cfg.grad_accum_steps)  # type: ignore
+        if strategy.pipelined:  # the step's micro-batches through the schedule
+            strategy.pipeline_step(iter([batch] * cfg.grad_accum_steps), cfg.grad_accum_steps)
             return
         # No gradient all-reduce (DDP's buckets exist either way): ranks may try different sizes before agreeing.
         with strategy.sync_gradients(last_micro_batch=False), strategy.batch_context(batch):
@@ -73,17 +73,17 @@ def _trial_peak(strategy: Strategy, task: Task, dataset: Any, cfg: RunConfig, m:
             strategy.backward(loss)
 
     try:
-        if getattr(strategy, "pipelined", False):
+        if strategy.pipelined:
             # Stages infer a micro-batch's shapes at their first step (with autograd.grad calls the tracker can't
             # follow) and keep them: fresh ones for this size, initialized outside the measurement.
-            strategy.fresh_schedule()  # type: ignore[attr-defined]
+            strategy.fresh_schedule()
             forward_backward()
             strategy.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             forward_backward()
             peak = float(torch.cuda.max_memory_allocated(device))
-        elif getattr(strategy, "split_backward", False):  # MemTracker can't follow it (stage_memory.py)
+        elif strategy.split_backward:  # MemTracker can't follow it (stage_memory.py)
             peak = float(live_tracked(strategy, forward_backward)[1]["peak"])
         else:
             peak = float(tracked(strategy, forward_backward)[1]["peak"])
@@ -161,8 +161,8 @@ def choose(cfg: RunConfig, strategy: Strategy, task: Task, dataset: Any, run: Ru
             break
         m = int(agreed.item())
     torch.set_rng_state(rng)  # the trials mustn't shift dropout from what a fixed micro-batch would draw
-    if getattr(strategy, "pipelined", False):
-        strategy.fresh_schedule()  # type: ignore[attr-defined]  # shapes inferred at the trials' sizes
+    if strategy.pipelined:
+        strategy.fresh_schedule()  # shapes inferred at the trials' sizes
     chosen, accum = _with_target(cfg, m, data_ranks)
     everyone = [None] * world
     if world > 1:

@@ -4,7 +4,9 @@ the optimizer, and the rest of the loop (logging, the per-step agreement, progre
 The trainer marks phase changes (the same points it reports to the hang watchdog); every instant of a training
 step belongs to exactly one phase, so the phases add up to the step. Eval and checkpoints are not step time and
 are not counted (the metrics window leaves them out too). On CPU a mark is one perf_counter() call; on a GPU it
-also records a CUDA event on the current stream, so the phases are GPU time, read once per logging window.
+records a CUDA event on the current stream instead, so the phases are GPU time; the events are kept
+and their times read once per logging window (reading one sooner would make the host wait for the
+device).
 
 Exposed communication is the part of the gradient all-reduce that compute did not hide: the time from the
 moment backward's last gradients were ready to the end of the last all-reduce, which DDP measures in C++
@@ -16,6 +18,7 @@ forward/backward where no timer sees them (FSDP2, tensor and pipeline parallel) 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -23,6 +26,8 @@ import torch
 from workbench.training.verdicts import PHASES
 
 NOT_STEP_TIME = ("evaluation", "checkpoint", "finishing")
+FOLD_AFTER = 512
+"""CUDA event pairs kept before those the device has reached are timed (a long logging window)."""
 
 
 def phase_of(where: str) -> str | None:
@@ -81,6 +86,7 @@ def stamp(cuda: bool) -> Any:
 
 
 def elapsed(start: Any, end: Any, cuda: bool) -> float:
+    """Seconds from `start` to `end`; on CUDA it waits for `end` to be reached (read points only)."""
     if cuda:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
@@ -97,6 +103,8 @@ class StepBreakdown:
         self.phase: str | None = None
         self.since: Any = None
         self.steps = 0
+        self.pending: deque[tuple[str, Any, Any]] = deque()
+        """CUDA: (phase, start event, end event) of the window, timed when it is read."""
 
     @property
     def comm_measured(self) -> bool:
@@ -106,7 +114,12 @@ class StepBreakdown:
         """From now on the rank is in `phase` (None: not step time, e.g. eval or a checkpoint)."""
         now = stamp(self.cuda)
         if self.phase is not None:
-            self.totals[self.phase] += elapsed(self.since, now, self.cuda)
+            if self.cuda:
+                self.pending.append((self.phase, self.since, now))
+                if len(self.pending) > FOLD_AFTER:
+                    self._fold(wait=False)
+            else:
+                self.totals[self.phase] += now - self.since
         self.phase, self.since = phase, now
 
     def step_done(self) -> None:
@@ -120,9 +133,17 @@ class StepBreakdown:
         if self.comm is not None:
             self.comm.exposed_s()
 
+    def _fold(self, *, wait: bool) -> None:
+        """Add the kept CUDA events' times to the totals: all of them (wait), or those the device
+        has already reached (a long window's, never waiting)."""
+        while self.pending and (wait or self.pending[0][2].query()):
+            phase, start, end = self.pending.popleft()
+            self.totals[phase] += elapsed(start, end, cuda=True)
+
     def window(self) -> dict[str, float]:
         """Mean seconds per step of each phase since the last window; starts the next window."""
         self.mark(self.phase)
+        self._fold(wait=True)
         if self.comm is not None:
             # DDP's figures lag one step behind the window: its mean per all-reduce, times the window's steps.
             syncs, seconds = self.comm.exposed_s()

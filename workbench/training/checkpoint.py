@@ -10,6 +10,8 @@ Every rank writes into checkpoints/.tmp-step_<N>; the ranks hash the files betwe
 manifest and renames the directory, so a step_<N> name with a manifest always means a complete checkpoint.
 Resume verifies the newest one against its manifest and falls back to the previous on any damage, saying
 what is wrong; whatever a checkpoint claims (RNG states included) loads, or the resume fails loudly.
+With checkpoint_async the model and optimizer are written in the background (checkpoint_async.py),
+and sealed the same way once every rank's write is done: a crash before leaves only .tmp-step_<N>.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +34,7 @@ import torch
 from accelerate.utils import gather_object
 
 from workbench.rundir import COMPLETE_MARKER, RunDir
+from workbench.training.checkpoint_async import BackgroundWriter, Pending, writes_async
 from workbench.training.checkpoint_files import (
     CheckpointLoadError,
     ModelMismatchError,
@@ -141,9 +146,21 @@ class Checkpointer:
     def __init__(self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, strategy: Strategy) -> None:
         self.accelerator, self.run, self.cfg, self.strategy = accelerator, run, cfg, strategy
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        background, self.why = writes_async(cfg, accelerator.device)
+        self.background = BackgroundWriter(cfg, accelerator.device) if background else None
+        self.pending: Pending | None = None
+        self.ends_session = False
+        self.stalls: list[float] = []
+        """Per checkpoint of this session: seconds the training loop was blocked by it."""
+        if accelerator.is_main_process:
+            log.info("checkpoints are written %s (%s)",
+                     "in the background" if background else "synchronously", self.why)
 
     def due(self, step: int, final: bool, stopping: bool) -> bool:
         every = self.cfg.checkpoint_every
+        # A checkpoint that ends the session is waited for at once: the ending and status that
+        # follow name it.
+        self.ends_session = final or stopping
         return final or stopping or bool(every and step % every == 0)
 
     def _everyone(self, mine: Any) -> list[Any]:
@@ -151,34 +168,98 @@ class Checkpointer:
 
     # ---- saving ---------------------------------------------------------------------------------------
     def save(self, state: TrainerState) -> Path:
-        acc, main = self.accelerator, self.accelerator.is_main_process
+        """Write a checkpoint of `state` (collective): whole before returning, or (checkpoint_async)
+        staged in host memory and written in the background, once the previous write is done."""
+        began = time.perf_counter()
+        self.wait()  # at most one write in flight
+        acc, main, step = self.accelerator, self.accelerator.is_main_process, state.step
         root = self.run.checkpoints_path
-        tmp, final = root / f".tmp-step_{state.step}", root / f"step_{state.step}"
-        with self.run.writing(tmp, f"checkpoint step {state.step}"), _removed_on_failure(tmp):
+        tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
+        with self.run.writing(tmp, f"checkpoint step {step}"), _removed_on_failure(tmp):
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             acc.wait_for_everyone()
-            self._write_state(tmp, state)
+            if self.background is not None:
+                writes = self._write_state(tmp, state, self.background.start)
+                self.pending = Pending(step,
+                                       lambda: self._complete(writes, tmp, final, step, began))
+                if self.ends_session:
+                    self.wait()
+            else:
+                self._write_state(tmp, state, lambda strategy, path: strategy.save(path))
+                acc.wait_for_everyone()
+                self._seal(tmp, final, step, self._everyone, time.perf_counter() - began)
+        if self.background is None:
             acc.wait_for_everyone()
-            files = files_in(tmp)
-            digests = self._everyone({f: {"size": (tmp / f).stat().st_size, "sha256": sha256(tmp / f)}
-                                      for f in files[self.rank::self.world]})
-            if main:
-                manifest = {"step": state.step, "files": {k: v for part in digests for k, v in part.items()}}
-                write_json(tmp / COMPLETE_MARKER, manifest)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                for _, old in self.run.checkpoints()[:-self.cfg.keep_checkpoints]:
-                    shutil.rmtree(old, ignore_errors=True)
-                self.run.event("checkpoint_saved", step=state.step, path=str(final))
-        acc.wait_for_everyone()
+        self.stalls.append(time.perf_counter() - began)
         return final
 
-    def _write_state(self, tmp: Path, state: TrainerState) -> None:
+    def wait(self) -> float:
+        """Wait for the checkpoint being written in the background, if any: the seconds waited. Its
+        failure is raised here, in the training loop, as a synchronous save raises it."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return 0.0
+        began = time.perf_counter()
+        pending.wait()
+        return time.perf_counter() - began
+
+    def finish(self) -> dict[str, Any]:
+        """At the end of the session: wait for a write still in flight (its wait is the last
+        checkpoint's stall), give back the staging buffers; how this session's checkpoints went, for
+        the summary."""
+        waited = self.wait()
+        if self.stalls:
+            self.stalls[-1] += waited
+        if self.background is not None:
+            self.background.close()
+        return {"async": self.background is not None, "why": self.why,
+                "stall_s": [round(s, 4) for s in self.stalls]}
+
+    def _complete(self, writes: list[Future], tmp: Path, final: Path, step: int,
+                  began: float) -> None:
+        """In a background thread: once every rank's write is done, seal the checkpoint as a
+        synchronous save does; a failed write on any rank fails it on every rank, folder removed."""
+        assert self.background is not None
+        everyone = self.background.everyone
+        with self.run.writing(tmp, f"checkpoint step {step}"), _removed_on_failure(tmp):
+            error = None
+            for write in writes:
+                try:
+                    write.result()
+                except BaseException as e:  # noqa: BLE001  (any failure fails the checkpoint)
+                    error = error or e
+            failed = [rank for rank, bad in enumerate(everyone(error is not None)) if bad]
+            if error is not None:
+                raise _write_error(error, tmp) from error
+            if failed:
+                raise OSError(errno.EIO, f"{SWEPT} (rank {failed[0]})")
+            self._seal(tmp, final, step, everyone, time.perf_counter() - began)
+
+    def _seal(self, tmp: Path, final: Path, step: int, everyone: Any, write_s: float) -> None:
+        """Hash the files (the ranks share the work); rank 0 writes the manifest, renames the folder
+        and drops the checkpoints past keep_checkpoints."""
+        files = files_in(tmp)
+        digests = everyone({f: {"size": (tmp / f).stat().st_size, "sha256": sha256(tmp / f)}
+                            for f in files[self.rank::self.world]})
+        if self.accelerator.is_main_process:
+            manifest = {"step": step, "files": {k: v for part in digests for k, v in part.items()}}
+            write_json(tmp / COMPLETE_MARKER, manifest)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for _, old in self.run.checkpoints()[:-self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+            self.run.event("checkpoint_saved", step=step, path=str(final),
+                           write_s=round(write_s, 4), background=self.background is not None)
+
+    def _write_state(self, tmp: Path, state: TrainerState,
+                     write: Callable[[Strategy, Path], Any]) -> Any:
+        """`write` the model and optimizer (what it returns is returned), then each rank's RNG and
+        loss-scaler state, and rank 0 the trainer state and the config."""
         try:
-            self.strategy.save(tmp)
+            written = write(self.strategy, tmp)
             scaler = self.strategy.scaler
             torch.save({"rng": rng_state(self.accelerator.device), "scaler": scaler.state_dict() if scaler else None},
                        tmp / f"rank_{self.rank}.pt")
@@ -194,6 +275,7 @@ class Checkpointer:
             write_json(tmp / STATE, {**state.to_dict(), "world_size": self.world,
                                      "parallelism": self.cfg.parallelism})
             self.cfg.to_yaml(tmp / "config.yaml")
+        return written
 
     # ---- resuming -------------------------------------------------------------------------------------
     def problems(self, ckpt: Path) -> list[str]:
@@ -209,6 +291,15 @@ class Checkpointer:
     def _usable(self) -> Path:
         """The newest checkpoint that verifies; damaged ones are skipped with a warning naming the damage."""
         skipped = []
+        # A write the run stopped in (killed, or a background write it never waited for): said,
+        # never loaded.
+        main = self.accelerator.is_main_process
+        for partial in sorted(self.run.checkpoints_path.glob(".tmp-step_*")) if main else []:
+            log.warning("checkpoint %s is incomplete (its write never finished) and is skipped",
+                        partial)
+            number = partial.name.removeprefix(".tmp-step_")
+            self.run.event("checkpoint_skipped", step=int(number) if number.isdigit() else number,
+                           path=str(partial), problems=["incomplete: its write never finished"])
         # A step_<N> without its manifest (renamed only after the manifest is written) was damaged: named, not
         # passed over.
         for step, ckpt in reversed(self.run.checkpoints(complete=False)):

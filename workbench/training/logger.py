@@ -1,22 +1,24 @@
 """Metrics rows: the loss and throughput of each logging window, agreed over all ranks in one collective.
 
 Every `log_every` steps one all-gather carries each rank's window loss, peak memory, skipped steps, the
-bytes it holds and its device monitor's window (monitor.py); rank 0 writes the row to metrics.jsonl and to the
-run's trackers (TensorBoard, MLflow).
+bytes it holds, its device monitor's window (monitor.py), the gradient norm and the non-finite flags
+(nonfinite.py); rank 0 writes the row to metrics.jsonl and to the run's trackers (TensorBoard,
+MLflow). The loss and the norm stay on the device between logging steps: the gathered tensor is the
+one read of the window.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workbench.rundir.metrics_row import MetricsRow
-from workbench.training.measures import peak_memory_bytes
 from workbench.training.monitor import row_fields
+from workbench.training.nonfinite import COLUMNS, Divergence, NonFiniteWatch, judge
+from workbench.training.peak_memory import peak_memory_bytes
 from workbench.training.verdicts import PHASES, STRAGGLER_WINDOWS, diagnose, per_rank, straggler
 
 if TYPE_CHECKING:
@@ -24,31 +26,37 @@ if TYPE_CHECKING:
 
     from workbench.config import RunConfig
     from workbench.rundir import RunDir
+    from workbench.training.batches import ShardedBatches
     from workbench.training.breakdown import StepBreakdown
+    from workbench.training.model_flops import ModelFlops
     from workbench.training.monitor import DeviceMonitor
     from workbench.training.tracker_log import RunTrackers
     from workbench.training.train_state import TrainerState
 
-HELD = ("params", "grads", "optimizer")
+HELD_KINDS = ("params", "grads", "optimizer")
 """What each rank holds, in bytes, reported per rank in every row (what sharding saved)."""
-OWN_TIME = 3 + len(HELD)
+OWN_TIME = 3 + len(HELD_KINDS)
 """The gathered column of each rank's own step time; before it: loss, peak memory, skipped steps
-and the HELD bytes; after it: the breakdown's phases, then the device monitor's window."""
+and the bytes held of each HELD_KINDS; after it: the breakdown's phases, the device monitor's window, then
+(the last 1 + COLUMNS) the gradient norm and the non-finite flags."""
 
 
 class MetricsLogger:
     """Accumulates the current window's loss; writes one row per log step; tells when all ranks must stop."""
 
     def __init__(self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, *, global_batch: int,
-                 tokens_per_sample: int | None, mfu: Callable[[float], float | None],
-                 epoch_of: Callable[[int], int], held_bytes: Callable[[], dict[str, int]],
-                 monitor: DeviceMonitor | None = None, trackers: RunTrackers | None = None,
-                 breakdown: StepBreakdown | None = None, loss_ranks: range | None = None) -> None:
+                 tokens_per_sample: int | None, flops: ModelFlops, batches: ShardedBatches,
+                 parallel: Any, monitor: DeviceMonitor | None = None, trackers: RunTrackers | None = None,
+                 breakdown: StepBreakdown | None = None, loss_ranks: range | None = None,
+                 watch: NonFiniteWatch | None = None) -> None:
         self.accelerator, self.run, self.cfg = accelerator, run, cfg
         self.device = accelerator.device
         self.main = accelerator.is_main_process
-        self.global_batch, self.tokens_per_sample, self.mfu, self.epoch_of, self.held_bytes = \
-            global_batch, tokens_per_sample, mfu, epoch_of, held_bytes
+        self.global_batch, self.tokens_per_sample, self.flops = global_batch, tokens_per_sample, flops
+        self.batches = batches
+        """Which epoch a row's step is in."""
+        self.parallel = parallel
+        """The rank's strategy: the bytes it holds go into every row."""
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self.steps = 0
         self.untimed = 0
@@ -64,6 +72,8 @@ class MetricsLogger:
         """The breakdowns of this session's latest windows before the one being logged (a straggler must hold)."""
         self.loss_ranks = slice(None) if loss_ranks is None else slice(loss_ranks.start, loss_ranks.stop)
         """The ranks whose window loss the row averages: a pipeline's last stage; every rank otherwise."""
+        self.watch = watch
+        """Its flags ride in the same all-gather: a logging step is a read point (nonfinite.py)."""
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         """A step ended with this mean loss over its micro-batches."""
@@ -108,31 +118,46 @@ class MetricsLogger:
         return final or step % self.cfg.log_every == 0
 
     def log(self, state: TrainerState, grad_norm: torch.Tensor | None, elapsed_s: float,
-            lr: float) -> MetricsRow:
-        """One all-gather: the window's row, written by rank 0."""
-        mean_loss = self.loss_sum / self.steps
-        held = self.held_bytes()
+            lr: float) -> MetricsRow | Divergence:
+        """One all-gather, one read: the window's row, written by rank 0; or, with nothing
+        written, where the run diverged when the non-finite flags say it did."""
+        held_bytes = self.parallel.held_bytes
         timed = max(1, self.steps - self.untimed)
         own_step_time = (time.perf_counter() - self.window_start) / timed
         parts = self.breakdown.window() if self.breakdown is not None else {}
-        local = torch.tensor([mean_loss.item(), peak_memory_bytes(self.device), state.skipped_steps,
-                              *(held.get(k, 0) for k in HELD), own_step_time, *parts.values(),
-                              *(self.monitor.window_vector() if self.monitor is not None else ())],
-                             device=self.device, dtype=torch.float64)
+        host = torch.tensor([peak_memory_bytes(self.device), state.skipped_steps,
+                             *(held_bytes.get(k, 0) for k in HELD_KINDS), own_step_time, *parts.values(),
+                             *(self.monitor.window_vector() if self.monitor is not None else ())],
+                            dtype=torch.float64)
+        mean_loss = (self.loss_sum / self.steps).view(1)
+        local = torch.cat([mean_loss, host.to(self.device), self._checks(grad_norm)])
         everyone = self.accelerator.gather(local.unsqueeze(0)).cpu()
+        checks = everyone[:, -1 - COLUMNS:]
+        diverged = judge(checks[:, 1:])
+        if diverged is not None:
+            return diverged
         step_time = (time.perf_counter() - self.window_start) / timed  # the gather counts, as it always did
-        monitored = everyone[:, OWN_TIME + 1 + len(parts):] if self.monitor is not None else None
+        monitored = None if self.monitor is None else \
+            everyone[:, OWN_TIME + 1 + len(parts):-1 - COLUMNS]
         row = self._row(state, everyone, step_time, elapsed_s, lr, monitored)
         if parts:
             self._breakdown(row, everyone[:, OWN_TIME + 1:OWN_TIME + 1 + len(parts)])
         if grad_norm is not None:
-            row.grad_norm = float(grad_norm)
+            row.grad_norm = float(checks[self.accelerator.process_index, 0])
         self.write(row)
         self.loss_sum.zero_()
         self.steps = self.untimed = 0
         self.restart_clock()
         self.last_row = row
         return row
+
+    def _checks(self, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """The gradient norm (NaN: none) and the non-finite flags, on the device, float64."""
+        norm = grad_norm.detach().double().view(1) if grad_norm is not None else \
+            torch.full((1,), torch.nan, dtype=torch.float64, device=self.device)
+        flags = self.watch.vector() if self.watch is not None else \
+            torch.full((COLUMNS,), torch.inf, dtype=torch.float64, device=self.device)
+        return torch.cat([norm, flags])
 
     def _row(self, state: TrainerState, everyone: torch.Tensor, step_time: float, elapsed_s: float,
              lr: float, monitored: torch.Tensor | None) -> MetricsRow:
@@ -142,15 +167,15 @@ class MetricsLogger:
 
         samples_per_s = self.global_batch / step_time
         return MetricsRow(
-            step=state.step, epoch=self.epoch_of(max(0, state.micro_batches - 1)),
+            step=state.step, epoch=self.batches.epoch_of(max(0, state.micro_batches - 1)),
             loss=float(everyone[self.loss_ranks, 0].mean()), lr=lr, step_time_s=step_time,
             samples_per_s=samples_per_s,
             peak_memory_bytes=int(everyone[:, 1].max()), peak_memory_bytes_per_rank=ints(1),
             skipped_steps=int(everyone[:, 2].max()),
-            **{f"{kind}_bytes_per_rank": ints(3 + i) for i, kind in enumerate(HELD)},
+            **{f"{kind}_bytes_per_rank": ints(3 + i) for i, kind in enumerate(HELD_KINDS)},
             samples=state.samples, elapsed_s=elapsed_s,
             eta_s=step_time * (self.cfg.max_steps - state.step),
             step_time_ms_per_rank=[1e3 * float(v) for v in everyone[:, OWN_TIME]],
             **(row_fields(monitored) if monitored is not None else {}),
             tokens_per_s=samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None,
-            mfu=self.mfu(samples_per_s))
+            mfu=self.flops.mfu(samples_per_s))

@@ -1,7 +1,9 @@
-"""The per-rank training loop. Every rank runs `Trainer.fit()`; the loop only sequences a step (micro-batches with
-gradient sync held back until the last one, clipping, the update; then logging, evaluation and checkpoints when
-due). How the model is parallel (parallel/), metrics (logger.py), checkpoints (checkpoint.py), the summary
-(outcome.py) and the first step's checks of the task (first_step.py) live in their own modules."""
+"""The per-rank training loop. Every rank runs `Trainer.fit()`; `Trainer.__init__` builds what a run needs,
+in order, and the loop only sequences a step (micro-batches with gradient sync held back until the last one,
+clipping, the stop vote, the update; then logging, evaluation and checkpoints when due). How the model is
+parallel (parallel/), the stop vote (stop_vote.py), the rank's watch (rank_watch.py), metrics rows
+(logger.py), checkpoints (checkpoint.py), the summary (session_summary.py), the endings (endings.py) and
+the first step's checks of the task (first_step.py) live in their own modules."""
 
 from __future__ import annotations
 
@@ -24,29 +26,36 @@ from workbench.tasks import Task
 from workbench.tasks.base import dataset_pair
 from workbench.training import autobatch, monitor
 from workbench.training.accelerator import build_accelerator
-from workbench.training.agreement import Agreement, Verdict, votes_every_step
 from workbench.training.batches import ShardedBatches
 from workbench.training.breakdown import StepBreakdown, phase_of
 from workbench.training.checkpoint import Checkpointer
-from workbench.training.compiling import CompileWatch, compiled_module
-from workbench.training.compiling import describe as describe_compile
+from workbench.training.compiling import CompileWatch, compiled_module, said_compiled, tell_report
+from workbench.training.endings import diverged, ended
 from workbench.training.evaluation import evaluate
 from workbench.training.first_step import FirstStep, check_trainable
-from workbench.training.guard import Guard
 from workbench.training.logger import MetricsLogger
 from workbench.training.memory import method as tracking_method
 from workbench.training.memory import tracked
+from workbench.training.model_flops import ModelFlops
+from workbench.training.nonfinite import Divergence, NonFiniteWatch
 from workbench.training.optim import build_optimizer, set_lr
-from workbench.training.outcome import check_replicas, export_weights, first_leaf_dtype, running_fields, summary_fields
 from workbench.training.parallel import parallelize
 from workbench.training.profiling import StepProfiler
+from workbench.training.rank_watch import RankWatch
+from workbench.training.session_summary import (
+    check_replicas,
+    export_weights,
+    first_leaf_dtype,
+    running_fields,
+    summary_fields,
+)
 from workbench.training.stage_memory import METHOD as LIVE_METHOD
 from workbench.training.stage_memory import live_tracked
 from workbench.training.step import accumulate
+from workbench.training.stop_vote import StopVote, VoteResult
 from workbench.training.tracker_log import RunTrackers
 from workbench.training.train_state import TrainerState
 from workbench.training.weights import save_rank_value
-from workbench.utils.hardware import detect
 
 _log = logging.getLogger("workbench")
 
@@ -61,16 +70,16 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, task: Task, run_dir: Path, *, progress: bool = False) -> None:
         self.cfg, self.task, self.run, self.progress = cfg, task, RunDir(run_dir), progress
+        # The process group, and where this rank sits in the mesh.
         self.accelerator = build_accelerator(cfg, self.run.path)
-        self.rank = self.accelerator.process_index
-        self.world = self.accelerator.num_processes
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.main, self.device = self.accelerator.is_main_process, self.accelerator.device
+        self.log = _RankLog(_log, {"rank": self.rank})
         # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share batches and seed,
         # and so do the stages of one pipeline (pp outermost, so the coordinate wraps every dp_size x tp ranks).
         self.dims = ParallelDims.of(cfg, self.world)
         self.dp_world, self.dp_rank = self.dims.dp, self.dims.dp_rank(self.rank)
-        self.main = self.accelerator.is_main_process
-        self.log = _RankLog(_log, {"rank": self.rank})
-        self.device = self.accelerator.device
+        # What this session counts (a resumed run's counters come from its checkpoint, in fit()).
         self.state = TrainerState()
         self.step_times: list[float] = []
         self.prior_time = 0.0  # training time of earlier sessions of a resumed run
@@ -79,40 +88,46 @@ class Trainer:
         self.ending: dict[str, Any] | None = None  # how a preempted, stopped or diverged run ended
         self.consecutive_skips = 0
         self.lr = 0.0  # the learning rate the last step used (the first param group's)
-        self.guard = Guard(self.run, self.rank, cfg).start()
+        # Preemption signals, heartbeat, hang watchdog (collective: if any rank was preempted before it got
+        # here, every rank leaves now); then the run directory's lock.
+        self.rank_watch = RankWatch(self.run, self.rank, cfg).start()
         self.lock_token = self._hold_lock()
-
+        # The model (one seed on every rank), the data, then the model made parallel with its optimizer.
         data.reset_used_datasets()  # a forked rank inherits the kernel's list; record only this run's data
         model = self._build_model()
         train_ds, self.eval_ds = dataset_pair(task, task.build_datasets(cfg))
         self.collate_fn = task.collate_fn(cfg)
         self.compiled = CompileWatch(cfg, compiled_module(cfg, model))  # named before FSDP renames its class
         self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task))
-        if getattr(self.parallel, "pipelined", False):  # the probe in what this rank runs, not stage 0's part
+        if self.parallel.pipelined:  # the probe in what this rank runs, not stage 0's part
             self.compute_dtype = first_leaf_dtype(self.parallel.module, compiled=cfg.compile != "off")
         self.model = self.parallel.model
+        # The batch (probed when "auto"), over all ranks of all machines: cfg.global_batch_size counts this
+        # machine's num_processes only; then this rank's share of the data.
         if cfg.micro_batch_size == "auto":
             self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.dims, self.collate_fn)
-        # Over all ranks of all machines: cfg.global_batch_size counts this machine's num_processes only.
         self.global_batch = self.dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps)
         self.batches = ShardedBatches(train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type)
         # Dropout masks should differ between data-parallel ranks, yet be reproducible; the ranks of one TP group
         # must draw the same ones (their replicated parameters would drift apart otherwise).
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
+        # What a step needs: checkpoints, the stop vote, the non-finite flags, the first step's checks.
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
-        self.agreement = Agreement(self.accelerator, self.run, self.guard,
-                                   every_step=votes_every_step(cfg, self.parallel))
+        self.stop_vote = StopVote(self.accelerator, self.run, self.rank_watch, timeout_s=cfg.dist_timeout_s)
+        self.nonfinite = NonFiniteWatch(self.device)
         self.first_step: FirstStep | None = FirstStep(task, self.parallel, self.accelerator, cfg)
-        # Started by fit(), stopped by close(): model building and data loading are not idle training time.
+        # What reports on the steps. The breakdown is started by fit() and stopped by close(): model building
+        # and data loading are not idle training time.
         self.breakdown = StepBreakdown(self.device, self.parallel.comm_stats)
-        self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, lambda: self.guard.step)
+        self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, self.rank_watch.current_step)
         self.trackers = RunTrackers(self.accelerator, self.run)
         self.profiler = StepProfiler(cfg, self.run, self.rank, self.device)
         self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
-                                     tokens_per_sample=self.tokens_per_sample, mfu=self.mfu,
-                                     epoch_of=self.batches.epoch_of, held_bytes=lambda: self.parallel.held_bytes,
-                                     monitor=self.monitor, trackers=self.trackers, breakdown=self.breakdown,
-                                     loss_ranks=getattr(self.parallel, "loss_ranks", None))
+                                     tokens_per_sample=self.tokens_per_sample, flops=self.flops,
+                                     batches=self.batches, parallel=self.parallel, monitor=self.monitor,
+                                     trackers=self.trackers, breakdown=self.breakdown,
+                                     loss_ranks=self.parallel.loss_ranks,
+                                     watch=self.nonfinite)
 
     # ---- the run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -130,7 +145,7 @@ class Trainer:
         give back a lock rank 0 took."""
         if self.monitor is not None:
             self.monitor.stop()
-        self.guard.close()
+        self.rank_watch.close()
         self.trackers.end()
         if self.lock_token is not None:
             lock.release(self.run, self.lock_token)
@@ -164,13 +179,13 @@ class Trainer:
                     grad_norm, verdict = self._tracked_step(batches) if self._track_this_step() else \
                         self._step(batches)
                 self.breakdown.step_done()
-                if verdict.nonfinite:
+                if self.ending is not None:  # fp16 scaling skipped too many steps in a row
                     return Status.DIVERGED
                 if bar is not None:
                     bar.update(1)
                 status = self._after_step(grad_norm, verdict, bar)
                 if self.compiled.compiled_now:
-                    self._compiled_a_step(bar)
+                    said_compiled(self, bar)
                 now = time.perf_counter()
                 self.step_times.append(now - step_start)
                 step_start = now
@@ -182,28 +197,17 @@ class Trainer:
             if bar is not None:
                 bar.close()
 
-    def _compiled_a_step(self, bar: Any) -> None:
-        """A step that compiled: said once (the first), and left out of the pace its window reports."""
-        self.metrics.untime_steps_so_far()
-        step, seconds = self.compiled.compiling_steps[-1]
-        if len(self.compiled.compiling_steps) == 1 and self.main:
-            self.run.event("compiled", step=step, seconds=round(seconds, 3))
-            self.log.info("compiled (%s, %s) in the first step: %.1f s", self.cfg.compile,
-                          self.cfg.compile_backend, seconds)
-            if bar is not None:
-                bar.set_postfix_str(f"compiled in {seconds:.1f} s")
-
     def _at(self, step: int, where: str) -> None:
         """Where the rank is: for the hang watchdog, and the step-time breakdown's phase."""
-        self.guard.at(step, where)
+        self.rank_watch.at(step, where)
         self.breakdown.mark(phase_of(where))
 
-    def _tracked_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, Verdict]:
+    def _tracked_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, VoteResult]:
         """track_memory's step: fetched outside the tracker, as a batch sliced from an in-memory dataset would be
         counted with the whole dataset's storage."""
         self.breakdown.mark("data")
         micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
-        if getattr(self.parallel, "split_backward", False):
+        if self.parallel.split_backward:
             result, report = live_tracked(self.parallel, lambda: self._step(iter(micro)))
             self.tracked_memory = {**report, "method": LIVE_METHOD}
         else:
@@ -211,34 +215,34 @@ class Trainer:
             self.tracked_memory = {**report, "method": tracking_method(self.parallel)}
         return result
 
-    def _step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, Verdict]:
-        """One optimizer step: accumulate micro-batches, clip, agree, update. The update of a step whose loss
-        or gradient norm is not finite is never applied."""
+    def _step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, VoteResult]:
+        """One optimizer step: accumulate micro-batches, clip, agree, update; nothing in it reads
+        the device. A non-finite loss or gradient norm is noted on the device, for the next read
+        point (nonfinite.py)."""
         cfg, parallel, step = self.cfg, self.parallel, self.state.step
         self.lr = set_lr(parallel.optimizer, self.task.lr_scale(step, cfg))
         first, self.first_step = self.first_step, None  # its checks, once per session
         step_loss = accumulate(parallel, first.task if first else self.task, batches, cfg.grad_accum_steps, self.device,
-                               at=lambda where: self._at(step, where), before_last_backward=self.agreement.start)
+                               at=lambda where: self._at(step, where), before_last_backward=self.stop_vote.start)
         self._at(step, "optimizer")
         grad_norm = None
         if cfg.grad_clip > 0 or parallel.scaler is None:
-            # With clipping off the norm is still taken (max_norm inf scales nothing): an inf gradient with a
-            # finite loss would otherwise be applied, and the run found diverged only a step later.
+            # With clipping off the norm is still taken (max_norm inf scales nothing): it is what
+            # tells an inf gradient under a finite loss.
             grad_norm = parallel.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        verdict = self.stop_vote.finish()
         # With fp16 loss scaling an inf gradient is an overflow the scaler skips, not divergence.
-        verdict = self.agreement.finish(grad_norm if parallel.scaler is None else None)
-        if verdict.nonfinite:
-            self._diverged(verdict.reason)
-            return grad_norm, verdict
+        self.nonfinite.note(step + 1, step_loss, grad_norm if parallel.scaler is None else None)
         if first is not None:
             first.check()
         if parallel.step():
             self.state.skipped_steps += 1  # fp16 overflow: the scaler skipped the update and lowered the scale
             self.consecutive_skips += 1
             if self.consecutive_skips >= cfg.max_skipped_steps:
-                self._diverged(f"fp16 loss scaling skipped {self.consecutive_skips} steps in a row "
-                               f"(max_skipped_steps={cfg.max_skipped_steps})")
-                return grad_norm, Verdict(bad_grad_norm=True)
+                why = (f"fp16 loss scaling skipped {self.consecutive_skips} steps in a row "
+                       f"(max_skipped_steps={cfg.max_skipped_steps})")
+                diverged(self, Divergence(step + 1, why))
+                return grad_norm, verdict
         else:
             self.consecutive_skips = 0
         self.state.step += 1
@@ -248,52 +252,46 @@ class Trainer:
         self.metrics.step_done(step_loss)
         return grad_norm, verdict
 
-    def _after_step(self, grad_norm: torch.Tensor | None, verdict: Verdict, bar: Any) -> Status | None:
-        """Log, evaluate and checkpoint when due; the status the run ends with, if it ends now."""
+    def _after_step(self, grad_norm: torch.Tensor | None, verdict: VoteResult, bar: Any) -> Status | None:
+        """Log, evaluate and checkpoint when due, each after a read of the non-finite flags
+        (nonfinite.py), so a diverged state is never logged, evaluated or saved; the status the run
+        ends with, if it ends now."""
         cfg, step = self.cfg, self.state.step
         final = step == cfg.max_steps
+        # A preempted rank has a grace period to save its state: no eval then.
+        evaluate_now = self.eval_ds is not None and not verdict.signal and bool(
+            final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0))
+        checkpoint_now = self.checkpoints.due(step, final, verdict.ends)
         if self.metrics.due(step, final) or verdict.ends:
             row = self.metrics.log(self.state, grad_norm, self.elapsed_s(), self.lr)
+            if isinstance(row, Divergence):
+                return diverged(self, row)
             if bar is not None:
                 bar.set_postfix(loss=f"{row.loss:.4f}", samples_s=f"{row.samples_per_s:.0f}")
-        # A preempted rank has a grace period to save its state: no eval then.
-        evaluate_now = final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0)
-        if self.eval_ds is not None and evaluate_now and not verdict.signal:
+        elif evaluate_now or checkpoint_now:  # a read point of its own
+            found = self.nonfinite.read(self.accelerator)
+            if found is not None:
+                return diverged(self, found)
+        if evaluate_now:
             self._at(step, "evaluation")
             self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
                                      self.parallel.forward_context, shard=(self.dp_rank, self.dp_world),
-                                     eval_loss=getattr(self.parallel, "eval_loss", None),
+                                     eval_loss=self.parallel.eval_loss,
                                      batch_context=self.parallel.batch_context)
             self.metrics.write(MetricsRow.for_eval(step, self.eval_row))
             self.metrics.restart_clock()
-        if self.checkpoints.due(step, final, verdict.stop or bool(verdict.signal)):
+        if checkpoint_now:
             self._at(step, "checkpoint")
             self.state.train_time_s = self.elapsed_s()
             self.checkpoints.save(self.state)
             self.metrics.restart_clock()
         if verdict.signal:
-            return self._ended(Status.PREEMPTED, signal=signal.Signals(verdict.signal).name,
-                               message=f"{signal.Signals(verdict.signal).name} at step {step}: the ranks "
-                                       "checkpointed and exited")
+            return ended(self, Status.PREEMPTED, signal=signal.Signals(verdict.signal).name,
+                         message=f"{signal.Signals(verdict.signal).name} at step {step}: the ranks "
+                                 "checkpointed and exited")
         if verdict.stop:
-            return self._ended(Status.STOPPED)
+            return ended(self, Status.STOPPED)
         return Status.COMPLETED if final else None
-
-    def _ended(self, status: Status, **details: Any) -> Status:
-        step, ckpt = self.state.step, self.run.latest_checkpoint()
-        self.ending = {"step": step, "checkpoint": str(ckpt) if ckpt else None, **details}
-        if self.main:
-            self.run.event(status.value, **self.ending)
-        return status
-
-    def _diverged(self, reason: str) -> None:
-        """Record where the run diverged; the loop ends without applying the step or checkpointing."""
-        step, ckpt = self.state.step + 1, self.run.latest_checkpoint()
-        where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint was saved before it"
-        self.ending = {"step": step, "reason": reason, "last_checkpoint": str(ckpt) if ckpt else None,
-                       "message": f"diverged at step {step}: {reason}; {where}"}
-        if self.main:
-            self.run.event("diverged", **self.ending)
 
     def _finish(self, status: Status, steps0: int, samples0: int, tokens0: int) -> dict[str, Any]:
         self._at(self.state.step, "finishing")
@@ -308,8 +306,9 @@ class Trainer:
             value = self.task.rank_value(self.parallel.model, self.cfg)
             if value is not None:
                 save_rank_value(self.run, self.rank, value)
+        fields["checkpoints"] = self.checkpoints.finish()  # waits for a write still in flight
         if self.compiled.on:
-            fields["compile"] = self._compile_report()
+            fields["compile"] = tell_report(self)
         if self.main:
             self.run.set_status(status, **running_fields(self), **fields, ending=self.ending)
             self.run.write_timings(self.step_times)
@@ -317,16 +316,6 @@ class Trainer:
                 self.run.event("completed", step=self.state.step)
         self.accelerator.wait_for_everyone()
         return fields
-
-    def _compile_report(self) -> dict[str, Any]:
-        """Once per run (rank 0): what compiling cost and found; graph breaks and recompilations warned."""
-        report = self.compiled.report()
-        if self.main:
-            self.run.event("compile_report", **report)
-            if report["graph_breaks"] or report["recompiles"]:
-                self.log.warning("compile: %s (graph breaks: %s)", describe_compile(report),
-                                 "; ".join(f"{n} x {why}" for why, n in report["graph_breaks"].items()) or "none")
-        return report
 
     # ---- pieces ---------------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -338,14 +327,8 @@ class Trainer:
             raise TypeError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a torch.nn.Module")
         check_trainable(task, model)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.flops_per_sample = task.flops_per_sample(cfg, model)
+        self.flops = ModelFlops.of(task, cfg, model, self.device, self.world)  # before the dtype probe's hook
         self.tokens_per_sample = task.tokens_per_sample(cfg)
-        gpus = detect().gpus
-        self.peak_flops = None
-        if self.device.type == "cuda" and gpus:  # the catalog's peaks, loaded on GPU ranks only
-            from workbench.estimator.catalog import peak_flops
-
-            self.peak_flops = peak_flops(gpus[0].name, cfg.precision, tf32=cfg.tf32)
         if cfg.pp == 1:  # a pipeline rank probes its own chunks once they exist (__init__)
             self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
         return model
@@ -360,11 +343,6 @@ class Trainer:
     def elapsed_s(self) -> float:
         """Training time over all sessions of the run."""
         return self.prior_time + sum(self.step_times)
-
-    def mfu(self, samples_per_s: float) -> float | None:
-        if not (self.peak_flops and self.flops_per_sample):
-            return None
-        return self.flops_per_sample * samples_per_s / self.world / self.peak_flops
 
     def _progress_bar(self) -> Any:
         if not (self.progress and self.main):

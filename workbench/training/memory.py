@@ -111,7 +111,7 @@ def _fsdp_root(module: Any) -> Any:
 def method(strategy: Strategy) -> str:
     """Which tracker `tracked` runs for `strategy` (and how it follows a pipeline schedule)."""
     name = "FSDPMemTracker" if _fsdp_root(strategy.module) is not None else "MemTracker"
-    if getattr(strategy, "pipelined", False):
+    if strategy.pipelined:
         return f"{name} (PyTorch's), its module counts restarted before each micro-batch's stage forward"
     return f"{name} (PyTorch's)"
 
@@ -147,7 +147,7 @@ def tracked(strategy: Strategy, step: Callable[[], T], inputs: tuple[Any, ...] =
     from torch.distributed._tools.mem_tracker import MemTracker
 
     root = _fsdp_root(strategy.module)
-    received = list(getattr(strategy, "receive_buffers", list)())
+    received = strategy.receive_buffers()
     if root is not None:
         tracker: Any = FSDPMemTracker(root, strategy.local_optimizer())
         # It walks the root's modules for FSDP states: a stage's every chunk (it checks the type only here).

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from workbench.rundir import RunDir
-from workbench.training.guard import PreemptedBeforeTraining, catch_early
+from workbench.training.rank_watch import PreemptedBeforeTraining
 from workbench.utils.lifecycle import ending_with_parent
+from workbench.utils.preemption import catch_early
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -147,7 +148,7 @@ def rank_stdout(rank: int) -> Iterator[None]:
 
 def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
     """Entry point of every rank: run the trainer; on any exception, write it where the caller will find it. A
-    preemption signal before training starts ends the run 'preempted' (guard.py), whatever started the rank."""
+    preemption signal before training starts ends the run 'preempted' (rank_watch.py), whatever started the rank."""
     catch_early(cfg)
     die_with_parent()
     wait_for_forked_siblings()

@@ -62,7 +62,7 @@ class LiveTensors:
         groups = {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                   "optimizer": [v for state in opt.state.values() for v in state.values()
                                 if isinstance(v, torch.Tensor)],
-                  "buffers": getattr(s, "receive_buffers", list)(),
+                  "buffers": s.receive_buffers(),
                   "activations": [t for ref in self.saved if (t := ref()) is not None]}
         now = {name: _bytes(tensors, seen) for name, tensors in groups.items()}
         now["peak"] = sum(now.values())

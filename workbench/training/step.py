@@ -21,13 +21,13 @@ if TYPE_CHECKING:
 
 def accumulate(strategy: Strategy, task: Task | CheckedTask, batches: Iterator[Any], accum: int, device: torch.device,
                at: Callable[[str], None] | None = None,
-               before_last_backward: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor:
+               before_last_backward: Callable[[], None] | None = None) -> torch.Tensor:
     """Forward and backward over `accum` micro-batches, gradient sync held back until the last; returns the
-    step's mean loss. `at` is told the phase (for a hang report); `before_last_backward` gets the loss so far,
-    so the trainer can start its per-step agreement while backward runs, and may return a factor for the last
-    loss (agreement.py: NaN makes a non-finite loss's gradients tell every rank)."""
-    if getattr(strategy, "pipelined", False):  # the pipeline schedule runs the micro-batches itself
-        return strategy.pipeline_step(batches, accum, at, before_last_backward)  # type: ignore[attr-defined]
+    step's mean loss, on the device (nothing here reads it). `at` is told the phase (for a hang
+    report); `before_last_backward` is called before the last backward, so the trainer's vote
+    (agreement.py) runs while backward does."""
+    if strategy.pipelined:  # the pipeline schedule runs the micro-batches itself
+        return strategy.pipeline_step(batches, accum, at, before_last_backward)
     step_loss = torch.zeros((), device=device)
     try:  # free in Python 3.11 unless something raises
         for micro in range(accum):
@@ -44,9 +44,7 @@ def accumulate(strategy: Strategy, task: Task | CheckedTask, batches: Iterator[A
                     loss, _ = split_loss(task.loss(strategy.model, batch))
                 step_loss += loss.detach().float() / accum
                 if last and before_last_backward is not None:
-                    factor = before_last_backward(step_loss)
-                    if factor is not None:
-                        loss = loss * factor.to(loss.dtype)
+                    before_last_backward()
                 strategy.backward(loss / accum)
             if not last:
                 next_micro_batch()

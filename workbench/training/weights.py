@@ -25,7 +25,7 @@ from workbench.training.checkpoint_files import (
     shapes_of,
     verify_part,
 )
-from workbench.training.measures import state_digest
+from workbench.training.digests import state_digest
 from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
@@ -76,8 +76,9 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
         step = max(found)
         log.warning("%s has no %s; loading the newest checkpoint (step %d)", run.name, run.weights_path.name, step)
     if step not in found:
-        raise ValueError(f"step={step}: {run.name} has complete checkpoints at steps {sorted(found)} only "
-                         f"(keep_checkpoints keeps the newest few)")
+        raise ValueError(f"step={step}: {_not_complete(run, step)}{run.name} has complete "
+                         f"checkpoints at steps {sorted(found)} only (keep_checkpoints keeps the "
+                         "newest few)")
     verify_part(found[step], "model")  # as a resume would: a damaged shard must not load as weights
     # Checked first: DCP would load a model that lost a layer without a word, and report a changed one as a
     # CheckpointException (a BaseException, past `except Exception`) without the parameter's name.
@@ -95,6 +96,21 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
             raise
         raise CheckpointLoadError(f"checkpoint {found[step]}: the model could not be loaded: "
                                   f"{failure_summary(e)}") from e
+
+
+def _not_complete(run: RunDir, step: int) -> str:
+    """What there is of an incomplete checkpoint at `step` ('' when nothing): a write that never
+    finished (the run stopped or was killed while writing it), or a folder without its manifest."""
+    from workbench.rundir import COMPLETE_MARKER
+
+    partial = run.checkpoints_path / f".tmp-step_{step}"
+    if partial.is_dir():
+        return (f"the checkpoint at step {step} is incomplete ({partial}: its write never "
+                "finished, the run stopped while writing it) and is never loaded; ")
+    named = run.checkpoints_path / f"step_{step}"
+    if named.is_dir():
+        return f"{named} has no {COMPLETE_MARKER} (incomplete or damaged) and is never loaded; "
+    return ""
 
 
 _CHANGED_CODE = ("The task's code changed since the run saved it (the config is the run's own): load it with the "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workbench.config.precision import torchao_problem
 from workbench.utils.units import MiB
 
 if TYPE_CHECKING:
@@ -85,8 +86,10 @@ class Hardware:
         if precision == "fp8":
             cc = [g.compute_capability for g in self.gpus]
             if device != "cuda" or not cc or min(cc) < (8, 9):
-                return "fp8 needs a CUDA GPU of compute capability 8.9+ (H100/L40/4090); use bf16"
-            return "fp8 training is not implemented in workbench yet; use bf16"
+                return ("fp8 needs a CUDA GPU of compute capability 8.9+ (H100/L40/4090): its "
+                        "matmuls run on their fp8 tensor cores (torch._scaled_mm); use bf16")
+            # A planned target is priced, not run here: torchao is needed where the run will train.
+            return None if self.planned else torchao_problem()
         if device == "cpu":
             if precision == "fp16":
                 return ("fp16 needs a CUDA GPU: on CPU, accelerate runs fp16 as fp32 without telling you; "

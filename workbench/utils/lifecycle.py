@@ -1,25 +1,14 @@
-"""How a workbench process ends: the signals that mean "preempted: checkpoint and exit now", and dying with
-the parent that started it (launcher processes with their caller, ranks with their launcher)."""
+"""How a workbench process ends with the parent that started it (launcher processes with their caller, ranks
+with their launcher). The signals that mean "preempted" are preemption.py's."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from workbench.config import RunConfig
 
 _PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
-
-
-def preempt_signals(cfg: RunConfig | None) -> list[signal.Signals]:
-    """SIGTERM (schedulers, Kubernetes, cloud preemption), SIGHUP, and cfg.preempt_signal (e.g. Slurm's USR1)."""
-    names = ["SIGTERM", "SIGHUP", *([cfg.preempt_signal] if cfg is not None and cfg.preempt_signal else [])]
-    return [getattr(signal, n) for n in dict.fromkeys(names)]
 
 
 def ending_with_parent(sig: int, parent: int, *, keep_existing: bool = False) -> Callable[[], None] | None:

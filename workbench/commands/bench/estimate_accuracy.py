@@ -8,6 +8,10 @@ interpreter is not a tensor and is left out of both sides). A pipeline's memory 
 trainer refuses track_memory with pp > 1); there only the model state by rank is compared, and
 tests/test_estimate_layouts.py checks each stage's peak against the real schedule under the same tracker.
 A layout the shape's task can't run (digits has no tensor-parallel plan or pipeline stages) gets a row saying so.
+
+Then, on any machine, the estimate against each published training run the accelerator catalog
+cites (estimate_cited.py): the error of the time model's per-accelerator efficiency, with no GPU of
+that class at hand.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.commands.bench.estimate_cited import CitedRow, as_dict, cited_rows, cited_table
 from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
@@ -106,8 +111,16 @@ def _ratio(estimated: float | None, measured: float | None) -> float | None:
 class EstimateReport:
     device: str
     rows: list[EstimateRow]
+    cited: list[CitedRow] = field(default_factory=list)
+    """The published runs the catalog cites, each against its estimate (estimate_cited.py)."""
 
     def table(self) -> str:
+        lines = self._measured_lines() if self.rows else []
+        if self.cited:
+            lines += ([""] if lines else []) + cited_table(self.cited)
+        return "\n".join(lines)
+
+    def _measured_lines(self) -> list[str]:
         lines = [(f"workbench bench estimate on {self.device}: peak per rank, estimated (tensors) against measured "
                   "(max over ranks); step time measured (median after warm-up) against the model alone; then a "
                   "second run of the row against the estimate learnt from the first; busy: other processes' cores "
@@ -125,7 +138,7 @@ class EstimateReport:
             note = f"  ({r.note})" if r.note else ""
             lines.append(f"  {r.shape:32} {r.layout:13} {measured:>10} {estimated:>10} {error} {state:>12} "
                          f"{_ms(r.measured_step_s):>9} {times} {busy}{note}")
-        return "\n".join(lines)
+        return lines
 
 
 def _ms(seconds: float | None) -> str:
@@ -137,11 +150,31 @@ def _pct(error: float | None) -> str:
 
 
 def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, layouts: dict[str, dict[str, Any]] | None = None,
-                      json_path: Path | None = None) -> EstimateReport:
-    """Run each shape under each layout for real (memory tracked where it can be) and estimate it; compare per
-    rank."""
+                      json_path: Path | None = None, *, measured: bool = True, cited: bool = True,
+                      cited_ids: list[str] | None = None) -> EstimateReport:
+    """Run each shape under each layout for real (memory tracked where it can be) and estimate it;
+    compare per rank (`measured`). Then each published run the catalog cites (or those of
+    `cited_ids`) against its estimate (`cited`): in the JSON under 'cited', or as its 'rows' when
+    nothing was measured."""
     hw = detect()
-    rows = []
+    rows: list[EstimateRow] = []
+    device = "cpu"
+    if measured:
+        device = _measure(rows, shapes, layouts, hw)
+    report = EstimateReport(device=hw.describe(device), rows=rows,
+                            cited=cited_rows(ids=cited_ids) if cited else [])
+    cited_dicts = [as_dict(r) for r in report.cited]
+    if json_path is not None:  # the published runs alone: they are the result's rows
+        write_result(json_path, {"device": report.device, "rows": cited_dicts} if not measured else
+                     {"device": report.device, "rows": [asdict(r) for r in rows],
+                      "cited": cited_dicts})
+    return report
+
+
+def _measure(rows: list[EstimateRow], shapes: dict[str, RunConfig] | None,
+             layouts: dict[str, dict[str, Any]] | None, hw: Any) -> str:
+    """The real runs of each shape and layout against their estimates, into `rows`; the device
+    they ran on."""
     device = "cpu"
     on_gpus = resolve_device(RunConfig(), hw) == "cuda"
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
@@ -156,10 +189,7 @@ def estimate_accuracy(shapes: dict[str, RunConfig] | None = None, layouts: dict[
                 except ValueError as e:  # the task can't run this layout: said in words by the config checks
                     rows.append(EstimateRow(shape, layout, None, None, None, note=str(e).split(";")[0].split(" (")[0]))
         _learn_from_a_first_run(rows, Path(tmp), hw)
-    report = EstimateReport(device=hw.describe(device), rows=rows)
-    if json_path is not None:
-        write_result(json_path, {"device": report.device, "rows": [asdict(r) for r in rows]})
-    return report
+    return device
 
 
 def on_these_gpus(cfg: RunConfig, gpus: int) -> RunConfig:

@@ -35,8 +35,8 @@ import torch
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.processes import free_port
 from workbench.tasks import Task, get_task
+from workbench.training.digests import state_digest
 from workbench.training.evaluation import split_loss
-from workbench.training.measures import state_digest
 from workbench.training.optim import build_optimizer
 from workbench.utils.hardware import detect, resolve_device
 
@@ -106,9 +106,9 @@ def _zero3(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module)
     from torch.distributed.fsdp import fully_shard
 
     from workbench.tasks.blocks import shard_units
-    from workbench.training.parallel.sharded import data_parallel_mesh
+    from workbench.training.parallel.device_mesh import build_mesh
 
-    mesh = data_parallel_mesh(cfg, acc.device.type, acc.num_processes)
+    mesh = build_mesh(cfg, acc.device.type, acc.num_processes)
     model = model.to(acc.device)
     for block in shard_units(model, task):
         fully_shard(block, mesh=mesh, reshard_after_forward=True)

@@ -69,7 +69,11 @@ def precision(cfg: RunConfig, json_path: Path | None = None) -> PrecisionReport:
             if problem:
                 rows.append(PrecisionRow(p, available=False, reason=problem))
                 continue
-            s = launch(cfg.replace(precision=p, runs_dir=tmp, run_name=p)).summary
+            try:
+                s = launch(cfg.replace(precision=p, runs_dir=tmp, run_name=p)).summary
+            except ValueError as e:  # refused before launch in this precision (fp8: no Linear to swap)
+                rows.append(PrecisionRow(p, available=False, reason=str(e)))
+                continue
             rows.append(PrecisionRow(p, True, samples_per_s=s["samples_per_s"], tokens_per_s=s.get("tokens_per_s"),
                                      peak_memory_bytes=s["peak_memory_bytes"], mfu=s.get("mfu"),
                                      final_loss=s["final_loss"], compute_dtype=s["ranks"][0]["compute_dtype"]))

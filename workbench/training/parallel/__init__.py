@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from workbench.config import SHARDED
-from workbench.tasks.blocks import checkpoint_units, shard_units
-from workbench.training.compiling import compile_blocks, compile_model
+from workbench.tasks.blocks import shard_units
+from workbench.training.compiling import compile_model
+from workbench.training.parallel.placement import Placement
 from workbench.training.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -28,10 +29,10 @@ if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
 
-__all__ = ["Strategy", "parallelize", "strategy_module"]
+__all__ = ["Placement", "Strategy", "parallelize", "strategy_module"]
 
 
-def ensure_process_group(accelerator: Accelerator) -> None:
+def ensure_process_group(accelerator: Placement) -> None:
     """One process runs without a process group, but sharding (a zero3 checkpoint resumed on one rank, say)
     needs one: a group of one, in memory."""
     import torch.distributed as dist
@@ -58,13 +59,21 @@ def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
     """Make `model` parallel as cfg.parallelism asks, with activation checkpointing and compile per shard unit
     (compile='model': the parallel model); the loop then trains through the returned strategy."""
-    strategy = _parallel(cfg, accelerator, model, task, make_optimizer)
-    if not getattr(strategy, "pipelined", False):  # a pipeline compiles each of its chunks itself
-        compile_model(cfg, strategy.model, tracing=getattr(accelerator, "tracing", False))
+    where = Placement.of(accelerator)
+    swap = None
+    # First, before TP, AC, compile and FSDP2 wrap the Linears; a traced estimate prices fp8 only.
+    if cfg.precision == "fp8" and not where.tracing:
+        from workbench.training.parallel.float8 import swap_linears
+
+        swap = swap_linears(cfg, model, task, where.device)
+    strategy = _parallel(cfg, where, model, task, make_optimizer)
+    strategy.float8 = swap
+    if not strategy.pipelined:  # a pipeline compiles each of its chunks itself
+        compile_model(cfg, strategy.model, tracing=where.tracing)
     return strategy
 
 
-def _parallel(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
+def _parallel(cfg: RunConfig, accelerator: Placement, model: torch.nn.Module, task: Task,
               make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
     # Each strategy's module is imported only when its mode runs: torch's pipelining, tensor-parallel and
     # FSDP modules cost a rank a second of start-up between them.
@@ -83,15 +92,18 @@ def _parallel(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, 
 
         ensure_process_group(accelerator)
         return TensorParallel(cfg, accelerator, model, task, make_optimizer)
-    units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
-    compile_blocks(cfg, units, tracing=getattr(accelerator, "tracing", False))  # before FSDP or DDP wrap them
     if cfg.parallelism in (*SHARDED, "zero1"):
         ensure_process_group(accelerator)
-    if cfg.parallelism in SHARDED:
+    if cfg.parallelism in SHARDED:  # AC, compile, then FSDP2 (layout.apply_layout)
         from workbench.training.parallel.sharded import Sharded
 
-        return Sharded(cfg, accelerator, model, units, make_optimizer)
+        return Sharded(cfg, accelerator, model, task, make_optimizer)
+    from workbench.training.parallel.layout import apply_layout
     from workbench.training.parallel.replicated import Replicated, ZeroOne
+
+    # The same layout without a mesh (AC and compile per block), before DistributedDataParallel
+    # wraps it.
+    apply_layout(model, None, cfg, None, shard_units(model, task), tracing=accelerator.tracing)
 
     if cfg.parallelism == "zero1":
         return ZeroOne(cfg, accelerator, model, make_optimizer)

@@ -12,8 +12,8 @@ schedules' repeated backward passes).
 A step is one schedule run over the step's grad_accum_steps micro-batches, concatenated and split again by the
 schedule into the same micro-batches; scale_grads divides the gradients by their number, as accumulate's
 `loss / accum` does. The loss is computed on the last stage (the task's `loss` with the stage output standing in
-for the model), and only the last stage's ranks report it (loss_ranks); a non-finite one poisons that stage's
-gradients after the schedule, so the norm summed over the stages tells every rank (agreement.py).
+for the model), and only the last stage's ranks report it (loss_ranks); a non-finite one is noted
+on the device and read at the next read point, with every rank's (nonfinite.py).
 fp16 scales the loss in the stage's loss function; ShardedGradScaler agrees on overflows over every rank.
 With cp > 1 the whole schedule runs inside PyTorch's context_parallel (context.SequenceSplit, torchtitan's way):
 the first stage's inputs, the last stage's targets and the position buffers are split along the sequence before
@@ -48,6 +48,7 @@ from workbench.config.mesh import INTERLEAVED, shards, virtual_stages
 from workbench.training.evaluation import split_loss
 from workbench.training.memory import next_micro_batch, stage_point
 from workbench.training.parallel.context import SequenceSplit
+from workbench.training.parallel.param_groups import split_groups_by_mesh
 from workbench.training.parallel.pipeline_parts import (
     TiedCopies,
     dim_size,
@@ -55,7 +56,6 @@ from workbench.training.parallel.pipeline_parts import (
     local_grad,
     local_rank,
     make_chunks,
-    pipeline_mesh,
     tied_names,
 )
 from workbench.training.parallel.pipeline_state import PipelineCheckpoints
@@ -64,7 +64,6 @@ from workbench.training.parallel.tensor import (
     LocalShardGradScaler,
     placement_facts,
     scale_gradients_,
-    split_groups_by_mesh,
     squared_norm,
 )
 
@@ -109,12 +108,9 @@ class PipelineParallel(PipelineCheckpoints):
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
         self.task, self.stages, self.chunks_per_rank = task, cfg.pp, virtual_stages(cfg)
-        # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
-        self.mesh = getattr(accelerator, "mesh", None) or pipeline_mesh(cfg, self.device.type,
-                                                                        accelerator.num_processes)
-        self.columns = accelerator.num_processes // self.stages
+        self.columns = self.accelerator.num_processes // self.stages
         self.stage_index = local_rank(self.mesh, "pp")
-        self.column = accelerator.process_index % self.columns
+        self.column = self.accelerator.process_index % self.columns
         self.replicas = dim_size(self.mesh, "dp_replicate") if not shards(cfg.parallelism) else 1
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp_replicate") if self.replicas > 1 else None
@@ -126,9 +122,9 @@ class PipelineParallel(PipelineCheckpoints):
         tied = tied_names(model)
         self._canonical = {name: names[0] for names in tied for name in names}
         self.model = self.module = make_chunks(cfg, task, model, self.stage_ids, self.total_stages, self.mesh,
-                                               accelerator)
+                                               self.accelerator)
         self._tied = TiedCopies(self.module, tied, self.column, self.columns,
-                                getattr(accelerator, "stage_params", None), self.stages_of_rank)
+                                self.accelerator.stage_params, self.stages_of_rank)
         self.split = SequenceSplit(self.mesh["cp"], task, cfg.cp, pipelined=True) if cfg.cp > 1 else None
         self.fresh_schedule()
         self.optimizer = make_optimizer(self.module)
@@ -184,13 +180,16 @@ class PipelineParallel(PipelineCheckpoints):
         if losses is None:
             return torch.zeros((), device=self.device)
         loss = torch.stack(losses).detach().float().mean()
-        return loss / self.scaler.get_scale() if self.scaler is not None else loss
+        # the scale as a device tensor (None until an enabled scaler scales): get_scale() would read
+        # it on the host
+        scale = self.scaler._get_scale_async() if self.scaler is not None else None
+        return loss / scale if scale is not None else loss
 
     def pipeline_step(self, batches: Iterator[Any], accum: int, at: Callable[[str], None] | None = None,
-                      before_last_backward: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-                      ) -> torch.Tensor:
+                      before_last_backward: Callable[[], None] | None = None) -> torch.Tensor:
         """The step's micro-batches through the schedule; the mean micro-batch loss on the last stage, a zero
-        elsewhere that `before_last_backward` (the vote) fills in by the end of the step."""
+        elsewhere. `before_last_backward` (the vote, when due) runs before the gradients'
+        all-reduces."""
         if at is not None:
             at("data")
         micro = [send_to_device(next(batches), self.device, non_blocking=True) for _ in range(accum)]
@@ -201,13 +200,8 @@ class PipelineParallel(PipelineCheckpoints):
         with self.sequence_split(args[0] if args else None, kwargs.get("target")), self.forward_context():
             self.schedule.step(*args, **kwargs, return_outputs=False)
         loss = self._step_loss(kwargs.get("losses"))
-        # The agreement (a vote, when due, overlaps the gradients' all-reduces); a non-finite loss poisons this
-        # stage's gradients, its backward already run.
-        poison = before_last_backward(loss) if before_last_backward is not None else None
-        if poison is not None:
-            held = next((g for p in self.module.parameters() if (g := local_grad(p)) is not None and g.numel()), None)
-            if held is not None:
-                held.view(-1)[:1].mul_(poison.to(held.device, held.dtype))
+        if before_last_backward is not None:
+            before_last_backward()
         self.after_schedule()
         return loss
 

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from workbench.config.mesh import MESH_DIMS, ParallelDims, shards
-from workbench.tasks.blocks import checkpoint_units, shard_units
-from workbench.training.compiling import compile_blocks
+from workbench.config.mesh import shards
+from workbench.tasks.blocks import shard_units
+from workbench.training.compiling import compile_model
 from workbench.training.parallel.layout import apply_layout
+from workbench.training.parallel.placement import Placement
 from workbench.training.parallel.strategy import on_device
 
 if TYPE_CHECKING:
@@ -29,14 +30,6 @@ if TYPE_CHECKING:
     from workbench.tasks import Task
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def pipeline_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
-    """The mesh ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'), size-1 dimensions included, pp outermost."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dims = ParallelDims.of(cfg, world)
-    return init_device_mesh(device_type, tuple(dims.sizes.values()), mesh_dim_names=MESH_DIMS)
 
 
 def dim_size(mesh: DeviceMesh, name: str) -> int:
@@ -76,7 +69,7 @@ def held_prefixes(chunks: torch.nn.Module) -> list[str]:
 
 
 def make_chunks(cfg: RunConfig, task: Task, model: torch.nn.Module, stage_ids: list[int], total: int,
-                mesh: DeviceMesh, accelerator: Any) -> torch.nn.ModuleList:
+                mesh: DeviceMesh, where: Placement) -> torch.nn.ModuleList:
     """This rank's stages of `model`, each made parallel over the mesh's other dimensions."""
     chunks = []
     for stage in stage_ids:
@@ -85,7 +78,7 @@ def make_chunks(cfg: RunConfig, task: Task, model: torch.nn.Module, stage_ids: l
             raise ValueError(f"pp={cfg.pp}: task {task.name!r} has no pipeline stages")
         chunks.append(chunk)
     _refuse_shared(chunks, stage_ids)
-    return torch.nn.ModuleList([_parallel_chunk(cfg, task, model, c, mesh, accelerator) for c in chunks])
+    return torch.nn.ModuleList([_parallel_chunk(cfg, task, model, c, mesh, where) for c in chunks])
 
 
 def _refuse_shared(chunks: list[torch.nn.Module], stage_ids: list[int]) -> None:
@@ -99,14 +92,15 @@ def _refuse_shared(chunks: list[torch.nn.Module], stage_ids: list[int]) -> None:
 
 
 def _parallel_chunk(cfg: RunConfig, task: Task, model: torch.nn.Module, chunk: torch.nn.Module, mesh: DeviceMesh,
-                    accelerator: Any) -> torch.nn.Module:
-    """layout.apply_layout on the stage's own dimensions: tensor parallel over 'tp', activation checkpointing and
-    compilation per block, then FSDP2 over the data-parallel dimensions for the sharded modes (HSDP:
-    'dp_replicate' x 'dp_shard'; with cp, 'dp_shard' x 'cp'). Replicated pipelines ('ddp') are averaged by the
-    pipeline, never wrapped."""
-    tracing = getattr(accelerator, "tracing", False)
+                    where: Placement) -> torch.nn.Module:
+    """layout.apply_layout on the stage's own dimensions, as every other mode runs it: tensor
+    parallel over 'tp', activation checkpointing and compilation per block, then FSDP2 over the
+    data-parallel dimensions for the sharded modes (HSDP: 'dp_replicate' x 'dp_shard'; with cp,
+    'dp_shard' x 'cp'); compile='model' last, per chunk. Replicated pipelines ('ddp') are averaged
+    by the pipeline, never wrapped."""
+    tracing = where.tracing
     if not cfg.cpu_offload:
-        chunk = on_device(chunk, accelerator)
+        chunk = on_device(chunk, where)
     names = [*(("dp_replicate",) * (cfg.parallelism == "hsdp")), *(("dp_shard",) * shards(cfg.parallelism)),
              *(("cp",) * (dim_size(mesh, "cp") > 1)), *(("tp",) * (dim_size(mesh, "tp") > 1))]
     held = {id(m) for m in chunk.modules()}
@@ -116,13 +110,9 @@ def _parallel_chunk(cfg: RunConfig, task: Task, model: torch.nn.Module, chunk: t
     modules = {name for name, _ in chunk.named_modules()}
     plan = {k: v for k, v in (task.tensor_parallel_plan(model, cfg) or {}).items() if k in modules} \
         if "tp" in names else None
-    if names:
-        apply_layout(chunk, mesh[tuple(names)] if len(names) > 1 else mesh[names[0]], cfg, plan, units,
-                     tracing=tracing)
-    else:
-        compile_blocks(cfg, checkpoint_units(chunk, units, cfg.activation_checkpointing), tracing=tracing)
-    if cfg.compile == "model" and not tracing:
-        chunk.compile(backend=cfg.compile_backend)
+    stage_mesh = (mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]) if names else None
+    apply_layout(chunk, stage_mesh, cfg, plan, units, tracing=tracing)
+    compile_model(cfg, chunk, tracing=tracing)
     return chunk
 
 

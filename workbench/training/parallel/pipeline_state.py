@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from workbench.training.parallel.param_groups import merge_split_groups, resplit_groups
 from workbench.training.parallel.pipeline_parts import full_name
 from workbench.training.parallel.strategy import Strategy
-from workbench.training.parallel.tensor import merge_split_groups, resplit_groups
 from workbench.utils.distributed import single_process_dcp
 
 
@@ -34,7 +34,6 @@ class PipelineCheckpoints(Strategy):
     """What a pipeline strategy saves and loads; it sets _canonical, _tied, column and, when tensor parallel split
     the optimizer's param groups by mesh, _origin."""
 
-    _origin: list[int] | None = None
     _canonical: dict[str, str]
     _tied: Any
     column: int
@@ -62,7 +61,12 @@ class PipelineCheckpoints(Strategy):
                 "optim": {"state": state, "param_groups": merge_param_groups(everyone)}}
 
     def load(self, path: Path) -> None:
-        """Read this rank's parameters and their optimizer state from a checkpoint of any layout."""
+        """Read this rank's parameters and their optimizer state from a checkpoint of any layout.
+
+        Why not Strategy.load: DCP's state-dict API keys a chunk's state by the chunk list's names
+        ('1.blocks.3._checkpoint_wrapped_module...') and holds one copy of a tied parameter per
+        stage, while the checkpoint keys by the full model's names, each tied parameter once: the
+        names are mapped here, around get_state_dict/set_state_dict."""
         model, optim = get_state_dict(self.module, self.optimizer)
         full = {full_name(k): v for k, v in model.items()}
         template = {"state": {self._canon(n): v for n, v in optim["state"].items()},

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workbench.training.breakdown import DDPCommStats
 from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
-from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -36,18 +35,19 @@ class Replicated(Strategy):
     def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module,
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
-        self.module = on_device(model, accelerator)
+        self.module = on_device(model, self.accelerator)
         self.model = self.module
+        tracing = self.accelerator.tracing
         # A traced estimate leaves DDP out: its buckets live in C++, out of the trace's sight; the estimate
         # adds them (one copy of the gradients) and their all-reduce from their known size.
-        if accelerator.num_processes > 1 and not getattr(accelerator, "tracing", False):
+        if self.accelerator.num_processes > 1 and not tracing:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.module, device_ids=ids,
                                                  find_unused_parameters=cfg.find_unused_parameters)
             self.comm_stats = DDPCommStats(self.model)
             if cfg.grad_compression != "none":
                 self._register_hook(cfg)
-        elif cfg.find_unused_parameters and not getattr(accelerator, "tracing", False):  # one rank: no DDP
+        elif cfg.find_unused_parameters and not tracing:  # one rank: no DDP
             log.warning("find_unused_parameters=True: this run has one rank, hence no DistributedDataParallel to "
                         "pass it to; the setting does nothing here")
         self.optimizer = make_optimizer(self.module)
@@ -80,18 +80,16 @@ class Replicated(Strategy):
         return {"comm_hook": self.model._get_ddp_logging_data().get("comm_hook") or "builtin allreduce",
                 "gradient_syncs": self.comm_stats.syncs if self.comm_stats is not None else None}
 
-    def save(self, path: Path) -> None:
+    def checkpoint_parts(self) -> tuple[dict[str, Any], bool]:
         """Every rank holds the same weights and optimizer state: rank 0 writes the model and the last rank the
         optimizer (rank 0 both, alone), side by side and without DCP's planning collectives (a checkpoint any
         mode and rank count loads, as from the sharded modes)."""
         rank, last = self.accelerator.process_index, self.accelerator.num_processes - 1
         mine = [key for key, writer in (("model", 0), ("optim", last)) if writer == rank]
         if not mine:
-            return
+            return {}, True
         state = self.state_dict()
-        with single_process_dcp(alone=True):
-            for key in mine:
-                dcp.save({key: state[key]}, checkpoint_id=str(path / key), no_dist=True)
+        return {key: state[key] for key in mine}, True
 
     def forward_context(self) -> AbstractContextManager[Any]:
         dtype = DTYPES.get(self.cfg.precision)
@@ -128,8 +126,9 @@ class ZeroOne(Replicated):
     def local_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer.optim  # type: ignore[attr-defined]
 
-    def save(self, path: Path) -> None:
-        Strategy.save(self, path)  # each rank contributes its own partition of the optimizer state
+    def checkpoint_parts(self) -> tuple[dict[str, Any], bool]:
+        # each rank contributes its own partition of the optimizer state
+        return Strategy.checkpoint_parts(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name, like DDP's: each rank contributes the optimizer
@@ -143,7 +142,11 @@ class ZeroOne(Replicated):
         return {"model": self.module.state_dict(), "optim": {"state": state, "param_groups": groups}}
 
     def load(self, path: Path) -> None:
-        """Read the whole model and, of the optimizer state, only this rank's partition."""
+        """Read the whole model and, of the optimizer state, only this rank's partition.
+
+        Why not Strategy.load: DCP's get_state_dict/set_state_dict don't know
+        ZeroRedundancyOptimizer, whose state each rank holds for its own partition only, indexed
+        by position in that partition."""
         metadata = dcp.FileSystemReader(str(path / "optim")).read_metadata().state_dict_metadata
         local = self.local_optimizer()
         owned = [p for g in local.param_groups for p in g["params"]]

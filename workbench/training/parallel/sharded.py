@@ -15,48 +15,32 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from workbench.config.mesh import ParallelDims
-from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
+from workbench.tasks.blocks import shard_units
+from workbench.training.parallel.layout import apply_layout
+from workbench.training.parallel.strategy import Strategy, on_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from workbench.config import RunConfig
-
-
-def data_parallel_mesh(cfg: RunConfig, device_type: str, world: int) -> DeviceMesh:
-    """1-D ('dp_shard') over all ranks, or 2-D ('dp_replicate', 'dp_shard') for hsdp."""
-    dims = ParallelDims.of(cfg, world)
-    if dims.dp_replicate > 1:
-        return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
-    return init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
+    from workbench.tasks import Task
 
 
 class Sharded(Strategy):
+    """layout.apply_layout over ('dp_shard',) or ('dp_replicate', 'dp_shard'): AC and compile
+    per block, then FSDP2 on each block and the root."""
+
     sharded = True
 
-    def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, units: list[torch.nn.Module],
+    def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
         super().__init__(cfg, accelerator)
         self.name = cfg.parallelism
-        # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
-        self.mesh = getattr(accelerator, "mesh", None) or data_parallel_mesh(cfg, self.device.type,
-                                                                             accelerator.num_processes)
-        dtype = DTYPES.get(cfg.precision)
-        # Compute in bf16/fp16, keep fp32 master weights and reduce gradients in fp32.
-        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-        offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
         if not cfg.cpu_offload:
-            model = on_device(model, accelerator)
-        reshard = cfg.parallelism != "zero2"
-        for unit in units:
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=precision,
-                        offload_policy=offload)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=precision, offload_policy=offload)
+            model = on_device(model, self.accelerator)
+        apply_layout(model, self.mesh, cfg, None, shard_units(model, task),
+                     tracing=self.accelerator.tracing)
         self.model = self.module = model
         self.optimizer = make_optimizer(model)  # after fully_shard: its parameters are the sharded DTensors
         if cfg.precision == "fp16":
@@ -65,4 +49,5 @@ class Sharded(Strategy):
             self.scaler = ShardedGradScaler(device=self.device.type)
 
     def facts(self) -> dict[str, Any]:
+        assert self.mesh is not None  # a sharded mode always has one (device_mesh.mesh_dims)
         return {"mesh": dict(zip(self.mesh.mesh_dim_names or (), self.mesh.mesh.shape))}

@@ -8,6 +8,8 @@ reshards. The portable copy at the end of a run is one safetensors file of the f
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,21 +25,27 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from workbench.training.measures import state_digest
+from workbench.training.digests import state_digest
+from workbench.training.parallel.device_mesh import build_mesh
+from workbench.training.parallel.param_groups import merge_split_groups, resplit_groups
+from workbench.training.parallel.placement import Placement
 from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from torch.distributed.device_mesh import DeviceMesh
 
     from workbench.config import RunConfig
     from workbench.training.breakdown import DDPCommStats
+    from workbench.training.parallel.float8 import Float8Swap
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""The dtype each precision computes in: fp8 is bf16 but for Float8Linear's matmuls (float8.py)."""
 
 
-def on_device(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+def on_device(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
     """The model on the rank's device; a traced estimate's model already has (fake) storage there."""
-    return model if getattr(accelerator, "tracing", False) else model.to(accelerator.device)
+    return model if where.tracing else model.to(where.device)
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -51,15 +59,36 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class Strategy:
-    """The training-step operations that depend on how the model is parallel; subclasses wrap the model."""
+    """The training-step operations that depend on how the model is parallel; subclasses wrap the
+    model. What a strategy can do is declared here, as attributes every strategy has: callers read
+    them, never probe for them."""
 
     name = "base"
     sharded = False
     """Parameters are sharded at rest: no rank holds the full weights."""
+    pipelined = False
+    """The strategy runs a step's micro-batches itself (pipeline_step), forward and backward
+    together."""
+    split_backward = False
+    """Backward runs as autograd.grad calls PyTorch's MemTracker can't follow (the zero-bubble
+    schedule)."""
+    _origin: list[int] | None = None
+    """Where the layout split the optimizer's param groups by mesh: the task's group each came from
+    (param_groups.py); checkpoints hold the task's grouping."""
+    loss_ranks: range | None = None
+    """The ranks whose loss is the run's (a pipeline's last stage); None: every rank's."""
+    eval_loss: Callable[[Any], tuple[torch.Tensor, dict[str, Any]] | None] | None = None
+    """An evaluation forward of the strategy's own (a pipeline's, through its stages); None: the
+    model's."""
 
-    def __init__(self, cfg: RunConfig, accelerator: Accelerator) -> None:
-        self.cfg, self.accelerator = cfg, accelerator
-        self.device = accelerator.device
+    def __init__(self, cfg: RunConfig, accelerator: Accelerator | Placement) -> None:
+        self.cfg = cfg
+        self.accelerator = Placement.of(accelerator)
+        self.device = self.accelerator.device
+        # The one mesh of the run (a traced estimate's is built beforehand, outside fake mode).
+        self.mesh: DeviceMesh | None = self.accelerator.mesh
+        if self.mesh is None:
+            self.mesh = build_mesh(cfg, self.device.type, self.accelerator.num_processes)
         self.model: torch.nn.Module
         self.module: torch.nn.Module  # the model without a DDP wrapper (FSDP2 modules are their own)
         self.optimizer: torch.optim.Optimizer
@@ -68,6 +97,8 @@ class Strategy:
         """Parameter, gradient and optimizer-state bytes this rank holds, measured at the first update."""
         self.comm_stats: DDPCommStats | None = None
         """The gradient all-reduce not hidden by compute, where DDP measures it."""
+        self.float8: Float8Swap | None = None
+        """precision='fp8': the Linears swapped to Float8Linear (float8.py), run after updates."""
 
     # ---- the step -------------------------------------------------------------------------------------
     def forward_context(self) -> AbstractContextManager[Any]:
@@ -101,12 +132,31 @@ class Strategy:
             skipped = self.scaler.get_scale() < scale
         else:
             self.optimizer.step()
+        if self.float8 is not None:
+            self.float8.after_update(self.module)
         if not self.held_bytes:
             self.held_bytes = self.measure_held_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         return skipped
 
+    def pipeline_step(self, batches: Iterator[Any], accum: int,
+                      at: Callable[[str], None] | None = None,
+                      before_last_backward: Callable[[], None] | None = None) -> torch.Tensor:
+        """A pipelined strategy's step over `accum` micro-batches (step.accumulate runs the
+        others')."""
+        raise NotImplementedError(f"{self.name}: not pipelined (Strategy.pipelined is False)")
+
+    def fresh_schedule(self) -> None:
+        """New pipeline stages, to infer other micro-batch shapes (micro_batch_size='auto');
+        nothing else
+        keeps shapes."""
+
     # ---- what this rank holds -------------------------------------------------------------------------
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """Communication buffers the strategy keeps across steps (a pipeline's), for the memory
+        tracker."""
+        return []
+
     def facts(self) -> dict[str, Any]:
         """What this rank can show about its parallel setup (hooks, mesh), for the summary."""
         return {}
@@ -127,25 +177,41 @@ class Strategy:
 
     # ---- checkpoints (collective: every rank calls) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """{'model': ..., 'optim': ...} keyed by parameter name, as DCP saves and loads it."""
+        """{'model': ..., 'optim': ...} keyed by parameter name, as DCP saves and loads it (DCP's
+        state-dict
+        API: plain, DDP, FSDP2 and tensor-parallel modules alike), with the task's own param
+        groups."""
         model, optim = get_state_dict(self.module, self.optimizer)
-        return {"model": model, "optim": optim}
+        groups = merge_split_groups(optim["param_groups"], self._origin)
+        return {"model": model, "optim": {**optim, "param_groups": groups}}
+
+    def checkpoint_parts(self) -> tuple[dict[str, Any], bool]:
+        """What this rank writes into a checkpoint, {'model': ..., 'optim': ...} (each part its own
+        DCP folder), and whether it writes them alone (no planning collectives: ranks that hold the
+        same state). Collective."""
+        return self.state_dict(), False
 
     def save(self, path: Path) -> None:
         """The model into path/model and the optimizer into path/optim (DCP, sharded as the ranks hold it)."""
-        state = self.state_dict()
-        with single_process_dcp():
-            dcp.save({"model": state["model"]}, checkpoint_id=str(path / "model"))
-            dcp.save({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
+        parts, alone = self.checkpoint_parts()
+        with single_process_dcp(alone=alone):
+            for key, state in parts.items():
+                dcp.save({key: state}, checkpoint_id=str(path / key), no_dist=alone)
 
     def load(self, path: Path) -> None:
-        """Load a checkpoint saved by any mode and number of ranks; DCP reshards it into this layout."""
-        state = self.state_dict()
+        """Load a checkpoint saved by any mode and number of ranks; DCP reshards it into this
+        layout, its
+        param groups split again where this optimizer's are split by mesh."""
+        model, optim = get_state_dict(self.module, self.optimizer)
+        split = copy.deepcopy(optim["param_groups"])  # DCP fills the merged groups' lists in place
+        optim = {**optim, "param_groups": merge_split_groups(optim["param_groups"], self._origin)}
         with single_process_dcp():
-            dcp.load({"model": state["model"]}, checkpoint_id=str(path / "model"))
-            dcp.load({"optim": state["optim"]}, checkpoint_id=str(path / "optim"))
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+            dcp.load({"model": model}, checkpoint_id=str(path / "model"))
+            dcp.load({"optim": optim}, checkpoint_id=str(path / "optim"))
+        if self._origin is not None:
+            groups = resplit_groups(split, optim["param_groups"], self._origin)
+            optim = {**optim, "param_groups": groups}
+        set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=optim)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full weights on CPU, on rank 0 (other ranks get {})."""

@@ -10,29 +10,26 @@ masks (the loop seeds by the data-parallel coordinate).
 Three things the built-ins don't do with a mix of DTensor and plain parameters, or DTensors on different meshes:
 foreach/fused optimizer kernels (so each param group is split by mesh), clip_grad_norm_ (so the norm is summed
 here, one full_tensor() per DTensor gradient) and fp16's loss scaler (so it unscales each rank's local shards).
-Checkpoints go through DCP like every other mode, with the optimizer's param groups merged back to the task's
-own grouping, so any layout can load them.
+Checkpoints go through Strategy's DCP state-dict path like every other mode (the param groups split
+by mesh are
+merged back to the task's grouping there: param_groups.py), so any layout can load them.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from workbench.tasks.blocks import shard_units
-from workbench.training.parallel.layout import apply_layout, data_dims, layout_mesh
+from workbench.training.parallel.layout import apply_layout, data_dims
+from workbench.training.parallel.param_groups import split_groups_by_mesh
 from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
-from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -40,47 +37,6 @@ if TYPE_CHECKING:
 
     from workbench.config import RunConfig
     from workbench.tasks import Task
-
-
-def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> list[int]:
-    """Split each param group so plain tensors and DTensors of each mesh sit in groups of their own (foreach
-    and fused kernels refuse a mix); returns, per new group, the index of the group it came from."""
-    origin, groups = [], []
-    for index, group in enumerate(optimizer.param_groups):
-        parts: dict[Any, list[torch.Tensor]] = {}
-        for p in group["params"]:
-            parts.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-        for params in parts.values():
-            groups.append({**group, "params": params})
-            origin.append(index)
-    optimizer.param_groups[:] = groups
-    return origin
-
-
-def merge_split_groups(groups: list[dict[str, Any]], origin: list[int] | None) -> list[dict[str, Any]]:
-    """Param groups split by mesh (split_groups_by_mesh) merged back to the task's grouping; `origin[i]` is the
-    task's group that split group i came from (None: not split)."""
-    if origin is None:
-        return groups
-    merged: dict[int, dict[str, Any]] = {}
-    for index, group in zip(origin, groups):
-        if index in merged:
-            merged[index]["params"] = [*merged[index]["params"], *group["params"]]
-        else:
-            merged[index] = dict(group)
-    return [merged[i] for i in sorted(merged)]
-
-
-def resplit_groups(split: list[dict[str, Any]], loaded: list[dict[str, Any]], origin: list[int] | None,
-                   name: Callable[[str], str] = str) -> list[dict[str, Any]]:
-    """This optimizer's own (split) groups with the hyperparameters of the loaded groups that hold their
-    parameters (`name`: a parameter's name as the loaded groups spell it)."""
-    groups = []
-    for index, group in enumerate(split):
-        first = name(group["params"][0]) if group["params"] else None
-        home = next((g for g in loaded if first in g["params"]), loaded[origin[index] if origin else index])
-        groups.append({**{k: v for k, v in home.items() if k != "params"}, "params": group["params"]})
-    return groups
 
 
 def placement_facts(mesh: DeviceMesh, named_parameters: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -174,15 +130,13 @@ class TensorParallel(Strategy):
         super().__init__(cfg, accelerator)
         world = accelerator.num_processes
         self.name = f"tp{cfg.tp}" if world == cfg.tp else f"{cfg.parallelism} x tp{cfg.tp}"
-        # A traced estimate builds its mesh before entering fake mode, as DeviceMesh needs real tensors.
-        self.mesh = getattr(accelerator, "mesh", None) or layout_mesh(cfg, self.device.type, world)
         if not cfg.cpu_offload:  # offloaded, FSDP2 moves each shard to the device as it's needed
-            model = on_device(model, accelerator)
+            model = on_device(model, self.accelerator)
         plan = task.tensor_parallel_plan(model, cfg) if cfg.tp > 1 else None
         if plan is None and cfg.tp > 1:
             raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan")
-        tracing = getattr(accelerator, "tracing", False)
-        apply_layout(model, self.mesh, cfg, plan, shard_units(model, task), tracing=tracing)
+        apply_layout(model, self.mesh, cfg, plan, shard_units(model, task),
+                     tracing=self.accelerator.tracing)
         self.data_parallel = data_dims(self.mesh)
         self.model = self.module = model
         self.optimizer = make_optimizer(model)
@@ -214,24 +168,3 @@ class TensorParallel(Strategy):
         """The mesh, this rank's place in it, and how each split parameter is placed and what it holds here."""
         where, split = placement_facts(self.mesh, self.module.named_parameters())
         return {**where, "tp_params": split}
-
-    # ---- checkpoints: param groups as the task made them -------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return self._merged(super().state_dict())
-
-    def _merged(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The optimizer's param groups merged back to the task's grouping (what other layouts save)."""
-        groups = merge_split_groups(state["optim"]["param_groups"], self._origin)
-        return {**state, "optim": {**state["optim"], "param_groups": groups}}
-
-    def load(self, path: Path) -> None:
-        """As Strategy.load, with the checkpoint's param groups split again the way this optimizer is."""
-        state = super().state_dict()
-        split = copy.deepcopy(state["optim"]["param_groups"])
-        merged = self._merged(state)
-        with single_process_dcp():
-            dcp.load({"model": merged["model"]}, checkpoint_id=str(path / "model"))
-            dcp.load({"optim": merged["optim"]}, checkpoint_id=str(path / "optim"))
-        regrouped = resplit_groups(split, merged["optim"]["param_groups"], self._origin)
-        optim = {**merged["optim"], "param_groups": regrouped}
-        set_state_dict(self.module, self.optimizer, model_state_dict=merged["model"], optim_state_dict=optim)

@@ -1,11 +1,10 @@
-"""A rank's guard: preemption signals, the heartbeat, and the watchdog that names a hung rank.
+"""A rank's watch: the preemption flag, the heartbeat, and the watchdog that names a hung rank.
 
-- SIGTERM, SIGHUP and the configured preempt_signal only set a flag here; the loop's per-step agreement
-  makes every rank stop on the same step, checkpoint and exit ('preempted').
-- Before the guard exists (torch importing, the task built, the process group forming), `catch_early`, set
-  first thing in a rank, keeps such a signal instead of letting it kill the rank (which would read as an
-  out-of-memory kill). The guard takes it over, and the ranks agree as it starts: if any got one, every rank
-  leaves before training with nothing to checkpoint (PreemptedBeforeTraining), and rank 0 records 'preempted'.
+- SIGTERM, SIGHUP and the configured preempt_signal (utils/preemption.py) only set a flag here; the
+  loop's stop vote (stop_vote.py) makes every rank stop on the same step, checkpoint and exit ('preempted').
+- Before the watch exists, utils/preemption.py keeps such a signal (`early`). The watch takes it over, and
+  the ranks agree as it starts: if any got one, every rank leaves before training with nothing to
+  checkpoint (PreemptedBeforeTraining), and rank 0 records 'preempted'.
 - A background thread rewrites ranks/rank_<r>.json every few seconds (pid, host, step, phase), so readers
   can tell a live run from one whose processes are gone.
 - After a signal, a rank that doesn't finish within preempt_grace_s is stuck (in user code, or in a
@@ -25,7 +24,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from workbench.rundir.liveness import HEARTBEAT_EVERY_S, this_process
-from workbench.utils.lifecycle import preempt_signals
+from workbench.utils import preemption
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -35,27 +34,8 @@ log = logging.getLogger("workbench")
 EXIT_HUNG = 3
 
 
-_early: list[int] = []
-"""The preemption signal this rank got before its guard started (at most one: the first)."""
-
-
-def catch_early(cfg: RunConfig | None = None) -> None:
-    """First thing in a rank (again once its config is read, for cfg.preempt_signal): keep a preemption signal
-    for the guard rather than die of it."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in preempt_signals(cfg):
-            signal.signal(sig, keep_signal)
-
-
-def keep_signal(signum: int, frame: Any) -> None:
-    """A signal handler: keep the first preemption signal for the guard (catch_early's, and the fork-mode
-    supervisor's, whose ranks inherit what it kept)."""
-    if not _early:
-        _early.append(signum)
-
-
 class PreemptedBeforeTraining(Exception):
-    """Every rank leaves before training: a preemption signal reached a rank before its guard started."""
+    """Every rank leaves before training: a preemption signal reached a rank before its watch started."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -77,8 +57,8 @@ def _stacks() -> str:
                      + "".join(traceback.format_stack(frames[ident])) for ident in order)
 
 
-class Guard:
-    """Install on every rank before training; `close()` when the rank is done (normally or not)."""
+class RankWatch:
+    """Start on every rank before training; `close()` when the rank is done (normally or not)."""
 
     def __init__(self, run: RunDir, rank: int, cfg: RunConfig) -> None:
         self.run, self.rank, self.cfg = run, rank, cfg
@@ -90,14 +70,13 @@ class Guard:
         self._previous: dict[int, Any] = {}
         self._write_failed = False
 
-    def start(self) -> Guard:
+    def start(self) -> RankWatch:
         """Collective (every rank, as it starts): raises PreemptedBeforeTraining on every rank if any got a
-        preemption signal before its guard was there."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in preempt_signals(self.cfg):
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-        if _early:
-            self._on_signal(_early.pop(), None)
+        preemption signal before its watch was there."""
+        self._previous = preemption.install(self._on_signal, self.cfg, leave_ignored=False)
+        kept = preemption.early.take()
+        if kept:
+            self._on_signal(kept, None)
         self.beat()
         threading.Thread(target=self._beat_forever, name=f"wb-heartbeat-{self.rank}", daemon=True).start()
         agreed = self._any_rank_signalled()
@@ -109,7 +88,7 @@ class Guard:
 
     def _any_rank_signalled(self) -> int:
         """The largest preemption signal any rank has got so far (0: none), over the process group if there is
-        one: every rank builds its guard at the same point, so this is where they can all agree to leave."""
+        one: every rank starts its watch at the same point, so this is where they can all agree to leave."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -120,6 +99,10 @@ class Guard:
         flag = torch.tensor([float(self.signal)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+    def current_step(self) -> int:
+        """The step the rank is in (the device monitor's gpu_idle events name it)."""
+        return self.step
 
     def at(self, step: int, phase: str) -> None:
         """Where the rank is: shown in its heartbeat, and in the report if it hangs."""
@@ -161,7 +144,6 @@ class Guard:
 
     def close(self) -> None:
         self._done.set()
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+        preemption.restore(self._previous)
         self.at(self.step, "ended")
         self.beat()

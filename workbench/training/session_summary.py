@@ -1,4 +1,5 @@
-"""What a rank reports about the run: summary fields, and per-rank facts that prove what really ran."""
+"""The run's summary as the ranks build it at the end of a session: its fields, each rank's account of what
+really ran, the replica check, and the exported weights."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from accelerate.utils import gather_object
 
 from workbench import data
 from workbench.rundir import Status
+from workbench.training.digests import state_digest
 from workbench.training.first_step import BYPASS_FIX, UnsyncedReplicas
-from workbench.training.measures import peak_memory_bytes, state_digest
+from workbench.training.parallel.float8 import facts as float8_facts
+from workbench.training.peak_memory import peak_memory_bytes
 from workbench.utils.files import atomic_write_bytes
 from workbench.utils.hardware import detect
 
@@ -65,9 +68,10 @@ def rank_info(t: Trainer) -> list[dict[str, Any]]:
             "world_size": t.world, "torch_threads": torch.get_num_threads(),
             "peak_memory_bytes": peak_memory_bytes(t.device),
             "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
+            **float8_facts(t.parallel.module, t.parallel.float8),
             # fp16: the loss scale the run ended with (it halves at each overflow the scaler skipped)
             "loss_scale": t.parallel.scaler.get_scale() if t.parallel.scaler is not None else None,
-            "agreement_votes": t.agreement.votes,
+            "agreement_votes": t.stop_vote.votes,
             "fused_optimizer": bool(t.parallel.local_optimizer().defaults.get("fused")),
             "tf32": t.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest",
             **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
@@ -92,7 +96,7 @@ def summary_fields(t: Trainer, *, samples_per_s: float, tokens_per_s: float | No
         "train_time_s": t.elapsed_s(),
         "ranks": ranks,
         "eval": dict(t.eval_row or {}),
-        "mfu": t.mfu(samples_per_s),
+        "mfu": t.flops.mfu(samples_per_s),
     }
     return fields
 

@@ -1,42 +1,14 @@
-"""Which signals mean "preempted: checkpoint and exit now", for the ranks and for the launcher alike; a preemption
-that reached the launcher before the ranks could take it; and the run recorded as preempted when the ranks
-could not record it themselves."""
+"""A preempted launch: its exit code, and the run recorded as preempted when the ranks could not record it
+themselves. Which signals mean "preempted", and their handlers, are utils/preemption.py's."""
 
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING, Any
 
 from workbench.rundir import RunDir, Status, is_fallout
 
-if TYPE_CHECKING:
-    from workbench.config import RunConfig
-
 EXIT_PREEMPTED = 75
 """`workbench train`'s exit code for a preempted run (sysexits' EX_TEMPFAIL: try again, e.g. resubmit it)."""
-
-_received: list[int] = []
-"""A preemption signal `remember` caught and nobody has taken yet (at most one: the first)."""
-
-
-def elastic_signals(cfg: RunConfig) -> str:
-    """The signals torch elastic (torchrun, notebook_launcher) handles and forwards to the ranks: its
-    defaults and the configured preemption signal, which would otherwise end elastic itself."""
-    names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *([cfg.preempt_signal] if cfg.preempt_signal else [])]
-    return ",".join(dict.fromkeys(names))
-
-
-def remember(signum: int, frame: Any) -> None:
-    """Signal handler for a launcher that has no ranks to forward to yet (`workbench train` while it checks and
-    prepares): the signal is kept for the launch, which then ends preempted instead of starting, or forwards it
-    to the ranks as soon as they are there (Run.wait)."""
-    if not _received:
-        _received.append(signum)
-
-
-def take_received() -> int:
-    """The signal `remember` caught (0: none), forgotten once taken."""
-    return _received.pop() if _received else 0
 
 
 def record_preemption(run: RunDir, signum: int, why: str, *, after_failure: bool = False) -> bool:

@@ -1,0 +1,46 @@
+"""`workbench bench mfu`: model FLOPs utilisation over the steady steps of one device's run, against the peak of
+that device (the catalog's on a GPU, the matmul rate measured here on a CPU); the 45% target judged only on an
+H100-class GPU in bf16. Run for real on CPU with char-gpt tiny."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.commands.bench.mfu import MFU_BENCH, mfu
+
+TINY = MFU_BENCH.replace(task_options={"preset": "tiny"}, precision="fp32", compile="off", max_steps=16,
+                         micro_batch_size=8)
+
+
+@pytest.mark.slow
+def test_mfu_is_model_flops_over_the_median_steady_step_and_the_measured_peak(tmp_path: Path) -> None:
+    report = mfu(TINY, json_path=tmp_path / "mfu.json", warmup_steps=6)
+    assert report.steps == 10 and report.step_time_s > 0
+    assert report.peak_flops and "measured here" in report.peak_source
+    assert report.mfu == pytest.approx(report.flops_per_step / report.step_time_s / report.peak_flops)
+    assert 0 < report.mfu < 5  # ranks' matmuls vs a 512x512 probe: same order, not a datasheet
+    tiny_context = 64  # char-gpt 'tiny': block_size 64
+    assert report.tokens_per_s == pytest.approx(8 * tiny_context / report.step_time_s)
+    assert report.target is None and report.passed, "no verdict on a CPU"
+    assert "no target on this device" in report.table()
+    saved = json.loads((tmp_path / "mfu.json").read_text())
+    assert saved["mfu"] == report.mfu and saved["measured_on"]["date"] and saved["passed"] is True
+
+
+def test_mfu_refuses_what_it_cannot_measure() -> None:
+    with pytest.raises(ValueError, match=r"num_processes=2; MFU is measured on one device: --set num_processes=1"):
+        mfu(TINY.replace(num_processes=2))
+    with pytest.raises(ValueError, match=r"max_steps=12 leaves fewer than 3 steps after the 10 warm-up steps; use "
+                                         r"max_steps=20 or more"):
+        mfu(TINY.replace(max_steps=12))
+
+
+def test_the_default_is_gpt2_small_in_bf16_with_compiled_blocks_on_one_device() -> None:
+    from workbench.tasks import get_task
+
+    options = get_task("char-gpt").model_options(MFU_BENCH)
+    assert (options["n_layer"], options["n_embd"], options["block_size"]) == (12, 768, 1024)
+    assert (MFU_BENCH.precision, MFU_BENCH.compile, MFU_BENCH.num_processes) == ("bf16", "blocks", 1)
