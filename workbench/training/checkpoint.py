@@ -152,9 +152,10 @@ class Checkpointer:
         self.ends_session = False
         self.stalls: list[float] = []
         """Per checkpoint of this session: seconds the training loop was blocked by it."""
-        if accelerator.is_main_process:
-            log.info("checkpoints are written %s (%s)",
-                     "in the background" if background else "synchronously", self.why)
+        if accelerator.is_main_process:  # the default on a CPU (synchronous) is no news: said at debug level
+            quiet = not background and cfg.checkpoint_async == "auto"
+            log.log(logging.DEBUG if quiet else logging.INFO, "checkpoints are written %s (%s)",
+                    "in the background" if background else "synchronously", self.why)
 
     def due(self, step: int, final: bool, stopping: bool) -> bool:
         every = self.cfg.checkpoint_every
