@@ -97,11 +97,13 @@ def _forward_mode(cfg: RunConfig, mode: str | None) -> RunConfig:
     if mode not in ("fork", "subprocess"):
         raise ValueError(f"mode={mode!r}: choose 'fork' or 'subprocess' (deprecated: set "
                          "RunConfig.start_method='auto' | 'fork' | 'spawn' | 'subprocess' instead)")
-    method = "subprocess" if mode == "subprocess" else ("auto" if cfg.start_method == "subprocess" else None)
-    warnings.warn(f"mode={mode!r} is deprecated: set RunConfig.start_method="
-                  f"{method or cfg.start_method!r} instead (cfg.replace(start_method=...))",
-                  DeprecationWarning, stacklevel=3)
-    return cfg.replace(start_method=method) if method else cfg
+    if mode == "subprocess":
+        method = "subprocess"
+    else:  # fork: the ways from Python, which a config saying 'subprocess' had overridden
+        method = "auto" if cfg.start_method == "subprocess" else cfg.start_method
+    warnings.warn(f"mode={mode!r} is deprecated: set RunConfig.start_method={method!r} instead "
+                  "(cfg.replace(start_method=...))", DeprecationWarning, stacklevel=3)
+    return cfg.replace(start_method=method)
 
 
 @overload

@@ -83,9 +83,10 @@ def mfu(cfg: RunConfig = MFU_BENCH, json_path: Path | None = None, warmup_steps:
     if not steady:
         raise RuntimeError(f"bench mfu: the run recorded {len(times)} step times, none after the warm-up")
     step_s = statistics.median(steady)
-    flops_per_step = _flops_per_sample(cfg) * cfg.global_batch_size
+    flops_per_sample, tokens_per_sample = _counts(cfg)
+    flops_per_step = flops_per_sample * cfg.global_batch_size
     peak, source, on_target = _peak(cfg)
-    tokens = cfg.global_batch_size * _tokens_per_sample(cfg) / step_s
+    tokens = cfg.global_batch_size * tokens_per_sample / step_s
     report = MfuReport(device=summary.get("device", "?"), config=cfg.to_dict(), steps=len(steady),
                        step_time_s=step_s, tokens_per_s=tokens, flops_per_step=flops_per_step, peak_flops=peak,
                        peak_source=source, mfu=flops_per_step / step_s / peak if peak else None,
@@ -95,8 +96,9 @@ def mfu(cfg: RunConfig = MFU_BENCH, json_path: Path | None = None, warmup_steps:
     return report
 
 
-def _flops_per_sample(cfg: RunConfig) -> float:
-    """The task's training FLOPs per sample, counted on a model built on the meta device (no memory)."""
+def _counts(cfg: RunConfig) -> tuple[float, int]:
+    """The task's training FLOPs and tokens per sample, counted on a model built on the meta device (no
+    memory)."""
     import torch
 
     from workbench.tasks import get_task
@@ -108,31 +110,23 @@ def _flops_per_sample(cfg: RunConfig) -> float:
     if not flops:
         raise ValueError(f"bench mfu: task {cfg.task!r} does not count its FLOPs (Task.flops_per_sample); "
                          "use a task that does, e.g. char-gpt")
-    return flops
-
-
-def _tokens_per_sample(cfg: RunConfig) -> int:
-    from workbench.tasks import get_task
-
-    return get_task(cfg.task).tokens_per_sample(cfg) or 0
+    return flops, task.tokens_per_sample(cfg) or 0
 
 
 def _peak(cfg: RunConfig) -> tuple[float | None, str, bool]:
     """(peak FLOP/s, where it comes from, whether the target applies) for the device the run trained on."""
-    from workbench.estimator.catalog import lookup, this_machine
+    from workbench.estimator.catalog import lookup, peak_flops, this_machine
     from workbench.utils.hardware import detect, resolve_device
 
     hw = detect()
-    gpus = hw.gpus
-    if gpus and resolve_device(cfg, hw) == "cuda":
-        try:
-            accel = lookup(gpus[0].name)
-        except ValueError:
-            return None, f"{gpus[0].name}: not in the catalog, no peak to measure against", False
-        kind = "tf32" if cfg.tf32 and cfg.precision == "fp32" and accel.peak("tf32") else cfg.precision
-        peak = accel.peak(kind)
+    if hw.gpus and resolve_device(cfg, hw) == "cuda":
+        name = hw.gpus[0].name
+        peak = peak_flops(name, cfg.precision, tf32=cfg.tf32)  # what the trainer's own MFU divides by
+        if peak is None:
+            return None, f"{name}: no catalog peak in {cfg.precision} to measure against", False
+        accel = lookup(name)
         on_target = cfg.precision == "bf16" and accel.name.upper().startswith(TARGET_CLASSES)
-        return peak, f"{accel.name} dense {kind} peak from the catalog: {peak / 1e12:.0f} TFLOP/s", on_target
+        return peak, f"{accel.name}'s dense {cfg.precision} peak from the catalog: {peak / 1e12:.0f} TFLOP/s", on_target
     machine = this_machine()
     peak = machine.peak(cfg.precision) or machine.peak("fp32")
     return peak, f"{machine.name}: its matmul rate measured here, {peak / 1e12:.3f} TFLOP/s", False

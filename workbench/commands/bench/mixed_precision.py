@@ -8,6 +8,7 @@ from pathlib import Path
 
 from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
+from workbench.config.preflight import preflight
 from workbench.launcher.launch import launch
 from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.units import fmt_bytes
@@ -69,11 +70,13 @@ def precision(cfg: RunConfig, json_path: Path | None = None) -> PrecisionReport:
             if problem:
                 rows.append(PrecisionRow(p, available=False, reason=problem))
                 continue
+            run_cfg = cfg.replace(precision=p, runs_dir=tmp, run_name=p)
             try:
-                s = launch(cfg.replace(precision=p, runs_dir=tmp, run_name=p)).summary
-            except ValueError as e:  # refused before launch in this precision (fp8: no Linear to swap)
+                preflight(run_cfg)  # what the model can't do in this precision (fp8: no Linear to swap)
+            except ValueError as e:
                 rows.append(PrecisionRow(p, available=False, reason=str(e)))
                 continue
+            s = launch(run_cfg).summary
             rows.append(PrecisionRow(p, True, samples_per_s=s["samples_per_s"], tokens_per_s=s.get("tokens_per_s"),
                                      peak_memory_bytes=s["peak_memory_bytes"], mfu=s.get("mfu"),
                                      final_loss=s["final_loss"], compute_dtype=s["ranks"][0]["compute_dtype"]))
