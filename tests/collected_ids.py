@@ -50,17 +50,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     without its message)."""
     why = item.stash.get(UNSTABLE_KEY, None)
     if why is not None:
-        pytest.fail(f"this test's id could differ between collections (pytest-xdist workers would disagree): {why}; "
-                    "name each parameter with ids=[...] or pytest.param(..., id=...)", pytrace=False)
+        pytest.fail(
+            f"this test's id could differ between collections (pytest-xdist workers would disagree): {why}; "
+            "name each parameter with ids=[...] or pytest.param(..., id=...)",
+            pytrace=False,
+        )
 
 
 def brief(fields: dict) -> str:
     """A short id for a case given as config fields: 'lr=nan-seed=-1', each value cut to 24 characters."""
+
     def cut(value: object) -> str:
         if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
             return f"({value.bit_length()}-bit int)"  # str() of a huge int is slow, and refused past 4,300 digits
         text = str(value)
         return text if len(text) <= 24 else f"{text[:12]}...({len(text)} chars)"
+
     return "-".join(f"{key}={cut(value)}" for key, value in fields.items()) or "defaults"
 
 
@@ -68,6 +73,7 @@ def cases(rows: list[tuple], key: int = 0) -> list:
     """`rows` as pytest.params, each named after its `key`-th value: config fields through brief(), text by its
     lines ('lr: 1e400' or 'a: 1; b: 2'), cut to 48 characters, plain lists and numbers as written. Other values
     (objects, functions, bytes) need ids written out."""
+
     def name(value: object) -> str:
         if isinstance(value, dict):
             return brief(value)
@@ -75,4 +81,5 @@ def cases(rows: list[tuple], key: int = 0) -> list:
             raise TypeError(f"no id for a {type(value).__name__}: write the ids out")
         text = "; ".join(line.strip() for line in str(value).strip().splitlines())
         return text if len(text) <= 48 else f"{text[:40]}...({len(text)} chars)"
+
     return [pytest.param(*row, id=name(row[key])) for row in rows]

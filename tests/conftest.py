@@ -14,10 +14,24 @@ from collected_ids import mark_unstable_ids, pytest_runtest_setup  # noqa: F401 
 from workbench.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
-LONGEST_FIRST = ("test_slurm.py", "test_estimate_layouts.py", "test_compile.py", "test_fault_tolerance.py",
-                 "test_training.py", "test_context_parallel.py", "test_tensor_parallel.py", "test_estimate.py",
-                 "test_estimate_timing.py", "test_browser.py", "test_launcher_death.py", "test_parallelism.py",
-                 "test_smoke_suite.py", "test_cli.py", "test_regress.py", "test_pipeline_layouts.py")
+LONGEST_FIRST = (
+    "test_slurm.py",
+    "test_estimate_layouts.py",
+    "test_compile.py",
+    "test_fault_tolerance.py",
+    "test_training.py",
+    "test_context_parallel.py",
+    "test_tensor_parallel.py",
+    "test_estimate.py",
+    "test_estimate_timing.py",
+    "test_browser.py",
+    "test_launcher_death.py",
+    "test_parallelism.py",
+    "test_smoke_suite.py",
+    "test_cli.py",
+    "test_regress.py",
+    "test_pipeline_layouts.py",
+)
 """Test files by their time in the suite, longest first (2 cores, a fresh cache). Two xdist workers take whole
 files in collection order (addopts: --dist loadfile --no-loadscope-reorder), so these go first and the many
 short files fill in at the end: the workers finish within seconds of each other, where a long file drawn last
@@ -78,7 +92,11 @@ def no_default_trackers() -> Iterator[None]:
     from workbench.training import accelerator
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(accelerator, "resolve_trackers", lambda setting: [] if setting == "auto" else list(setting))
+        patch.setattr(
+            accelerator,
+            "resolve_trackers",
+            lambda setting: [] if setting == "auto" else list(setting),
+        )
         yield
 
 
@@ -93,7 +111,9 @@ def runs_dir(tmp_path: Path) -> Path:
 def needs_mirror() -> Path:
     mirror = shared_mirror()
     if mirror is None:
-        pytest.skip("no dataset mirror: set WORKBENCH_TEST_MIRROR or provide ../shared/data beside the repo")
+        pytest.skip(
+            "no dataset mirror: set WORKBENCH_TEST_MIRROR or provide ../shared/data beside the repo"
+        )
     return mirror
 
 
@@ -116,8 +136,13 @@ def cpu_refusals_lifted() -> Iterator[None]:
 
     checked = launching.preflight
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launching, "preflight", lambda cfg, task=None: checked(
-            cfg.replace(precision="fp32", cpu_offload=False), task=task))
+        patch.setattr(
+            launching,
+            "preflight",
+            lambda cfg, task=None: checked(
+                cfg.replace(precision="fp32", cpu_offload=False), task=task
+            ),
+        )
         yield
 
 
@@ -125,7 +150,9 @@ def cpu_refusals_lifted() -> Iterator[None]:
 def ring_lifted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Context parallel on gloo CPU ranks (tests/test_context_parallel.py, test_sync_free_step.py): the estimator's
     CPU ring attention stands in for the CUDA kernels, and preflight's CPU refusal of cp, only that, is lifted."""
-    ring = pytest.importorskip("workbench.estimator.ring_trace", reason="PyTorch's ring templates moved")
+    ring = pytest.importorskip(
+        "workbench.estimator.ring_trace", reason="PyTorch's ring templates moved"
+    )
     from workbench.config.preflight import check_context_parallel_task
     from workbench.launcher import launch as launching
     from workbench.tasks import get_task

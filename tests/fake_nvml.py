@@ -39,7 +39,9 @@ class FakeGpu:
 class FakeNvml:
     """Pass an instance where workbench.training.monitor expects the pynvml module."""
 
-    gpus: list[FakeGpu] = field(default_factory=lambda: [FakeGpu(f"GPU-0000000{i}-fake") for i in range(4)])
+    gpus: list[FakeGpu] = field(
+        default_factory=lambda: [FakeGpu(f"GPU-0000000{i}-fake") for i in range(4)]
+    )
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     initialised: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -95,7 +97,9 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
         with self.lock:
             gpu = self._gpu(handle)
-            return SimpleNamespace(total=gpu.mem_total, used=gpu.mem_used, free=gpu.mem_total - gpu.mem_used)
+            return SimpleNamespace(
+                total=gpu.mem_total, used=gpu.mem_used, free=gpu.mem_total - gpu.mem_used
+            )
 
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
         with self.lock:

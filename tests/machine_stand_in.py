@@ -16,15 +16,25 @@ from workbench.estimator.machine_probe import COLLECTIVES, KINDS
 
 def made_up_profile(**changes: Any) -> MachineProfile:
     """A profile with round figures: two matmul sizes (the larger one faster), elementwise kinds at two sizes."""
-    base = {"machine": {"cpu": "made up"}, "ranks": 2, "threads": 1,
-            "matmul": {"fp32": [[1e6, 1e10], [1e8, 4e10]], "bf16": [[1e6, 2e10], [1e8, 8e10]]},
-            "attention": {"fp32": [[1e6, 5e9], [1e8, 1e10]]}, "op_s": 1e-6, "step_op_s": 1e-5,
-            "elementwise": {k: [[1e4, 1e-9], [1e7, 1e-10]] for k in KINDS}, "batch": [1e-4, 1e-6],
-            "dtensor_op_s": 2e-5, "collectives": {k: sized(1e-4, 1e9) for k in COLLECTIVES}}
+    base = {
+        "machine": {"cpu": "made up"},
+        "ranks": 2,
+        "threads": 1,
+        "matmul": {"fp32": [[1e6, 1e10], [1e8, 4e10]], "bf16": [[1e6, 2e10], [1e8, 8e10]]},
+        "attention": {"fp32": [[1e6, 5e9], [1e8, 1e10]]},
+        "op_s": 1e-6,
+        "step_op_s": 1e-5,
+        "elementwise": {k: [[1e4, 1e-9], [1e7, 1e-10]] for k in KINDS},
+        "batch": [1e-4, 1e-6],
+        "dtensor_op_s": 2e-5,
+        "collectives": {k: sized(1e-4, 1e9) for k in COLLECTIVES},
+    }
     return MachineProfile(**{**base, **changes})
 
 
-def sized(latency: float, bandwidth: float, sizes: tuple[float, ...] = (1e2, 1e4, 1e6)) -> list[list[float]]:
+def sized(
+    latency: float, bandwidth: float, sizes: tuple[float, ...] = (1e2, 1e4, 1e6)
+) -> list[list[float]]:
     """A collective measured at `sizes` (bytes per call) as latency plus bytes over bandwidth."""
     return [[x, latency + x / bandwidth] for x in sizes]
 
@@ -36,6 +46,9 @@ def stand_in_machine() -> Iterator[None]:
     from workbench.estimator import timing
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(timing, "machine_profile",
-                      lambda ranks, threads, refresh=False: made_up_profile(ranks=ranks, threads=threads))
+        patch.setattr(
+            timing,
+            "machine_profile",
+            lambda ranks, threads, refresh=False: made_up_profile(ranks=ranks, threads=threads),
+        )
         yield

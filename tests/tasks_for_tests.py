@@ -36,15 +36,19 @@ class SlowSamples(torch.utils.data.Dataset):
 class TinyRegression(wb.Task):
     name = "tiny-regression"
     default_options: dict[str, Any] = {
-        "n": 512, "dropout": 0.0,
-        "fail_rank": None, "fail_at_call": 0,   # raise in loss() on that rank at that call (1-based)
-        "kill_rank": None,                      # ... or SIGKILL that rank there, as the OOM killer would
-        "slow_s": 0.0,                          # sleep per loss call, to make a run long enough to stop
-        "slow_rank": None,                      # ... on that rank only (a straggler)
-        "slow_data_s": 0.0,                     # sleep per training sample fetched (an input-bound run)
-        "nan_rank": None, "nan_at_call": 0,     # that rank's loss becomes NaN at that call
-        "hang_rank": None, "hang_at_call": 0,   # that rank sleeps forever in that call, as a stuck user step would
-        "crash_marker": None,                   # with fail_rank/fail_at_call: fail only while this file is absent
+        "n": 512,
+        "dropout": 0.0,
+        "fail_rank": None,
+        "fail_at_call": 0,  # raise in loss() on that rank at that call (1-based)
+        "kill_rank": None,  # ... or SIGKILL that rank there, as the OOM killer would
+        "slow_s": 0.0,  # sleep per loss call, to make a run long enough to stop
+        "slow_rank": None,  # ... on that rank only (a straggler)
+        "slow_data_s": 0.0,  # sleep per training sample fetched (an input-bound run)
+        "nan_rank": None,
+        "nan_at_call": 0,  # that rank's loss becomes NaN at that call
+        "hang_rank": None,
+        "hang_at_call": 0,  # that rank sleeps forever in that call, as a stuck user step would
+        "crash_marker": None,  # with fail_rank/fail_at_call: fail only while this file is absent
     }
 
     def __init__(self) -> None:
@@ -52,13 +56,19 @@ class TinyRegression(wb.Task):
 
     def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
         o = self.options(cfg)
-        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(o["dropout"]),
-                                   torch.nn.Linear(32, 1))
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 32),
+            torch.nn.GELU(),
+            torch.nn.Dropout(o["dropout"]),
+            torch.nn.Linear(32, 1),
+        )
 
     def build_datasets(self, cfg: wb.RunConfig) -> tuple[TensorDataset, TensorDataset]:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(self.options(cfg)["n"], 8, generator=g)
-        y = (x * torch.linspace(-1, 1, 8)).sum(1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
+        y = (x * torch.linspace(-1, 1, 8)).sum(1, keepdim=True) + 0.1 * torch.randn(
+            len(x), 1, generator=g
+        )
         train = TensorDataset(x, y)
         slow = self.options(cfg)["slow_data_s"]
         return (SlowSamples(train, slow) if slow else train), TensorDataset(x[:64], y[:64])
@@ -137,7 +147,9 @@ class SkippedByDynamo(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)
+        )
 
     @torch._dynamo.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +186,6 @@ class HeldAtStart(TinyRegression):
         deadline = time.monotonic() + 120
         while not (hold / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-
 
 
 class SpikedCharGPT(CharGPTTask):

@@ -19,11 +19,20 @@ pytestmark = pytest.mark.slow
 
 def _shell_run(tmp_path: Path, name: str) -> tuple[list[str], RunDir]:
     config = tmp_path / f"{name}.yaml"
-    wb.RunConfig(task="tasks_for_tests:TinyRegression", num_processes=2, device="cpu", micro_batch_size=16,
-                 max_steps=100_000, log_every=1, runs_dir=str(tmp_path / "runs"), run_name=name,
-                 task_options={"slow_s": 0.03}).to_yaml(config)
+    wb.RunConfig(
+        task="tasks_for_tests:TinyRegression",
+        num_processes=2,
+        device="cpu",
+        micro_batch_size=16,
+        max_steps=100_000,
+        log_every=1,
+        runs_dir=str(tmp_path / "runs"),
+        run_name=name,
+        task_options={"slow_s": 0.03},
+    ).to_yaml(config)
     return [sys.executable, "-m", "workbench.cli", "train", str(config), "--no-progress"], RunDir(
-        tmp_path / "runs" / name)
+        tmp_path / "runs" / name
+    )
 
 
 def test_attach_follows_a_shell_run_stops_it_and_returns_its_result(tmp_path: Path) -> None:
@@ -34,7 +43,9 @@ def test_attach_follows_a_shell_run_stops_it_and_returns_its_result(tmp_path: Pa
         attached = wb.attach(run.path)
         assert isinstance(attached, AttachedRun) and attached.config.run_name == "followed"
         assert attached.status is Status.RUNNING and not attached.done()
-        with pytest.raises(TimeoutError, match=r"run followed still running after 0.5s; call wait\(\) again"):
+        with pytest.raises(
+            TimeoutError, match=r"run followed still running after 0.5s; call wait\(\) again"
+        ):
             attached.wait(timeout=0.5)
         attached.stop()
         result = attached.wait(timeout=60)
@@ -68,10 +79,19 @@ def test_attach_kill_ends_the_ranks_and_the_run_reads_failed(tmp_path: Path) -> 
 def test_attach_refuses_what_is_not_a_run_naming_the_runs_there(tmp_path: Path) -> None:
     (tmp_path / "runs" / "one").mkdir(parents=True)
     wb.RunConfig(task="digits", runs_dir=str(tmp_path / "runs"), run_name="one").to_yaml(
-        tmp_path / "runs" / "one" / "config.yaml")
-    with pytest.raises(ValueError, match=r"^attach: not a run directory: .*runs has no config.yaml or summary.json: "
-                                         r"it is a runs_dir; its runs are one. Load one, e.g. wb.attach\("):
+        tmp_path / "runs" / "one" / "config.yaml"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^attach: not a run directory: .*runs has no config.yaml or summary.json: "
+        r"it is a runs_dir; its runs are one. Load one, e.g. wb.attach\(",
+    ):
         wb.attach(tmp_path / "runs")
-    with pytest.raises(ValueError, match=r"^attach: not a run directory: .*onr does not exist \(did you mean 'one'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^attach: not a run directory: .*onr does not exist \(did you mean 'one'\?\)",
+    ):
         wb.attach(tmp_path / "runs" / "onr")
-    assert isinstance(wb.attach(tmp_path / "runs" / "one"), AttachedRun)  # written, never started: attachable
+    assert isinstance(
+        wb.attach(tmp_path / "runs" / "one"), AttachedRun
+    )  # written, never started: attachable

@@ -27,9 +27,17 @@ EVAL_EVERY = 500
 
 
 def train_row(step: int) -> dict[str, Any]:
-    return {"step": step, "loss": 2.0 / step, "lr": 3e-4, "step_time_s": 0.01, "samples_per_s": 6400.0,
-            "peak_memory_bytes": 300 * 2**20, "samples": 64 * step, "elapsed_s": 0.01 * (step - 1),
-            "schema_version": 1}
+    return {
+        "step": step,
+        "loss": 2.0 / step,
+        "lr": 3e-4,
+        "step_time_s": 0.01,
+        "samples_per_s": 6400.0,
+        "peak_memory_bytes": 300 * 2**20,
+        "samples": 64 * step,
+        "elapsed_s": 0.01 * (step - 1),
+        "schema_version": 1,
+    }
 
 
 def eval_row(step: int) -> dict[str, Any]:
@@ -51,8 +59,16 @@ def fake_run(tmp_path: Path, steps: int, head: bytes = b"") -> tuple[Path, list[
     run_dir = tmp_path / "runs" / "long-run"
     run_dir.mkdir(parents=True)
     wb.RunConfig(max_steps=steps).to_yaml(run_dir / rundir.CONFIG)
-    files.write_json(run_dir / rundir.SUMMARY, {"status": "completed", "world_size": 2, "precision": "fp32",
-                                                "global_batch_size": 64, "steps": steps})
+    files.write_json(
+        run_dir / rundir.SUMMARY,
+        {
+            "status": "completed",
+            "world_size": 2,
+            "precision": "fp32",
+            "global_batch_size": 64,
+            "steps": steps,
+        },
+    )
     files.append_jsonl(run_dir / rundir.EVENTS, {"time": 0.0, "event": "started", "step": 0})
     return run_dir, write_rows(run_dir / rundir.METRICS, steps, head)
 
@@ -60,7 +76,9 @@ def fake_run(tmp_path: Path, steps: int, head: bytes = b"") -> tuple[Path, list[
 # ---- the last row ---------------------------------------------------------------------------------------------
 def test_status_reads_the_last_row_from_the_end_of_the_file(tmp_path: Path) -> None:
     # The head is 2,000 rows no reader could type ("step" a string): only a reader that parses them fails.
-    head = b"".join(json.dumps({"step": "garbage", "loss": 1.0}).encode() + b"\n" for _ in range(2000))
+    head = b"".join(
+        json.dumps({"step": "garbage", "loss": 1.0}).encode() + b"\n" for _ in range(2000)
+    )
     run_dir, _ = fake_run(tmp_path, 50, head)
     text, code = describe_run(run_dir)
     assert code == 0 and "step 50/50, loss 0.04" in text
@@ -71,7 +89,10 @@ def test_the_last_training_row_is_found_however_far_back_it_is(tmp_path: Path) -
     path = tmp_path / rundir.METRICS
     files.write_jsonl(path, [train_row(1), train_row(2)] + [eval_row(2)] * (2 * TAIL_BYTES // 60))
     assert RunDir(tmp_path).last_train_row() == train_row(2)
-    assert [r["step"] for r in jsonl.tail_jsonl(path, block=7) if "loss" in r] == [2, 1]  # blocks cut lines
+    assert [r["step"] for r in jsonl.tail_jsonl(path, block=7) if "loss" in r] == [
+        2,
+        1,
+    ]  # blocks cut lines
 
 
 @pytest.mark.parametrize("limit", [None, 800], ids=["whole", "last-800-bytes"])
@@ -92,7 +113,9 @@ def test_tail_rows_are_the_newest_first_within_the_limit(tmp_path: Path, limit: 
 
 
 # ---- RunResult.metrics ------------------------------------------------------------------------------------------
-def test_metrics_are_parsed_once_then_only_the_appended_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_metrics_are_parsed_once_then_only_the_appended_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run_dir, rows = fake_run(tmp_path, 1200)
     parsed: list[int] = []
     real = jsonl._parse_whole_lines
@@ -108,39 +131,50 @@ def test_metrics_are_parsed_once_then_only_the_appended_rows(tmp_path: Path, mon
     parsed.clear()
     second = result.metrics
     assert parsed == [] and second == first and second is not first  # a new list ...
-    assert all(a is b for a, b in zip(first, second, strict=True))  # ... of the rows parsed the first time
+    assert all(
+        a is b for a, b in zip(first, second, strict=True)
+    )  # ... of the rows parsed the first time
     files.append_jsonl(run_dir / rundir.METRICS, train_row(1201))  # a run still going
     third = result.metrics
     assert parsed == [len(json.dumps(train_row(1201))) + 1] and third == [*rows, train_row(1201)]
     assert third[0] is first[0]
     parsed.clear()
-    files.write_jsonl(run_dir / rundir.METRICS, rows[:10])  # replaced whole (a resume sets rows aside): read again
+    files.write_jsonl(
+        run_dir / rundir.METRICS, rows[:10]
+    )  # replaced whole (a resume sets rows aside): read again
     assert result.metrics == rows[:10] and len(parsed) == 1
 
 
-def test_metrics_keep_read_jsonl_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_metrics_keep_read_jsonl_rules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # Chunks of 100 bytes: a bad line, a blank one and lines cut by chunks all fall back to line by line.
     monkeypatch.setattr(jsonl, "JSONL_CHUNK", 100)
     path = tmp_path / rundir.METRICS
     good = [train_row(s) for s in range(1, 6)]
-    text = "".join(json.dumps(r) + "\n" for r in good[:2]) + "not json\n\n" + "".join(
-        json.dumps(r) + "\n" for r in good[2:])
+    text = (
+        "".join(json.dumps(r) + "\n" for r in good[:2])
+        + "not json\n\n"
+        + "".join(json.dumps(r) + "\n" for r in good[2:])
+    )
     path.write_text(text + '{"step": 6, "loss"')  # the last line being written
     reader = jsonl.JsonlRows(path)
     with caplog.at_level(logging.WARNING, logger="workbench"):
         assert reader.read() == good
     assert [r.getMessage().split(": skipped")[0] for r in caplog.records] == [f"{path}, line 3"]
     with path.open("a") as f:
-        f.write(': 0.5}\n')
+        f.write(": 0.5}\n")
     assert reader.read() == [*good, {"step": 6, "loss": 0.5}]
-    path.write_text(text + json.dumps(train_row(6)))  # a whole last line without its end: read, not kept
+    path.write_text(
+        text + json.dumps(train_row(6))
+    )  # a whole last line without its end: read, not kept
     assert files.read_jsonl(path) == [*good, train_row(6)]
 
 
 # ---- the dashboard's first view and plot() --------------------------------------------------------------------
-def test_the_dashboards_first_view_of_a_long_run_reads_a_sample(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_dashboards_first_view_of_a_long_run_reads_a_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(reading, "FIRST_VIEW_TAIL_BYTES", 20_000)
     run_dir, rows = fake_run(tmp_path, 6000)
     dash = Dashboard(run_dir)
@@ -154,7 +188,9 @@ def test_the_dashboards_first_view_of_a_long_run_reads_a_sample(tmp_path: Path,
     loss, smoothed = dash._figure.axes[0].get_lines()[:2]
     assert len(loss.get_xdata()) <= LIVE_POINTS and list(smoothed.get_xdata())[-1] == 6000
     assert dash.step == 6000 and "step 6000/6000" in dash.progress_text.value
-    files.append_jsonl(run_dir / rundir.METRICS, train_row(6001))  # then a poll at a time, as before
+    files.append_jsonl(
+        run_dir / rundir.METRICS, train_row(6001)
+    )  # then a poll at a time, as before
     dash.refresh()
     assert dash.rows[-1].step == 6001 and len(dash.rows) == len(steps) + 1
 
@@ -176,8 +212,9 @@ def test_plot_of_a_long_run_draws_a_sample(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("chunk", [64, 1 << 20], ids=["chunks-cut-lines", "one-chunk"])
-def test_a_sample_is_whole_lines_first_newest_and_marked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         chunk: int) -> None:
+def test_a_sample_is_whole_lines_first_newest_and_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
     monkeypatch.setattr(jsonl, "JSONL_CHUNK", chunk)
     path = tmp_path / rundir.METRICS
     rows = write_rows(path, 1500)
@@ -199,7 +236,13 @@ def test_bench_big_run_times_every_reader(tmp_path: Path) -> None:
     report = big_run(rows=400, json_path=out, keep=tmp_path)
     saved = json.loads(out.read_text())
     names = [m["name"] for m in saved["measured"]]
-    assert names == ["status", "last_train_row", "metrics_first", "metrics_second", "plot_png",
-                     "dashboard_first_view"]
+    assert names == [
+        "status",
+        "last_train_row",
+        "metrics_first",
+        "metrics_second",
+        "plot_png",
+        "dashboard_first_view",
+    ]
     assert saved["measured_on"]["date"] and saved["rows"] == 400 and report.memory_ratio is not None
     assert "400 rows" in report.table()

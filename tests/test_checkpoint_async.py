@@ -32,9 +32,14 @@ class CheckpointWrites(TinyRegression):
     each write's start and end (rank, step, part) to `write_log`."""
 
     name = "checkpoint-writes"
-    default_options: dict[str, Any] = {**TinyRegression.default_options, "write_log": None,
-                                       "slow_write_s": 0.0, "slow_write_step": None,
-                                       "fail_write_step": None, "fail_write_rank": None}
+    default_options: dict[str, Any] = {
+        **TinyRegression.default_options,
+        "write_log": None,
+        "slow_write_s": 0.0,
+        "slow_write_step": None,
+        "fail_write_step": None,
+        "fail_write_rank": None,
+    }
 
     def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
         if "RANK" in os.environ:  # in a rank, never in the test's own process
@@ -58,8 +63,18 @@ def instrument_writes(o: dict[str, Any]) -> None:
         if o["write_log"]:
             with open(o["write_log"], "a") as log:
                 part = Path(str(self.path)).name
-                log.write(json.dumps({"rank": rank, "step": step, "part": part, "start": began,
-                                      "end": time.time()}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "rank": rank,
+                            "step": step,
+                            "part": part,
+                            "start": began,
+                            "end": time.time(),
+                        }
+                    )
+                    + "\n"
+                )
         return result
 
     write_data.original = original  # type: ignore[attr-defined]
@@ -67,9 +82,18 @@ def instrument_writes(o: dict[str, Any]) -> None:
 
 
 def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
-    base = {"num_processes": 2, "device": "cpu", "micro_batch_size": 16, "max_steps": 6,
-            "log_every": 1, "checkpoint_every": 2, "keep_checkpoints": 3, "lr": 5e-2,
-            "runs_dir": str(runs_dir), "seed": 3}
+    base = {
+        "num_processes": 2,
+        "device": "cpu",
+        "micro_batch_size": 16,
+        "max_steps": 6,
+        "log_every": 1,
+        "checkpoint_every": 2,
+        "keep_checkpoints": 3,
+        "lr": 5e-2,
+        "runs_dir": str(runs_dir),
+        "seed": 3,
+    }
     return wb.RunConfig(**{**base, **fields})
 
 
@@ -124,19 +148,27 @@ def assert_same(a: Any, b: Any, where: str) -> None:
 
 # ---- the same checkpoints ------------------------------------------------------------------------
 TINY_GPT = {"task": "char-gpt", "task_options": {"preset": "tiny"}, "micro_batch_size": 4}
-LAYOUTS = {"ddp": {"parallelism": "ddp"}, "zero3": {"parallelism": "zero3"},
-           "tp": {**TINY_GPT, "tp": 2}, "pp": {**TINY_GPT, "pp": 2, "grad_accum_steps": 2}}
+LAYOUTS = {
+    "ddp": {"parallelism": "ddp"},
+    "zero3": {"parallelism": "zero3"},
+    "tp": {**TINY_GPT, "tp": 2},
+    "pp": {**TINY_GPT, "pp": 2, "grad_accum_steps": 2},
+}
 """Replicas writing alone (ddp), shards of a collective write (zero3), DTensors split by tensor
 parallel, a pipeline's stages."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-def test_background_checkpoints_hold_what_synchronous_ones_do(runs_dir: Path, tmp_path: Path,
-                                                              layout: str) -> None:
+def test_background_checkpoints_hold_what_synchronous_ones_do(
+    runs_dir: Path, tmp_path: Path, layout: str
+) -> None:
     task = None if "task" in LAYOUTS[layout] else TinyRegression()
-    runs = {mode: wb.launch(cfg_for(runs_dir, run_name=mode, checkpoint_async=mode,
-                                    **LAYOUTS[layout]), task=task)
-            for mode in ("off", "on")}
+    runs = {
+        mode: wb.launch(
+            cfg_for(runs_dir, run_name=mode, checkpoint_async=mode, **LAYOUTS[layout]), task=task
+        )
+        for mode in ("off", "on")
+    }
     assert_same_runs(runs["off"], runs["on"], tmp_path)
 
 
@@ -144,11 +176,19 @@ def test_background_checkpoints_hold_what_synchronous_ones_do(runs_dir: Path, tm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned-memory staging needs a CUDA GPU")
 @pytest.mark.parametrize("layout", ["ddp", "zero3"], ids=["ddp", "zero3"])
 def test_on_gpus_auto_writes_in_the_background_what_a_synchronous_write_holds(
-        runs_dir: Path, tmp_path: Path, layout: str) -> None:
-    fields = {"device": "cuda", "num_processes": min(2, torch.cuda.device_count()),
-              "parallelism": layout}
-    runs = {mode: wb.launch(cfg_for(runs_dir, run_name=mode, checkpoint_async=mode, **fields),
-                            task=TinyRegression()) for mode in ("off", "auto")}
+    runs_dir: Path, tmp_path: Path, layout: str
+) -> None:
+    fields = {
+        "device": "cuda",
+        "num_processes": min(2, torch.cuda.device_count()),
+        "parallelism": layout,
+    }
+    runs = {
+        mode: wb.launch(
+            cfg_for(runs_dir, run_name=mode, checkpoint_async=mode, **fields), task=TinyRegression()
+        )
+        for mode in ("off", "auto")
+    }
     assert "pinned host memory" in runs["auto"].summary["checkpoints"]["why"]
     assert_same_runs(runs["off"], runs["auto"], tmp_path)
 
@@ -158,8 +198,11 @@ def assert_same_runs(sync: wb.RunResult, background: wb.RunResult, tmp_path: Pat
     for result, behind in ((sync, False), (background, True)):
         assert result.summary["checkpoints"]["async"] is behind
         saved = events(RunDir(result.run_dir), "checkpoint_saved")
-        assert [(e["step"], e["background"]) for e in saved] == [(2, behind), (4, behind),
-                                                                 (6, behind)]
+        assert [(e["step"], e["background"]) for e in saved] == [
+            (2, behind),
+            (4, behind),
+            (6, behind),
+        ]
     a_run, b_run = RunDir(sync.run_dir), RunDir(background.run_dir)
     assert losses(b_run) == losses(a_run) and len(losses(a_run)) == 6
     (tmp_path / "a").mkdir(exist_ok=True)
@@ -172,18 +215,31 @@ def assert_same_runs(sync: wb.RunResult, background: wb.RunResult, tmp_path: Pat
 
 
 # ---- one write at a time -------------------------------------------------------------------------
-def test_one_background_write_at_a_time_while_training_goes_on(runs_dir: Path,
-                                                               tmp_path: Path) -> None:
+def test_one_background_write_at_a_time_while_training_goes_on(
+    runs_dir: Path, tmp_path: Path
+) -> None:
     log, slow = tmp_path / "writes.jsonl", 1.0
-    result = wb.launch(cfg_for(runs_dir, run_name="slow", checkpoint_async="on", checkpoint_every=1,
-                               max_steps=4,
-                               task_options={"write_log": str(log), "slow_write_s": slow}),
-                       task=CheckpointWrites())
+    result = wb.launch(
+        cfg_for(
+            runs_dir,
+            run_name="slow",
+            checkpoint_async="on",
+            checkpoint_every=1,
+            max_steps=4,
+            task_options={"write_log": str(log), "slow_write_s": slow},
+        ),
+        task=CheckpointWrites(),
+    )
     writes = [json.loads(line) for line in log.read_text().splitlines()]
     # ddp: rank 0 writes the model, rank 1 the optimizer; checkpoint k+1's writes start after
     # checkpoint k's have ended
-    spans = {s: (min(w["start"] for w in writes if w["step"] == s),
-                 max(w["end"] for w in writes if w["step"] == s)) for s in (1, 2, 3, 4)}
+    spans = {
+        s: (
+            min(w["start"] for w in writes if w["step"] == s),
+            max(w["end"] for w in writes if w["step"] == s),
+        )
+        for s in (1, 2, 3, 4)
+    }
     assert sorted({(w["rank"], w["part"]) for w in writes}) == [(0, "model"), (1, "optim")]
     for step in (1, 2, 3):
         assert spans[step + 1][0] >= spans[step][1], (step, spans)
@@ -199,14 +255,21 @@ def test_one_background_write_at_a_time_while_training_goes_on(runs_dir: Path,
 # ---- a failed write ------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["off", "on"], ids=["synchronous", "background"])
 def test_a_failed_write_fails_the_run_naming_the_checkpoint(runs_dir: Path, mode: str) -> None:
-    cfg = cfg_for(runs_dir, run_name=f"fails-{mode}", checkpoint_async=mode,
-                  task_options={"fail_write_step": 4, "fail_write_rank": 1})
+    cfg = cfg_for(
+        runs_dir,
+        run_name=f"fails-{mode}",
+        checkpoint_async=mode,
+        task_options={"fail_write_step": 4, "fail_write_rank": 1},
+    )
     run = RunDir(runs_dir / cfg.run_name)
     partial = re.escape(str(run.checkpoints_path / ".tmp-step_4"))
-    failing = (rf"could not write checkpoint step 4 \({partial}\) in run directory .*fails-{mode}: "
-               "injected write failure")
-    with pytest.raises(wb.RunFailedError,
-                       match=rf"rank 1 failed with RunDirWriteError: \[Errno 5\] {failing}"):
+    failing = (
+        rf"could not write checkpoint step 4 \({partial}\) in run directory .*fails-{mode}: "
+        "injected write failure"
+    )
+    with pytest.raises(
+        wb.RunFailedError, match=rf"rank 1 failed with RunDirWriteError: \[Errno 5\] {failing}"
+    ):
         wb.launch(cfg, task=CheckpointWrites())
     assert re.search(failing, run.summary().error["message"])
     assert [s for s, _ in run.checkpoints()] == [2]
@@ -215,8 +278,12 @@ def test_a_failed_write_fails_the_run_naming_the_checkpoint(runs_dir: Path, mode
 
 # ---- killed mid-write ---------------------------------------------------------------------------
 def test_a_run_killed_during_a_background_write_resumes_from_the_one_before(runs_dir: Path) -> None:
-    cfg = cfg_for(runs_dir, run_name="killed", checkpoint_async="on",
-                  task_options={"slow_write_s": 600.0, "slow_write_step": 4})
+    cfg = cfg_for(
+        runs_dir,
+        run_name="killed",
+        checkpoint_async="on",
+        task_options={"slow_write_s": 600.0, "slow_write_step": 4},
+    )
     run = RunDir(runs_dir / "killed")
     started = wb.start(cfg, task=CheckpointWrites())
     try:
@@ -240,12 +307,17 @@ def test_a_run_killed_during_a_background_write_resumes_from_the_one_before(runs
     assert [s for s, _ in run.checkpoints()] == [2]
     assert not (run.checkpoints_path / ".tmp-step_4" / "manifest.json").exists()
     result = wb.RunResult(run.path, run.config(), task=TinyRegression())
-    with pytest.raises(ValueError, match=r"step=4: the checkpoint at step 4 is incomplete "
-                                         r"\(.*\.tmp-step_4: its write never finished.*complete "
-                                         r"checkpoints at steps \[2\] only"):
+    with pytest.raises(
+        ValueError,
+        match=r"step=4: the checkpoint at step 4 is incomplete "
+        r"\(.*\.tmp-step_4: its write never finished.*complete "
+        r"checkpoints at steps \[2\] only",
+    ):
         result.load_model(step=4)
-    resumed = wb.launch(cfg.replace(resume=True, task_options={}, resume_allow=["task_options"]),
-                        task=CheckpointWrites())
+    resumed = wb.launch(
+        cfg.replace(resume=True, task_options={}, resume_allow=["task_options"]),
+        task=CheckpointWrites(),
+    )
     [skipped] = events(run, "checkpoint_skipped")
     assert skipped["step"] == 4 and skipped["problems"] == ["incomplete: its write never finished"]
     [resume] = events(run, "resumed")
@@ -256,13 +328,16 @@ def test_a_run_killed_during_a_background_write_resumes_from_the_one_before(runs
 
 # ---- the setting --------------------------------------------------------------------------------
 def test_checkpoint_async_names_its_choices_and_auto_writes_in_the_background_on_gpus() -> None:
-    with pytest.raises(ValueError,
-                       match=r"checkpoint_async='yes': choose one of 'auto' \| 'on' \| 'off'"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint_async='yes': choose one of 'auto' \| 'on' \| 'off'"
+    ):
         wb.RunConfig(checkpoint_async="yes")
     auto = wb.RunConfig()
     assert writes_async(auto, torch.device("cuda", 0))[0] is True
-    assert writes_async(auto.replace(checkpoint_async="off"), torch.device("cuda", 0)) == \
-        (False, "checkpoint_async='off'")
+    assert writes_async(auto.replace(checkpoint_async="off"), torch.device("cuda", 0)) == (
+        False,
+        "checkpoint_async='off'",
+    )
     assert writes_async(auto.replace(checkpoint_async="on"), torch.device("cpu"))[0] is True
 
 
@@ -273,12 +348,17 @@ def test_bench_checkpoint_measures_each_checkpoints_stall_both_ways(tmp_path: Pa
     cfg = CHECKPOINT_BENCH.replace(task_options={"preset": "tiny"}, max_steps=4)
     report = checkpoint_stall(cfg, layouts=("ddp",), json_path=tmp_path / "result.json")
     assert [(r.arm, len(r.stall_s), len(r.write_s), len(r.step_s)) for r in report.runs] == [
-        ("sync", 2, 2, 4), ("async", 2, 2, 4)]
+        ("sync", 2, 2, 4),
+        ("async", 2, 2, 4),
+    ]
     assert all(s > 0 for r in report.runs for s in r.stall_s + r.write_s)
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["measured_on"]["device_class"] == "cpu" and saved["rows"] == report.rows
     assert [r["writes"] for r in saved["rows"]] == ["synchronous", "background"]
     assert "ddp     background" in report.table()
-    with pytest.raises(ValueError, match=r"checkpoint_every=2 with max_steps=3: the bench needs a "
-                                         r"checkpoint before the final one"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint_every=2 with max_steps=3: the bench needs a "
+        r"checkpoint before the final one",
+    ):
         checkpoint_stall(cfg.replace(max_steps=3))

@@ -20,11 +20,18 @@ def test_data_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "tinyshakespeare" in out and "digits" in out
     assert main(["data", "show", "tinyshakespeare"]) == 0
-    assert "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed" in capsys.readouterr().out
+    assert (
+        "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+        in capsys.readouterr().out
+    )
 
 
-def test_data_path_and_verify_exit_codes(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch, needs_mirror: Path) -> None:
+def test_data_path_and_verify_exit_codes(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    needs_mirror: Path,
+) -> None:
     monkeypatch.setenv("WORKBENCH_DATA_DIR", str(tmp_path / "cache"))
     assert main(["data", "verify", "tinyshakespeare"]) == 1  # nothing cached yet: missing
     assert "missing" in capsys.readouterr().out
@@ -42,9 +49,13 @@ def test_unknown_dataset_is_a_clear_error(capsys: pytest.CaptureFixture[str]) ->
     assert "imagenet" in capsys.readouterr().err
 
 
-def test_check_validates_and_describes_the_launch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_validates_and_describes_the_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "run.yaml"
-    wb.RunConfig(num_processes=2, micro_batch_size=8, grad_accum_steps=2, device="cpu").to_yaml(path)
+    wb.RunConfig(num_processes=2, micro_batch_size=8, grad_accum_steps=2, device="cpu").to_yaml(
+        path
+    )
     assert main(["check", str(path)]) == 0
     assert "2 CPU processes, DDP over gloo, fp32, global batch 32" in capsys.readouterr().out
     assert main(["check", str(path), "--set", "precision=fp16"]) == 2
@@ -53,8 +64,21 @@ def test_check_validates_and_describes_the_launch(tmp_path: Path, capsys: pytest
 
 @pytest.mark.slow
 def test_demo_is_a_real_two_rank_run_with_a_plot(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "demo", "--runs-dir", str(tmp_path), "--steps", "40"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "demo",
+            "--runs-dir",
+            str(tmp_path),
+            "--steps",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "weights identical on every rank: True" in proc.stdout
     (run_dir,) = tmp_path.iterdir()
@@ -95,16 +119,27 @@ def test_bench_overhead_trains_bit_for_bit_what_the_hand_loop_trains(tmp_path: P
 def test_bench_parallelism_runs_every_mode_side_by_side(tmp_path: Path) -> None:
     from workbench.commands.bench import parallelism
 
-    cfg = wb.RunConfig(task="digits", num_processes=2, device="cpu", max_steps=8, log_every=4,
-                       task_options={"hidden": 64})
-    report = parallelism(cfg, modes=("ddp", "zero1", "zero3", "hsdp", "tp"), json_path=tmp_path / "p.json")
+    cfg = wb.RunConfig(
+        task="digits",
+        num_processes=2,
+        device="cpu",
+        max_steps=8,
+        log_every=4,
+        task_options={"hidden": 64},
+    )
+    report = parallelism(
+        cfg, modes=("ddp", "zero1", "zero3", "hsdp", "tp"), json_path=tmp_path / "p.json"
+    )
     rows = {r.mode: r for r in report.rows}
     assert [m for m, r in rows.items() if r.available] == ["ddp", "zero1", "zero3"]
     assert "hsdp needs an even num_processes >= 4" in rows["hsdp"].reason
     assert "has no tensor-parallel plan" in rows["tp"].reason
     ddp, zero3 = rows["ddp"], rows["zero3"]
     assert zero3.final_loss == pytest.approx(ddp.final_loss, rel=1e-5)
-    assert max(zero3.params_bytes) < max(ddp.params_bytes) and sum(zero3.params_bytes) == ddp.params_bytes[0]
+    assert (
+        max(zero3.params_bytes) < max(ddp.params_bytes)
+        and sum(zero3.params_bytes) == ddp.params_bytes[0]
+    )
     assert sum(rows["zero1"].optimizer_bytes) == ddp.optimizer_bytes[0]
     assert all(r.step_ms > 0 and r.tracked_peak_bytes for r in rows.values() if r.available)
     table = report.table()
@@ -117,9 +152,16 @@ def test_bench_parallelism_has_the_model_parallel_layouts(tmp_path: Path) -> Non
     """tp and pp over both ranks: each rank holds part of the model, and the losses are DDP's."""
     from workbench.commands.bench import parallelism
 
-    cfg = wb.RunConfig(task="char-gpt", num_processes=2, device="cpu", micro_batch_size=4, max_steps=6,
-                       log_every=3, eval_batches=1, task_options={"preset": "tiny", "block_size": 32,
-                                                                  "dropout": 0.0})
+    cfg = wb.RunConfig(
+        task="char-gpt",
+        num_processes=2,
+        device="cpu",
+        micro_batch_size=4,
+        max_steps=6,
+        log_every=3,
+        eval_batches=1,
+        task_options={"preset": "tiny", "block_size": 32, "dropout": 0.0},
+    )
     rows = {r.mode: r for r in parallelism(cfg, modes=("ddp", "tp", "pp", "cp")).rows}
     cp = rows.pop("cp")  # ring attention runs on CUDA only: the row says why, as preflight would
     assert not cp.available and cp.reason.startswith("cp=2 on CPU: PyTorch's context parallel")
@@ -129,24 +171,47 @@ def test_bench_parallelism_has_the_model_parallel_layouts(tmp_path: Path) -> Non
         assert max(rows[mode].params_bytes) < 0.8 * rows["ddp"].params_bytes[0], mode
 
 
-@pytest.mark.parametrize("setup,args,message", [
-    (lambda p: p.write_text("max_steps: [1\n"), [], r"run.yaml: not valid YAML \(line 2, column 1\)"),
-    (lambda p: None, [], r"run.yaml: no such file"),
-    (lambda p: p.write_text("max_steps: 5\n"), ["--set", "max_steps=[1"], r"--set 'max_steps=\[1': not valid YAML"),
-    (lambda p: p.write_text("max_steps: 5\n"), ["--set", "max_steps"], r"--set 'max_steps': expected key=value"),
-    (lambda p: p.write_text("lr: .nan\n"), [], r"lr=nan: must be a finite number"),
-], ids=["bad-yaml", "no-file", "bad-set-value", "set-without-value", "nan"])
-def test_bad_files_and_values_are_one_error_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                           setup: Any, args: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "setup,args,message",
+    [
+        (
+            lambda p: p.write_text("max_steps: [1\n"),
+            [],
+            r"run.yaml: not valid YAML \(line 2, column 1\)",
+        ),
+        (lambda p: None, [], r"run.yaml: no such file"),
+        (
+            lambda p: p.write_text("max_steps: 5\n"),
+            ["--set", "max_steps=[1"],
+            r"--set 'max_steps=\[1': not valid YAML",
+        ),
+        (
+            lambda p: p.write_text("max_steps: 5\n"),
+            ["--set", "max_steps"],
+            r"--set 'max_steps': expected key=value",
+        ),
+        (lambda p: p.write_text("lr: .nan\n"), [], r"lr=nan: must be a finite number"),
+    ],
+    ids=["bad-yaml", "no-file", "bad-set-value", "set-without-value", "nan"],
+)
+def test_bad_files_and_values_are_one_error_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], setup: Any, args: list[str], message: str
+) -> None:
     path = tmp_path / "run.yaml"
     setup(path)
     for command in ("train", "check"):
         assert main([command, str(path), *args]) == 2
         err = capsys.readouterr().err
-        assert re.match(rf"error: .*{message}", err) and err.count("\n") == 1 and "Traceback" not in err, err
+        assert (
+            re.match(rf"error: .*{message}", err)
+            and err.count("\n") == 1
+            and "Traceback" not in err
+        ), err
 
 
-def test_prepare_only_runs_the_same_checks_as_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prepare_only_runs_the_same_checks_as_train(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "run.yaml"
     wb.RunConfig(precision="fp16", device="cpu", runs_dir=str(tmp_path / "runs")).to_yaml(path)
     assert main(["train", str(path), "--prepare-only"]) == 2

@@ -35,7 +35,9 @@ def test_each_epoch_is_a_new_shuffle_and_the_seed_fixes_it() -> None:
     assert sorted(i for b in two_epochs[:10] for i in b) == list(range(100))
     assert two_epochs[:10] != two_epochs[10:]
     assert ids(ShardedBatches(DATA, cfg, 0, 1, None).iterate(0), 20) == two_epochs
-    assert ids(ShardedBatches(DATA, cfg.replace(seed=8), 0, 1, None).iterate(0), 10) != two_epochs[:10]
+    assert (
+        ids(ShardedBatches(DATA, cfg.replace(seed=8), 0, 1, None).iterate(0), 10) != two_epochs[:10]
+    )
 
 
 def test_starting_mid_epoch_continues_the_same_order() -> None:
@@ -45,8 +47,11 @@ def test_starting_mid_epoch_continues_the_same_order() -> None:
 
 
 def test_a_training_set_smaller_than_one_micro_batch_per_rank_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"micro_batch_size=64: the training set has 100 samples, 50 per rank over "
-                                         r"2 rank\(s\), fewer than one micro-batch"):
+    with pytest.raises(
+        ValueError,
+        match=r"micro_batch_size=64: the training set has 100 samples, 50 per rank over "
+        r"2 rank\(s\), fewer than one micro-batch",
+    ):
         ShardedBatches(DATA, wb.RunConfig(micro_batch_size=64), rank=0, world=2, collate_fn=None)
 
 
@@ -85,5 +90,7 @@ class WorkerPids(torch.utils.data.Dataset):
 def test_persistent_workers_serve_every_epoch(persistent: bool, expected: int) -> None:
     cfg = wb.RunConfig(micro_batch_size=5, seed=1, num_workers=2, persistent_workers=persistent)
     batches = ShardedBatches(WorkerPids(), cfg, 0, 1, None).iterate(0)
-    pids = {pid for _ in range(12) for pid in next(batches)[1].tolist()}  # 3 epochs of 4 micro-batches
+    pids = {
+        pid for _ in range(12) for pid in next(batches)[1].tolist()
+    }  # 3 epochs of 4 micro-batches
     assert len(pids) == expected, "2 workers for the whole run, or 2 new ones each epoch"

@@ -57,19 +57,37 @@ def test_the_cli_reference_has_every_command_and_subcommand() -> None:
 
 
 def test_benchmark_tables_show_the_newest_result_per_device_class_stamped_or_not(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     hook = _hook("benchmarks")
     results = tmp_path / "benchmarks" / "results" / "demo"
     results.mkdir(parents=True)
-    stamp = {"date": "2026-01-02T00:00:00+00:00", "cpu": "AMD EPYC", "cores": "2", "gpus": [], "device_class": "cpu"}
-    (results / "old.json").write_text(json.dumps({"measured_on": {**stamp, "date": "2026-01-01"},
-                                                  "rows": [{"mode": "ddp", "ms": [9.0]}]}))
-    (results / "new.json").write_text(json.dumps({"measured_on": stamp, "rows": [{"mode": "ddp", "ms": [1.0, 3.0]}]}))
-    (results / "2025-12-31-unstamped.json").write_text(json.dumps({"device": "cuda", "ratio": 1.05}))
+    stamp = {
+        "date": "2026-01-02T00:00:00+00:00",
+        "cpu": "AMD EPYC",
+        "cores": "2",
+        "gpus": [],
+        "device_class": "cpu",
+    }
+    (results / "old.json").write_text(
+        json.dumps(
+            {"measured_on": {**stamp, "date": "2026-01-01"}, "rows": [{"mode": "ddp", "ms": [9.0]}]}
+        )
+    )
+    (results / "new.json").write_text(
+        json.dumps({"measured_on": stamp, "rows": [{"mode": "ddp", "ms": [1.0, 3.0]}]})
+    )
+    (results / "2025-12-31-unstamped.json").write_text(
+        json.dumps({"device": "cuda", "ratio": 1.05})
+    )
     monkeypatch.setattr(hook, "RESULTS", tmp_path / "benchmarks" / "results")
     text = hook.bench_section("demo")
-    assert "new.json" in text and "old.json" not in text and "| ddp | 2 |" in text  # the newest, medians
-    assert "**cuda**" in text and "measured 2025-12-31" in text and "| 1.05 |" in text  # no measured_on
+    assert (
+        "new.json" in text and "old.json" not in text and "| ddp | 2 |" in text
+    )  # the newest, medians
+    assert (
+        "**cuda**" in text and "measured 2025-12-31" in text and "| 1.05 |" in text
+    )  # no measured_on
     others = hook.on_page_markdown("<!-- generated: bench-results-others -->", None, None, None)
     assert "### `demo`" in others
 
@@ -77,14 +95,25 @@ def test_benchmark_tables_show_the_newest_result_per_device_class_stamped_or_not
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_docs_build_strictly(tmp_path: Path) -> None:
-    missing = [m for m in ("mkdocs", "material", "mkdocs_jupyter", "mkdocstrings_handlers.python")
-               if importlib.util.find_spec(m.split(".")[0]) is None]
+    missing = [
+        m
+        for m in ("mkdocs", "material", "mkdocs_jupyter", "mkdocstrings_handlers.python")
+        if importlib.util.find_spec(m.split(".")[0]) is None
+    ]
     if missing:
-        pytest.skip(f"the docs extra is not installed ({', '.join(missing)}): pip install -e \".[docs]\"")
+        pytest.skip(
+            f'the docs extra is not installed ({", ".join(missing)}): pip install -e ".[docs]"'
+        )
     site = tmp_path / "site"
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=REPO,
-                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
-                           timeout=540, check=False)
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
     assert build.returncode == 0, build.stderr[-4000:]
     assert 'id="micro_batch_size"' in (site / "reference" / "config" / "index.html").read_text()
     assert "workbench bench overhead" in (site / "reference" / "cli" / "index.html").read_text()

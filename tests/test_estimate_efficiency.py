@@ -50,8 +50,9 @@ TINY_RUN = """measurements:
 """
 
 
-def catalog_file(tmp_path: Path, efficiency: str, name: str = "Slow-GPU",
-                 file: str = "mine.yaml") -> Path:
+def catalog_file(
+    tmp_path: Path, efficiency: str, name: str = "Slow-GPU", file: str = "mine.yaml"
+) -> Path:
     path = tmp_path / file
     path.write_text("accelerators:\n" + GPU.format(name=name) + efficiency + TINY_RUN)
     return path
@@ -62,9 +63,16 @@ def one_value(value: float | str) -> str:
 
 
 def made_up_trace(flops: float) -> StepTrace:
-    return StepTrace(rank=0, world=1, memory={}, activations_after_forward=0,
-                     held={"params": 0, "grads": 0, "optimizer": 0}, flops=flops,
-                     ops={"aten.mm": 10}, op_bytes={"aten.mm": 0})
+    return StepTrace(
+        rank=0,
+        world=1,
+        memory={},
+        activations_after_forward=0,
+        held={"params": 0, "grads": 0, "optimizer": 0},
+        flops=flops,
+        ops={"aten.mm": 10},
+        op_bytes={"aten.mm": 0},
+    )
 
 
 # ---- read and used -------------------------------------------------------------------------------
@@ -82,23 +90,35 @@ def test_the_gpu_step_prices_matmuls_at_the_catalog_efficiency_of_the_accelerato
 
 def test_an_estimate_changes_with_the_accelerator_efficiency_in_the_catalog(tmp_path: Path) -> None:
     """Two catalog files alike but for the efficiency: the estimate's matmul time follows it."""
-    cfg = wb.RunConfig(task="digits", micro_batch_size=64, precision="bf16",
-                       task_options={"hidden": 256})
-    quarter, half = (estimate(cfg, "Slow-GPU", 1, runs_dir=tmp_path / "no-runs",
-                              catalog=catalog_file(tmp_path, one_value(v), file=f"{v}.yaml"))
-                     for v in (0.25, 0.5))
+    cfg = wb.RunConfig(
+        task="digits", micro_batch_size=64, precision="bf16", task_options={"hidden": 256}
+    )
+    quarter, half = (
+        estimate(
+            cfg,
+            "Slow-GPU",
+            1,
+            runs_dir=tmp_path / "no-runs",
+            catalog=catalog_file(tmp_path, one_value(v), file=f"{v}.yaml"),
+        )
+        for v in (0.25, 0.5)
+    )
     flops, peak = half.flops_per_step, 1e9
     assert flops > 0 and (quarter.efficiency, half.efficiency) == (0.25, 0.5)
     matmul_difference = flops / (peak * 0.25) - flops / (peak * 0.5)
     assert quarter.compute_s - half.compute_s == pytest.approx(matmul_difference)
-    assert any("FLOPs at 25%" in a and "tiny GPT on 2 GPUs (a test's own table, 2025-01)" in a
-               for a in quarter.assumptions)
+    assert any(
+        "FLOPs at 25%" in a and "tiny GPT on 2 GPUs (a test's own table, 2025-01)" in a
+        for a in quarter.assumptions
+    )
 
 
 def test_the_band_the_precision_and_the_class_a_value_comes_from_are_chosen_and_said() -> None:
-    entries = (Efficiency(("bf16",), 0.3, ("a",), params_below=1e9, basis="measured"),
-               Efficiency(("bf16",), 0.5, ("b",), basis="mean"),
-               Efficiency(("fp8",), 0.2, ("c",), derived_from="Other-GPU"))
+    entries = (
+        Efficiency(("bf16",), 0.3, ("a",), params_below=1e9, basis="measured"),
+        Efficiency(("bf16",), 0.5, ("b",), basis="mean"),
+        Efficiency(("fp8",), 0.2, ("c",), derived_from="Other-GPU"),
+    )
     gpu = dataclasses.replace(lookup("H100-SXM-80GB"), name="My-GPU", efficiency=entries)
     small, large = matmul_efficiency(gpu, "bf16", 10**8), matmul_efficiency(gpu, "bf16", 7 * 10**9)
     assert small[0] == 0.3
@@ -114,34 +134,54 @@ def test_the_band_the_precision_and_the_class_a_value_comes_from_are_chosen_and_
 
 
 # ---- refused when loading ------------------------------------------------------------------------
-@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "high", "true"],
-                         ids=["zero", "above-one", "negative", "text", "bool"])
-def test_an_efficiency_outside_0_to_1_is_refused_naming_the_entry(tmp_path: Path,
-                                                                  value: str) -> None:
+@pytest.mark.parametrize(
+    "value",
+    ["0", "1.5", "-0.2", "high", "true"],
+    ids=["zero", "above-one", "negative", "text", "bool"],
+)
+def test_an_efficiency_outside_0_to_1_is_refused_naming_the_entry(
+    tmp_path: Path, value: str
+) -> None:
     path = catalog_file(tmp_path, one_value(value), name="My-GPU")
-    with pytest.raises(ValueError, match=r"accelerator 'My-GPU': efficiency\[0\]: value=.*: "
-                                         r"must be in \(0, 1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"accelerator 'My-GPU': efficiency\[0\]: value=.*: "
+        r"must be in \(0, 1\]",
+    ):
         load_catalog(path)
 
 
 def test_one_is_a_value_and_entries_without_a_citation_or_with_an_unknown_one_are_refused(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     whole = load_catalog(catalog_file(tmp_path, one_value(1.0)))["Slow-GPU"]
     assert whole.efficiency[0].value == 1
     bare = "    efficiency:\n      - {precision: [bf16], value: 0.4}\n"
-    with pytest.raises(ValueError, match=r"'Slow-GPU': efficiency\[0\]: from=None: every "
-                                         "efficiency cites"):
+    with pytest.raises(
+        ValueError,
+        match=r"'Slow-GPU': efficiency\[0\]: from=None: every "
+        "efficiency cites",
+    ):
         load_catalog(catalog_file(tmp_path, bare))
     unknown = "    efficiency:\n      - {precision: [bf16], value: 0.4, from: [nowhere]}\n"
-    with pytest.raises(ValueError, match=r"'Slow-GPU': efficiency cites 'nowhere', not among the "
-                                         "measurements"):
+    with pytest.raises(
+        ValueError,
+        match=r"'Slow-GPU': efficiency cites 'nowhere', not among the "
+        "measurements",
+    ):
         load_catalog(catalog_file(tmp_path, unknown))
     no_peak = "    efficiency:\n      - {precision: [fp8], value: 0.4, from: [tiny-run]}\n"
-    with pytest.raises(ValueError, match=r"efficiency\[0\]: precision=\['fp8'\]: name precisions "
-                                         "its peak_tflops"):
+    with pytest.raises(
+        ValueError,
+        match=r"efficiency\[0\]: precision=\['fp8'\]: name precisions "
+        "its peak_tflops",
+    ):
         load_catalog(catalog_file(tmp_path, no_peak))
-    with pytest.raises(ValueError, match=r"'Slow-GPU': efficiency_from='Nothing': not in the "
-                                         "catalog"):
+    with pytest.raises(
+        ValueError,
+        match=r"'Slow-GPU': efficiency_from='Nothing': not in the "
+        "catalog",
+    ):
         load_catalog(catalog_file(tmp_path, "    efficiency_from: Nothing\n"))
 
 
@@ -158,8 +198,7 @@ def test_every_builtin_efficiency_is_the_mfu_of_the_published_runs_it_cites() ->
                 assert any((o.value, o.cites) == (e.value, e.cites) for o in source), name
                 continue
             precision = e.precisions[0]
-            mfu = statistics.mean(m.mfu_at(catalog[m.accelerator].peak(precision))
-                                  for m in e.cited)
+            mfu = statistics.mean(m.mfu_at(catalog[m.accelerator].peak(precision)) for m in e.cited)
             assert e.value == pytest.approx(mfu, abs=6e-4), f"{name} {e}"
             assert all(m.accelerator == name and m.precision == precision for m in e.cited), name
     cited = {c for a in catalog.values() for e in a.efficiency for c in e.cites}
@@ -179,7 +218,8 @@ def test_each_published_mfu_agrees_with_its_tokens_per_second_and_flops_per_toke
 
 # ---- the bench -----------------------------------------------------------------------------------
 def test_the_bench_compares_each_cited_run_with_the_estimate_of_its_shape(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from workbench.commands.bench.estimate_accuracy import estimate_accuracy
 
     path = catalog_file(tmp_path, one_value(0.5))
@@ -200,8 +240,9 @@ def test_the_bench_compares_each_cited_run_with_the_estimate_of_its_shape(
     assert slower.error < row.error
 
     monkeypatch.setenv("WORKBENCH_ACCELERATORS", str(path))
-    report = estimate_accuracy(measured=False, cited_ids=["tiny-run"],
-                               json_path=tmp_path / "result.json")
+    report = estimate_accuracy(
+        measured=False, cited_ids=["tiny-run"], json_path=tmp_path / "result.json"
+    )
     assert not report.rows and f"{row.error:+7.1%}" in report.table()
     assert "tiny-run" in report.table()
     saved = json.loads((tmp_path / "result.json").read_text())["rows"]  # nothing measured

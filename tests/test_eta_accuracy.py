@@ -24,15 +24,16 @@ def rows_of(step_times: list[float], log_every: int) -> list[MetricsRow]:
     is added to elapsed_s; its step time is its window's."""
     rows, before = [], 0.0
     for k in range(log_every, len(step_times) + 1, log_every):
-        elapsed = sum(step_times[:k - 1])
+        elapsed = sum(step_times[: k - 1])
         window = (elapsed + step_times[k - 1] - before) / log_every
         rows.append(MetricsRow(step=k, loss=1.0, step_time_s=window, elapsed_s=elapsed))
         before = elapsed + step_times[k - 1]
     return rows
 
 
-def relative_errors(step_times: list[float], log_every: int, *, after: float = 0.1,
-                    min_steps_left: int = 1) -> list[tuple[int, float]]:
+def relative_errors(
+    step_times: list[float], log_every: int, *, after: float = 0.1, min_steps_left: int = 1
+) -> list[tuple[int, float]]:
     """(step, (ETA - time left) / time left) at every row after `after` of the run, while at least
     `min_steps_left` steps remain. The time left from the row of step k: the rest of step k and the steps after
     it."""
@@ -42,8 +43,8 @@ def relative_errors(step_times: list[float], log_every: int, *, after: float = 0
     for i, row in enumerate(rows):
         if row.step < after * total or total - row.step < min_steps_left:
             continue
-        left = sum(step_times[row.step:])
-        eta = eta_s(Reading(rows=rows[:i + 1]), total, row.step)
+        left = sum(step_times[row.step :])
+        eta = eta_s(Reading(rows=rows[: i + 1]), total, row.step)
         assert eta is not None
         found.append((row.step, (eta - left) / left))
     return found
@@ -88,12 +89,14 @@ def test_a_lasting_change_of_pace_shows_within_two_horizons() -> None:
     for i, row in enumerate(rows):
         assert row.elapsed_s is not None
         if row.elapsed_s > change_s + 2 * ETA_HORIZON_S[0] and row.step < 9900:
-            pace = smoothed_step_time(rows[:i + 1])
+            pace = smoothed_step_time(rows[: i + 1])
             assert pace is not None and abs(pace - 0.03) <= TOLERANCE * 0.03, (row.step, pace)
 
 
 def test_a_single_slow_window_counts_as_part_of_the_pace_not_as_the_pace() -> None:
-    times = [0.2] * 24 + [2.0] * 5 + [0.2] * 71  # one window ten times slower (an eval, a neighbour's burst)
+    times = (
+        [0.2] * 24 + [2.0] * 5 + [0.2] * 71
+    )  # one window ten times slower (an eval, a neighbour's burst)
     rows = rows_of(times, log_every=5)
     eta = eta_s(Reading(rows=rows[:6]), 100, 30)
     # 70 steps at the fast pace take 14 s, at the slow one 140 s: the newest window weighs most, yet is one of five.
@@ -102,8 +105,12 @@ def test_a_single_slow_window_counts_as_part_of_the_pace_not_as_the_pace() -> No
 
 def test_a_resumed_session_times_only_its_own_steps() -> None:
     before = rows_of([0.5] * 100, log_every=5)  # the first session: slow steps
-    after = [MetricsRow(step=r.step + 100, loss=1.0, step_time_s=0.01, elapsed_s=50.0 + 0.01 * (r.step - 1))
-             for r in rows_of([0.01] * 100, log_every=5)]
+    after = [
+        MetricsRow(
+            step=r.step + 100, loss=1.0, step_time_s=0.01, elapsed_s=50.0 + 0.01 * (r.step - 1)
+        )
+        for r in rows_of([0.01] * 100, log_every=5)
+    ]
     reading = Reading(rows=before + after, session_step=100)
     assert eta_s(reading, 300, 200) == pytest.approx(0.01 * 100)
 
@@ -120,9 +127,19 @@ def test_a_run_of_sleeping_steps_gets_an_eta_within_20_percent(runs_dir: Path) -
     # needs no CPU, and the step's own work is a few ms). The ETA is what the dashboard computes from the rows as they were when written; the time
     # actually left is what timings.json says the remaining steps took. The last step's time also holds the
     # final evaluation and checkpoint, which the ETA (to the last step) leaves out: it counts as a typical step.
-    cfg = wb.RunConfig(task="tiny-regression", num_processes=1, device="cpu", micro_batch_size=16, max_steps=100,
-                       log_every=2, eval_every=0, runs_dir=str(runs_dir), trackers=[], monitor_interval_s=0,
-                       task_options={"slow_s": 0.05})
+    cfg = wb.RunConfig(
+        task="tiny-regression",
+        num_processes=1,
+        device="cpu",
+        micro_batch_size=16,
+        max_steps=100,
+        log_every=2,
+        eval_every=0,
+        runs_dir=str(runs_dir),
+        trackers=[],
+        monitor_interval_s=0,
+        task_options={"slow_s": 0.05},
+    )
     result = wb.launch(cfg, task=TinyRegression())
     times = read_json(result.dir.timings_path)["step_time_s"]
     rows = [r for r in result.dir.metrics_rows() if r.is_train]
@@ -130,10 +147,12 @@ def test_a_run_of_sleeping_steps_gets_an_eta_within_20_percent(runs_dir: Path) -
     typical = statistics.median(times)
     checked = []
     for i, row in enumerate(rows):
-        if row.step < 10 or row.step > 90:  # after 10% of the run; while 10 steps (0.5 s) or more remain
+        if (
+            row.step < 10 or row.step > 90
+        ):  # after 10% of the run; while 10 steps (0.5 s) or more remain
             continue
-        left = sum(times[row.step:-1]) + typical
-        eta = eta_s(Reading(rows=rows[:i + 1]), 100, row.step)
+        left = sum(times[row.step : -1]) + typical
+        eta = eta_s(Reading(rows=rows[: i + 1]), 100, row.step)
         assert eta is not None
         checked.append((row.step, round(eta, 3), round(left, 3)))
         assert abs(eta - left) <= TOLERANCE * left, (checked, [round(t, 3) for t in times])

@@ -30,8 +30,17 @@ ENV = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1"}
 
 
 def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
-    base = dict(task="tasks_for_tests:TinyRegression", num_processes=2, device="cpu", micro_batch_size=16,
-                max_steps=12, log_every=1, lr=5e-2, runs_dir=str(runs_dir), seed=3)
+    base = dict(
+        task="tasks_for_tests:TinyRegression",
+        num_processes=2,
+        device="cpu",
+        micro_batch_size=16,
+        max_steps=12,
+        log_every=1,
+        lr=5e-2,
+        runs_dir=str(runs_dir),
+        seed=3,
+    )
     return wb.RunConfig(**{**base, **fields})
 
 
@@ -47,7 +56,11 @@ def run_pids(run: RunDir) -> list[int]:
 def alive(pids: list[int]) -> list[int]:
     deadline = time.time() + 15
     while time.time() < deadline:
-        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        left = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         if not left:
             return []
         time.sleep(0.2)
@@ -58,8 +71,15 @@ def alive(pids: list[int]) -> list[int]:
 def spawned(args: list[str], cwd: Path, **env: str) -> Iterator[subprocess.Popen]:
     """A process in its own session (its own signal dispositions: ours don't leak in); killed with everything
     it started if the test fails or times out."""
-    proc = subprocess.Popen(args, cwd=cwd, env={**ENV, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env={**ENV, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         yield proc
     finally:
@@ -80,7 +100,9 @@ def wait_for_steps(run: RunDir, n: int, proc: subprocess.Popen, timeout: float =
 
 
 # ---- preemption -------------------------------------------------------------------------------------------
-def test_sigterm_to_workbench_train_preempts_and_resume_auto_continues_the_curve(tmp_path: Path) -> None:
+def test_sigterm_to_workbench_train_preempts_and_resume_auto_continues_the_curve(
+    tmp_path: Path,
+) -> None:
     cfg = cfg_for(tmp_path / "runs", run_name="pre", max_steps=30, task_options={"slow_s": 0.03})
     cfg.to_yaml(tmp_path / "run.yaml")
     run = RunDir(tmp_path / "runs" / "pre")
@@ -94,7 +116,9 @@ def test_sigterm_to_workbench_train_preempts_and_resume_auto_continues_the_curve
     assert "preempted: SIGTERM at step" in err and "Traceback" not in err
     summary = run.summary()
     assert summary.status == "preempted" and summary.ending["signal"] == "SIGTERM"
-    assert run.latest_checkpoint().name == f"step_{summary.ending['step']}" == f"step_{summary.steps}"
+    assert (
+        run.latest_checkpoint().name == f"step_{summary.ending['step']}" == f"step_{summary.steps}"
+    )
     assert len(pids) == 2 and alive(pids) == [], "no process of the run may be left"
 
     with spawned([*train, "--set", "resume=auto"], tmp_path) as proc:
@@ -113,31 +137,43 @@ def test_sigterm_to_the_launch_caller_checkpoints_then_ends_the_caller(tmp_path:
     script.write_text(
         "import workbench as wb\nfrom tasks_for_tests import TinyRegression\n"
         f"cfg = wb.RunConfig.from_yaml({str(tmp_path / 'run.yaml')!r})\n"
-        "wb.launch(cfg, task=TinyRegression())\nprint('launch returned')\n")
-    cfg_for(tmp_path / "runs", run_name="caller", max_steps=10_000, task_options={"slow_s": 0.03}).to_yaml(
-        tmp_path / "run.yaml")
+        "wb.launch(cfg, task=TinyRegression())\nprint('launch returned')\n"
+    )
+    cfg_for(
+        tmp_path / "runs", run_name="caller", max_steps=10_000, task_options={"slow_s": 0.03}
+    ).to_yaml(tmp_path / "run.yaml")
     run = RunDir(tmp_path / "runs" / "caller")
     with spawned([sys.executable, str(script)], tmp_path) as proc:
         wait_for_steps(run, 3, proc)
         pids = run_pids(run)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGTERM, "the caller ends by the signal it got, once the ranks are safe"
+    assert proc.returncode == -signal.SIGTERM, (
+        "the caller ends by the signal it got, once the ranks are safe"
+    )
     assert "launch returned" not in out
     summary = run.summary()
     assert summary.status == "preempted" and run.latest_checkpoint().name == f"step_{summary.steps}"
     assert not run.lock_path.exists() and alive(pids) == []
 
 
-@pytest.mark.parametrize("target", ["the launcher, before it starts the ranks", "the launcher, while the ranks start",
-                                    "one rank, while the ranks start"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "the launcher, before it starts the ranks",
+        "the launcher, while the ranks start",
+        "one rank, while the ranks start",
+    ],
+)
 def test_sigterm_before_training_starts_is_a_preemption(tmp_path: Path, target: str) -> None:
     # The run is held (HeldAtStart) in the launcher's checks, or in every rank before its trainer exists, until
     # the signal is sent: no heartbeat, no step. Before, the signal killed whoever got it by default, and the
     # run ended failed ('may have been killed (out of memory?)') or the launcher just died.
     hold = tmp_path / "hold"
     hold.mkdir()
-    cfg_for(tmp_path / "runs", task="tasks_for_tests:HeldAtStart", run_name="early").to_yaml(tmp_path / "run.yaml")
+    cfg_for(tmp_path / "runs", task="tasks_for_tests:HeldAtStart", run_name="early").to_yaml(
+        tmp_path / "run.yaml"
+    )
     run = RunDir(tmp_path / "runs" / "early")
     where = "launcher" if "before it starts" in target else "ranks"
     held = ["held-launcher"] if where == "launcher" else ["held-rank_0", "held-rank_1"]
@@ -149,8 +185,10 @@ def test_sigterm_before_training_starts_is_a_preemption(tmp_path: Path, target: 
             assert time.time() < deadline, f"{held} not held within 120 s"
             time.sleep(0.05)
         assert not list(run.ranks_path.glob("rank_*.json")), "held before any heartbeat"
-        os.kill(int((hold / "held-rank_1").read_text()) if target.startswith("one rank") else proc.pid,
-                signal.SIGTERM)
+        os.kill(
+            int((hold / "held-rank_1").read_text()) if target.startswith("one rank") else proc.pid,
+            signal.SIGTERM,
+        )
         (hold / "go").touch()
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
@@ -158,17 +196,32 @@ def test_sigterm_before_training_starts_is_a_preemption(tmp_path: Path, target: 
     summary = run.summary()
     assert summary.status == "preempted" and summary.ending["signal"] == "SIGTERM", summary
     assert summary.ending["step"] == 0 and summary.error is None
-    assert run.metrics() == [] and run.latest_checkpoint() is None, "nothing trained, nothing to save"
+    assert run.metrics() == [] and run.latest_checkpoint() is None, (
+        "nothing trained, nothing to save"
+    )
     if where == "launcher":
-        assert not run.ranks_path.exists() and "before the ranks were started" in summary.ending["message"]
+        assert (
+            not run.ranks_path.exists()
+            and "before the ranks were started" in summary.ending["message"]
+        )
 
 
 # ---- restarts ---------------------------------------------------------------------------------------------
-def test_sigterm_during_the_restart_backoff_ends_the_run_preempted_without_restarting(tmp_path: Path) -> None:
+def test_sigterm_during_the_restart_backoff_ends_the_run_preempted_without_restarting(
+    tmp_path: Path,
+) -> None:
     # Before, the back-off's sleep resumed after the signal's handler and the run restarted regardless.
-    cfg_for(tmp_path / "runs", run_name="backoff", max_restarts=2, restart_backoff_s=600,
-            task_options={"fail_rank": 1, "fail_at_call": 2, "crash_marker": str(tmp_path / "crashed-once")}
-            ).to_yaml(tmp_path / "run.yaml")
+    cfg_for(
+        tmp_path / "runs",
+        run_name="backoff",
+        max_restarts=2,
+        restart_backoff_s=600,
+        task_options={
+            "fail_rank": 1,
+            "fail_at_call": 2,
+            "crash_marker": str(tmp_path / "crashed-once"),
+        },
+    ).to_yaml(tmp_path / "run.yaml")
     run = RunDir(tmp_path / "runs" / "backoff")
     train = [sys.executable, "-m", "workbench.cli", "train", "run.yaml", "--no-progress"]
     with spawned(train, tmp_path) as proc:
@@ -184,16 +237,32 @@ def test_sigterm_during_the_restart_backoff_ends_the_run_preempted_without_resta
     assert summary.status == "preempted" and summary.ending["signal"] == "SIGTERM", summary
     assert "injected failure on call 2" in summary.ending["failure"]["message"]
     events = [e["event"] for e in run.events()]
-    assert events.count("started") == 1 and "resumed" not in events and events[-1] == "preempted", events
+    assert events.count("started") == 1 and "resumed" not in events and events[-1] == "preempted", (
+        events
+    )
     assert len(run.config_paths()) == 1, "no second attempt was prepared"
 
 
-def test_max_restarts_recovers_a_crash_and_continues_the_same_curve(runs_dir: Path, tmp_path: Path) -> None:
+def test_max_restarts_recovers_a_crash_and_continues_the_same_curve(
+    runs_dir: Path, tmp_path: Path
+) -> None:
     common = dict(max_steps=10, checkpoint_every=3, task_options={"dropout": 0.2})
     straight = wb.launch(cfg_for(runs_dir, run_name="straight", **common), task=TinyRegression())
-    crashing = cfg_for(runs_dir, run_name="restarted", max_restarts=2, restart_backoff_s=0.2, **{
-        **common, "task_options": {"dropout": 0.2, "fail_rank": 1, "fail_at_call": 8,
-                                   "crash_marker": str(tmp_path / "crashed-once")}})
+    crashing = cfg_for(
+        runs_dir,
+        run_name="restarted",
+        max_restarts=2,
+        restart_backoff_s=0.2,
+        **{
+            **common,
+            "task_options": {
+                "dropout": 0.2,
+                "fail_rank": 1,
+                "fail_at_call": 8,
+                "crash_marker": str(tmp_path / "crashed-once"),
+            },
+        },
+    )
     result = wb.launch(crashing, task=TinyRegression())
     assert result.status == "completed" and (tmp_path / "crashed-once").exists()
     events = [e["event"] for e in result.events]
@@ -204,8 +273,12 @@ def test_max_restarts_recovers_a_crash_and_continues_the_same_curve(runs_dir: Pa
 
 
 # ---- damaged checkpoints ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("damage", ["truncated weights", "empty optimizer file", "broken trainer state"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(runs_dir: Path, damage: str) -> None:
+@pytest.mark.parametrize(
+    "damage", ["truncated weights", "empty optimizer file", "broken trainer state"]
+)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    runs_dir: Path, damage: str
+) -> None:
     common = dict(max_steps=6, checkpoint_every=3, keep_checkpoints=5)
     first = wb.launch(cfg_for(runs_dir, run_name="damaged", **common), task=TinyRegression())
     newest = RunDir(first.run_dir).latest_checkpoint()
@@ -218,11 +291,16 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(runs_dir: Pa
     else:  # same size, different content: only the checksum can tell
         state = newest / "trainer_state.json"
         state.write_text(state.read_text().replace('"step": 6', '"step": 0'))
-    resumed = wb.launch(cfg_for(runs_dir, run_name="damaged", resume=True, **common), task=TinyRegression())
+    resumed = wb.launch(
+        cfg_for(runs_dir, run_name="damaged", resume=True, **common), task=TinyRegression()
+    )
     skipped = [e for e in resumed.events if e["event"] == "checkpoint_skipped"]
     assert [e["step"] for e in skipped] == [6]
-    expected = {"truncated weights": "truncated", "empty optimizer file": "truncated",
-                "broken trainer state": "does not match its sha256"}[damage]
+    expected = {
+        "truncated weights": "truncated",
+        "empty optimizer file": "truncated",
+        "broken trainer state": "does not match its sha256",
+    }[damage]
     assert any(expected in p for p in skipped[0]["problems"]), skipped
     resumed_event = [e for e in resumed.events if e["event"] == "resumed"][-1]
     assert resumed_event["step"] == 3 and resumed_event["checkpoint"].endswith("step_3")
@@ -234,15 +312,23 @@ def test_every_damaged_checkpoint_means_a_loud_failure_not_a_fresh_start(runs_di
     ckpt = RunDir(first.run_dir).latest_checkpoint()
     for rank_state in ckpt.glob("rank_*.pt"):
         rank_state.write_bytes(b"not a torch file")
-    with pytest.raises(wb.RunFailedError, match=r"no checkpoint in .* can be used: step_3: rank_0.pt is 16 bytes"):
-        wb.launch(cfg_for(runs_dir, run_name="ruined", max_steps=3, resume=True), task=TinyRegression())
+    with pytest.raises(
+        wb.RunFailedError, match=r"no checkpoint in .* can be used: step_3: rank_0.pt is 16 bytes"
+    ):
+        wb.launch(
+            cfg_for(runs_dir, run_name="ruined", max_steps=3, resume=True), task=TinyRegression()
+        )
 
 
 # ---- divergence -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("grad_clip,every_step", [(1.0, False), (0.0, False), (1.0, True)],
-                         ids=["told-by-the-clipped-norm", "told-by-the-unclipped-norm", "voted-every-step"])
-def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(runs_dir: Path, grad_clip: float, every_step: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "grad_clip,every_step",
+    [(1.0, False), (0.0, False), (1.0, True)],
+    ids=["told-by-the-clipped-norm", "told-by-the-unclipped-norm", "voted-every-step"],
+)
+def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(
+    runs_dir: Path, grad_clip: float, every_step: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Each rank notes its loss and the norm (clipped or not) on the device; the step's read point
     # (log_every=1) gathers every rank's notes and names rank 1. Voting on stops and signals every
     # step (forced here, in the forked ranks) changes nothing about it.
@@ -250,8 +336,14 @@ def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(runs_dir: Path, grad_
 
     if every_step:
         monkeypatch.setattr(stop_vote, "VOTE_EVERY_S", 0.0)
-    cfg = cfg_for(runs_dir, run_name="nan", max_steps=20, checkpoint_every=4, grad_clip=grad_clip,
-                  task_options={"nan_rank": 1, "nan_at_call": 7})
+    cfg = cfg_for(
+        runs_dir,
+        run_name="nan",
+        max_steps=20,
+        checkpoint_every=4,
+        grad_clip=grad_clip,
+        task_options={"nan_rank": 1, "nan_at_call": 7},
+    )
     message = r"diverged at step 7: the loss was not finite \(NaN or inf\) on rank 1; last good checkpoint: .*step_4"
     with pytest.raises(wb.RunDivergedError, match=message) as info:
         wb.launch(cfg, task=TinyRegression())
@@ -270,11 +362,20 @@ def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(runs_dir: Path, grad_
 
 # ---- hangs ------------------------------------------------------------------------------------------------
 def test_a_rank_stuck_in_its_step_is_named_with_its_stack(runs_dir: Path) -> None:
-    cfg = cfg_for(runs_dir, run_name="hung", max_steps=50, dist_timeout_s=5, preempt_grace_s=2,
-                  task_options={"hang_rank": 1, "hang_at_call": 3})
+    cfg = cfg_for(
+        runs_dir,
+        run_name="hung",
+        max_steps=50,
+        dist_timeout_s=5,
+        preempt_grace_s=2,
+        task_options={"hang_rank": 1, "hang_at_call": 3},
+    )
     started = time.time()
-    with pytest.raises(wb.RunFailedError, match=r"rank 1 failed with Hung: rank 1 hung: still in "
-                                                r"'forward/backward \(Task.loss\)' of step 3") as info:
+    with pytest.raises(
+        wb.RunFailedError,
+        match=r"rank 1 failed with Hung: rank 1 hung: still in "
+        r"'forward/backward \(Task.loss\)' of step 3",
+    ) as info:
         wb.launch(cfg, task=TinyRegression())
     assert time.time() - started < 90
     stack = (info.value.run_dir / "stacks" / "rank_1.txt").read_text()
@@ -299,7 +400,9 @@ def test_an_exception_that_ends_the_blocking_launch_kills_the_run(runs_dir: Path
         limit = time.time() + 120
         while time.time() < limit and not losses(run):
             time.sleep(0.1)
-        _thread.interrupt_main(signal.SIGUSR2)  # runs `deadline` in the main thread, inside launch()
+        _thread.interrupt_main(
+            signal.SIGUSR2
+        )  # runs `deadline` in the main thread, inside launch()
 
     previous = signal.signal(signal.SIGUSR2, deadline)
     watcher = threading.Thread(target=interrupt_once_training, daemon=True)
@@ -312,40 +415,83 @@ def test_an_exception_that_ends_the_blocking_launch_kills_the_run(runs_dir: Path
         watcher.join(130)
     assert losses(run), "the run was interrupted before it trained: the test proves nothing"
     pids = run_pids(run)
-    assert len(pids) == 2 and alive(pids) == [], "a run abandoned by its caller must not keep training unseen"
+    assert len(pids) == 2 and alive(pids) == [], (
+        "a run abandoned by its caller must not keep training unseen"
+    )
     assert wb.RunResult.load(run.path).status == "failed"
 
 
 # ---- resume safety ----------------------------------------------------------------------------------------
-def test_a_resume_that_changes_the_trajectory_is_refused_with_the_differences(runs_dir: Path) -> None:
+def test_a_resume_that_changes_the_trajectory_is_refused_with_the_differences(
+    runs_dir: Path,
+) -> None:
     first = wb.launch(cfg_for(runs_dir, run_name="safe", max_steps=4), task=TinyRegression())
     original = first.dir.config_path.read_text()
-    with pytest.raises(ValueError, match=r"from step 4: the config changes the training trajectory: seed: 3 -> 4; "
-                                         r"global batch: 32 \(16 x 1 x 2\) -> 64 .*resume_allow=\['global_batch_size', "
-                                         r"'seed'\]"):
-        wb.launch(cfg_for(runs_dir, run_name="safe", max_steps=8, seed=4, micro_batch_size=32, resume=True,
-                          resume_allow=["max_steps"]), task=TinyRegression())
+    with pytest.raises(
+        ValueError,
+        match=r"from step 4: the config changes the training trajectory: seed: 3 -> 4; "
+        r"global batch: 32 \(16 x 1 x 2\) -> 64 .*resume_allow=\['global_batch_size', "
+        r"'seed'\]",
+    ):
+        wb.launch(
+            cfg_for(
+                runs_dir,
+                run_name="safe",
+                max_steps=8,
+                seed=4,
+                micro_batch_size=32,
+                resume=True,
+                resume_allow=["max_steps"],
+            ),
+            task=TinyRegression(),
+        )
     with pytest.raises(ValueError, match=r"max_steps=2 is below the checkpoint's step 4"):
-        wb.launch(cfg_for(runs_dir, run_name="safe", max_steps=2, resume=True, resume_allow=["max_steps"]),
-                  task=TinyRegression())
+        wb.launch(
+            cfg_for(
+                runs_dir, run_name="safe", max_steps=2, resume=True, resume_allow=["max_steps"]
+            ),
+            task=TinyRegression(),
+        )
     # The same global batch on another layout is the same trajectory: 1 rank x 32.
-    again = wb.launch(cfg_for(runs_dir, run_name="safe", max_steps=6, num_processes=1, micro_batch_size=32,
-                              resume=True, resume_allow=["max_steps"]), task=TinyRegression())
+    again = wb.launch(
+        cfg_for(
+            runs_dir,
+            run_name="safe",
+            max_steps=6,
+            num_processes=1,
+            micro_batch_size=32,
+            resume=True,
+            resume_allow=["max_steps"],
+        ),
+        task=TinyRegression(),
+    )
     assert again.summary["world_size"] == 1 and again.summary["steps"] == 6
-    assert first.dir.config_path.read_text() == original, "the first attempt's config is never overwritten"
+    assert first.dir.config_path.read_text() == original, (
+        "the first attempt's config is never overwritten"
+    )
     assert [p.name for p in again.dir.config_paths()] == ["config.yaml", "config.attempt-2.yaml"]
     assert again.dir.config().num_processes == 1
 
 
 # ---- one writer -------------------------------------------------------------------------------------------
 def test_a_second_launch_into_a_running_run_is_refused_naming_the_holder(runs_dir: Path) -> None:
-    run = wb.start(cfg_for(runs_dir, run_name="busy", max_steps=10_000, checkpoint_every=2,
-                           task_options={"slow_s": 0.01}), task=TinyRegression())
+    run = wb.start(
+        cfg_for(
+            runs_dir,
+            run_name="busy",
+            max_steps=10_000,
+            checkpoint_every=2,
+            task_options={"slow_s": 0.01},
+        ),
+        task=TinyRegression(),
+    )
     try:
         deadline = time.time() + 120
         while not run.dir.checkpoints() and time.time() < deadline:
             time.sleep(0.1)
-        with pytest.raises(wb.RunDirLocked, match=rf"run directory .*busy is in use by pid {os.getpid()} on "):
+        with pytest.raises(
+            wb.RunDirLocked, match=rf"run directory .*busy is in use by pid {os.getpid()} on "
+        ):
             wb.launch(cfg_for(runs_dir, run_name="busy", resume=True), task=TinyRegression())
     finally:
         run.stop()
@@ -356,11 +502,20 @@ def test_a_second_launch_into_a_running_run_is_refused_naming_the_holder(runs_di
 
 
 def test_two_new_runs_with_one_name_started_together_one_wins(runs_dir: Path) -> None:
-    racer = ("import sys, workbench as wb\nfrom workbench.rundir import prepare\n"
-             "try:\n    prepare(wb.RunConfig(runs_dir=sys.argv[1], run_name='contested', seed=int(sys.argv[2])))\n"
-             "    print('won')\nexcept ValueError as e:\n    print(e)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", racer, str(runs_dir), str(i)], stdout=subprocess.PIPE, text=True,
-                              env=ENV) for i in range(6)]
+    racer = (
+        "import sys, workbench as wb\nfrom workbench.rundir import prepare\n"
+        "try:\n    prepare(wb.RunConfig(runs_dir=sys.argv[1], run_name='contested', seed=int(sys.argv[2])))\n"
+        "    print('won')\nexcept ValueError as e:\n    print(e)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", racer, str(runs_dir), str(i)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        for i in range(6)
+    ]
     try:
         outcomes = [p.communicate(timeout=120)[0].strip() for p in procs]
     finally:
@@ -368,7 +523,9 @@ def test_two_new_runs_with_one_name_started_together_one_wins(runs_dir: Path) ->
             if p.poll() is None:
                 p.kill()
     assert outcomes.count("won") == 1, outcomes
-    assert all("in use by pid" in o or "already exists" in o for o in outcomes if o != "won"), outcomes
+    assert all("in use by pid" in o or "already exists" in o for o in outcomes if o != "won"), (
+        outcomes
+    )
     assert len(RunDir(runs_dir / "contested").config_paths()) == 1
 
 
@@ -382,7 +539,9 @@ def test_a_run_whose_processes_are_gone_never_reads_as_running(runs_dir: Path) -
     import socket
 
     for rank in (0, 1):
-        run.write_heartbeat(rank, {"host": socket.gethostname(), "pid": gone.pid, "create_time": 0, "step": 7})
+        run.write_heartbeat(
+            rank, {"host": socket.gethostname(), "pid": gone.pid, "create_time": 0, "step": 7}
+        )
     assert run.summary().status == "running"
     assert wb.RunResult.load(run.path).status == "failed"
     status, why = run.observed_status()
@@ -396,15 +555,27 @@ def test_a_run_whose_processes_are_gone_never_reads_as_running(runs_dir: Path) -
 def test_a_disk_that_fills_up_names_the_run_directory_and_the_file(tmp_path: Path) -> None:
     import resource
 
-    cfg_for(tmp_path / "runs", task="tasks_for_tests:TinyBlocks", run_name="full", max_steps=4,
-            task_options={"width": 256}).to_yaml(tmp_path / "run.yaml")
+    cfg_for(
+        tmp_path / "runs",
+        task="tasks_for_tests:TinyBlocks",
+        run_name="full",
+        max_steps=4,
+        task_options={"width": 256},
+    ).to_yaml(tmp_path / "run.yaml")
 
     def small_files() -> None:  # writes past 256 KiB fail with EFBIG (Python ignores SIGXFSZ)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
-    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "train", "run.yaml", "--no-progress"],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=small_files, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workbench.cli", "train", "run.yaml", "--no-progress"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=small_files,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=180)
     finally:
@@ -419,8 +590,9 @@ def test_a_disk_that_fills_up_names_the_run_directory_and_the_file(tmp_path: Pat
     assert run.latest_checkpoint() is None
 
 
-def test_a_failing_write_while_preparing_leaves_no_half_made_run(runs_dir: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_write_while_preparing_leaves_no_half_made_run(
+    runs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import errno
 
     real = files.atomic_write_bytes
@@ -431,7 +603,10 @@ def test_a_failing_write_while_preparing_leaves_no_half_made_run(runs_dir: Path,
         real(path, data)
 
     monkeypatch.setattr(files, "atomic_write_bytes", full)
-    with pytest.raises(OSError, match=r"could not write the run's config \(.*config.yaml\) in run directory "
-                                      r".*runs/nospace: No space left on device"):
+    with pytest.raises(
+        OSError,
+        match=r"could not write the run's config \(.*config.yaml\) in run directory "
+        r".*runs/nospace: No space left on device",
+    ):
         wb.launch(cfg_for(runs_dir, run_name="nospace"), task=TinyRegression())
     assert not (runs_dir / "nospace").exists()

@@ -68,11 +68,21 @@ def killed_at_the_end() -> Any:
 
 
 def test_a_run_is_answered_once_its_ranks_returned_and_what_lingers_is_killed_later(
-        runs_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        killed_at_the_end: list[int]) -> None:
+    runs_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    killed_at_the_end: list[int],
+) -> None:
     monkeypatch.setattr(forked, "REAP_AFTER_S", 3.0)
-    cfg = wb.RunConfig(task="tiny-regression", num_processes=2, max_steps=2, micro_batch_size=8,
-                       runs_dir=str(runs_dir), trackers=[], monitor_interval_s=0.0)
+    cfg = wb.RunConfig(
+        task="tiny-regression",
+        num_processes=2,
+        max_steps=2,
+        micro_batch_size=8,
+        runs_dir=str(runs_dir),
+        trackers=[],
+        monitor_interval_s=0.0,
+    )
     run = wb.start(cfg, SlowToExit(exit_s=120.0))
     killed_at_the_end.extend(tree(run._process.pid))
     with caplog.at_level(logging.WARNING, logger="workbench"):
@@ -86,13 +96,24 @@ def test_a_run_is_answered_once_its_ranks_returned_and_what_lingers_is_killed_la
         deadline = time.monotonic() + 10
         while "had not exited" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert f"{result.run_dir.name}: its processes had not exited 3 s after the run ended; killing them" in caplog.text
+    assert (
+        f"{result.run_dir.name}: its processes had not exited 3 s after the run ended; killing them"
+        in caplog.text
+    )
 
 
 def test_a_run_whose_ranks_exit_promptly_leaves_no_process_and_no_warning(
-        runs_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = wb.RunConfig(task="tiny-regression", num_processes=2, max_steps=2, micro_batch_size=8,
-                       runs_dir=str(runs_dir), trackers=[], monitor_interval_s=0.0)
+    runs_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = wb.RunConfig(
+        task="tiny-regression",
+        num_processes=2,
+        max_steps=2,
+        micro_batch_size=8,
+        runs_dir=str(runs_dir),
+        trackers=[],
+        monitor_interval_s=0.0,
+    )
     with caplog.at_level(logging.WARNING, logger="workbench"):
         run = wb.start(cfg, TinyRegression())
         pids = tree(run._process.pid)
@@ -103,7 +124,8 @@ def test_a_run_whose_ranks_exit_promptly_leaves_no_process_and_no_warning(
 
 @pytest.mark.parametrize("removed", ["its files", "the folder"])
 def test_a_run_dir_removed_once_the_run_returned_stays_removed(
-        runs_dir: Path, removed: str, killed_at_the_end: list[int]) -> None:
+    runs_dir: Path, removed: str, killed_at_the_end: list[int]
+) -> None:
     """A caller may delete the run directory as soon as the run returns (a benchmark's temporary folder, a test's
     tmp_path), while the supervisor still waits for its ranks' exits. A run that recorded its ending leaves the
     supervisor nothing to write: it neither brings the lock's guard file back into the folder being deleted nor
@@ -111,13 +133,22 @@ def test_a_run_dir_removed_once_the_run_returned_stays_removed(
     import shutil
     from multiprocessing.connection import wait
 
-    cfg = wb.RunConfig(task="tiny-regression", num_processes=2, max_steps=2, micro_batch_size=8,
-                       runs_dir=str(runs_dir), trackers=[], monitor_interval_s=0.0)
+    cfg = wb.RunConfig(
+        task="tiny-regression",
+        num_processes=2,
+        max_steps=2,
+        micro_batch_size=8,
+        runs_dir=str(runs_dir),
+        trackers=[],
+        monitor_interval_s=0.0,
+    )
     run = wb.start(cfg, SlowToExit(exit_s=1.0))
     killed_at_the_end.extend(tree(run._process.pid))
     result = run.wait(timeout=100)
     supervisor = run._process._process
-    assert result.summary["status"] == "completed" and alive(supervisor.pid), "answered before the exits"
+    assert result.summary["status"] == "completed" and alive(supervisor.pid), (
+        "answered before the exits"
+    )
     if removed == "the folder":
         shutil.rmtree(result.run_dir)
     else:
@@ -137,7 +168,8 @@ def test_a_run_dir_removed_once_the_run_returned_stays_removed(
 
 
 def test_a_supervisor_reaped_by_someone_else_is_not_taken_for_one_that_lingers(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """When the caller's interpreter exits, multiprocessing joins its children from the main thread while the
     reaper joins them too: the waitpid that loses that race reads as 'still running' (exitcode None) for a
     process that has exited. The reaper goes by the process's sentinel, so it neither warns nor kills a process

@@ -28,7 +28,9 @@ def _kernel_messages(code: str, deadline_s: float = 100.0) -> tuple[list[dict[st
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                pytest.fail(f"the cell did not end within {deadline_s:.0f} s; last messages: {messages[-3:]}")
+                pytest.fail(
+                    f"the cell did not end within {deadline_s:.0f} s; last messages: {messages[-3:]}"
+                )
             msg = client.get_iopub_msg(timeout=left)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -43,15 +45,21 @@ def _kernel_messages(code: str, deadline_s: float = 100.0) -> tuple[list[dict[st
 
 
 def _text(message: dict[str, Any]) -> str:
-    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", message.get("data", {}).get("text/html", ""))).split())
+    return " ".join(
+        html.unescape(re.sub(r"<[^>]+>", " ", message.get("data", {}).get("text/html", ""))).split()
+    )
 
 
-def test_a_launch_in_a_kernel_shows_a_line_that_follows_the_run_and_ends_as_its_summary(runs_dir: Path) -> None:
-    code = (f"import workbench as wb\n"
-            # 1,500 steps, 6 s or more: updates (one a second) see it running on any machine
-            f"cfg = wb.RunConfig(task='digits', num_processes=2, max_steps=1500, log_every=50, "
-            f"runs_dir={str(runs_dir)!r}, run_name='live')\n"
-            f"result = wb.launch(cfg)\n")
+def test_a_launch_in_a_kernel_shows_a_line_that_follows_the_run_and_ends_as_its_summary(
+    runs_dir: Path,
+) -> None:
+    code = (
+        f"import workbench as wb\n"
+        # 1,500 steps, 6 s or more: updates (one a second) see it running on any machine
+        f"cfg = wb.RunConfig(task='digits', num_processes=2, max_steps=1500, log_every=50, "
+        f"runs_dir={str(runs_dir)!r}, run_name='live')\n"
+        f"result = wb.launch(cfg)\n"
+    )
     messages, status = _kernel_messages(code)
     assert status == "ok", [m for m in messages if m["type"] == "error"]
     shown = [m for m in messages if m["type"] in ("display_data", "update_display_data")]
@@ -59,38 +67,58 @@ def test_a_launch_in_a_kernel_shows_a_line_that_follows_the_run_and_ends_as_its_
     ids = {m["transient"]["display_id"] for m in shown}
     assert len(ids) == 1, "every update goes to the one line"
     running = [_text(m) for m in shown if "data-status='running'" in m["data"]["text/html"]]
-    assert any(re.search(r"step \d+/1500 \(\d+%\) · ETA .* · loss [\d.]+ · [\d.]+ ms/step", t) for t in running), \
-        f"no update while it ran: {[_text(m) for m in shown]}"
+    assert any(
+        re.search(r"step \d+/1500 \(\d+%\) · ETA .* · loss [\d.]+ · [\d.]+ ms/step", t)
+        for t in running
+    ), f"no update while it ran: {[_text(m) for m in shown]}"
     final = _text(shown[-1])
     assert "live completed" in final and "step 1500/1500 (100%) · completed in" in final
-    assert re.search(r"eval accuracy [\d.]+", final) and re.search(r"[\d,]+ samples/s", final), final
-    assert not [m for m in messages if m["type"] == "stream" and m["text"].strip() == ""], "no blank lines"
+    assert re.search(r"eval accuracy [\d.]+", final) and re.search(r"[\d,]+ samples/s", final), (
+        final
+    )
+    assert not [m for m in messages if m["type"] == "stream" and m["text"].strip() == ""], (
+        "no blank lines"
+    )
 
 
 def test_progress_false_shows_nothing_in_a_kernel(runs_dir: Path) -> None:
-    code = (f"import workbench as wb\n"
-            f"wb.launch(wb.RunConfig(task='digits', num_processes=2, max_steps=10, runs_dir={str(runs_dir)!r}), "
-            f"progress=False)\n")
+    code = (
+        f"import workbench as wb\n"
+        f"wb.launch(wb.RunConfig(task='digits', num_processes=2, max_steps=10, runs_dir={str(runs_dir)!r}), "
+        f"progress=False)\n"
+    )
     messages, status = _kernel_messages(code)
     assert status == "ok"
     assert not [m for m in messages if m["type"] in ("display_data", "update_display_data")]
 
 
 def test_run_and_result_read_as_one_line_without_private_fields(runs_dir: Path) -> None:
-    cfg = wb.RunConfig(task="digits", num_processes=2, max_steps=10, log_every=5, runs_dir=str(runs_dir),
-                       run_name="short")
+    cfg = wb.RunConfig(
+        task="digits",
+        num_processes=2,
+        max_steps=10,
+        log_every=5,
+        runs_dir=str(runs_dir),
+        run_name="short",
+    )
     run = wb.start(cfg)
     try:
-        assert re.fullmatch(r"<Run short (starting|running|completed): step \d+/10(, loss [\d.]+)?>", repr(run))
+        assert re.fullmatch(
+            r"<Run short (starting|running|completed): step \d+/10(, loss [\d.]+)?>", repr(run)
+        )
         result = run.wait()
     finally:
         if not run.done():
             run.kill()
-    assert re.fullmatch(r"<RunResult short completed: step 10/10, loss \d\.\d{1,3}>", repr(result)), repr(result)
+    assert re.fullmatch(
+        r"<RunResult short completed: step 10/10, loss \d\.\d{1,3}>", repr(result)
+    ), repr(result)
     assert repr(run).replace("<Run ", "<RunResult ") == repr(result)
     assert "_mode" not in repr(run) and len(repr(result)) < 80
-    assert re.search(r"<b>short</b> <span style='color:#2e7d32'>completed:</span> step 10/10, loss [\d.]+",
-                     result._repr_html_())
+    assert re.search(
+        r"<b>short</b> <span style='color:#2e7d32'>completed:</span> step 10/10, loss [\d.]+",
+        result._repr_html_(),
+    )
 
 
 def test_wb_runs_lists_past_runs_newest_first_and_compare_overlays_them(runs_dir: Path) -> None:
@@ -101,13 +129,27 @@ def test_wb_runs_lists_past_runs_newest_first_and_compare_overlays_them(runs_dir
     table = wb.runs(runs_dir)
     assert table.names == ["second", "first"]
     text = repr(table).splitlines()
-    assert text[0].split() == ["name", "status", "task", "layout", "precision", "steps", "loss", "eval",
-                               "samples/s", "started"]
-    assert re.match(r"second\s+completed\s+digits\s+ddp x 2\s+bf16\s+10\s+[\d.]+\s+loss [\d.]+, accuracy [\d.]+",
-                    text[1]), text[1]
+    assert text[0].split() == [
+        "name",
+        "status",
+        "task",
+        "layout",
+        "precision",
+        "steps",
+        "loss",
+        "eval",
+        "samples/s",
+        "started",
+    ]
+    assert re.match(
+        r"second\s+completed\s+digits\s+ddp x 2\s+bf16\s+10\s+[\d.]+\s+loss [\d.]+, accuracy [\d.]+",
+        text[1],
+    ), text[1]
     assert "data-run='first'" in table._repr_html_()
     assert table["first"].summary["precision"] == "fp32" and table[0].run_dir.name == "second"
-    with pytest.raises(KeyError, match=r"'third': no run of that name in .* \(it has 2: second, first\)"):
+    with pytest.raises(
+        KeyError, match=r"'third': no run of that name in .* \(it has 2: second, first\)"
+    ):
         table["third"]
     figure = wb.compare(table[0], runs_dir / "first")
     labels = {line.get_label().split(" (")[0] for ax in figure.axes for line in ax.get_lines()}

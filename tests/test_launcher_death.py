@@ -45,14 +45,23 @@ def default_signals() -> None:
 
 
 @contextlib.contextmanager
-def process_tree(args: list[str], cwd: Path) -> Iterator[tuple[subprocess.Popen, list[psutil.Process]]]:
+def process_tree(
+    args: list[str], cwd: Path
+) -> Iterator[tuple[subprocess.Popen, list[psutil.Process]]]:
     """A process in its own session, its output in cwd/output.txt (a pipe would fill up, or hold the test until
     every process sharing it is gone), and the list its descendants are collected into: all of them are killed
     however the test ends."""
     tree: list[psutil.Process] = []
     with open(cwd / "output.txt", "w") as output:
-        proc = subprocess.Popen(args, cwd=cwd, env=ENV, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=default_signals)  # noqa: PLW1509
+        proc = subprocess.Popen(
+            args,
+            cwd=cwd,
+            env=ENV,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=default_signals,
+        )  # noqa: PLW1509
     try:
         yield proc, tree
     finally:
@@ -76,7 +85,10 @@ def output(cwd: Path) -> str:
 
 def wait_until_training(run: RunDir, proc: subprocess.Popen, cwd: Path, steps: int = 2) -> None:
     deadline = time.time() + 120
-    while len([r for r in run.metrics() if "loss" in r]) < steps or len(list(run.ranks_path.glob("rank_*"))) < 2:
+    while (
+        len([r for r in run.metrics() if "loss" in r]) < steps
+        or len(list(run.ranks_path.glob("rank_*"))) < 2
+    ):
         assert proc.poll() is None, f"the launcher ended early:\n{output(cwd)}"
         assert run.observed_status()[0] != "failed", f"the run failed:\n{output(cwd)}"
         assert time.time() < deadline, f"no {steps} steps trained within 120 s:\n{output(cwd)}"
@@ -114,14 +126,25 @@ def assert_launchable_again(config: Path, run: RunDir) -> None:
     assert "in use by" not in err.getvalue()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGUSR1], ids=["SIGKILL", "SIGUSR1-unhandled"])
-def test_a_killed_workbench_train_takes_its_ranks_along_and_frees_the_run(tmp_path: Path,
-                                                                          sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    "sig", [signal.SIGKILL, signal.SIGUSR1], ids=["SIGKILL", "SIGUSR1-unhandled"]
+)
+def test_a_killed_workbench_train_takes_its_ranks_along_and_frees_the_run(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     # SIGUSR1 without preempt_signal: nothing handles it, so it ends the launcher like SIGKILL, unannounced.
     config = tmp_path / "run.yaml"
-    wb.RunConfig(task="tasks_for_tests:TinyRegression", num_processes=2, device="cpu", micro_batch_size=16,
-                 max_steps=100_000, log_every=1, runs_dir=str(tmp_path / "runs"), run_name="orphans",
-                 task_options={"slow_s": 0.03}).to_yaml(config)
+    wb.RunConfig(
+        task="tasks_for_tests:TinyRegression",
+        num_processes=2,
+        device="cpu",
+        micro_batch_size=16,
+        max_steps=100_000,
+        log_every=1,
+        runs_dir=str(tmp_path / "runs"),
+        run_name="orphans",
+        task_options={"slow_s": 0.03},
+    ).to_yaml(config)
     run = RunDir(tmp_path / "runs" / "orphans")
     train = [sys.executable, "-m", "workbench.cli", "train", str(config), "--no-progress"]
     with process_tree(train, tmp_path) as (proc, tree):
@@ -130,7 +153,9 @@ def test_a_killed_workbench_train_takes_its_ranks_along_and_frees_the_run(tmp_pa
         assert len(tree) >= 3, f"torchrun and 2 ranks expected: {tree}"
         os.kill(proc.pid, sig)
         assert proc.wait(30) == -sig
-        assert still_running(tree) == [], f"left running after the launcher died:\n{output(tmp_path)}"
+        assert still_running(tree) == [], (
+            f"left running after the launcher died:\n{output(tmp_path)}"
+        )
     # torchrun got SIGTERM when its launcher died and passed it on: the ranks checkpointed and exited.
     summary = run.summary()
     assert summary.status == "preempted" and summary.ending["signal"] == "SIGTERM", summary
@@ -139,14 +164,24 @@ def test_a_killed_workbench_train_takes_its_ranks_along_and_frees_the_run(tmp_pa
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_a_run_outlives_the_thread_that_started_it_and_ends_with_its_caller(tmp_path: Path,
-                                                                            start_method: str) -> None:
+def test_a_run_outlives_the_thread_that_started_it_and_ends_with_its_caller(
+    tmp_path: Path, start_method: str
+) -> None:
     # The kernel's parent-death signal follows the thread that forked the child, not its process: before, the
     # run died as soon as the starting thread ended.
     config = tmp_path / "run.yaml"
-    wb.RunConfig(task="tasks_for_tests:TinyRegression", num_processes=2, device="cpu", micro_batch_size=16,
-                 max_steps=100_000, log_every=1, runs_dir=str(tmp_path / "runs"), run_name="caller",
-                 start_method=start_method, task_options={"slow_s": 0.03}).to_yaml(config)
+    wb.RunConfig(
+        task="tasks_for_tests:TinyRegression",
+        num_processes=2,
+        device="cpu",
+        micro_batch_size=16,
+        max_steps=100_000,
+        log_every=1,
+        runs_dir=str(tmp_path / "runs"),
+        run_name="caller",
+        start_method=start_method,
+        task_options={"slow_s": 0.03},
+    ).to_yaml(config)
     (tmp_path / "caller.py").write_text(CALLER)
     run = RunDir(tmp_path / "runs" / "caller")
     with process_tree([sys.executable, "caller.py", str(config)], tmp_path) as (proc, tree):

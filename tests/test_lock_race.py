@@ -40,7 +40,9 @@ def _race(base: str, start: Any, results: Any, done: Any) -> None:
             results.put((trial, os.getpid(), None))
         except BaseException as e:  # noqa: BLE001  (reported to the test, which fails on it)
             results.put((trial, os.getpid(), repr(e)))
-    done.wait(timeout=120)  # a winner's lock names this process: alive, it is no stale lock to take over
+    done.wait(
+        timeout=120
+    )  # a winner's lock names this process: alive, it is no stale lock to take over
 
 
 def _stale_trial(trial: int) -> bool:
@@ -48,12 +50,20 @@ def _stale_trial(trial: int) -> bool:
 
 
 def _prepare(base: Path) -> None:
-    dead = {"host": socket.gethostname(), "pid": os.getpid(), "create_time": 1.0, "token": "dead", "time": 0.0}
+    dead = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "create_time": 1.0,
+        "token": "dead",
+        "time": 0.0,
+    }
     for trial in range(TRIALS):
         run = RunDir(base / f"trial-{trial}")
         run.path.mkdir()
         if _stale_trial(trial):
-            files.write_json(run.lock_path, dead)  # this process, with another start time: a pid reused
+            files.write_json(
+                run.lock_path, dead
+            )  # this process, with another start time: a pid reused
 
 
 def race(base: Path, deadline_s: float = 90.0) -> dict[int, list[tuple[int, str | None]]]:
@@ -63,7 +73,10 @@ def race(base: Path, deadline_s: float = 90.0) -> dict[int, list[tuple[int, str 
     # test and that every later test checking for leftover processes would find.
     ctx = mp.get_context("fork")
     start, results, done = ctx.Barrier(RACERS), ctx.Queue(), ctx.Event()
-    racers = [ctx.Process(target=_race, args=(str(base), start, results, done), daemon=True) for _ in range(RACERS)]
+    racers = [
+        ctx.Process(target=_race, args=(str(base), start, results, done), daemon=True)
+        for _ in range(RACERS)
+    ]
     outcomes: dict[int, list[tuple[int, str | None]]] = {t: [] for t in range(TRIALS)}
     try:
         for p in racers:
@@ -75,8 +88,10 @@ def race(base: Path, deadline_s: float = 90.0) -> dict[int, list[tuple[int, str 
                 trial, pid, token = results.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in racers):
-                    pytest.fail(f"the racers did not all report within {deadline_s:.0f} s (exit codes "
-                                f"{[p.exitcode for p in racers]}): {outcomes}")
+                    pytest.fail(
+                        f"the racers did not all report within {deadline_s:.0f} s (exit codes "
+                        f"{[p.exitcode for p in racers]}): {outcomes}"
+                    )
                 continue
             outcomes[trial].append((pid, token))
             received += 1
@@ -100,7 +115,11 @@ def test_of_many_launches_started_together_exactly_one_takes_the_lock(tmp_path: 
         errors = [t for _, t in got if t is not None and not t.isalnum()]
         assert not errors, f"trial {trial}: {errors}"
         winners = [(pid, t) for pid, t in got if t is not None]
-        assert len(winners) == 1, f"trial {trial} ({'stale LOCK' if _stale_trial(trial) else 'new'}): {winners}"
+        assert len(winners) == 1, (
+            f"trial {trial} ({'stale LOCK' if _stale_trial(trial) else 'new'}): {winners}"
+        )
         owner = RunDir(tmp_path / f"trial-{trial}").lock_owner()
         assert owner is not None and (owner["pid"], owner["token"]) == winners[0], f"trial {trial}"
-    assert not psutil.Process().children(recursive=True), "the racers (and nothing they started) are gone"
+    assert not psutil.Process().children(recursive=True), (
+        "the racers (and nothing they started) are gone"
+    )

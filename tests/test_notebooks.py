@@ -44,7 +44,9 @@ def test_notebook_is_saved_with_outputs_that_read_well(name: str) -> None:
     assert not [c for c in code if "injected-parameters" in c.metadata.get("tags", [])]
     assert nb.cells[0].cell_type == "markdown"  # what the notebook is for comes first
     # run top to bottom once: execution counts 1, 2, 3, ...
-    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "save a fresh headless run"
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
+        "save a fresh headless run"
+    )
     assert outputs(nb), "saved with its outputs"
     assert not [o for o in outputs(nb) if o.output_type == "error"]
     text = shown_text(nb)

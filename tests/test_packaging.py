@@ -41,7 +41,10 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_every_subpackage_and_data_file_ships_in_the_wheel() -> None:
     """An editable install finds everything; a wheel only what pyproject lists."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    packages = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "workbench").rglob("__init__.py")}
+    packages = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "workbench").rglob("__init__.py")
+    }
     assert packages <= set(setuptools["packages"]), sorted(packages - set(setuptools["packages"]))
     for data in (REPO / "workbench").rglob("*.yaml"):
         package = ".".join(data.parent.relative_to(REPO).parts)

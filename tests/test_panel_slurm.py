@@ -12,8 +12,12 @@ import pytest
 
 import workbench as wb
 
-SINFO = ["gpu*|3|64|gpu:h100:8(S:0-1)|idle", "gpu*|1|64|gpu:h100:8(S:0-1)|mixed", "a100|2|32|gpu:a100_80g:4|alloc",
-         "cpu|10|128|(null)|idle"]
+SINFO = [
+    "gpu*|3|64|gpu:h100:8(S:0-1)|idle",
+    "gpu*|1|64|gpu:h100:8(S:0-1)|mixed",
+    "a100|2|32|gpu:a100_80g:4|alloc",
+    "cpu|10|128|(null)|idle",
+]
 
 
 @pytest.fixture
@@ -29,11 +33,19 @@ def sinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def gpt(runs_dir: Path) -> wb.RunConfig:
-    return wb.RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=10, runs_dir=str(runs_dir),
-                        task_options={"preset": "tiny"})
+    return wb.RunConfig(
+        task="char-gpt",
+        num_processes=2,
+        micro_batch_size=8,
+        max_steps=10,
+        runs_dir=str(runs_dir),
+        task_options={"preset": "tiny"},
+    )
 
 
-def test_the_partitions_come_from_sinfo_with_their_gpus_and_idle_nodes(sinfo: Path, runs_dir: Path) -> None:
+def test_the_partitions_come_from_sinfo_with_their_gpus_and_idle_nodes(
+    sinfo: Path, runs_dir: Path
+) -> None:
     panel = wb.Panel(gpt(runs_dir), display=False, estimate=False)
     t = panel.target_controls
     assert t.slurm.widget.layout.display == "none", "Slurm's controls show only when it is chosen"
@@ -41,7 +53,8 @@ def test_the_partitions_come_from_sinfo_with_their_gpus_and_idle_nodes(sinfo: Pa
     assert [label for label, _ in t.slurm.partition.options] == [
         "gpu (default): 4 nodes (3 idle), 8 x h100 GPUs and 64 CPUs per node",
         "a100: 2 nodes (0 idle), 4 x a100_80g GPUs and 32 CPUs per node",
-        "cpu: 10 nodes (10 idle), no GPU and 128 CPUs per node"]
+        "cpu: 10 nodes (10 idle), no GPU and 128 CPUs per node",
+    ]
     assert t.slurm.partition.value == "gpu" and t.slurm.widget.layout.display is None
     assert t.gpu.value == "H100-SXM-80GB" and "this-machine" not in dict(t.gpu.options).values()
     assert (t.gpus_per_node.max, t.nodes.max) == (8, 4), "sizes bounded by what the partition has"
@@ -57,7 +70,10 @@ def test_the_plan_and_the_estimate_are_for_the_partitions_gpus(sinfo: Path, runs
     t.nodes.value = 2
     assert c["num_processes"].value == 16, "processes = nodes x GPUs per node"
     assert panel.state.problem == "" and not panel.launch_button.disabled, panel.state.problem
-    assert "Launch submits a Slurm job: 2 x 8 x H100-SXM-80GB on Slurm partition gpu" in panel.launch_info.value
+    assert (
+        "Launch submits a Slurm job: 2 x 8 x H100-SXM-80GB on Slurm partition gpu"
+        in panel.launch_info.value
+    )
     c["precision"].value = "bf16"  # the partition's GPUs run it, whatever this box has
     assert panel.state.problem == ""
     panel.estimate_box.wait(timeout=100)
@@ -67,7 +83,9 @@ def test_the_plan_and_the_estimate_are_for_the_partitions_gpus(sinfo: Path, runs
 
     t.slurm.partition.value = "cpu"
     assert t.gpu.layout.display == "none" and t.gpus_per_node.description == "ranks per node"
-    assert "unavailable" in {v: k for k, v in c["precision"].options}["fp16"], "CPU nodes can't run fp16"
+    assert "unavailable" in {v: k for k, v in c["precision"].options}["fp16"], (
+        "CPU nodes can't run fp16"
+    )
     c["precision"].value = "fp32"
     t.gpus_per_node.value = 1
     assert c["num_processes"].value == 2 and panel.state.problem == ""
@@ -77,18 +95,36 @@ def test_the_plan_and_the_estimate_are_for_the_partitions_gpus(sinfo: Path, runs
     assert est is not None and est.target.kind == "cpu" and "Slurm partition cpu" in est.where
     assert any("CPU nodes, priced as this machine's" in a for a in est.assumptions)
     job = t.cluster()
-    assert job is not None and (job.partition, job.nodes, job.processes_per_node, job.gpus_per_node) == \
-        ("cpu", 2, 1, 0)
+    assert job is not None and (
+        job.partition,
+        job.nodes,
+        job.processes_per_node,
+        job.gpus_per_node,
+    ) == ("cpu", 2, 1, 0)
 
 
-def test_the_job_options_are_the_clis_words_and_own_fields_are_refused(sinfo: Path, runs_dir: Path) -> None:
-    panel = wb.Panel(gpt(runs_dir), display=False, estimate=False,
-                     cluster=wb.Slurm(partition="a100", nodes=2, gpus_per_node=1, account="proj", time="2:00:00"))
+def test_the_job_options_are_the_clis_words_and_own_fields_are_refused(
+    sinfo: Path, runs_dir: Path
+) -> None:
+    panel = wb.Panel(
+        gpt(runs_dir),
+        display=False,
+        estimate=False,
+        cluster=wb.Slurm(
+            partition="a100", nodes=2, gpus_per_node=1, account="proj", time="2:00:00"
+        ),
+    )
     t = panel.target_controls
     assert t.where.value == "slurm" and t.slurm.partition.value == "a100"
-    assert (t.nodes.value, t.gpus_per_node.value, panel.controls["num_processes"].value) == (2, 1, 2)
+    assert (t.nodes.value, t.gpus_per_node.value, panel.controls["num_processes"].value) == (
+        2,
+        1,
+        2,
+    )
     assert t.slurm.options.value == "account=proj" and t.slurm.time.value == "2:00:00"
-    t.slurm.options.value = "qos=high,setup=module load cuda;source venv/bin/activate,exclusive=true"
+    t.slurm.options.value = (
+        "qos=high,setup=module load cuda;source venv/bin/activate,exclusive=true"
+    )
     job = t.cluster()
     assert job is not None and job.qos == "high" and job.extra == {"exclusive": True}
     assert job.setup == ("module load cuda", "source venv/bin/activate") and job.minutes == 120
@@ -97,11 +133,15 @@ def test_the_job_options_are_the_clis_words_and_own_fields_are_refused(sinfo: Pa
     assert "sbatch options 'nodes=3': set nodes with the panel's own control" in panel.state.problem
     t.slurm.options.value = ""
     t.slurm.time.value = "soon"
-    assert "Slurm time='soon': minutes, or 'D-HH:MM:SS'" in panel.state.problem and panel.launch_button.disabled
+    assert (
+        "Slurm time='soon': minutes, or 'D-HH:MM:SS'" in panel.state.problem
+        and panel.launch_button.disabled
+    )
 
 
-def test_without_slurm_commands_the_choice_says_so_and_launch_stays_off(runs_dir: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_slurm_commands_the_choice_says_so_and_launch_stays_off(
+    runs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", str(runs_dir))  # no sinfo anywhere
     panel = wb.Panel(gpt(runs_dir), display=False, estimate=False)
     panel.target_controls.where.value = "slurm"

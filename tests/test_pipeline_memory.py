@@ -19,21 +19,43 @@ pytestmark = pytest.mark.slow
 
 
 def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
-    base = dict(task="char-gpt", num_processes=2, pp=2, parallelism="ddp", device="cpu", micro_batch_size=4,
-                grad_accum_steps=2, max_steps=2, log_every=1, runs_dir=str(runs_dir), seed=3, oversubscribe=True,
-                dist_timeout_s=120, eval_batches=1, track_memory=True,
-                task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
+    base = dict(
+        task="char-gpt",
+        num_processes=2,
+        pp=2,
+        parallelism="ddp",
+        device="cpu",
+        micro_batch_size=4,
+        grad_accum_steps=2,
+        max_steps=2,
+        log_every=1,
+        runs_dir=str(runs_dir),
+        seed=3,
+        oversubscribe=True,
+        dist_timeout_s=120,
+        eval_batches=1,
+        track_memory=True,
+        task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0},
+    )
     return wb.RunConfig(**{**base, **fields})
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, wb.RunResult]:
     runs_dir = tmp_path_factory.mktemp("runs")
-    return {"1f1b": wb.launch(cfg_for(runs_dir, run_name="pp-1f1b")),
-            "auto": wb.launch(cfg_for(runs_dir, run_name="pp-auto", pp_schedule="zero_bubble",
-                                      micro_batch_size="auto", memory_budget_gb=0.02,
-                                      task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0,
-                                                    "n_layer": 4}))}
+    return {
+        "1f1b": wb.launch(cfg_for(runs_dir, run_name="pp-1f1b")),
+        "auto": wb.launch(
+            cfg_for(
+                runs_dir,
+                run_name="pp-auto",
+                pp_schedule="zero_bubble",
+                micro_batch_size="auto",
+                memory_budget_gb=0.02,
+                task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0, "n_layer": 4},
+            )
+        ),
+    }
 
 
 @pytest.mark.parametrize("name, method", [("1f1b", "MemTracker"), ("auto", "live tensors")])
@@ -49,8 +71,12 @@ def test_pp_tracks_each_stage(runs: dict[str, wb.RunResult], name: str, method: 
         assert m["params"] == r["params_bytes"] > 0
         assert m["optimizer"] == r["optimizer_bytes"]
         assert m["peak"] >= r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
-        assert m["activations"] > 0 and m["buffers"] > 0, m  # buffers: the activations/gradients received
-        parts = sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "temporaries"))
+        assert m["activations"] > 0 and m["buffers"] > 0, (
+            m
+        )  # buffers: the activations/gradients received
+        parts = sum(
+            m[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "temporaries")
+        )
         assert parts == m["peak"], m
     assert ranks[0]["tracked_memory"]["params"] != ranks[1]["tracked_memory"]["params"]
 
@@ -61,9 +87,13 @@ def test_pp_auto_agrees_on_one_micro_batch(runs: dict[str, wb.RunResult]) -> Non
     # the estimate traces the zero-bubble layout: its proposal starts the ranks' search in range
     assert isinstance(record["proposed"], int) and record["proposed"] > 1, record
     first, second = (r["tries"] for r in record["ranks"])
-    assert [t["micro_batch"] for t in first] == [t["micro_batch"] for t in second]  # the stages tried together
+    assert [t["micro_batch"] for t in first] == [
+        t["micro_batch"] for t in second
+    ]  # the stages tried together
     chosen = record["chosen"]
-    assert 1 < chosen <= min(r["own_choice"] for r in record["ranks"])  # the smallest any stage fits
+    assert (
+        1 < chosen <= min(r["own_choice"] for r in record["ranks"])
+    )  # the smallest any stage fits
     assert record["grad_accum_steps"] == 2 and record["global_batch"] == chosen * 2
     assert (run.summary["micro_batch_size"], run.summary["grad_accum_steps"]) == (chosen, 2)
     assert run.summary["global_batch_size"] == chosen * 2

@@ -29,10 +29,23 @@ SAVED_AT = 2
 
 def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
     """char-gpt tiny (2 blocks), 32-character windows, 2 micro-batches of 4 per step."""
-    base = dict(task="char-gpt", num_processes=1, device="cpu", micro_batch_size=4, grad_accum_steps=2,
-                max_steps=STEPS, log_every=1, lr=3e-3, grad_clip=0.5, runs_dir=str(runs_dir), seed=3,
-                oversubscribe=True, dist_timeout_s=120, eval_batches=1,
-                task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0})
+    base = dict(
+        task="char-gpt",
+        num_processes=1,
+        device="cpu",
+        micro_batch_size=4,
+        grad_accum_steps=2,
+        max_steps=STEPS,
+        log_every=1,
+        lr=3e-3,
+        grad_clip=0.5,
+        runs_dir=str(runs_dir),
+        seed=3,
+        oversubscribe=True,
+        dist_timeout_s=120,
+        eval_batches=1,
+        task_options={"block_size": 32, "train_stride": 64, "dropout": 0.0},
+    )
     return wb.RunConfig(**{**base, **fields})
 
 
@@ -48,12 +61,33 @@ def worst_relative(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, wb.RunResult]:
     runs_dir = tmp_path_factory.mktemp("runs")
-    return {"single": wb.launch(cfg_for(runs_dir, run_name="single", parallelism="none")),
-            "pp x dp": wb.launch(cfg_for(runs_dir, num_processes=4, pp=2, micro_batch_size=2, run_name="pp-x-dp",
-                                         parallelism="ddp")),
-            **{s: wb.launch(cfg_for(runs_dir, num_processes=2, pp=2, pp_schedule=s, run_name=f"pp-{s}",
-                                         checkpoint_every=SAVED_AT, keep_checkpoints=2))
-               for s in ("gpipe", "1f1b")}}
+    return {
+        "single": wb.launch(cfg_for(runs_dir, run_name="single", parallelism="none")),
+        "pp x dp": wb.launch(
+            cfg_for(
+                runs_dir,
+                num_processes=4,
+                pp=2,
+                micro_batch_size=2,
+                run_name="pp-x-dp",
+                parallelism="ddp",
+            )
+        ),
+        **{
+            s: wb.launch(
+                cfg_for(
+                    runs_dir,
+                    num_processes=2,
+                    pp=2,
+                    pp_schedule=s,
+                    run_name=f"pp-{s}",
+                    checkpoint_every=SAVED_AT,
+                    keep_checkpoints=2,
+                )
+            )
+            for s in ("gpipe", "1f1b")
+        },
+    }
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -84,9 +118,15 @@ def test_pp_x_dp_trains_like_one_process(runs: dict[str, wb.RunResult]) -> None:
     assert hybrid.status == "completed", hybrid.summary
     assert hybrid.summary["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
     assert hybrid.summary["global_batch_size"] == 8
-    placed = {r["rank"]: (r["pp_stage"], r["dp_replica"], r["pp_holds"]) for r in hybrid.summary["ranks"]}
-    assert placed == {0: (0, 0, ["blocks.0", "pos", "tok"]), 1: (0, 1, ["blocks.0", "pos", "tok"]),
-                      2: (1, 0, ["blocks.1", "head", "ln_f"]), 3: (1, 1, ["blocks.1", "head", "ln_f"])}, placed
+    placed = {
+        r["rank"]: (r["pp_stage"], r["dp_replica"], r["pp_holds"]) for r in hybrid.summary["ranks"]
+    }
+    assert placed == {
+        0: (0, 0, ["blocks.0", "pos", "tok"]),
+        1: (0, 1, ["blocks.0", "pos", "tok"]),
+        2: (1, 0, ["blocks.1", "head", "ln_f"]),
+        3: (1, 1, ["blocks.1", "head", "ln_f"]),
+    }, placed
     worst = worst_relative(losses(hybrid), losses(single))
     print(f"pp2 x dp2: worst relative loss deviation {worst:.2e}")
     assert worst < 1e-4
@@ -105,13 +145,23 @@ def test_balanced_split() -> None:
     assert balanced_split([1, 1], 3)[0] == [] or len(balanced_split([1, 1], 3)) == 3
 
 
-@pytest.mark.parametrize("fields, match", cases([
-    ({"num_processes": 3, "pp": 2}, r"pp x tp must divide"),
-    ({"num_processes": 2, "pp": 2, "grad_accum_steps": 1}, r"1F1B needs at least as many micro-batches"),
-    ({"num_processes": 2, "pp": 0}, r"must be at least 1"),
-    ({"num_processes": 2, "pp": 2, "micro_batch_size": "auto", "target_global_batch": 7},
-     r"target_global_batch=7 with pp=2: a pipeline keeps grad_accum_steps=2"),
-]))
+@pytest.mark.parametrize(
+    "fields, match",
+    cases(
+        [
+            ({"num_processes": 3, "pp": 2}, r"pp x tp must divide"),
+            (
+                {"num_processes": 2, "pp": 2, "grad_accum_steps": 1},
+                r"1F1B needs at least as many micro-batches",
+            ),
+            ({"num_processes": 2, "pp": 0}, r"must be at least 1"),
+            (
+                {"num_processes": 2, "pp": 2, "micro_batch_size": "auto", "target_global_batch": 7},
+                r"target_global_batch=7 with pp=2: a pipeline keeps grad_accum_steps=2",
+            ),
+        ]
+    ),
+)
 def test_layout_refusals(tmp_path: Path, fields: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         cfg_for(tmp_path, **fields)
@@ -120,25 +170,46 @@ def test_layout_refusals(tmp_path: Path, fields: dict[str, Any], match: str) -> 
 def test_task_without_stages_is_refused(tmp_path: Path) -> None:
     from tasks_for_tests import TinyBlocks
 
-    cfg = cfg_for(tmp_path, task="char-gpt", num_processes=2, pp=2, grad_accum_steps=2, task_options={})
+    cfg = cfg_for(
+        tmp_path, task="char-gpt", num_processes=2, pp=2, grad_accum_steps=2, task_options={}
+    )
     with pytest.raises(ValueError, match=r"can't be split into pipeline stages"):
         preflight(cfg, task=TinyBlocks())
 
 
-@pytest.mark.parametrize("fields, what", cases([(dict(num_processes=4, pp=4), "pp=4"),
-                                         (dict(num_processes=2, pp=2, pp_schedule="interleaved_1f1b"),
-                                          "pp=2 x 2 chunks per rank")]))
+@pytest.mark.parametrize(
+    "fields, what",
+    cases(
+        [
+            (dict(num_processes=4, pp=4), "pp=4"),
+            (
+                dict(num_processes=2, pp=2, pp_schedule="interleaved_1f1b"),
+                "pp=2 x 2 chunks per rank",
+            ),
+        ]
+    ),
+)
 def test_too_many_stages_for_char_gpt(tmp_path: Path, fields: dict[str, Any], what: str) -> None:
     cfg = cfg_for(tmp_path, grad_accum_steps=4, oversubscribe=True, **fields)
-    with pytest.raises(ValueError, match=rf"{what}: task 'char-gpt' has n_layer=2 blocks, fewer than the 4 pipeline"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{what}: task 'char-gpt' has n_layer=2 blocks, fewer than the 4 pipeline",
+    ):
         preflight(cfg)
 
 
 def test_pp_checkpoint_resumes_on_one_process(runs: dict[str, wb.RunResult]) -> None:
     runs_dir, expected = runs["single"].dir.path.parent, losses(runs["single"])[SAVED_AT:]
     copy_for_resume(RunDir(runs["1f1b"].dir.path), RunDir(runs_dir / "pp-to-single"), SAVED_AT)
-    resumed = wb.launch(cfg_for(runs_dir, run_name="pp-to-single", parallelism="none", resume=True,
-                                resume_allow=["pp", "pp_schedule"]))
+    resumed = wb.launch(
+        cfg_for(
+            runs_dir,
+            run_name="pp-to-single",
+            parallelism="none",
+            resume=True,
+            resume_allow=["pp", "pp_schedule"],
+        )
+    )
     assert resumed.summary["steps_this_session"] == STEPS - SAVED_AT
     got = losses(resumed)[SAVED_AT:]
     assert max(abs(x - y) / y for x, y in zip(got, expected)) < 1e-5
@@ -146,7 +217,9 @@ def test_pp_checkpoint_resumes_on_one_process(runs: dict[str, wb.RunResult]) -> 
 
 def test_one_process_checkpoint_resumes_under_pp(runs: dict[str, wb.RunResult]) -> None:
     runs_dir, expected = runs["single"].dir.path.parent, losses(runs["single"])[SAVED_AT:]
-    wb.launch(cfg_for(runs_dir, run_name="single-saved", parallelism="none", checkpoint_every=SAVED_AT))
+    wb.launch(
+        cfg_for(runs_dir, run_name="single-saved", parallelism="none", checkpoint_every=SAVED_AT)
+    )
     copy_for_resume(RunDir(runs_dir / "single-saved"), RunDir(runs_dir / "single-to-pp"), SAVED_AT)
     back = wb.launch(cfg_for(runs_dir, run_name="single-to-pp", num_processes=2, pp=2, resume=True))
     assert back.status == "completed", back.summary
@@ -154,15 +227,24 @@ def test_one_process_checkpoint_resumes_under_pp(runs: dict[str, wb.RunResult]) 
     assert max(abs(x - y) / y for x, y in zip(got, expected)) < 1e-5
 
 
-def test_a_nan_loss_on_the_last_stage_ends_the_pipeline_diverged_at_that_step(tmp_path: Path) -> None:
+def test_a_nan_loss_on_the_last_stage_ends_the_pipeline_diverged_at_that_step(
+    tmp_path: Path,
+) -> None:
     """The last stage's NaN loss (its gradients finite) poisons the stage's gradients after the schedule; the
     clip norm, summed over the stages, tells every rank, one all-reduce names the rank, and the step is applied
     nowhere. No vote on every step: the pipeline's ranks vote for stops and signals on an interval, as
     data-parallel ranks do."""
     from tasks_for_tests import SpikedCharGPT
 
-    cfg = cfg_for(tmp_path / "runs", num_processes=2, pp=2, parallelism="ddp", max_steps=8, checkpoint_every=2,
-                  run_name="nan")
+    cfg = cfg_for(
+        tmp_path / "runs",
+        num_processes=2,
+        pp=2,
+        parallelism="ddp",
+        max_steps=8,
+        checkpoint_every=2,
+        run_name="nan",
+    )
     # the last stage's 8th training loss: step 4's first micro-batch (2 per step, and one more in step 1, where
     # the schedule infers the stage's shapes)
     message = r"diverged at step 4: the loss was not finite \(NaN or inf\) on rank 1; last good checkpoint: .*step_2"

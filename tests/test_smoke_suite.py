@@ -33,28 +33,46 @@ RUN_ONCE = {"precision_and_batch_size": {"repeats": 1}}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_shipped_smoke_case_passes_against_its_committed_baseline(tmp_path: Path, name: str) -> None:
+def test_shipped_smoke_case_passes_against_its_committed_baseline(
+    tmp_path: Path, name: str
+) -> None:
     if detect().device_class != "cpu":
         pytest.skip("the committed baselines are for the 'cpu' device class")
     case = dataclasses.replace(CASES[name], repeats=1)
-    result = run_case(case, RUN_ONCE.get(name, {}), tmp_path, device_class="cpu", has_cuda=False,
-                      update_baselines=False)
+    result = run_case(
+        case,
+        RUN_ONCE.get(name, {}),
+        tmp_path,
+        device_class="cpu",
+        has_cuda=False,
+        update_baselines=False,
+    )
     write_report([result], tmp_path, device_class="cpu")
     write_junit([result], tmp_path / "junit.xml")
     [judged] = json.loads((tmp_path / "results.json").read_text())["cases"]
     assert result.status == PASSED, json.dumps(judged, indent=1)[:4000]
-    assert any(m.name.endswith(".samples_per_s") and m.verdict == "pass" for m in result.metrics), \
+    assert any(m.name.endswith(".samples_per_s") and m.verdict == "pass" for m in result.metrics), (
         "the suite's throughput rule was applied"
+    )
     assert (tmp_path / "report.html").stat().st_size > 10_000
     assert "<failure" not in (tmp_path / "junit.xml").read_text()
     [path] = result.notebooks  # ran headless (papermill), once, and kept what a reader needs
-    outputs = [o for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"
-               for o in cell.get("outputs", [])]
+    outputs = [
+        o
+        for cell in nbformat.read(path, as_version=4).cells
+        if cell.cell_type == "code"
+        for o in cell.get("outputs", [])
+    ]
     assert not [o for o in outputs if o.output_type == "error"], path
-    assert any("image/png" in o.get("data", {}) for o in outputs), f"{path}: the final figure is missing"
+    assert any("image/png" in o.get("data", {}) for o in outputs), (
+        f"{path}: the final figure is missing"
+    )
     if name == "quickstart":  # opened later without a kernel: the panel as it ended
-        panels = [o["data"]["text/html"] for o in outputs
-                  if "wb-snapshot-panel" in o.get("data", {}).get("text/html", "")]
+        panels = [
+            o["data"]["text/html"]
+            for o in outputs
+            if "wb-snapshot-panel" in o.get("data", {}).get("text/html", "")
+        ]
         assert len(panels) == 1 and "data-status='completed'" in panels[0], path
         # executed headless, the panel waited for its estimate: the saved snapshot has it, not "estimating..."
         shown = re.sub(r"<[^>]+>", "", panels[0])

@@ -30,7 +30,7 @@ import workbench as wb
 from workbench.launcher import spawn
 from workbench.worker import TASK_DIGEST_ENV, TASK_FILE, load_task
 
-CELL = '''
+CELL = """
 import json, os, sys
 import psutil, torch
 import workbench as wb
@@ -65,19 +65,30 @@ class CellTask(wb.Task):
     def loss(self, model, batch):
         x, y = batch
         return torch.nn.functional.mse_loss(model(x), y)
-'''
+"""
 
 
 def cell_task_class(marker: str) -> type:
     """CellTask as a notebook cell defines it: its module is __main__, where no worker can import it from."""
     namespace: dict = {"__name__": "__main__"}
-    exec(compile(textwrap.dedent(CELL.format(marker=marker)), "<ipython-input-3>", "exec"), namespace)
+    exec(
+        compile(textwrap.dedent(CELL.format(marker=marker)), "<ipython-input-3>", "exec"), namespace
+    )
     return namespace["CellTask"]
 
 
 def cfg_for(runs_dir: Path, **fields) -> wb.RunConfig:
-    base = dict(task="tiny-regression", num_processes=2, device="cpu", micro_batch_size=16, max_steps=6,
-                log_every=1, lr=5e-2, runs_dir=str(runs_dir), seed=3)
+    base = dict(
+        task="tiny-regression",
+        num_processes=2,
+        device="cpu",
+        micro_batch_size=16,
+        max_steps=6,
+        log_every=1,
+        lr=5e-2,
+        runs_dir=str(runs_dir),
+        seed=3,
+    )
     return wb.RunConfig(**{**base, **fields})
 
 
@@ -94,8 +105,11 @@ def leftovers() -> list[str]:
     """Processes and output-copying threads of this test still around after a deadline."""
     deadline = time.time() + 10
     while True:
-        procs = [p for p in psutil.Process().children(recursive=True)
-                 if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        procs = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        ]
         threads = [t.name for t in threading.enumerate() if t.name.endswith(("-stdout", "-stderr"))]
         if not (procs or threads) or time.time() > deadline:
             return [str(p.pid) for p in procs] + threads
@@ -104,17 +118,22 @@ def leftovers() -> list[str]:
 
 def fake_cuda_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(spawn, "run_uses_cuda", lambda cfg: True)  # a CUDA run, but the ranks train on CPU
+    monkeypatch.setattr(
+        spawn, "run_uses_cuda", lambda cfg: True
+    )  # a CUDA run, but the ranks train on CPU
 
 
 # ---- for real, on CPU ranks ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_task_from_a_notebook_cell_trains_spawned_on_two_cpu_ranks(runs_dir: Path, tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_task_from_a_notebook_cell_trains_spawned_on_two_cpu_ranks(
+    runs_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = secrets.token_hex(8)
     cell_task = cell_task_class(marker)
     assert cell_task.__module__ == "__main__" and not hasattr(sys.modules["__main__"], "CellTask")
-    cfg = cfg_for(runs_dir, task="cell-task", start_method="spawn", max_restarts=1, restart_backoff_s=0)
+    cfg = cfg_for(
+        runs_dir, task="cell-task", start_method="spawn", max_restarts=1, restart_backoff_s=0
+    )
     with killed_on_failure(wb.start(cfg, task=cell_task(str(tmp_path), fail_once=True))) as run:
         assert run.start_method == "spawn"
         assert run.start_reason == "start_method='spawn': the ranks start as fresh interpreters"
@@ -130,24 +149,37 @@ def test_task_from_a_notebook_cell_trains_spawned_on_two_cpu_ranks(runs_dir: Pat
         # A fresh interpreter running the worker under torchrun, which this process started: not a fork of it.
         assert seen["main"] == "workbench.worker" and "workbench.worker" in seen["cmdline"]
         assert "torch.distributed.run" in seen["parent"] and seen["grandparent_pid"] == os.getpid()
-    out = capsys.readouterr().out  # the ranks' prints reach the caller's sys.stdout (in a notebook: the cell)
+    out = (
+        capsys.readouterr().out
+    )  # the ranks' prints reach the caller's sys.stdout (in a notebook: the cell)
     assert f"cell says {marker} from rank 0" in out and f"cell says {marker} from rank 1" in out
     assert leftovers() == []
 
 
 @pytest.mark.slow
-def test_cuda_initialised_here_makes_auto_spawn_and_the_ranks_train(runs_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_cuda_initialised_here_makes_auto_spawn_and_the_ranks_train(
+    runs_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     fake_cuda_initialised(monkeypatch)
-    cfg = cfg_for(runs_dir, num_processes=1, parallelism="none", max_steps=100_000, log_every=2,
-                  task_options={"slow_s": 0.002})
+    cfg = cfg_for(
+        runs_dir,
+        num_processes=1,
+        parallelism="none",
+        max_steps=100_000,
+        log_every=2,
+        task_options={"slow_s": 0.002},
+    )
     assert cfg.start_method == "auto"
     with caplog.at_level(logging.INFO, logger="workbench"):
-        run = wb.start(cfg, task=TinyRegression())  # importable by name: pickled by reference, found in the rank
+        run = wb.start(
+            cfg, task=TinyRegression()
+        )  # importable by name: pickled by reference, found in the rank
     with killed_on_failure(run):
         assert run.start_method == "spawn"
-        assert "ranks start by spawn (start_method='auto': CUDA is already initialised in this process " \
-               "(torch.cuda.is_initialized() is True" in caplog.text
+        assert (
+            "ranks start by spawn (start_method='auto': CUDA is already initialised in this process "
+            "(torch.cuda.is_initialized() is True" in caplog.text
+        )
         deadline = time.time() + 120
         while not run.metrics and time.time() < deadline:
             time.sleep(0.1)
@@ -165,27 +197,38 @@ class Unpicklable(TinyRegression):
 
 
 def test_unpicklable_task_after_cuda_was_initialised_is_refused_naming_the_cause(
-        runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_cuda_initialised(monkeypatch)
-    with pytest.raises(RuntimeError, match=r"CUDA is already initialised in this process \(torch.cuda.is_initialized"
-                                           r"\(\) is True.*pickling the task \(Unpicklable\) failed with TypeError: "
-                                           r"cannot pickle '_thread.lock' object.*Restart the kernel and keep CUDA "
-                                           r"work .* inside your Task's methods"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"CUDA is already initialised in this process \(torch.cuda.is_initialized"
+        r"\(\) is True.*pickling the task \(Unpicklable\) failed with TypeError: "
+        r"cannot pickle '_thread.lock' object.*Restart the kernel and keep CUDA "
+        r"work .* inside your Task's methods",
+    ):
         wb.start(cfg_for(runs_dir), task=Unpicklable())
     assert not any(runs_dir.iterdir()), "nothing may be created"
     assert leftovers() == []
 
 
-def test_forced_fork_after_cuda_was_initialised_is_refused(runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forced_fork_after_cuda_was_initialised_is_refused(
+    runs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_cuda_initialised(monkeypatch)
-    with pytest.raises(RuntimeError, match=r"start_method='fork', but CUDA is already initialised .* Set "
-                                           r"start_method='auto' or 'spawn'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"start_method='fork', but CUDA is already initialised .* Set "
+        r"start_method='auto' or 'spawn'",
+    ):
         wb.start(cfg_for(runs_dir, start_method="fork"), task=TinyRegression())
     assert not any(runs_dir.iterdir())
 
 
 def test_forced_spawn_of_an_unpicklable_task_is_refused_with_the_fix(runs_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"start_method='spawn': pickling the task .* Use start_method='auto'"):
+    with pytest.raises(
+        ValueError, match=r"start_method='spawn': pickling the task .* Use start_method='auto'"
+    ):
         wb.start(cfg_for(runs_dir, start_method="spawn"), task=Unpicklable())
     assert not any(runs_dir.iterdir())
 
@@ -193,8 +236,12 @@ def test_forced_spawn_of_an_unpicklable_task_is_refused_with_the_fix(runs_dir: P
 def test_auto_forks_when_cuda_is_not_initialised(runs_dir: Path) -> None:
     plan = spawn.plan_start(cfg_for(runs_dir), TinyRegression())
     assert (plan.method, plan.payload) == ("fork", None) and "a CPU run" in plan.reason
-    assert spawn.plan_start(cfg_for(runs_dir, start_method="subprocess"), TinyRegression()).method == \
-        "subprocess", "start_method='subprocess' (what workbench train resolves 'auto' to) starts fresh interpreters"
+    assert (
+        spawn.plan_start(cfg_for(runs_dir, start_method="subprocess"), TinyRegression()).method
+        == "subprocess"
+    ), (
+        "start_method='subprocess' (what workbench train resolves 'auto' to) starts fresh interpreters"
+    )
 
 
 def test_the_call_that_initialised_cuda_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,9 +257,13 @@ def test_the_call_that_initialised_cuda_is_named(monkeypatch: pytest.MonkeyPatch
 
     assert spawn.cuda_initialised_by() is None
     notebook_cell()
-    assert not getattr(torch.cuda._lazy_init, "_workbench_watch", False), "torch's own function is put back"
+    assert not getattr(torch.cuda._lazy_init, "_workbench_watch", False), (
+        "torch's own function is put back"
+    )
     cause = spawn.cuda_initialised_by()
-    assert cause.startswith("torch.cuda.is_initialized() is True; it was first initialised by `torch.cuda._lazy_init()`")
+    assert cause.startswith(
+        "torch.cuda.is_initialized() is True; it was first initialised by `torch.cuda._lazy_init()`"
+    )
     assert "in notebook_cell), called from `notebook_cell()` (" in cause, cause
 
 
@@ -230,8 +281,11 @@ def test_worker_refuses_a_task_file_whose_digest_differs(tmp_path: Path) -> None
     evil = pickle.dumps(([], pickle.dumps(_Touch(ran))))
     (tmp_path / TASK_FILE).write_bytes(evil)
     written = hashlib.sha256(b"what the launcher wrote").hexdigest()
-    with pytest.raises(RuntimeError, match=r"task.pkl: its sha256 is .* not the .* its launcher wrote "
-                                           r"\(WORKBENCH_TASK_SHA256\); refusing to unpickle it"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"task.pkl: its sha256 is .* not the .* its launcher wrote "
+        r"\(WORKBENCH_TASK_SHA256\); refusing to unpickle it",
+    ):
         load_task(tmp_path, written)
     assert not ran.exists(), "nothing in the file may run"
 
@@ -247,12 +301,16 @@ class _Touch:
 
 
 def test_a_cuda_run_starts_fresh_interpreters_even_before_cuda_is_initialised(
-        runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # torch.cuda.is_available() alone leaves a fork unable to use CUDA, and is_initialized() can't tell
     monkeypatch.setattr(spawn, "run_uses_cuda", lambda cfg: True)
     assert not torch.cuda.is_initialized()
     plan = spawn.plan_start(cfg_for(runs_dir), TinyRegression())
     assert plan.method == "spawn" and plan.payload and "a CUDA run" in plan.reason
     fallback = spawn.plan_start(cfg_for(runs_dir), Unpicklable())
-    assert (fallback.method, fallback.payload) == ("fork", None) and "can't be pickled" in fallback.reason
+    assert (fallback.method, fallback.payload) == (
+        "fork",
+        None,
+    ) and "can't be pickled" in fallback.reason
     assert fallback.level == logging.WARNING

@@ -18,27 +18,47 @@ from workbench.cli import main
 from workbench.launcher.result import RunResult
 
 
-def test_start_method_subprocess_runs_accelerate_launch_and_mode_forwards_to_it(runs_dir: Path) -> None:
+def test_start_method_subprocess_runs_accelerate_launch_and_mode_forwards_to_it(
+    runs_dir: Path,
+) -> None:
     run = wb.start(cfg_for(runs_dir, task="digits", start_method="subprocess", max_steps=2))
     try:
-        assert run.start_method == "subprocess" and "accelerate launch / torchrun" in run.start_reason
+        assert (
+            run.start_method == "subprocess" and "accelerate launch / torchrun" in run.start_reason
+        )
         assert run.wait(timeout=120).status is wb.Status.COMPLETED
     finally:
         if not run.done():
             run.kill()
-    with pytest.warns(DeprecationWarning, match=r"mode='subprocess' is deprecated: set "
-                                                r"RunConfig.start_method='subprocess' instead"):
-        result = wb.launch(cfg_for(runs_dir, task="digits", max_steps=2), mode="subprocess", progress=False)
-    assert result.config.start_method == "subprocess" and result.dir.config().start_method == "subprocess"
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"mode='subprocess' is deprecated: set "
+        r"RunConfig.start_method='subprocess' instead",
+    ):
+        result = wb.launch(
+            cfg_for(runs_dir, task="digits", max_steps=2), mode="subprocess", progress=False
+        )
+    assert (
+        result.config.start_method == "subprocess"
+        and result.dir.config().start_method == "subprocess"
+    )
 
 
 def test_mode_fork_forwards_to_the_default_and_a_bad_mode_names_the_knob(runs_dir: Path) -> None:
-    with pytest.warns(DeprecationWarning, match=r"mode='fork' is deprecated: set RunConfig.start_method='auto'"):
-        result = wb.launch(cfg_for(runs_dir, task="digits", max_steps=2, start_method="subprocess"), mode="fork",
-                           progress=False)
+    with pytest.warns(
+        DeprecationWarning, match=r"mode='fork' is deprecated: set RunConfig.start_method='auto'"
+    ):
+        result = wb.launch(
+            cfg_for(runs_dir, task="digits", max_steps=2, start_method="subprocess"),
+            mode="fork",
+            progress=False,
+        )
     assert result.config.start_method == "auto"
-    with pytest.raises(ValueError, match=r"mode='thread': choose 'fork' or 'subprocess' \(deprecated: set "
-                                         r"RunConfig.start_method='auto' \| 'fork' \| 'spawn' \| 'subprocess'"):
+    with pytest.raises(
+        ValueError,
+        match=r"mode='thread': choose 'fork' or 'subprocess' \(deprecated: set "
+        r"RunConfig.start_method='auto' \| 'fork' \| 'spawn' \| 'subprocess'",
+    ):
         wb.start(cfg_for(runs_dir, task="digits"), mode="thread")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no mode=: no warning
@@ -46,8 +66,11 @@ def test_mode_fork_forwards_to_the_default_and_a_bad_mode_names_the_knob(runs_di
 
 
 def test_a_task_object_cannot_go_to_fresh_interpreters_by_name(runs_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"start_method='subprocess' starts fresh interpreters that can't see a task "
-                                         r"object: .* use start_method='auto' for tasks defined in a notebook"):
+    with pytest.raises(
+        ValueError,
+        match=r"start_method='subprocess' starts fresh interpreters that can't see a task "
+        r"object: .* use start_method='auto' for tasks defined in a notebook",
+    ):
         wb.start(cfg_for(runs_dir, start_method="subprocess"), task=TinyRegression())
     assert not any(runs_dir.iterdir()), "refused before anything was created"
 

@@ -48,7 +48,7 @@ def _targets(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
         return [a.name for a in node.names]
     base = node.module or ""
     if node.level:
-        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
         base = ".".join(anchor + ([base] if base else []))
     return [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
 
@@ -70,7 +70,11 @@ def imports_of(name: str) -> set[str]:
             continue
         for target in _targets(node, package):
             parts = target.split(".")
-            found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in MODULES)
+            found.update(
+                ".".join(parts[:i])
+                for i in range(1, len(parts) + 1)
+                if ".".join(parts[:i]) in MODULES
+            )
     own = name.split(".")
     found.update(".".join(own[:i]) for i in range(1, len(own)))
     found.discard(name)
@@ -84,7 +88,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, [*stack, nxt])
         state[node] = "done"
@@ -99,7 +103,9 @@ def test_there_is_no_import_cycle() -> None:
     # A parent's __init__ runs before its children, so "a child imports its parent" is no cycle; a parent
     # whose __init__ imports a child that imports the parent back would be (ast can't tell which names the
     # parent already had), and the parent edges are checked for that below by importing each module alone.
-    graph = {name: {m for m in imports_of(name) if not name.startswith(m + ".")} for name in MODULES}
+    graph = {
+        name: {m for m in imports_of(name) if not name.startswith(m + ".")} for name in MODULES
+    }
     cycles = find_cycles(graph)
     assert cycles == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
@@ -107,8 +113,11 @@ def test_there_is_no_import_cycle() -> None:
 def test_the_cycle_check_finds_a_cycle() -> None:
     # The checker itself must be able to fail: on a graph with a cycle, and on an import inside a function.
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
-    assert "workbench.launcher.launch" in imports_of("workbench.launcher.result") or \
-        "workbench.notebook.plots" in imports_of("workbench.launcher.result"), "function-level imports count"
+    assert "workbench.launcher.launch" in imports_of(
+        "workbench.launcher.result"
+    ) or "workbench.notebook.plots" in imports_of("workbench.launcher.result"), (
+        "function-level imports count"
+    )
     assert "workbench" in imports_of("workbench.worker"), "running a.b runs a/__init__ first"
 
 
@@ -116,39 +125,60 @@ def test_every_module_imports_on_its_own() -> None:
     # Each module first, in a fresh interpreter, with none of the package loaded before it (torch and the other
     # libraries stay loaded: one interpreter, as the suite's two workers keep both cores busy anyway)
     def code(names: list[str]) -> str:
-        return "\n".join([
-            "import importlib, sys, torch",
-            f"names = {names!r}",
-            "for name in names:",
-            "    for loaded in [m for m in sys.modules if m == 'workbench' or m.startswith('workbench.')]:",
-            "        del sys.modules[loaded]",
-            "    importlib.import_module(name)",
-            "print('ok', len(names))",
-        ])
+        return "\n".join(
+            [
+                "import importlib, sys, torch",
+                f"names = {names!r}",
+                "for name in names:",
+                "    for loaded in [m for m in sys.modules if m == 'workbench' or m.startswith('workbench.')]:",
+                "        del sys.modules[loaded]",
+                "    importlib.import_module(name)",
+                "print('ok', len(names))",
+            ]
+        )
 
     names = sorted(MODULES)
-    done = subprocess.run([sys.executable, "-c", code(names)], capture_output=True, text=True, cwd=REPO, timeout=100,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code(names)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=100,
+        check=False,
+    )
     assert done.returncode == 0 and done.stdout.startswith(f"ok {len(names)}"), done.stderr[-3000:]
 
 
 def _loaded_after(statement: str) -> list[str]:
     code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=True,
+    ).stdout
     return json.loads(out.splitlines()[-1])
 
 
 def _outside_the_rank_side(loaded: list[str]) -> list[str]:
-    return [m for m in loaded if m.startswith((*CALLER_SIDE, *NOTEBOOK_SIDE))
-            or m.split(".")[0] in HEAVY_LIBRARIES]
+    return [
+        m
+        for m in loaded
+        if m.startswith((*CALLER_SIDE, *NOTEBOOK_SIDE)) or m.split(".")[0] in HEAVY_LIBRARIES
+    ]
 
 
-@pytest.mark.parametrize("statement", [
-    "import workbench.worker",
-    # what a rank goes on to import: the trainer, its parallel strategies and the checkpoint code
-    "import workbench.worker, workbench.training.loop, workbench.training.parallel.pipeline",
-], ids=["worker", "worker-trainer-pipeline"])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import workbench.worker",
+        # what a rank goes on to import: the trainer, its parallel strategies and the checkpoint code
+        "import workbench.worker, workbench.training.loop, workbench.training.parallel.pipeline",
+    ],
+    ids=["worker", "worker-trainer-pipeline"],
+)
 def test_a_rank_loads_only_the_rank_side(statement: str) -> None:
     loaded = _loaded_after(statement)
     assert "workbench.worker" in loaded and "workbench.rundir" in loaded
@@ -158,7 +188,9 @@ def test_a_rank_loads_only_the_rank_side(statement: str) -> None:
 def test_the_rank_side_check_sees_the_caller_side() -> None:
     # The check above must be able to fail: the caller's launcher is outside the rank side, and so is what
     # a panel loads.
-    assert "workbench.launcher.launch" in _outside_the_rank_side(_loaded_after("import workbench.launcher.launch"))
+    assert "workbench.launcher.launch" in _outside_the_rank_side(
+        _loaded_after("import workbench.launcher.launch")
+    )
     assert "ipywidgets" in _outside_the_rank_side(_loaded_after("import workbench as wb; wb.Panel"))
 
 
@@ -191,8 +223,11 @@ def test_modules_functions_and_lines_stay_small() -> None:
         lines = source.splitlines()
         if len(lines) > MAX_MODULE_LINES:
             too_long.append(f"{name}: {len(lines)} lines")
-        too_long += [f"{name}:{i}: {len(line)} characters" for i, line in enumerate(lines, 1)
-                     if len(line) > LINE_WIDTH]
+        too_long += [
+            f"{name}:{i}: {len(line)} characters"
+            for i, line in enumerate(lines, 1)
+            if len(line) > LINE_WIDTH
+        ]
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
@@ -207,9 +242,11 @@ def test_a_test_id_that_could_differ_between_collections_fails(tmp_path: Path) -
     collection: gzip's header holds the current second, so two xdist workers could collect different ids) or an
     object's memory address, and leave a plainly named one alone."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "conftest.py").write_text("from collected_ids import mark_unstable_ids, pytest_runtest_setup\n\n"
-                                          "def pytest_collection_modifyitems(items):\n"
-                                          "    mark_unstable_ids(items)\n")
+    (tmp_path / "conftest.py").write_text(
+        "from collected_ids import mark_unstable_ids, pytest_runtest_setup\n\n"
+        "def pytest_collection_modifyitems(items):\n"
+        "    mark_unstable_ids(items)\n"
+    )
     (tmp_path / "test_ids.py").write_text(
         "import gzip, io, tarfile\nimport pytest\n\n"
         "def packed():\n    buf = io.BytesIO()\n"
@@ -217,10 +254,27 @@ def test_a_test_id_that_could_differ_between_collections_fails(tmp_path: Path) -
         "    return buf.getvalue()\n\n"
         "@pytest.mark.parametrize('archive', [packed()])\ndef test_bytes(archive):\n    pass\n\n"
         "@pytest.mark.parametrize('thing', [object()], ids=repr)\ndef test_address(thing):\n    pass\n\n"
-        "@pytest.mark.parametrize('n, text', [(1, 'plain')])\ndef test_plain(n, text):\n    pass\n")
+        "@pytest.mark.parametrize('n, text', [(1, 'plain')])\ndef test_plain(n, text):\n    pass\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     report = out.stdout + out.stderr
     assert out.returncode == 1, report
     assert "1 passed, 2 errors" in report, report
@@ -233,12 +287,25 @@ def test_what_makes_an_id_unstable_is_named() -> None:
     from collected_ids import unstable_id
 
     # the id that made two workers disagree (issue 39), and its stable replacement
-    assert unstable_id(r"tests/test_data.py::test_unsafe_archive_member_is_refused[a.tar.gz-\x1f\x8b\x08\x00"
-                       r"\xe2(\nk\x02]") == "its id holds escaped bytes"
-    assert unstable_id("tests/test_data.py::test_unsafe_archive_member_is_refused[tar-dotdot]") is None
-    assert unstable_id("t.py::test_x[<object object at 0x7f3a2c1b9e40>]") == "its id holds a memory address"
+    assert (
+        unstable_id(
+            r"tests/test_data.py::test_unsafe_archive_member_is_refused[a.tar.gz-\x1f\x8b\x08\x00"
+            r"\xe2(\nk\x02]"
+        )
+        == "its id holds escaped bytes"
+    )
+    assert (
+        unstable_id("tests/test_data.py::test_unsafe_archive_member_is_refused[tar-dotdot]") is None
+    )
+    assert (
+        unstable_id("t.py::test_x[<object object at 0x7f3a2c1b9e40>]")
+        == "its id holds a memory address"
+    )
     assert unstable_id("t.py::test_x[<Foo object>]") == "its id holds an object's repr"
-    assert unstable_id("t.py::test_x[" + "x" * 81 + "]") == "its parameter id is 81 characters long (at most 80)"
+    assert (
+        unstable_id("t.py::test_x[" + "x" * 81 + "]")
+        == "its parameter id is 81 characters long (at most 80)"
+    )
     assert unstable_id("t.py::test_x") is None
 
 
@@ -265,16 +332,25 @@ def signal_installations(source: str) -> list[int]:
         if not isinstance(node, ast.Call):
             continue
         func = node.func
-        if isinstance(func, ast.Attribute) and func.attr == "signal" or \
-                isinstance(func, ast.Name) and func.id == "signal":
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr == "signal"
+            or isinstance(func, ast.Name)
+            and func.id == "signal"
+        ):
             lines.append(node.lineno)
     return lines
 
 
 def test_one_module_installs_the_signal_handlers() -> None:
-    found = {name: lines for name, path in MODULES.items()
-             if name != SIGNAL_OWNER and (lines := signal_installations(path.read_text()))}
-    assert found == {}, f"signal handlers installed outside {SIGNAL_OWNER} (call it instead): {found}"
+    found = {
+        name: lines
+        for name, path in MODULES.items()
+        if name != SIGNAL_OWNER and (lines := signal_installations(path.read_text()))
+    }
+    assert found == {}, (
+        f"signal handlers installed outside {SIGNAL_OWNER} (call it instead): {found}"
+    )
     assert signal_installations(MODULES[SIGNAL_OWNER].read_text()), "the owner installs them"
 
 
@@ -292,9 +368,17 @@ PROBED = ("strategy", "accelerator", "parallel")
 
 def calls_of(source: str, function: str) -> list[int]:
     """The lines of `source` that call `function`, by name or as an attribute (`device_mesh.init_device_mesh`)."""
-    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
-            and (isinstance(node.func, ast.Name) and node.func.id == function
-                 or isinstance(node.func, ast.Attribute) and node.func.attr == function)]
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and (
+            isinstance(node.func, ast.Name)
+            and node.func.id == function
+            or isinstance(node.func, ast.Attribute)
+            and node.func.attr == function
+        )
+    ]
 
 
 def probes(source: str) -> list[int]:
@@ -302,10 +386,19 @@ def probes(source: str) -> list[int]:
     `accelerator`, `self.parallel`, `self.strategy`, `self.accelerator`."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+        ):
             target = node.args[0] if node.args else None
-            name = target.id if isinstance(target, ast.Name) else \
-                target.attr if isinstance(target, ast.Attribute) else ""
+            name = (
+                target.id
+                if isinstance(target, ast.Name)
+                else target.attr
+                if isinstance(target, ast.Attribute)
+                else ""
+            )
             if name in PROBED:
                 lines.append(node.lineno)
     return lines
@@ -323,23 +416,50 @@ def checkpoint_overrides(source: str) -> dict[str, str]:
 
 
 def test_one_mesh_builder_no_probes_and_at_most_two_checkpoint_overrides() -> None:
-    training = {name: path.read_text() for name, path in MODULES.items() if name.startswith("workbench.training")}
-    meshes = {name: lines for name, source in training.items() if (lines := calls_of(source, "init_device_mesh"))}
-    assert meshes == {"workbench.training.parallel.device_mesh": meshes.get("workbench.training.parallel.device_mesh")}
+    training = {
+        name: path.read_text()
+        for name, path in MODULES.items()
+        if name.startswith("workbench.training")
+    }
+    meshes = {
+        name: lines
+        for name, source in training.items()
+        if (lines := calls_of(source, "init_device_mesh"))
+    }
+    assert meshes == {
+        "workbench.training.parallel.device_mesh": meshes.get(
+            "workbench.training.parallel.device_mesh"
+        )
+    }
     assert sum(len(lines) for lines in meshes.values()) == 1, meshes
     probing = {name: lines for name, source in training.items() if (lines := probes(source))}
-    assert probing == {}, f"capabilities probed with getattr (declare them on Strategy / Placement): {probing}"
-    overrides = {where: doc for name, source in training.items() if name.startswith("workbench.training.parallel")
-                 for where, doc in checkpoint_overrides(source).items()}
-    assert len(overrides) <= 2, f"save/load overridden beyond the two documented exceptions: {sorted(overrides)}"
+    assert probing == {}, (
+        f"capabilities probed with getattr (declare them on Strategy / Placement): {probing}"
+    )
+    overrides = {
+        where: doc
+        for name, source in training.items()
+        if name.startswith("workbench.training.parallel")
+        for where, doc in checkpoint_overrides(source).items()
+    }
+    assert len(overrides) <= 2, (
+        f"save/load overridden beyond the two documented exceptions: {sorted(overrides)}"
+    )
     assert [where for where, doc in overrides.items() if "why" not in doc.lower()] == [], overrides
 
 
 def test_the_parallel_layer_checks_can_fail() -> None:
-    assert calls_of("from torch.distributed import device_mesh as dm\ndm.init_device_mesh('cpu', (2,))\n"
-                    "init_device_mesh('cpu', (2,))\n", "init_device_mesh") == [2, 3]
-    assert probes("getattr(strategy, 'pipelined', False)\ngetattr(self.parallel, 'loss_ranks', None)\n"
-                  "getattr(accelerator, 'tracing', False)\ngetattr(info, 'buffer', None)\n") == [1, 2, 3]
-    assert checkpoint_overrides("class Strategy:\n    def load(self, p): ...\n"
-                                "class Mine(Strategy):\n    def load(self, p):\n        '''Why: x.'''\n"
-                                "    def save(self, p): ...\n") == {"Mine.load": "Why: x.", "Mine.save": ""}
+    assert calls_of(
+        "from torch.distributed import device_mesh as dm\ndm.init_device_mesh('cpu', (2,))\n"
+        "init_device_mesh('cpu', (2,))\n",
+        "init_device_mesh",
+    ) == [2, 3]
+    assert probes(
+        "getattr(strategy, 'pipelined', False)\ngetattr(self.parallel, 'loss_ranks', None)\n"
+        "getattr(accelerator, 'tracing', False)\ngetattr(info, 'buffer', None)\n"
+    ) == [1, 2, 3]
+    assert checkpoint_overrides(
+        "class Strategy:\n    def load(self, p): ...\n"
+        "class Mine(Strategy):\n    def load(self, p):\n        '''Why: x.'''\n"
+        "    def save(self, p): ...\n"
+    ) == {"Mine.load": "Why: x.", "Mine.save": ""}

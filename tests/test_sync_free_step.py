@@ -46,8 +46,14 @@ def syncs_in_steps(trace: Path, names: tuple[str, ...] = (SYNC,)) -> tuple[int, 
     def inside(e: dict[str, Any], r: dict[str, Any]) -> bool:
         return r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"]
 
-    reads = [e for e in events if e["name"] in names and e["tid"] == tid and begin <= e["ts"] <= end
-             and not any(inside(e, r) for r in own)]
+    reads = [
+        e
+        for e in events
+        if e["name"] in names
+        and e["tid"] == tid
+        and begin <= e["ts"] <= end
+        and not any(inside(e, r) for r in own)
+    ]
     return len(reads), {s["name"] for s in steps}
 
 
@@ -92,33 +98,56 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, int] | None]] = {
     "zero1": ({"parallelism": "zero1"}, "zero1", None),
     "zero2": ({"parallelism": "zero2"}, "zero2", {"dp_shard": 2}),
     "zero3": ({"parallelism": "zero3"}, "zero3", {"dp_shard": 2}),
-    "hsdp": ({"parallelism": "hsdp", "dp_shard": 2, "num_processes": 4}, "hsdp",
-             {"dp_replicate": 2, "dp_shard": 2}),
+    "hsdp": (
+        {"parallelism": "hsdp", "dp_shard": 2, "num_processes": 4},
+        "hsdp",
+        {"dp_replicate": 2, "dp_shard": 2},
+    ),
     "tp": ({"tp": 2}, "tp2", {"tp": 2}),
     "pp-1f1b": ({"pp": 2}, "pp2 1f1b", PIPELINE_MESH),
-    "pp-interleaved": ({"pp": 2, "pp_schedule": "interleaved_1f1b", "task_options": {"n_layer": 4}},
-                       "pp2 interleaved_1f1b, 2 chunks/rank", PIPELINE_MESH),
+    "pp-interleaved": (
+        {"pp": 2, "pp_schedule": "interleaved_1f1b", "task_options": {"n_layer": 4}},
+        "pp2 interleaved_1f1b, 2 chunks/rank",
+        PIPELINE_MESH,
+    ),
     "cp": ({"cp": 2, "parallelism": "zero3"}, "zero3 x cp2", {"cp": 2}),
 }
 
 
 def layout_cfg(runs_dir: Path, name: str) -> wb.RunConfig:
     fields = dict(LAYOUTS[name][0])
-    options = {"block_size": 32, "train_stride": 64, "dropout": 0.0,
-               **fields.pop("task_options", {})}
+    options = {
+        "block_size": 32,
+        "train_stride": 64,
+        "dropout": 0.0,
+        **fields.pop("task_options", {}),
+    }
     base: dict[str, Any] = {
-        "task": "char-gpt", "num_processes": 2, "device": "cpu", "micro_batch_size": 4,
-        "grad_accum_steps": 2, "max_steps": 8, "log_every": 50, "eval_batches": 1, "seed": 3,
-        "runs_dir": str(runs_dir), "run_name": name, "oversubscribe": True, "dist_timeout_s": 120,
-        "trackers": [], "profile_steps": list(PROFILED), "task_options": options}
+        "task": "char-gpt",
+        "num_processes": 2,
+        "device": "cpu",
+        "micro_batch_size": 4,
+        "grad_accum_steps": 2,
+        "max_steps": 8,
+        "log_every": 50,
+        "eval_batches": 1,
+        "seed": 3,
+        "runs_dir": str(runs_dir),
+        "run_name": name,
+        "oversubscribe": True,
+        "dist_timeout_s": 120,
+        "trackers": [],
+        "profile_steps": list(PROFILED),
+        "task_options": options,
+    }
     return wb.RunConfig(**{**base, **fields})
 
 
 @pytest.mark.filterwarnings("ignore:num_processes=4 on 2 CPU core")  # hsdp's 4 ranks, few cores
 @pytest.mark.parametrize("name", list(LAYOUTS), ids=list(LAYOUTS))
-def test_a_steady_step_reads_nothing_from_the_device(name: str, runs_dir: Path,
-                                                     votes_every_step: None,
-                                                     request: pytest.FixtureRequest) -> None:
+def test_a_steady_step_reads_nothing_from_the_device(
+    name: str, runs_dir: Path, votes_every_step: None, request: pytest.FixtureRequest
+) -> None:
     if name == "cp":
         request.getfixturevalue("ring_lifted")
     cfg = layout_cfg(runs_dir, name)
@@ -141,8 +170,9 @@ def test_a_steady_step_reads_nothing_from_the_device(name: str, runs_dir: Path,
 def test_a_steady_gpu_step_never_waits_for_the_device(runs_dir: Path) -> None:
     """On a GPU the host waits in the CUDA runtime too (a stream or event synchronize, under a copy
     to the host): none of that in steady steps either, the step-time breakdown's events included."""
-    cfg = layout_cfg(runs_dir, "ddp").replace(device="cuda", num_processes=1, max_steps=12,
-                                              profile_steps=[4, 10])
+    cfg = layout_cfg(runs_dir, "ddp").replace(
+        device="cuda", num_processes=1, max_steps=12, profile_steps=[4, 10]
+    )
     result = wb.launch(cfg)
     assert result.status == "completed" and result.summary["ranks"][0]["device"].startswith("cuda")
     reads, steps = syncs_in_steps(Path(result.summary["ranks"][0]["profile_trace"]), CUDA_WAITS)
@@ -157,16 +187,27 @@ READ_POINTS = {
 
 
 @pytest.mark.parametrize("read_point", list(READ_POINTS), ids=list(READ_POINTS))
-def test_a_nan_on_a_steady_step_is_reported_at_its_step_and_never_saved(runs_dir: Path,
-                                                                         read_point: str) -> None:
+def test_a_nan_on_a_steady_step_is_reported_at_its_step_and_never_saved(
+    runs_dir: Path, read_point: str
+) -> None:
     """Rank 1's loss is NaN at step 7, a steady step: the next read point (step 8's checkpoint, or
     step 10's row) finds it, the run ends diverged at step 7 on every rank, and nothing after step
     6 is logged or saved."""
     fields, rows = READ_POINTS[read_point]
-    cfg = wb.RunConfig(task="tasks_for_tests:TinyRegression", num_processes=2, device="cpu",
-                       micro_batch_size=16, max_steps=12, lr=5e-2, runs_dir=str(runs_dir),
-                       run_name="nan", seed=3, trackers=[],
-                       task_options={"nan_rank": 1, "nan_at_call": 7}, **fields)
+    cfg = wb.RunConfig(
+        task="tasks_for_tests:TinyRegression",
+        num_processes=2,
+        device="cpu",
+        micro_batch_size=16,
+        max_steps=12,
+        lr=5e-2,
+        runs_dir=str(runs_dir),
+        run_name="nan",
+        seed=3,
+        trackers=[],
+        task_options={"nan_rank": 1, "nan_at_call": 7},
+        **fields,
+    )
     message = r"diverged at step 7: the loss was not finite \(NaN or inf\) on rank 1; "
     with pytest.raises(wb.RunDivergedError, match=message) as info:
         wb.launch(cfg)

@@ -53,21 +53,32 @@ def started() -> Iterator[list[wb.Run]]:
 def left_in(folder: Path, deadline_s: float) -> list[str]:
     """What is still in `folder` after waiting up to `deadline_s` for it to empty."""
     deadline = time.monotonic() + deadline_s
-    while (left := sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))) and time.monotonic() < deadline:
+    while (
+        left := sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
 
 def config(runs_dir: Path, start_method: str, fails: bool) -> wb.RunConfig:
-    return wb.RunConfig(task="tiny-regression", num_processes=2, max_steps=3, micro_batch_size=8,
-                        runs_dir=str(runs_dir), trackers=[], monitor_interval_s=0.0, start_method=start_method,
-                        task_options={"fail_rank": 1, "fail_at_call": 2} if fails else {})
+    return wb.RunConfig(
+        task="tiny-regression",
+        num_processes=2,
+        max_steps=3,
+        micro_batch_size=8,
+        runs_dir=str(runs_dir),
+        trackers=[],
+        monitor_interval_s=0.0,
+        start_method=start_method,
+        task_options={"fail_rank": 1, "fail_at_call": 2} if fails else {},
+    )
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"], ids=["forked", "torchrun"])
 @pytest.mark.parametrize("fails", [False, True], ids=["completed", "failed"])
-def test_a_launch_leaves_nothing_in_tmpdir(fresh_tmpdir: Path, runs_dir: Path, started: list[wb.Run],
-                                           start_method: str, fails: bool) -> None:
+def test_a_launch_leaves_nothing_in_tmpdir(
+    fresh_tmpdir: Path, runs_dir: Path, started: list[wb.Run], start_method: str, fails: bool
+) -> None:
     run = wb.start(config(runs_dir, start_method, fails), TinyRegression())
     started.append(run)
     during = [p.name for p in fresh_tmpdir.iterdir()]
@@ -81,7 +92,8 @@ def test_a_launch_leaves_nothing_in_tmpdir(fresh_tmpdir: Path, runs_dir: Path, s
 
 
 def test_the_folder_outlives_the_processes_of_a_run_answered_before_they_exit(
-        fresh_tmpdir: Path, runs_dir: Path, started: list[wb.Run]) -> None:
+    fresh_tmpdir: Path, runs_dir: Path, started: list[wb.Run]
+) -> None:
     """A forked run is answered when its ranks returned, before they exit (forked.py): its folder is removed only
     once they have (by their supervisor, or by the reaper once it exited), never from under them."""
     run = wb.start(config(runs_dir, "fork", fails=False), SlowToExit(exit_s=2.0))
@@ -94,8 +106,9 @@ def test_the_folder_outlives_the_processes_of_a_run_answered_before_they_exit(
     assert not [pid for pid in ranks if alive(pid)], "removed once they were gone"
 
 
-def test_a_caller_that_exits_once_its_run_is_answered_leaves_nothing(fresh_tmpdir: Path, runs_dir: Path,
-                                                                      tmp_path: Path) -> None:
+def test_a_caller_that_exits_once_its_run_is_answered_leaves_nothing(
+    fresh_tmpdir: Path, runs_dir: Path, tmp_path: Path
+) -> None:
     """A script that launches and exits at once (its run answered before the ranks exited, the reaper thread gone
     with the interpreter): the supervisor removes the folder itself once its ranks are gone."""
     script = textwrap.dedent(f"""
@@ -109,7 +122,13 @@ def test_a_caller_that_exits_once_its_run_is_answered_leaves_nothing(fresh_tmpdi
     """)
     # Its own dynamo import would make torchinductor_<user> in TMPDIR: the script's doing, not the launch's.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("completed"), done.stderr[-2000:]
     assert left_in(fresh_tmpdir, 20) == []

@@ -23,16 +23,34 @@ from workbench.utils.hardware import Hardware
 CPU2 = Hardware(cpu_count=2)
 
 BAD = [
-    ({"prefetch_factor": 4}, r"prefetch_factor=4 with num_workers=0: only worker processes prefetch; set num_workers"),
+    (
+        {"prefetch_factor": 4},
+        r"prefetch_factor=4 with num_workers=0: only worker processes prefetch; set num_workers",
+    ),
     ({"prefetch_factor": 0, "num_workers": 2}, r"prefetch_factor=0: must be at least 1"),
-    ({"persistent_workers": True}, r"persistent_workers=True with num_workers=0: there are no workers to keep"),
+    (
+        {"persistent_workers": True},
+        r"persistent_workers=True with num_workers=0: there are no workers to keep",
+    ),
     ({"pin_memory": "yes"}, r"pin_memory='yes': choose one of bool \| 'auto'"),
     ({"profile_steps": [3]}, r"profile_steps=\[3\]: give \[first, last\]"),
-    ({"profile_steps": [5, 3]}, r"profile_steps=\[5, 3\]: need 1 <= first <= last <= max_steps=100"),
+    (
+        {"profile_steps": [5, 3]},
+        r"profile_steps=\[5, 3\]: need 1 <= first <= last <= max_steps=100",
+    ),
     ({"profile_steps": [0, 2]}, r"profile_steps=\[0, 2\]: need 1 <= first"),
-    ({"profile_steps": [8, 12], "max_steps": 10}, r"profile_steps=\[8, 12\]: need .* <= max_steps=10"),
-    ({"trackers": ["wandb"]}, r"trackers=\['wandb'\]: choose one of a list of \('tensorboard' \| 'mlflow'\) \| 'auto'"),
-    ({"trackers": ["mlflow", "mlflow"]}, r"trackers=\['mlflow', 'mlflow'\]: name each tracker once, e.g. \['mlflow'\]"),
+    (
+        {"profile_steps": [8, 12], "max_steps": 10},
+        r"profile_steps=\[8, 12\]: need .* <= max_steps=10",
+    ),
+    (
+        {"trackers": ["wandb"]},
+        r"trackers=\['wandb'\]: choose one of a list of \('tensorboard' \| 'mlflow'\) \| 'auto'",
+    ),
+    (
+        {"trackers": ["mlflow", "mlflow"]},
+        r"trackers=\['mlflow', 'mlflow'\]: name each tracker once, e.g. \['mlflow'\]",
+    ),
 ]
 
 
@@ -43,17 +61,32 @@ def test_bad_settings_are_refused_naming_field_value_and_fix(fields: dict, messa
 
 
 def test_good_settings_are_accepted_and_round_trip_through_yaml(tmp_path: Path) -> None:
-    cfg = wb.RunConfig(trackers=["mlflow", "tensorboard"], profile_steps=[2, 2], num_workers=2, prefetch_factor=4,
-                       persistent_workers=False, pin_memory=False, max_steps=2)
-    assert wb.RunConfig.from_yaml(Path(cfg.to_yaml(tmp_path / "c.yaml") and tmp_path / "c.yaml")) == cfg
+    cfg = wb.RunConfig(
+        trackers=["mlflow", "tensorboard"],
+        profile_steps=[2, 2],
+        num_workers=2,
+        prefetch_factor=4,
+        persistent_workers=False,
+        pin_memory=False,
+        max_steps=2,
+    )
+    assert (
+        wb.RunConfig.from_yaml(Path(cfg.to_yaml(tmp_path / "c.yaml") and tmp_path / "c.yaml"))
+        == cfg
+    )
     assert wb.RunConfig().trackers == "auto" and wb.RunConfig().profile_steps == []
 
 
-def test_a_requested_tracker_that_is_not_installed_is_refused_with_the_pip_command(monkeypatch) -> None:
+def test_a_requested_tracker_that_is_not_installed_is_refused_with_the_pip_command(
+    monkeypatch,
+) -> None:
     monkeypatch.setattr(tracking, "installed", lambda name: name != "mlflow")
     cfg = wb.RunConfig(task="digits", device="cpu", trackers=["tensorboard", "mlflow"])
-    with pytest.raises(ValueError, match=r"trackers=\['tensorboard', 'mlflow'\]: mlflow not installed here; "
-                                         r"`pip install mlflow-skinny`, or leave mlflow out of trackers"):
+    with pytest.raises(
+        ValueError,
+        match=r"trackers=\['tensorboard', 'mlflow'\]: mlflow not installed here; "
+        r"`pip install mlflow-skinny`, or leave mlflow out of trackers",
+    ):
         preflight(cfg, hardware=CPU2)
 
 
@@ -62,7 +95,9 @@ def test_auto_means_tensorboard_when_installed_else_none(monkeypatch) -> None:
     assert tracking.resolve("auto") == ["tensorboard"]
     monkeypatch.setattr(tracking, "installed", lambda name: False)
     assert tracking.resolve("auto") == [] and tracking.missing("auto") == []
-    preflight(wb.RunConfig(task="digits", device="cpu"), hardware=CPU2)  # 'auto' without tensorboard is no error
+    preflight(
+        wb.RunConfig(task="digits", device="cpu"), hardware=CPU2
+    )  # 'auto' without tensorboard is no error
     assert tracking.resolve(["mlflow"]) == ["mlflow"] and tracking.missing(["mlflow"]) == ["mlflow"]
 
 
@@ -71,30 +106,50 @@ def test_pin_memory_on_cpu_is_warned_about_not_silently_dropped() -> None:
         preflight(wb.RunConfig(task="digits", device="cpu", pin_memory=True), hardware=CPU2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        preflight(wb.RunConfig(task="digits", device="cpu"), hardware=CPU2)  # 'auto' says nothing on CPU
+        preflight(
+            wb.RunConfig(task="digits", device="cpu"), hardware=CPU2
+        )  # 'auto' says nothing on CPU
 
 
 def test_loader_options_resolve_auto_per_device_and_workers() -> None:
     plain = wb.RunConfig()
-    assert loader_options(plain, "cpu") == {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
+    assert loader_options(plain, "cpu") == {
+        "num_workers": 0,
+        "pin_memory": False,
+        "persistent_workers": False,
+    }
     assert loader_options(plain, "cuda")["pin_memory"] is True
     workers = wb.RunConfig(num_workers=2, prefetch_factor=4)
-    assert loader_options(workers, "cpu") == {"num_workers": 2, "pin_memory": False, "persistent_workers": True,
-                                              "prefetch_factor": 4}
+    assert loader_options(workers, "cpu") == {
+        "num_workers": 2,
+        "pin_memory": False,
+        "persistent_workers": True,
+        "prefetch_factor": 4,
+    }
     assert loader_options(workers.replace(persistent_workers=False, pin_memory=False), "cuda") == {
-        "num_workers": 2, "pin_memory": False, "persistent_workers": False, "prefetch_factor": 4}
+        "num_workers": 2,
+        "pin_memory": False,
+        "persistent_workers": False,
+        "prefetch_factor": 4,
+    }
 
 
 def test_hyperparameters_and_scalars_are_what_the_trackers_can_hold() -> None:
-    cfg = wb.RunConfig(task_options={"n_layer": 2, "dropout": None}, profile_steps=[1, 2], max_steps=5)
+    cfg = wb.RunConfig(
+        task_options={"n_layer": 2, "dropout": None}, profile_steps=[1, 2], max_steps=5
+    )
     hp = hyperparameters(cfg, world_size=2)
     assert hp["lr"] == 1e-3 and hp["max_steps"] == 5 and hp["world_size"] == 2
     assert hp["task_options.n_layer"] == 2 and hp["task_options.dropout"] == "null"
     assert hp["profile_steps"] == "[1, 2]" and hp["run_name"] == "null" and hp["trackers"] == "auto"
     assert all(isinstance(v, (bool, int, float, str)) for v in hp.values())
     row = {"step": 4, "loss": 0.5, "samples": 64, "peak_memory_bytes_per_rank": [10, 20]}
-    assert scalars(row) == {"loss": 0.5, "samples": 64, "peak_memory_bytes_per_rank/rank_0": 10,
-                            "peak_memory_bytes_per_rank/rank_1": 20}
+    assert scalars(row) == {
+        "loss": 0.5,
+        "samples": 64,
+        "peak_memory_bytes_per_rank/rank_0": 10,
+        "peak_memory_bytes_per_rank/rank_1": 20,
+    }
 
 
 # ---- real runs ------------------------------------------------------------------------------------------------
@@ -102,8 +157,20 @@ LOADER = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 4, "p
 
 
 def digits(runs_dir: Path, name: str, **fields) -> wb.RunConfig:
-    base = dict(task="digits", num_processes=2, device="cpu", max_steps=4, log_every=2, eval_every=4,
-                eval_batches=2, micro_batch_size=16, runs_dir=str(runs_dir), run_name=name, trackers=[], seed=5)
+    base = dict(
+        task="digits",
+        num_processes=2,
+        device="cpu",
+        max_steps=4,
+        log_every=2,
+        eval_every=4,
+        eval_batches=2,
+        micro_batch_size=16,
+        runs_dir=str(runs_dir),
+        run_name=name,
+        trackers=[],
+        seed=5,
+    )
     return wb.RunConfig(**{**base, **fields})
 
 
@@ -125,7 +192,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, wb.RunResult]:
         warnings.simplefilter("ignore")  # pin_memory=True on CPU is warned about (tested above)
         # Both trackers are in the test extra; without one, the tests that read it back skip, the others still run.
         trackers = [name for name in tracking.TRACKERS if tracking.installed(name)]
-        tracked = run_to_end(digits(runs_dir, "tracked", trackers=trackers, profile_steps=[2, 3], **LOADER))
+        tracked = run_to_end(
+            digits(runs_dir, "tracked", trackers=trackers, profile_steps=[2, 3], **LOADER)
+        )
         plain = run_to_end(digits(runs_dir, "plain"))
     return {"plain": plain, "tracked": tracked}
 
@@ -140,7 +209,10 @@ def test_loader_settings_profile_and_trackers_leave_training_bit_identical(runs:
     assert [r["step"] for r in tracked] == [2, 4]
     assert [r["loss"] for r in tracked] == [r["loss"] for r in plain]
     assert runs["tracked"].summary["weights_sha256"] == runs["plain"].summary["weights_sha256"]
-    assert not (runs["plain"].run_dir / "tensorboard").exists() and not (runs["plain"].run_dir / "mlflow").exists()
+    assert (
+        not (runs["plain"].run_dir / "tensorboard").exists()
+        and not (runs["plain"].run_dir / "mlflow").exists()
+    )
 
 
 @pytest.mark.slow
@@ -156,16 +228,21 @@ def test_tensorboard_holds_the_metrics_rows_and_the_config(runs: dict) -> None:
     for row in result.metrics:  # training and eval rows, per-rank lists as name/rank_i
         for name, value in scalars(row).items():
             logged = {e.step: e.value for e in events.Scalars(name)}
-            assert logged[row["step"]] == pytest.approx(value, rel=1e-6), name  # TensorBoard keeps float32
+            assert logged[row["step"]] == pytest.approx(value, rel=1e-6), (
+                name
+            )  # TensorBoard keeps float32
     assert "peak_memory_bytes_per_rank/rank_1" in events.Tags()["scalars"]
     [hparams_file] = logdir.glob("*/events.out.tfevents.*")
     meta = EventAccumulator(str(hparams_file.parent))
     meta.Reload()
     start = plugin_data_pb2.HParamsPluginData.FromString(
-        meta.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+        meta.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    ).session_start_info
     hp = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
     assert hp["task"] == "digits" and hp["lr"] == pytest.approx(1e-3) and hp["max_steps"] == 4
-    assert hp["profile_steps"] == "[2, 3]" and hp["world_size"] == 2 and hp["global_batch_size"] == 32
+    assert (
+        hp["profile_steps"] == "[2, 3]" and hp["world_size"] == 2 and hp["global_batch_size"] == 32
+    )
 
 
 @pytest.mark.slow
@@ -186,7 +263,9 @@ def test_mlflow_file_store_holds_the_metrics_rows_and_the_config(runs: dict, mon
             history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
             assert history[row["step"]] == value, name  # MLflow keeps the float exactly
     params = run.data.params
-    assert params["task"] == "digits" and float(params["lr"]) == 1e-3 and params["num_workers"] == "2"
+    assert (
+        params["task"] == "digits" and float(params["lr"]) == 1e-3 and params["num_workers"] == "2"
+    )
     assert json.loads(params["trackers"]) == [n for n in tracking.TRACKERS if tracking.installed(n)]
     assert params["world_size"] == "2"
 
@@ -200,11 +279,17 @@ def test_every_rank_writes_a_chrome_trace_of_the_profiled_steps(runs: dict) -> N
         names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
         steps = {n for n in names if n and n.startswith("workbench step")}
         assert steps == {STEP_LABEL.format(2), STEP_LABEL.format(3)}, path
-        assert any(n and n.startswith("aten::") for n in names), "the trace holds the steps' operators"
+        assert any(n and n.startswith("aten::") for n in names), (
+            "the trace holds the steps' operators"
+        )
     saved = [e for e in result.events if e["event"] == "profile_saved"]
-    assert sorted((e["rank"], e["path"], e["steps"]) for e in saved) == [(r, str(p), [2, 3])
-                                                                         for r, p in enumerate(paths)]
-    assert result.summary["ranks"][0].get("profile_trace") and runs["plain"].summary["ranks"][0]["profile_trace"] is None
+    assert sorted((e["rank"], e["path"], e["steps"]) for e in saved) == [
+        (r, str(p), [2, 3]) for r, p in enumerate(paths)
+    ]
+    assert (
+        result.summary["ranks"][0].get("profile_trace")
+        and runs["plain"].summary["ranks"][0]["profile_trace"] is None
+    )
 
     from workbench.notebook.dashboard import Dashboard
 

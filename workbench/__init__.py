@@ -1,8 +1,8 @@
 """workbench: train PyTorch models on many processes from a notebook cell or the shell.
 
-`import workbench` loads nothing but this file and the version: each public name below is imported from
-where it lives on first use (PEP 562), so a rank that imports `workbench.worker` never loads the caller's
-launcher or the notebook side, and `wb.Panel` alone brings in ipywidgets.
+`import workbench` loads nothing but this file and the version: each public name below is imported
+from where it lives on first use (PEP 562), so a rank that imports `workbench.worker` never loads
+the caller's launcher or the notebook side, and `wb.Panel` alone brings in ipywidgets.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ if TYPE_CHECKING:
     from workbench.notebook.dashboard import Dashboard
     from workbench.notebook.panel import Panel
     from workbench.regress.recording import record
-    from workbench.rundir import RunDirLocked, RunDivergedError, RunFailedError, RunPreemptedError, Status
+    from workbench.rundir import (
+        RunDirLocked,
+        RunDivergedError,
+        RunFailedError,
+        RunPreemptedError,
+        Status,
+    )
     from workbench.rundir.listing import compare, runs
     from workbench.tasks import Task, register_task
 

@@ -14,10 +14,14 @@ log = logging.getLogger("workbench")
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", stream=sys.stderr
+    )
     # accelerate narrates every checkpoint file at INFO; keep the terminal for our progress bar.
     logging.getLogger("accelerate").setLevel(logging.WARNING)
-    logging.getLogger("papermill").setLevel(logging.WARNING)  # "Executing notebook..." for every case
+    logging.getLogger("papermill").setLevel(
+        logging.WARNING
+    )  # "Executing notebook..." for every case
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,19 +32,33 @@ def _parser() -> argparse.ArgumentParser:
     train_parser(sub)
     estimate_parser(sub)
 
-    st = sub.add_parser("status", help="how a run stands: status (a run whose processes are gone says so), "
-                                       "progress, ending or error, checkpoints")
+    st = sub.add_parser(
+        "status",
+        help="how a run stands: status (a run whose processes are gone says so), "
+        "progress, ending or error, checkpoints",
+    )
     st.add_argument("run_dir", type=Path)
 
-    c = sub.add_parser("check", help="validate a RunConfig YAML for this machine (or --gpu: the hardware it is "
-                                     "planned for) and show what it implies")
+    c = sub.add_parser(
+        "check",
+        help="validate a RunConfig YAML for this machine (or --gpu: the hardware it is "
+        "planned for) and show what it implies",
+    )
     c.add_argument("config", type=Path)
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    c.add_argument("--gpu", default=None, help="plan for a catalog accelerator (see `workbench estimate --compare`)")
-    c.add_argument("--gpus-per-node", type=int, default=0, help="with --gpu (default: num_processes / nodes)")
+    c.add_argument(
+        "--gpu",
+        default=None,
+        help="plan for a catalog accelerator (see `workbench estimate --compare`)",
+    )
+    c.add_argument(
+        "--gpus-per-node", type=int, default=0, help="with --gpu (default: num_processes / nodes)"
+    )
     c.add_argument("--nodes", type=int, default=1, help="with --gpu")
 
-    d = sub.add_parser("demo", help="the README's main job: digits on 2 CPU processes of DDP, offline")
+    d = sub.add_parser(
+        "demo", help="the README's main job: digits on 2 CPU processes of DDP, offline"
+    )
     d.add_argument("--runs-dir", default="runs")
     d.add_argument("--num-processes", type=int, default=2)
     d.add_argument("--steps", type=int, default=300)
@@ -48,24 +66,46 @@ def _parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="datasets declared in data-manifests/")
     dsub = data.add_subparsers(dest="data_command", required=True)
     dsub.add_parser("list", help="the declared datasets")
-    for name, text in (("show", "a manifest in full"), ("fetch", "fill the cache (mirror or URLs)"),
-                       ("path", "the local directory of a dataset, fetched if needed")):
+    for name, text in (
+        ("show", "a manifest in full"),
+        ("fetch", "fill the cache (mirror or URLs)"),
+        ("path", "the local directory of a dataset, fetched if needed"),
+    ):
         dsub.add_parser(name, help=text).add_argument("name")
-    dsub.add_parser("verify", help="re-hash the cache; exit 1 if any file is missing or corrupt").add_argument(
-        "name", nargs="?")
+    dsub.add_parser(
+        "verify", help="re-hash the cache; exit 1 if any file is missing or corrupt"
+    ).add_argument("name", nargs="?")
 
-    r = sub.add_parser("regress", help="run notebooks headless with papermill and compare to baselines")
-    r.add_argument("targets", nargs="+", type=Path, help="notebooks (.ipynb) or suite files (.yaml)")
-    r.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                   help="papermill parameter for every case")
+    r = sub.add_parser(
+        "regress", help="run notebooks headless with papermill and compare to baselines"
+    )
+    r.add_argument(
+        "targets", nargs="+", type=Path, help="notebooks (.ipynb) or suite files (.yaml)"
+    )
+    r.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="papermill parameter for every case",
+    )
     r.add_argument("--out", type=Path, required=True, help="report directory")
-    r.add_argument("--baselines", type=Path, default=None, help="baseline directory (default: suite's)")
+    r.add_argument(
+        "--baselines", type=Path, default=None, help="baseline directory (default: suite's)"
+    )
     r.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
     r.add_argument("--junit", type=Path, default=None, help="also write a JUnit XML file")
     r.add_argument("--profile", default=None, help="only cases of this profile (e.g. smoke, full)")
-    r.add_argument("--slurm", metavar="KEY=VALUE,...", default=None,
-                   help="run each case as a task of one Slurm job array (partition=gpu,gpus_per_node=1,time=60, "
-                        "...); the report and JUnit file are written here")
+    r.add_argument(
+        "--slurm",
+        metavar="KEY=VALUE,...",
+        default=None,
+        help="run each case as a task of one Slurm job array "
+        "(partition=gpu,gpus_per_node=1,time=60, ...); the report and JUnit file are written "
+        "here",
+    )
 
     bench_parser(sub)
     doctor_parser(sub)
@@ -83,14 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # validation errors: the message says which field and what would work
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (DataUnavailableError, RunDirWriteError) as e:  # the message says what is missing or could not be written
+    except (
+        DataUnavailableError,
+        RunDirWriteError,
+    ) as e:  # the message says what is missing or could not be written
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    handlers = {"train": _train, "check": _train, "estimate": _estimate, "status": _status, "demo": _demo,
-                "data": _data, "regress": _regress, "bench": _bench, "doctor": _doctor}
+    handlers = {
+        "train": _train,
+        "check": _train,
+        "estimate": _estimate,
+        "status": _status,
+        "demo": _demo,
+        "data": _data,
+        "regress": _regress,
+        "bench": _bench,
+        "doctor": _doctor,
+    }
     return handlers[args.command](args)
 
 
@@ -117,7 +169,10 @@ def _train(args: argparse.Namespace) -> int:
         target = Target(gpu=args.gpu, gpus_per_node=per_node, nodes=args.nodes)
         for warning in check_plan(cfg, target):
             print(f"warning: {warning}", file=sys.stderr)
-        print(f"a valid plan for {target.describe(cfg)}: {cfg.dims.describe()}, global batch {cfg.global_batch_size}")
+        print(
+            f"a valid plan for {target.describe(cfg)}: {cfg.dims.describe()}, global batch "
+            f"{cfg.global_batch_size}"
+        )
         return 0
     if getattr(args, "slurm", None) and not args.prepare_only:
         return _submit(cfg, args)
@@ -141,8 +196,11 @@ def _train(args: argparse.Namespace) -> int:
     try:
         result = launch(cfg, progress=not args.no_progress)
     except RunPreemptedError as e:
-        print(f"preempted: {e.exc_message} (run the same command with --set resume=auto, or resume: auto in the "
-              "YAML, to continue)", file=sys.stderr)
+        print(
+            f"preempted: {e.exc_message} (run the same command with --set resume=auto, or resume: "
+            "auto in the YAML, to continue)",
+            file=sys.stderr,
+        )
         return EXIT_PREEMPTED
     except RunFailedError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -173,11 +231,14 @@ def _submit(cfg: Any, args: argparse.Namespace) -> int:
 
 
 def _shell_start_method(cfg: Any, mode: str | None) -> Any:
-    """start_method 'auto' from the shell is 'subprocess' (accelerate launch / torchrun); --mode is the older
-    spelling of --set start_method, warned about and forwarded."""
+    """start_method 'auto' from the shell is 'subprocess' (accelerate launch / torchrun); --mode is
+    the older spelling of --set start_method, warned about and forwarded."""
     if mode is not None:
-        print(f"workbench train: --mode {mode} is deprecated; use --set start_method="
-              f"{'subprocess' if mode == 'subprocess' else 'fork'}", file=sys.stderr)
+        print(
+            f"workbench train: --mode {mode} is deprecated; use --set start_method="
+            f"{'subprocess' if mode == 'subprocess' else 'fork'}",
+            file=sys.stderr,
+        )
         return cfg.replace(start_method="subprocess" if mode == "subprocess" else "fork")
     return cfg.replace(start_method="subprocess") if cfg.start_method == "auto" else cfg
 
@@ -243,9 +304,16 @@ def _regress(args: argparse.Namespace) -> int:
     from workbench.cluster.slurm import from_spec
     from workbench.regress.runner import run
 
-    return run(args.targets, parameters=dict(args.parameter), out=args.out, baselines=args.baselines,
-               update_baselines=args.update_baselines, junit=args.junit, profile=args.profile,
-               slurm=from_spec(args.slurm) if args.slurm else None)
+    return run(
+        args.targets,
+        parameters=dict(args.parameter),
+        out=args.out,
+        baselines=args.baselines,
+        update_baselines=args.update_baselines,
+        junit=args.junit,
+        profile=args.profile,
+        slurm=from_spec(args.slurm) if args.slurm else None,
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -273,14 +341,22 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(report.table())
         return 0 if report.passed else 1
     if args.bench_command == "estimate":
-        print(bench.estimate_accuracy(json_path=args.json, measured=not args.cited_only,
-                                      cited=not args.no_cited).table())
+        print(
+            bench.estimate_accuracy(
+                json_path=args.json, measured=not args.cited_only, cited=not args.no_cited
+            ).table()
+        )
         return 0
     if args.bench_command == "estimate-speed":
         from workbench.commands.bench.estimate_speed import MODELS, estimate_speed
 
-        speed = estimate_speed(tuple(args.models or MODELS), gpu=args.gpu, gpus=args.gpus, repeats=args.repeats,
-                               json_path=args.json)
+        speed = estimate_speed(
+            tuple(args.models or MODELS),
+            gpu=args.gpu,
+            gpus=args.gpus,
+            repeats=args.repeats,
+            json_path=args.json,
+        )
         print(speed.table())
         return 0 if speed.passed else 1
     if args.bench_command == "launch":
@@ -301,8 +377,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         cost = dashboard_cost(steps=args.steps, pairs=args.pairs, json_path=args.json)
         print(cost.table())
         return 0 if cost.passed else 1
-    report = bench.overhead(steps=args.steps, repeats=args.repeats, num_processes=args.num_processes,
-                            json_path=args.json, mode=args.mode, device=args.device)
+    report = bench.overhead(
+        steps=args.steps,
+        repeats=args.repeats,
+        num_processes=args.num_processes,
+        json_path=args.json,
+        mode=args.mode,
+        device=args.device,
+    )
     print(report.table())
     return 0 if report.passed else 1
 
@@ -315,13 +397,17 @@ def _run_config_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "compile":
         from workbench.commands.bench.compile_speed import COMPILE_BENCH, LAYOUTS, compile_bench
 
-        cfg = (RunConfig.from_yaml(args.config) if args.config else COMPILE_BENCH).with_overrides(args.overrides)
+        cfg = (RunConfig.from_yaml(args.config) if args.config else COMPILE_BENCH).with_overrides(
+            args.overrides
+        )
         print(compile_bench(cfg, tuple(args.layouts or LAYOUTS), json_path=args.json).table())
         return 0
     if args.bench_command == "mfu":
         from workbench.commands.bench.mfu import MFU_BENCH, mfu
 
-        cfg = (RunConfig.from_yaml(args.config) if args.config else MFU_BENCH).with_overrides(args.overrides)
+        cfg = (RunConfig.from_yaml(args.config) if args.config else MFU_BENCH).with_overrides(
+            args.overrides
+        )
         report = mfu(cfg, json_path=args.json)
         print(report.table())
         return 0 if report.passed else 1
@@ -334,8 +420,12 @@ def _run_config_bench(args: argparse.Namespace) -> int:
         print(report.table())
         return 0
     if args.bench_command in ("precision", "parallelism"):
-        default = bench.PRECISION_BENCH if args.bench_command == "precision" else bench.PARALLELISM_BENCH
-        cfg = (RunConfig.from_yaml(args.config) if args.config else default).with_overrides(args.overrides)
+        default = (
+            bench.PRECISION_BENCH if args.bench_command == "precision" else bench.PARALLELISM_BENCH
+        )
+        cfg = (RunConfig.from_yaml(args.config) if args.config else default).with_overrides(
+            args.overrides
+        )
         if args.bench_command == "precision":
             print(bench.precision(cfg, json_path=args.json).table())
         else:
@@ -351,14 +441,28 @@ def _doctor(args: argparse.Namespace) -> int:
 
     cfg = RunConfig.from_yaml(args.config) if args.config else RunConfig(task=args.task or "digits")
     cfg = cfg.with_overrides(([f"task={args.task}"] if args.task else []) + args.overrides)
-    report = run_doctor(cfg, quick=args.quick, ranks=args.ranks, deadline_s=args.timeout, skip=tuple(args.skip))
+    report = run_doctor(
+        cfg, quick=args.quick, ranks=args.ranks, deadline_s=args.timeout, skip=tuple(args.skip)
+    )
     print(report.json() if args.json else report.text())
     return 0
 
 
 def _print_summary(summary: dict, run_dir: Path) -> None:
-    keys = ("status", "steps", "final_loss", "eval_loss", "eval_accuracy", "samples_per_s", "tokens_per_s",
-            "peak_memory_bytes", "wall_time_s", "world_size", "precision", "device")
+    keys = (
+        "status",
+        "steps",
+        "final_loss",
+        "eval_loss",
+        "eval_accuracy",
+        "samples_per_s",
+        "tokens_per_s",
+        "peak_memory_bytes",
+        "wall_time_s",
+        "world_size",
+        "precision",
+        "device",
+    )
     print(f"run directory: {run_dir}")
     for k in keys:
         if summary.get(k) is not None:

@@ -22,29 +22,46 @@ def efficiency_tables() -> str:
     from workbench.estimator.efficiency import band
 
     catalog, measured = load_catalog(), load_measurements()
-    lines = ["| Accelerator | Precision | Model size | Efficiency | From |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| Accelerator | Precision | Model size | Efficiency | From |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, accel in catalog.items():
         for e in (e for e in accel.efficiency if not e.derived_from):
             runs = ", ".join(f"[{c}](#{c})" for c in e.cites)
-            lines.append(f"| {name} | {', '.join(e.precisions)} | {band(e, accel.efficiency)} | "
-                         f"{e.value:.1%} | {e.basis or 'measured'} MFU of {runs} |")
+            lines.append(
+                f"| {name} | {', '.join(e.precisions)} | {band(e, accel.efficiency)} | "
+                f"{e.value:.1%} | {e.basis or 'measured'} MFU of {runs} |"
+            )
         taken: dict[str, list[str]] = {}
         for e in (e for e in accel.efficiency if e.derived_from):
             precisions = taken.setdefault(e.derived_from, [])
             precisions.extend(p for p in e.precisions if p not in precisions)
-        lines += [f"| {name} | {', '.join(precisions)} | {source}'s bands | {source}'s values | "
-                  "no published figure for this class |" for source, precisions in taken.items()]
-    lines += ["", "| Run | Model | Hardware | Layout, batch | Precision | Tokens/s/GPU | MFU | "
-              "Source |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"| {name} | {', '.join(precisions)} | {source}'s bands | {source}'s values | "
+            "no published figure for this class |"
+            for source, precisions in taken.items()
+        ]
+    lines += [
+        "",
+        "| Run | Model | Hardware | Layout, batch | Precision | Tokens/s/GPU | MFU | Source |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for m in measured.values():
         peak = catalog[m.accelerator].peak(m.precision) or 0.0
-        layout = (f"{m.parallelism} over {m.gpus * m.nodes}, {m.micro_batch} x "
-                  f"{m.shape['seq_len']} tokens x {m.grad_accum}"
-                  + (", compiled" if m.compile else "")
-                  + (f", {m.activation_checkpointing} checkpointing"
-                     if m.activation_checkpointing != "none" else ""))
-        lines.append(f'| <span id="{m.id}"></span>`{m.id}` | {m.model} | {m.hardware} | {layout} | '
-                     f"{m.precision} | {m.tokens_per_s_per_gpu:,.0f} | {m.mfu_at(peak):.1%} | "
-                     f"[{m.source}]({m.url}), {m.date} |")
+        layout = (
+            f"{m.parallelism} over {m.gpus * m.nodes}, {m.micro_batch} x "
+            f"{m.shape['seq_len']} tokens x {m.grad_accum}"
+            + (", compiled" if m.compile else "")
+            + (
+                f", {m.activation_checkpointing} checkpointing"
+                if m.activation_checkpointing != "none"
+                else ""
+            )
+        )
+        lines.append(
+            f'| <span id="{m.id}"></span>`{m.id}` | {m.model} | {m.hardware} | {layout} | '
+            f"{m.precision} | {m.tokens_per_s_per_gpu:,.0f} | {m.mfu_at(peak):.1%} | "
+            f"[{m.source}]({m.url}), {m.date} |"
+        )
     return "\n".join(lines) + "\n"

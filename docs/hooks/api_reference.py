@@ -20,7 +20,9 @@ def api_reference() -> str:
     import workbench
 
     blocks = [f"::: {module}.{name}\n" for name, module in workbench._HOMES.items()]
-    for package in workbench._PACKAGES:  # wb.data, wb.tasks: their own names, not those documented above
+    for (
+        package
+    ) in workbench._PACKAGES:  # wb.data, wb.tasks: their own names, not those documented above
         names = [n for n in getattr(workbench, package).__all__ if n not in workbench._HOMES]
         members = "".join(f"\n        - {n}" for n in names)
         blocks.append(f"::: workbench.{package}\n    options:\n      members:{members}\n")

@@ -30,8 +30,11 @@ def on_page_markdown(markdown, page, config, files):
         return markdown
     named = set(ONE.findall(markdown))
     markdown = ONE.sub(lambda m: bench_section(m.group(1)), markdown)
-    others = sorted(d.name for d in RESULTS.iterdir() if d.is_dir() and d.name not in named) \
-        if RESULTS.is_dir() else []
+    others = (
+        sorted(d.name for d in RESULTS.iterdir() if d.is_dir() and d.name not in named)
+        if RESULTS.is_dir()
+        else []
+    )
     text = "\n".join(f"### `{name}`\n\n{bench_section(name)}" for name in others) or "None yet.\n"
     return markdown.replace(OTHERS, text)
 
@@ -44,8 +47,10 @@ def bench_section(bench: str) -> str:
     newest: dict[str, dict[str, Any]] = {}
     for result in sorted(results, key=lambda r: r["_date"]):
         newest[result["_class"]] = result  # a later one of the same class replaces it
-    return "\n".join(_result_table(r, len([x for x in results if x["_class"] == c]))
-                     for c, r in sorted(newest.items()))
+    return "\n".join(
+        _result_table(r, len([x for x in results if x["_class"] == c]))
+        for c, r in sorted(newest.items())
+    )
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -71,19 +76,27 @@ def _machine(result: dict[str, Any]) -> str:
     if not stamp:
         return "machine not recorded (written before results carried `measured_on`)"
     gpus = stamp.get("gpus") or []
-    parts = [f"{stamp.get('cpu', '?')}, {stamp.get('cores', '?')} cores",
-             f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU",
-             f"torch {stamp['torch']}" if stamp.get("torch") else "",
-             f"CUDA {stamp['cuda']}" if stamp.get("cuda") else "",
-             f"load {stamp['load_average_1min']}" if stamp.get("load_average_1min") is not None else ""]
+    parts = [
+        f"{stamp.get('cpu', '?')}, {stamp.get('cores', '?')} cores",
+        f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU",
+        f"torch {stamp['torch']}" if stamp.get("torch") else "",
+        f"CUDA {stamp['cuda']}" if stamp.get("cuda") else "",
+        f"load {stamp['load_average_1min']}" if stamp.get("load_average_1min") is not None else "",
+    ]
     return ", ".join(p for p in parts if p)
 
 
 def _result_table(result: dict[str, Any], kept: int) -> str:
     date = f"measured {result['_date'][:10]}" if result["_date"] else "date not recorded"
-    head = (f"**{result['_class']}**: {_machine(result)}; {date} "
-            f"(`{result['_file']}`{f', newest of {kept}' if kept > 1 else ''}).\n")
-    plain = {k: v for k, v in result.items() if not k.startswith("_") and k not in ("measured_on", "rows")}
+    head = (
+        f"**{result['_class']}**: {_machine(result)}; {date} "
+        f"(`{result['_file']}`{f', newest of {kept}' if kept > 1 else ''}).\n"
+    )
+    plain = {
+        k: v
+        for k, v in result.items()
+        if not k.startswith("_") and k not in ("measured_on", "rows")
+    }
     rows = result.get("rows")
     if not (isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows)):
         rows = [plain]  # no rows: the result's own figures are the one row

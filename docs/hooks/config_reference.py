@@ -30,15 +30,24 @@ def fields_table() -> str:
 
     hints = typing.get_type_hints(RunConfig)
     docs = _attribute_docstrings(RunConfig)
-    lines = ["| Field | Type | Default | Choices | What it does |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| Field | Type | Default | Choices | What it does |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for f in dataclasses.fields(RunConfig):
         hint = hints[f.name]
         choices = _literals(hint)
-        whole_literal = choices and all(_is_literal(arg) or arg is type(None) for arg in _union_args(hint))
+        whole_literal = choices and all(
+            _is_literal(arg) or arg is type(None) for arg in _union_args(hint)
+        )
         type_text = _type_text(hint, inline_literals=not whole_literal)
-        cells = [f'<span id="{f.name}"></span>`{f.name}`', f"`{type_text}`", f"`{_default(f)!r}`",
-                 ", ".join(f"`{c!r}`" for c in choices) if whole_literal else "",
-                 _cell(docs.get(f.name, ""))]
+        cells = [
+            f'<span id="{f.name}"></span>`{f.name}`',
+            f"`{type_text}`",
+            f"`{_default(f)!r}`",
+            ", ".join(f"`{c!r}`" for c in choices) if whole_literal else "",
+            _cell(docs.get(f.name, "")),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -48,9 +57,13 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
     body = ast.parse(inspect.getsource(cls)).body[0].body
     found = {}
     for node, following in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             found[node.target.id] = inspect.cleandoc(following.value.value)
     return found
 
@@ -99,5 +112,7 @@ def _type_text(hint, inline_literals: bool) -> str:
 def _cell(text: str) -> str:
     """A docstring as one table cell: one line, pipes escaped, `<` and `>` shown as text outside code spans."""
     parts = re.split(r"(`[^`]*`)", " ".join(text.split()))
-    return "".join(p if p.startswith("`") else p.replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
-                   for p in parts)
+    return "".join(
+        p if p.startswith("`") else p.replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+        for p in parts
+    )

@@ -17,7 +17,10 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 NAV_SECTION = "Notebooks"
-MARKDOWN = {"changelog.md": ROOT / "CHANGELOG.md", "guides/scheduling.md": ROOT / "regress" / "SCHEDULING.md"}
+MARKDOWN = {
+    "changelog.md": ROOT / "CHANGELOG.md",
+    "guides/scheduling.md": ROOT / "regress" / "SCHEDULING.md",
+}
 """Site path: the repository file whose text it shows."""
 
 
@@ -50,12 +53,20 @@ def on_config(config):
     return config
 
 
-@event_priority(50)  # before mkdocs-jupyter's on_files (priority 0), which turns .ipynb files into pages
+@event_priority(
+    50
+)  # before mkdocs-jupyter's on_files (priority 0), which turns .ipynb files into pages
 def on_files(files, config):
     for nb in _notebooks():
         # a plain File read from the repository root (mkdocs-jupyter's wrapper needs its src_dir)
-        files.append(File(f"notebooks/{nb.name}", src_dir=str(ROOT), dest_dir=config.site_dir,
-                          use_directory_urls=config.use_directory_urls))
+        files.append(
+            File(
+                f"notebooks/{nb.name}",
+                src_dir=str(ROOT),
+                dest_dir=config.site_dir,
+                use_directory_urls=config.use_directory_urls,
+            )
+        )
     for site_path, source in MARKDOWN.items():
         files.append(File.generated(config, site_path, content=source.read_text(encoding="utf-8")))
     return files

@@ -31,11 +31,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 LIVE_STEPS = 100_000
 """Steps of the run launched by clicking: more than any machine finishes before the test clicks Stop."""
-NO_BROKEN_IMAGE = "img => getComputedStyle(img).display === 'none' || !(img.complete && img.naturalWidth === 0)"
+NO_BROKEN_IMAGE = (
+    "img => getComputedStyle(img).display === 'none' || !(img.complete && img.naturalWidth === 0)"
+)
 """A shown image that finished loading with nothing in it is the browser's broken-image icon (one still loading
 its next figure keeps showing the last)."""
 
@@ -49,8 +59,9 @@ class Lab:
     log: Path
 
     def api(self, method: str, path: str) -> Any:
-        request = urllib.request.Request(f"{self.url}{path}", method=method,
-                                         headers={"Authorization": f"token {self.token}"})
+        request = urllib.request.Request(
+            f"{self.url}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
         for attempt in range(5):
             try:
                 with urllib.request.urlopen(request, timeout=10) as response:
@@ -92,12 +103,16 @@ def jupyterlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """One JupyterLab server for the module's tests (starting one takes a core 2-3 s)."""
     tmp_path = tmp_path_factory.mktemp("lab")
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}: `apt-get install -y chromium` (or set WORKBENCH_CHROMIUM)")
+        pytest.skip(
+            f"no Chromium at {CHROMIUM}: `apt-get install -y chromium` (or set WORKBENCH_CHROMIUM)"
+        )
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        pytest.skip("the playwright Python package is missing: `pip install playwright` (it drives the system "
-                    "Chromium; no `playwright install` needed)")
+        pytest.skip(
+            "the playwright Python package is missing: `pip install playwright` (it drives the system "
+            "Chromium; no `playwright install` needed)"
+        )
     pytest.importorskip("jupyterlab")
 
     root, home = tmp_path / "notebooks", tmp_path / "jupyter"
@@ -105,38 +120,61 @@ def jupyterlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     runs_dir = tmp_path / "runs"
     _set_parameters(root / "01_quickstart.ipynb", runs_dir=str(runs_dir))
     # A private Jupyter home: the user's settings, workspaces and IPython startup files stay out of the test.
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_DATA_DIR": str(home / "data"),
-           "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"), "IPYTHONDIR": str(home / "ipython")}
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTER_DATA_DIR": str(home / "data"),
+        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+        "IPYTHONDIR": str(home / "ipython"),
+    }
     page_config = home / "config" / "labconfig" / "page_config.json"
     page_config.parent.mkdir(parents=True)
     # The "receive Jupyter news?" toast would sit over the notebook; this machine is offline anyway.
-    page_config.write_text(json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    page_config.write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
 
     port, token = _free_port(), secrets.token_hex(16)
     log = tmp_path / "jupyterlab.log"
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           "--port-retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-           # Nothing that reaches out to the internet: no PyPI extension manager, no update checks.
-           "--LabApp.extension_manager=readonly", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           "--ServerApp.terminals_enabled=False"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--port-retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        # Nothing that reaches out to the internet: no PyPI extension manager, no update checks.
+        "--LabApp.extension_manager=readonly",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--ServerApp.terminals_enabled=False",
+    ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")  # CI containers run as root
     with open(log, "wb") as out:
-        server = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     lab = Lab(f"http://127.0.0.1:{port}", token, root, runs_dir, log)
     try:
         deadline = time.monotonic() + 120
         while True:
             if server.poll() is not None:
-                pytest.fail(f"JupyterLab exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+                pytest.fail(
+                    f"JupyterLab exited with {server.returncode}:\n{log.read_text()[-3000:]}"
+                )
             try:
                 lab.api("GET", "/api/status")
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"JupyterLab did not answer within 120 s:\n{log.read_text()[-3000:]}")
+                    pytest.fail(
+                        f"JupyterLab did not answer within 120 s:\n{log.read_text()[-3000:]}"
+                    )
                 time.sleep(0.5)
         yield lab
     finally:
@@ -183,7 +221,9 @@ def _wait(page: Any, predicate: Any, timeout: float, what: str, artifacts: Path)
             return value
         page.wait_for_timeout(250)
     page.screenshot(path=str(artifacts / "failure.png"), full_page=True)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; screenshot: {artifacts / 'failure.png'}")
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what}; screenshot: {artifacts / 'failure.png'}"
+    )
 
 
 def _run_quickstart(page: Any, lab: Lab, artifacts: Path) -> None:
@@ -191,42 +231,71 @@ def _run_quickstart(page: Any, lab: Lab, artifacts: Path) -> None:
     page.set_default_timeout(60_000)
     page.goto(f"{lab.url}/lab/tree/01_quickstart.ipynb?token={lab.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=120_000)
-    _wait(page, lambda: any(k["execution_state"] == "idle" for k in lab.api("GET", "/api/kernels")), 120,
-          "the notebook's kernel to start", artifacts)
+    _wait(
+        page,
+        lambda: any(k["execution_state"] == "idle" for k in lab.api("GET", "/api/kernels")),
+        120,
+        "the notebook's kernel to start",
+        artifacts,
+    )
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
     _wait(page, lambda: _all_cells_ran(page), 150, "every cell to run", artifacts)
-    _wait(page, lambda: page.locator(".wb-status-line [data-status='completed']").count(), 60,
-          "the notebook's run to complete", artifacts)
+    _wait(
+        page,
+        lambda: page.locator(".wb-status-line [data-status='completed']").count(),
+        60,
+        "the notebook's run to complete",
+        artifacts,
+    )
 
 
-def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifacts: Path, tmp_path: Path) -> None:
+def test_quickstart_launch_from_the_panel_updates_the_dashboard(
+    lab: Lab, artifacts: Path, tmp_path: Path
+) -> None:
     from playwright.sync_api import sync_playwright
 
     earlier = set(lab.runs_dir.iterdir()) if lab.runs_dir.exists() else set()
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-            viewport={"width": 1400, "height": 1100})
+            str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1400, "height": 1100},
+        )
         try:
             page = browser.new_page()
             _run_quickstart(page, lab, artifacts)
             # One copy of the final figure: the static snapshot wait() added as an output (a saved notebook keeps
             # it); the live dashboard hides its own and says where the figure went.
-            _wait(page, lambda: page.locator(".wb-snapshot-figure").count() == 1
-                  and page.locator(".wb-snapshot-figure").evaluate("img => img.naturalWidth") > 0, 30,
-                  "the final snapshot", artifacts)
-            assert page.locator(".wb-figure").evaluate("img => getComputedStyle(img).display") == "none"
+            _wait(
+                page,
+                lambda: (
+                    page.locator(".wb-snapshot-figure").count() == 1
+                    and page.locator(".wb-snapshot-figure").evaluate("img => img.naturalWidth") > 0
+                ),
+                30,
+                "the final snapshot",
+                artifacts,
+            )
+            assert (
+                page.locator(".wb-figure").evaluate("img => getComputedStyle(img).display")
+                == "none"
+            )
             assert "below" in _text(page, ".wb-figure-placeholder")
             assert "(run average)" in _text(page, ".wb-snapshot-dashboard")
-            page.locator(".wb-snapshot-dashboard").screenshot(path=str(artifacts / "quickstart-final.png"))
+            page.locator(".wb-snapshot-dashboard").screenshot(
+                path=str(artifacts / "quickstart-final.png")
+            )
             # Where the step time went: a bar per rank, in the saved snapshot too; a straggler is marked only
             # where the verdict below the bars names one (the same rank, by the same measure).
             assert page.locator(".wb-snapshot-dashboard .wb-breakdown-rank").count() == 2
             named = "slower than the others" in _text(page, ".wb-snapshot-dashboard .wb-breakdown")
             assert page.locator(".wb-snapshot-dashboard .wb-slowest").count() == int(named)
             page.locator(".wb-snapshot-dashboard .wb-breakdown").screenshot(
-                path=str(artifacts / "dashboard-breakdown.png"))
+                path=str(artifacts / "dashboard-breakdown.png")
+            )
             first_run = _text(page, ".wb-dash-title b")
             assert first_run.startswith("digits-")
 
@@ -238,10 +307,21 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             steps = page.locator(".wb-max-steps input")
             steps.fill(str(LIVE_STEPS))
             steps.press("Enter")
-            _wait(page, lambda: "global batch" in _text(page, ".wb-batch"), 10, "the panel to re-derive", artifacts)
+            _wait(
+                page,
+                lambda: "global batch" in _text(page, ".wb-batch"),
+                10,
+                "the panel to re-derive",
+                artifacts,
+            )
             page.locator(".wb-launch").click()
-            _wait(page, lambda: _text(page, ".wb-dash-title b") not in ("", first_run), 60,
-                  "a new run on the dashboard", artifacts)
+            _wait(
+                page,
+                lambda: _text(page, ".wb-dash-title b") not in ("", first_run),
+                60,
+                "a new run on the dashboard",
+                artifacts,
+            )
             assert page.locator(".wb-launch").is_disabled()
 
             # The dashboard moves while the ranks train, and the kernel stays free meanwhile.
@@ -250,9 +330,13 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             live_shot = artifacts / "quickstart-live.png"
             deadline = time.monotonic() + 180
             while len(seen) < 3:
-                assert time.monotonic() < deadline, f"the dashboard barely moved: steps seen {sorted(seen)}"
+                assert time.monotonic() < deadline, (
+                    f"the dashboard barely moved: steps seen {sorted(seen)}"
+                )
                 # Never a broken-image icon: the figure stays hidden until there is one.
-                assert page.locator(".wb-figure").evaluate(NO_BROKEN_IMAGE), "an empty image is shown"
+                assert page.locator(".wb-figure").evaluate(NO_BROKEN_IMAGE), (
+                    "an empty image is shown"
+                )
                 m = re.search(r"step (\d+)/(\d+)", _text(page, ".wb-progress-text"))
                 if m and int(m.group(2)) == LIVE_STEPS and int(m.group(1)) > 0:
                     seen.add(int(m.group(1)))
@@ -262,28 +346,50 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
             assert kernel_idle_while_training, "the kernel was busy while the ranks trained"
             assert re.fullmatch(r"\d+\.\d+", _text(page, ".wb-stat-loss")), _text(page, ".wb-stats")
             # Throughput says which window it covers, with the run average (summary.json's definition) beside it.
-            assert re.fullmatch(r"[\d,]+ \(last \d+ steps?\) · [\d,]+ \(run average\)",
-                                _text(page, ".wb-stat-samples-s")), _text(page, ".wb-stats")
-            _wait(page, lambda: page.locator(".wb-figure").evaluate("img => img.naturalWidth") > 0, 30,
-                  "the live figure", artifacts)
+            assert re.fullmatch(
+                r"[\d,]+ \(last \d+ steps?\) · [\d,]+ \(run average\)",
+                _text(page, ".wb-stat-samples-s"),
+            ), _text(page, ".wb-stats")
+            _wait(
+                page,
+                lambda: page.locator(".wb-figure").evaluate("img => img.naturalWidth") > 0,
+                30,
+                "the live figure",
+                artifacts,
+            )
             page.locator(".wb-dashboard").scroll_into_view_if_needed()
             page.wait_for_timeout(300)
             page.screenshot(path=str(live_shot))
 
             # Stop: the ranks checkpoint and end cleanly, and the panel is ready for another run.
             page.locator(".wb-stop").click()
-            _wait(page, lambda: page.locator(".wb-status-line [data-status='stopped']").count(), 120,
-                  "the run to stop", artifacts)
+            _wait(
+                page,
+                lambda: page.locator(".wb-status-line [data-status='stopped']").count(),
+                120,
+                "the run to stop",
+                artifacts,
+            )
             assert "stopped" in _text(page, ".wb-progress-text")
-            assert not page.locator(".wb-launch").is_disabled() and page.locator(".wb-stop").is_disabled()
+            assert (
+                not page.locator(".wb-launch").is_disabled()
+                and page.locator(".wb-stop").is_disabled()
+            )
             page.locator(".wb-dashboard").scroll_into_view_if_needed()
             page.wait_for_timeout(300)
             page.screenshot(path=str(artifacts / "quickstart-stopped.png"))
             # The estimate box fills once the cores are free: memory per rank, fits, time and cost.
-            _wait(page, lambda: "fits" in _text(page, ".wb-estimate-verdict"), 120, "the estimate box to fill",
-                  artifacts)
+            _wait(
+                page,
+                lambda: "fits" in _text(page, ".wb-estimate-verdict"),
+                120,
+                "the estimate box to fill",
+                artifacts,
+            )
             assert "placeholder" not in _text(page, ".wb-panel")
-            assert "rank 0-1" in _text(page, ".wb-estimate") and "steps:" in _text(page, ".wb-estimate-time")
+            assert "rank 0-1" in _text(page, ".wb-estimate") and "steps:" in _text(
+                page, ".wb-estimate-time"
+            )
             # The whole panel in one picture: a window tall enough that the notebook needn't scroll inside it.
             page.set_viewport_size({"width": 1400, "height": 2400})
             page.locator(".wb-panel").evaluate("el => el.scrollIntoView({block: 'start'})")
@@ -292,15 +398,18 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(lab: Lab, artifa
         finally:
             browser.close()
 
-    new_runs = [d for d in set(lab.runs_dir.iterdir()) - earlier if d.is_dir() and d.name != first_run]
+    new_runs = [
+        d for d in set(lab.runs_dir.iterdir()) - earlier if d.is_dir() and d.name != first_run
+    ]
     assert len(new_runs) == 1
     summary = json.loads((new_runs[0] / "summary.json").read_text())
     assert summary["status"] == "stopped" and 0 < summary["steps"] < LIVE_STEPS
     assert list((new_runs[0] / "checkpoints").glob("step_*")), "Stop saves a checkpoint"
 
 
-def test_planning_for_8_h100_with_tensor_parallelism_in_the_browser(lab: Lab, artifacts: Path,
-                                                                    tmp_path: Path) -> None:
+def test_planning_for_8_h100_with_tensor_parallelism_in_the_browser(
+    lab: Lab, artifacts: Path, tmp_path: Path
+) -> None:
     """On this small box, the panel plans a run for 8 x H100 with a tensor-parallel layout: the processes box
     follows the target, the layout and the estimate are for 8 ranks, and only Launch is off."""
     from playwright.sync_api import sync_playwright
@@ -309,30 +418,54 @@ def test_planning_for_8_h100_with_tensor_parallelism_in_the_browser(lab: Lab, ar
 
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-            viewport={"width": 1400, "height": 2000})
+            str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1400, "height": 2000},
+        )
         try:
             page = browser.new_page()
             _run_quickstart(page, lab, artifacts)
 
             page.locator(".wb-target select").select_option("H100-SXM-80GB")
-            _wait(page, lambda: page.locator(".wb-num-processes input").input_value() == "8", 20,
-                  "the processes box to follow the target", artifacts)
+            _wait(
+                page,
+                lambda: page.locator(".wb-num-processes input").input_value() == "8",
+                20,
+                "the processes box to follow the target",
+                artifacts,
+            )
             page.locator(".wb-task select").select_option("char-gpt")
             # ipywidgets' <option>s carry the labels, not the values
             page.locator(".wb-parallelism select").select_option(label=PARALLELISM_LABELS["zero3"])
             tp = page.locator(".wb-tp input")
             tp.fill("2")
             tp.press("Enter")
-            _wait(page, lambda: "spans tp 2" in _text(page, ".wb-batch"), 20, "the tp layout to be derived",
-                  artifacts)
+            _wait(
+                page,
+                lambda: "spans tp 2" in _text(page, ".wb-batch"),
+                20,
+                "the tp layout to be derived",
+                artifacts,
+            )
             assert page.locator(".wb-layout-rank").count() == 8, _text(page, ".wb-layout-box")
             assert "planned for 8 x H100-SXM-80GB" in _text(page, ".wb-status-line")
             assert page.locator(".wb-launch").is_disabled()
-            _wait(page, lambda: "H100-SXM-80GB" in _text(page, ".wb-estimate-verdict")
-                  and "tp 2" in _text(page, ".wb-estimate"), 120, "the estimate for 8 x H100 with tp 2", artifacts)
+            _wait(
+                page,
+                lambda: (
+                    "H100-SXM-80GB" in _text(page, ".wb-estimate-verdict")
+                    and "tp 2" in _text(page, ".wb-estimate")
+                ),
+                120,
+                "the estimate for 8 x H100 with tp 2",
+                artifacts,
+            )
             assert "this machine has" not in _text(page, ".wb-panel")
-            assert "measured" not in _text(page, ".wb-estimate"), "the CPU run's figures are not the plan's"
+            assert "measured" not in _text(page, ".wb-estimate"), (
+                "the CPU run's figures are not the plan's"
+            )
             page.locator(".wb-estimates").scroll_into_view_if_needed()
             page.locator(".wb-estimates").screenshot(path=str(artifacts / "estimate-h100-tp2.png"))
         finally:
@@ -368,29 +501,44 @@ def _file_browser(page: Any, shown: bool, artifacts: Path) -> None:
     _wait(page, settled, 30, f"the file browser to be {'open' if shown else 'closed'}", artifacts)
 
 
-@pytest.mark.parametrize(("width", "sidebar"), [(1280, True), (1024, False)], ids=["1280-files-open", "1024"])
-def test_the_panel_fits_a_normal_window_and_a_launch_shows_its_live_line(lab: Lab, artifacts: Path, tmp_path: Path,
-                                                                         width: int, sidebar: bool) -> None:
+@pytest.mark.parametrize(
+    ("width", "sidebar"), [(1280, True), (1024, False)], ids=["1280-files-open", "1024"]
+)
+def test_the_panel_fits_a_normal_window_and_a_launch_shows_its_live_line(
+    lab: Lab, artifacts: Path, tmp_path: Path, width: int, sidebar: bool
+) -> None:
     """Planned for 8 x H100 at 1280 x 900 with the file browser open (and 1024 without): nothing in the panel
     scrolls sideways or is cut off once the estimate is in; then a launch from code shows its line updating."""
     from playwright.sync_api import sync_playwright
 
     nb = nbformat.v4.new_notebook()
     # the launch first: its line stays in view above the tall panel (JupyterLab renders only what is in view)
-    nb.cells = [nbformat.v4.new_code_cell(
-                    "result = wb.launch(wb.RunConfig(task='digits', num_processes=2, max_steps=3000, log_every=50, "
-                    f"runs_dir={str(lab.runs_dir)!r}))"),
-                nbformat.v4.new_code_cell(
-                    "import workbench as wb\n"
-                    f"cfg = wb.RunConfig(task='char-gpt', num_processes=1, runs_dir={str(lab.runs_dir)!r})\n"
-                    "panel = wb.Panel(cfg, target='H100-SXM-80GB')")]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "result = wb.launch(wb.RunConfig(task='digits', num_processes=2, max_steps=3000, log_every=50, "
+            f"runs_dir={str(lab.runs_dir)!r}))"
+        ),
+        nbformat.v4.new_code_cell(
+            "import workbench as wb\n"
+            f"cfg = wb.RunConfig(task='char-gpt', num_processes=1, runs_dir={str(lab.runs_dir)!r})\n"
+            "panel = wb.Panel(cfg, target='H100-SXM-80GB')"
+        ),
+    ]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
     name = f"fits-{width}.ipynb"
     nbformat.write(nb, lab.root / name)
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-            viewport={"width": width, "height": 900})
+            str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": width, "height": 900},
+        )
         try:
             page = browser.new_page()
             page.set_default_timeout(60_000)
@@ -400,14 +548,26 @@ def test_the_panel_fits_a_normal_window_and_a_launch_shows_its_live_line(lab: La
             shown.locator(".jp-CodeCell").first.wait_for(state="visible", timeout=120_000)
             _file_browser(page, sidebar, artifacts)
             # this notebook's own kernel (the tabs the workspace restores start kernels of their own)
-            _wait(page, lambda: any(s["path"].endswith(name) and s["kernel"]["execution_state"] == "idle"
-                                    for s in lab.api("GET", "/api/sessions") or []), 120,
-                  "the notebook's kernel to start", artifacts)
+            _wait(
+                page,
+                lambda: any(
+                    s["path"].endswith(name) and s["kernel"]["execution_state"] == "idle"
+                    for s in lab.api("GET", "/api/sessions") or []
+                ),
+                120,
+                "the notebook's kernel to start",
+                artifacts,
+            )
             page.wait_for_timeout(500)  # the page's connection to it
             shown.locator(".jp-CodeCell").nth(1).click()
             page.keyboard.press("Shift+Enter")
-            _wait(page, lambda: "fits" in _text(shown, ".wb-estimate-verdict"), 120, "the estimate for 8 x H100",
-                  artifacts)
+            _wait(
+                page,
+                lambda: "fits" in _text(shown, ".wb-estimate-verdict"),
+                120,
+                "the estimate for 8 x H100",
+                artifacts,
+            )
             page.wait_for_timeout(500)
             shown.locator(".wb-panel").screenshot(path=str(artifacts / f"panel-{width}.png"))
             assert shown.locator(".wb-num-processes input").input_value() == "8"
@@ -430,8 +590,13 @@ def test_the_panel_fits_a_normal_window_and_a_launch_shows_its_live_line(lab: La
 
             _wait(page, moved, 120, "the live line to move while the run trains", artifacts)
             shown.locator(".wb-live").screenshot(path=str(artifacts / f"live-{width}.png"))
-            _wait(page, lambda: shown.locator(".wb-live[data-status='completed']").count(), 120,
-                  "the live line to end as the summary", artifacts)
+            _wait(
+                page,
+                lambda: shown.locator(".wb-live[data-status='completed']").count(),
+                120,
+                "the live line to end as the summary",
+                artifacts,
+            )
             assert re.search(r"step 3000/3000 \(100%\) · completed in", _text(shown, ".wb-live"))
         finally:
             browser.close()

@@ -1,10 +1,11 @@
-"""Configuration: `RunConfig` (run_config.py), the one description of a run, with what it needs to stay a leaf.
+"""Configuration: `RunConfig` (run_config.py), the one description of a run, with what it needs to
+stay a leaf.
 
-checks.py validates the fields on construction (ranges, names); preflight.py checks a config against a task
-and a machine before a launch; mesh.py owns the rank layout (mesh sizes, data-parallel size, global batch);
-choices.py, precision.py and trackers.py name what the choice, precision and trackers fields mean. RunConfig
-and what it imports need no task, trainer or machine: preflight.py alone looks at those, and nothing here
-imports it.
+checks.py validates the fields on construction (ranges, names); preflight.py checks a config against
+a task and a machine before a launch; mesh.py owns the rank layout (mesh sizes, data-parallel size,
+global batch); choices.py, precision.py and trackers.py name what the choice, precision and trackers
+fields mean. RunConfig and what it imports need no task, trainer or machine: preflight.py alone
+looks at those, and nothing here imports it.
 """
 
 from __future__ import annotations
@@ -14,5 +15,12 @@ from workbench.config.mesh import SHARDED, ParallelDims
 from workbench.config.precision import Precision
 from workbench.config.run_config import RunConfig
 
-__all__ = ["PARALLELISM_MODES", "SHARDED", "ActivationCheckpointing", "ParallelDims", "Parallelism", "Precision",
-           "RunConfig"]
+__all__ = [
+    "PARALLELISM_MODES",
+    "SHARDED",
+    "ActivationCheckpointing",
+    "ParallelDims",
+    "Parallelism",
+    "Precision",
+    "RunConfig",
+]

@@ -16,8 +16,10 @@ PARALLELISM_MODES: dict[str, str] = {
     "none": "one plain process",
     "ddp": "full replica per rank, gradients all-reduced (DDP)",
     "zero1": "replicas, optimizer state sharded over ranks (ZeRO-1)",
-    "zero2": ("gradients and optimizer state sharded; parameters gathered from forward to backward "
-              "(FSDP2)"),
+    "zero2": (
+        "gradients and optimizer state sharded; parameters gathered from forward to backward "
+        "(FSDP2)"
+    ),
     "zero3": "parameters, gradients and optimizer state sharded (FSDP2)",
     "fsdp": "same as zero3: parameters, gradients and optimizer state sharded (FSDP2)",
     "hsdp": "sharded within groups of dp_shard ranks, replicated across groups (FSDP2, 2-D mesh)",

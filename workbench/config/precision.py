@@ -37,6 +37,8 @@ def torchao_problem() -> str | None:
 def check_fp8_recipe(cfg: RunConfig) -> None:
     """fp8_recipe is read with precision='fp8' only: a recipe set with another is warned about."""
     if cfg.fp8_recipe != "tensorwise" and cfg.precision != "fp8":
-        warnings.warn(f"fp8_recipe={cfg.fp8_recipe!r} with precision={cfg.precision!r}: the recipe "
-                      "applies to precision='fp8' only and does nothing here",
-                      stacklevel=4)
+        warnings.warn(
+            f"fp8_recipe={cfg.fp8_recipe!r} with precision={cfg.precision!r}: the recipe "
+            "applies to precision='fp8' only and does nothing here",
+            stacklevel=4,
+        )

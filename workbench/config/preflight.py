@@ -1,6 +1,6 @@
-"""Before a launch: a RunConfig against the task it trains and the machine it runs on. RunConfig checks
-itself on construction (checks.py, mesh_checks.py) without either; these checks build the task's model on
-the meta device and look at this machine's devices, tools and precisions."""
+"""Before a launch: a RunConfig against the task it trains and the machine it runs on. RunConfig
+checks itself on construction (checks.py, mesh_checks.py) without either; these checks build the
+task's model on the meta device and look at this machine's devices, tools and precisions."""
 
 from __future__ import annotations
 
@@ -20,35 +20,53 @@ if TYPE_CHECKING:
 
 
 def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | None = None) -> None:
-    """Check `cfg` against this machine (or `hardware`) and the task (`task`, else the one cfg.task names):
-    ValueError naming the field, the value and the fix, before anything starts. launch() runs it first."""
+    """Check `cfg` against this machine (or `hardware`) and the task (`task`, else the one cfg.task
+    names): ValueError naming the field, the value and the fix, before anything starts. launch()
+    runs it first."""
     check_runs_dir(cfg)
     hw = hardware or detect()
     if cfg.device == "cuda" and not hw.has_cuda:
-        raise ValueError(f"device='cuda': no CUDA GPU is visible on {hw.where}; use device='auto' or 'cpu'")
+        raise ValueError(
+            f"device='cuda': no CUDA GPU is visible on {hw.where}; use device='auto' or 'cpu'"
+        )
     device = resolve_device(cfg, hw)
     limit = hw.max_processes(device)
     if cfg.num_processes > limit:
         if device == "cpu" and cfg.oversubscribe:
-            warnings.warn(f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): the "
-                          "ranks share cores and run slower than they would on their own", stacklevel=2)
+            warnings.warn(
+                f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): "
+                "the ranks share cores and run slower than they would on their own",
+                stacklevel=2,
+            )
         else:
             what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
-            extra = "" if device == "cuda" else ", or set oversubscribe=True to run more ranks than cores"
-            raise ValueError(f"num_processes={cfg.num_processes}: {hw.where} has {what}; "
-                             f"use num_processes={limit} or fewer{extra}")
+            extra = (
+                ""
+                if device == "cuda"
+                else ", or set oversubscribe=True to run more ranks than cores"
+            )
+            raise ValueError(
+                f"num_processes={cfg.num_processes}: {hw.where} has {what}; "
+                f"use num_processes={limit} or fewer{extra}"
+            )
     if cfg.cpu_offload and device != "cuda":
-        raise ValueError("cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from GPU "
-                         "memory to the CPU, and this run is on the CPU already; set cpu_offload=False")
+        raise ValueError(
+            "cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from "
+            "GPU memory to the CPU, and this run is on the CPU already; set cpu_offload=False"
+        )
     if cfg.cp > 1 and device != "cuda":
-        raise ValueError(f"cp={cfg.cp} on CPU: PyTorch's context parallel (torch {torch.__version__}) runs ring "
-                         "attention through the CUDA kernels of scaled_dot_product_attention (flash, efficient, "
-                         "cuDNN); the CPU's kernel has no context-parallel rule ('Operator aten._scaled_dot_product_"
-                         "flash_attention_for_cpu.default does not have a sharding strategy registered'). Run on CUDA "
-                         "GPUs, or set cp=1")
+        raise ValueError(
+            f"cp={cfg.cp} on CPU: PyTorch's context parallel (torch {torch.__version__}) runs ring "
+            "attention through the CUDA kernels of scaled_dot_product_attention (flash, "
+            "efficient, cuDNN); the CPU's kernel has no context-parallel rule ('Operator "
+            "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding "
+            "strategy registered'). Run on CUDA GPUs, or set cp=1"
+        )
     if cfg.grad_compression == "bf16" and device != "cuda" and cfg.num_processes > 1:
-        raise ValueError("grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
-                         "use grad_compression='fp16' or 'powersgd' on CPU")
+        raise ValueError(
+            "grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
+            "use grad_compression='fp16' or 'powersgd' on CPU"
+        )
     check_tools(cfg, device)
     problem = hw.precision_problem(cfg.precision, device)
     if problem:
@@ -66,8 +84,9 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
 
 
 def check_runs_dir(cfg: RunConfig) -> None:
-    """runs_dir is a directory, or can become one: not a file, nor under one (the OS would only say 'File
-    exists' or 'Not a directory' when the run directory is created, after the other checks)."""
+    """runs_dir is a directory, or can become one: not a file, nor under one (the OS would only say
+    'File exists' or 'Not a directory' when the run directory is created, after the other
+    checks)."""
     path = cfg.runs_dir_path
     for where in (path, *path.parents):
         if not os.path.lexists(where):
@@ -76,39 +95,50 @@ def check_runs_dir(cfg: RunConfig) -> None:
             return
         what = "a broken symbolic link" if where.is_symlink() and not where.exists() else "a file"
         which = f"{where}" if where == path else f"{where}, on its path,"
-        raise ValueError(f"runs_dir={cfg.runs_dir!r}: {which} is {what}, not a directory; point runs_dir at a "
-                         "directory (or at a path that doesn't exist yet, to be created), e.g. runs_dir='runs'")
+        raise ValueError(
+            f"runs_dir={cfg.runs_dir!r}: {which} is {what}, not a directory; point runs_dir at a "
+            "directory (or at a path that doesn't exist yet, to be created), e.g. runs_dir='runs'"
+        )
 
 
 def check_tools(cfg: RunConfig, device: str) -> None:
-    """Trackers that aren't installed are refused before launch (accelerate would drop them silently); pinned
-    memory on CPU is warned about, as it does nothing there."""
+    """Trackers that aren't installed are refused before launch (accelerate would drop them
+    silently); pinned memory on CPU is warned about, as it does nothing there."""
     absent = missing(cfg.trackers)
     if absent:
-        raise ValueError(f"trackers={cfg.trackers!r}: {', '.join(absent)} not installed here; "
-                         f"`{pip_command(absent)}`, or leave {' and '.join(absent)} out of trackers")
+        raise ValueError(
+            f"trackers={cfg.trackers!r}: {', '.join(absent)} not installed here; "
+            f"`{pip_command(absent)}`, or leave {' and '.join(absent)} out of trackers"
+        )
     if cfg.pin_memory is True and device != "cuda":
-        warnings.warn("pin_memory=True on CPU: pinned memory only speeds up copies to a GPU; it is not used on "
-                      "this run (set pin_memory='auto' to silence this)", stacklevel=3)
+        warnings.warn(
+            "pin_memory=True on CPU: pinned memory only speeds up copies to a GPU; it is not used "
+            "on this run (set pin_memory='auto' to silence this)",
+            stacklevel=3,
+        )
 
 
 def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
-    """Activation checkpointing and compile='blocks' need blocks: look at the model built on the meta device
-    (no memory, no data loaded into it)."""
+    """Activation checkpointing and compile='blocks' need blocks: look at the model built on the
+    meta device (no memory, no data loaded into it)."""
     try:
         with torch.device("meta"):
             model = task.build_model(cfg)
-    except Exception:  # noqa: BLE001  (a model that can't be built on meta is checked in the ranks instead)
+    except Exception:  # noqa: BLE001
+        # a model that can't be built on meta is checked in the ranks instead
         return
     units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
     if cfg.compile == "blocks" and not units:
-        raise ValueError(f"compile='blocks': the {cfg.task} model has no repeated blocks to compile (no ModuleList "
-                         "of blocks); set compile='model' to compile it whole, or define Task.shard_units(model) "
-                         "to name them")
+        raise ValueError(
+            f"compile='blocks': the {cfg.task} model has no repeated blocks to compile (no "
+            "ModuleList of blocks); set compile='model' to compile it whole, or define "
+            "Task.shard_units(model) to name them"
+        )
 
 
 def check_parallel_task(cfg: RunConfig, task: Any) -> None:
-    """Before launch: the task can be split as tp, pp and cp ask (a plan, pipeline stages, sequence tensors)."""
+    """Before launch: the task can be split as tp, pp and cp ask (a plan, pipeline stages, sequence
+    tensors)."""
     if cfg.tp > 1:
         check_tensor_parallel_task(cfg, task)
     if cfg.pp > 1:
@@ -118,24 +148,30 @@ def check_parallel_task(cfg: RunConfig, task: Any) -> None:
 
 
 def check_context_parallel_task(cfg: RunConfig, task: Any) -> None:
-    """cp > 1: the task names its sequence tensors (Task.context_parallel_buffers), and its sequence splits into
-    2 x cp chunks: PyTorch's load balancing pairs a chunk from the head with one from the tail on each rank, so
-    every rank gets the same share of causal attention's work."""
+    """cp > 1: the task names its sequence tensors (Task.context_parallel_buffers), and its sequence
+    splits into 2 x cp chunks: PyTorch's load balancing pairs a chunk from the head with one from
+    the tail on each rank, so every rank gets the same share of causal attention's work."""
     if type(task).context_parallel_buffers is Task.context_parallel_buffers:
-        raise ValueError(f"cp={cfg.cp}: task {task.name!r} doesn't say where its sequence dimension is "
-                         f"({type(task).__name__}.context_parallel_buffers returns None); set cp=1, or implement "
-                         "context_parallel_buffers(model, batch) returning [(tensor, sequence dim), ...]")
+        raise ValueError(
+            f"cp={cfg.cp}: task {task.name!r} doesn't say where its sequence dimension is "
+            f"({type(task).__name__}.context_parallel_buffers returns None); set cp=1, or "
+            "implement context_parallel_buffers(model, batch) returning [(tensor, sequence dim), "
+            "...]"
+        )
     length = task.tokens_per_sample(cfg)
     if length is not None and length % (2 * cfg.cp):
-        raise ValueError(f"cp={cfg.cp}: task {task.name!r} has sequences of {length} tokens, which context "
-                         f"parallel's load balancing can't split into 2 x cp = {2 * cfg.cp} equal chunks; use a "
-                         f"sequence length that is a multiple of {2 * cfg.cp} (char-gpt: task_options.block_size="
-                         f"{2 * cfg.cp * max(1, length // (2 * cfg.cp))}), or another cp")
+        raise ValueError(
+            f"cp={cfg.cp}: task {task.name!r} has sequences of {length} tokens, which context "
+            f"parallel's load balancing can't split into 2 x cp = {2 * cfg.cp} equal chunks; use a "
+            f"sequence length that is a multiple of {2 * cfg.cp} (char-gpt: "
+            f"task_options.block_size={2 * cfg.cp * max(1, length // (2 * cfg.cp))}), or another "
+            "cp"
+        )
 
 
 def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
-    """pp > 1: Task.pipeline_stages gives a stage for every stage index (pp x chunks per rank), built on the meta
-    device."""
+    """pp > 1: Task.pipeline_stages gives a stage for every stage index (pp x chunks per rank),
+    built on the meta device."""
     from workbench.config.mesh import virtual_stages
 
     total = cfg.pp * virtual_stages(cfg)
@@ -144,25 +180,31 @@ def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
             model = task.build_model(cfg)
         part = task.pipeline_stages(model, cfg, stage, total)
         if part is None:
-            raise ValueError(f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "
-                             f"({type(task).__name__}.pipeline_stages returns None); set pp=1, or implement "
-                             "pipeline_stages(model, cfg, stage, stages) returning the stage's nn.Module")
+            raise ValueError(
+                f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "
+                f"({type(task).__name__}.pipeline_stages returns None); set pp=1, or implement "
+                "pipeline_stages(model, cfg, stage, stages) returning the stage's nn.Module"
+            )
 
 
 def check_tensor_parallel_task(cfg: RunConfig, task: Any) -> None:
-    """Before launch, with tp > 1: the task has a plan (Task.tensor_parallel_plan) that names real submodules,
-    looked up on the model built on the meta device."""
+    """Before launch, with tp > 1: the task has a plan (Task.tensor_parallel_plan) that names real
+    submodules, looked up on the model built on the meta device."""
     with torch.device("meta"):
         model = task.build_model(cfg)
     plan = task.tensor_parallel_plan(model, cfg)
     if plan is None:
-        raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan "
-                         f"({type(task).__name__}.tensor_parallel_plan returns None), so its model can't be split "
-                         "over ranks; set tp=1 (and use parallelism='zero3' to shard it instead), or implement "
-                         "tensor_parallel_plan(model, cfg) returning "
-                         "{submodule name: ColwiseParallel()/RowwiseParallel()}")
+        raise ValueError(
+            f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan "
+            f"({type(task).__name__}.tensor_parallel_plan returns None), so its model can't be "
+            "split over ranks; set tp=1 (and use parallelism='zero3' to shard it instead), or "
+            "implement tensor_parallel_plan(model, cfg) returning {submodule name: "
+            "ColwiseParallel()/RowwiseParallel()}"
+        )
     names = {name for name, _ in model.named_modules()}
     missing = [key for key in plan if "*" not in key and key not in names]
     if missing:
-        raise ValueError(f"tp={cfg.tp}: {type(task).__name__}.tensor_parallel_plan names submodule(s) the model "
-                         f"doesn't have: {', '.join(missing[:5])}")
+        raise ValueError(
+            f"tp={cfg.tp}: {type(task).__name__}.tensor_parallel_plan names submodule(s) the model "
+            f"doesn't have: {', '.join(missing[:5])}"
+        )

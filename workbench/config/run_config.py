@@ -1,4 +1,5 @@
-"""RunConfig: the one description of a run that the panel, CLI, papermill and run directory share."""
+"""RunConfig: the one description of a run that the panel, CLI, papermill and run directory
+share."""
 
 from __future__ import annotations
 
@@ -35,68 +36,77 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
-    """Everything that determines a run. Validated on construction; `check()` adds this machine's limits."""
+    """Everything that determines a run. Validated on construction; `check()` adds this machine's
+    limits."""
 
     task: str = "digits"
-    """Registered task name (see `workbench.tasks.available()`) or an import path 'package.module:ClassName'."""
+    """Registered task name (see `workbench.tasks.available()`) or an import path
+    'package.module:ClassName'."""
     num_processes: int = 1
     """Ranks to start on this machine: one per GPU, or CPU processes talking over gloo."""
     parallelism: Parallelism = "ddp"
-    """'ddp' replicates the model and all-reduces gradients; 'zero1' also shards the optimizer state;
-    'zero2' shards optimizer state and gradients (FSDP2, parameters kept gathered from forward to backward);
-    'zero3' (alias 'fsdp') shards parameters too; 'hsdp' shards within groups of dp_shard ranks and
-    replicates across groups; 'none' is a single plain process."""
+    """'ddp' replicates the model and all-reduces gradients; 'zero1' also shards the optimizer
+    state; 'zero2' shards optimizer state and gradients (FSDP2, parameters kept gathered from
+    forward to backward); 'zero3' (alias 'fsdp') shards parameters too; 'hsdp' shards within groups
+    of dp_shard ranks and replicates across groups; 'none' is a single plain process."""
     dp_shard: int = 0
-    """hsdp: ranks in one shard group (a divisor of the data-parallel size, the rest replicate); 0 otherwise."""
+    """hsdp: ranks in one shard group (a divisor of the data-parallel size, the rest replicate); 0
+    otherwise."""
     tp: int = 1
-    """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp neighbouring ranks.
-    The data-parallel size is num_processes / (pp x cp x tp); above 1 TP combines with zero2/zero3 (FSDP x TP), hsdp
-    (a 3-D mesh) or ddp (FSDP2's replicate); not with zero1, whose optimizer can't broadcast DTensors."""
+    """Tensor-parallel size, Megatron-style: each matrix of the task's plan is split over tp
+    neighbouring ranks. The data-parallel size is num_processes / (pp x cp x tp); above 1 TP
+    combines with zero2/zero3 (FSDP x TP), hsdp (a 3-D mesh) or ddp (FSDP2's replicate); not with
+    zero1, whose optimizer can't broadcast DTensors."""
     cp: int = 1
-    """Context-parallel size: each sequence split over cp ranks that see the same batch (PyTorch's ring attention
-    for F.scaled_dot_product_attention; CUDA only), parameters sharded over dp_shard x cp (zero2/zero3/hsdp).
-    The data-parallel size is num_processes / (pp x cp x tp)."""
+    """Context-parallel size: each sequence split over cp ranks that see the same batch (PyTorch's
+    ring attention for F.scaled_dot_product_attention; CUDA only), parameters sharded over dp_shard
+    x cp (zero2/zero3/hsdp). The data-parallel size is num_processes / (pp x cp x tp)."""
     pp: int = 1
-    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages), pp outermost. Inside each
-    stage the other dimensions apply as without a pipeline: num_processes / pp ranks per stage, tp of them
-    splitting matrices and the rest data-parallel (replicated pipelines with 'ddp', sharded with zero2, zero3
-    or hsdp)."""
+    """Pipeline stages: the task's blocks split over pp ranks (Task.pipeline_stages), pp outermost.
+    Inside each stage the other dimensions apply as without a pipeline: num_processes / pp ranks per
+    stage, tp of them splitting matrices and the rest data-parallel (replicated pipelines with
+    'ddp', sharded with zero2, zero3 or hsdp)."""
     pp_schedule: PipelineSchedule = "1f1b"
-    """Pipeline schedule over the step's grad_accum_steps micro-batches: 'gpipe' (all forwards, then all
-    backwards), '1f1b' (needs grad_accum_steps >= pp), or with several model chunks per rank (virtual stages,
-    pp_virtual_stages) 'interleaved_1f1b' or 'zero_bubble' (backward split into input and weight gradients,
-    the weight part filling the bubble); both need grad_accum_steps a multiple of pp."""
+    """Pipeline schedule over the step's grad_accum_steps micro-batches: 'gpipe' (all forwards, then
+    all backwards), '1f1b' (needs grad_accum_steps >= pp), or with several model chunks per rank
+    (virtual stages, pp_virtual_stages) 'interleaved_1f1b' or 'zero_bubble' (backward split into
+    input and weight gradients, the weight part filling the bubble); both need grad_accum_steps a
+    multiple of pp."""
     pp_virtual_stages: int = 0
-    """Model chunks per rank under a pipeline: the task is split into pp x this many stages, rank r holding
-    stages r, r + pp, ... (PyTorch's loop placement). 0 means the schedule's own: 1 for gpipe and 1f1b, 2 for
-    the interleaved ones."""
+    """Model chunks per rank under a pipeline: the task is split into pp x this many stages, rank r
+    holding stages r, r + pp, ... (PyTorch's loop placement). 0 means the schedule's own: 1 for
+    gpipe and 1f1b, 2 for the interleaved ones."""
     activation_checkpointing: ActivationCheckpointing = "none"
-    """Recompute activations in backward, per shard unit: 'full' keeps only each block's input, 'selective'
-    also keeps matmul and attention outputs. Less memory, more compute; same losses."""
+    """Recompute activations in backward, per shard unit: 'full' keeps only each block's input,
+    'selective' also keeps matmul and attention outputs. Less memory, more compute; same losses."""
     compile: Literal["off", "model", "blocks"] = "off"
-    """torch.compile: 'blocks' compiles each repeated block (torchtitan's way: after tensor parallel and activation
-    checkpointing, before FSDP); 'model' the whole model once it is parallel; 'off' trains eagerly. The first
-    steps compile (seconds to a minute, cached for later launches): it pays on long runs (the docs' Compile guide)."""
+    """torch.compile: 'blocks' compiles each repeated block (torchtitan's way: after tensor parallel
+    and activation checkpointing, before FSDP); 'model' the whole model once it is parallel; 'off'
+    trains eagerly. The first steps compile (seconds to a minute, cached for later launches): it
+    pays on long runs (the docs' Compile guide)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
-    """torch.compile's backend: 'inductor' generates fused kernels; 'aot_eager' traces forward and backward
-    without generating code (a quick check that a model compiles); 'eager' captures graphs only."""
+    """torch.compile's backend: 'inductor' generates fused kernels; 'aot_eager' traces forward and
+    backward without generating code (a quick check that a model compiles); 'eager' captures graphs
+    only."""
     tf32: bool = True
-    """CUDA: fp32 matmuls and convolutions run on TF32 tensor cores (7x the fp32 peak on an H100, 10-bit mantissa
-    products, fp32 accumulation), as PyTorch advises for training; False keeps full fp32. No effect on CPU or on
-    bf16/fp16 compute."""
+    """CUDA: fp32 matmuls and convolutions run on TF32 tensor cores (7x the fp32 peak on an H100,
+    10-bit mantissa products, fp32 accumulation), as PyTorch advises for training; False keeps full
+    fp32. No effect on CPU or on bf16/fp16 compute."""
     cpu_offload: bool = False
-    """zero3/hsdp on GPUs, with or without tp: keep sharded parameters and optimizer state in CPU memory (FSDP2
-    offload; pure tensor parallelism has no FSDP to offload)."""
+    """zero3/hsdp on GPUs, with or without tp: keep sharded parameters and optimizer state in CPU
+    memory (FSDP2 offload; pure tensor parallelism has no FSDP to offload)."""
     grad_compression: GradCompression = "none"
-    """ddp/zero1 without tp: compress gradients for DDP's all-reduce ('fp16', 'bf16' on NCCL, 'powersgd' low
-    rank)."""
+    """ddp/zero1 without tp: compress gradients for DDP's all-reduce ('fp16', 'bf16' on NCCL,
+    'powersgd' low rank)."""
     find_unused_parameters: bool = False
-    """ddp/zero1 without tp or pp: DDP's own switch for a model some of whose parameters a step may leave out of the
-    loss (a branch, a head used on some batches); DDP then looks for them after every forward. Refused elsewhere."""
+    """ddp/zero1 without tp or pp: DDP's own switch for a model some of whose parameters a step may
+    leave out of the loss (a branch, a head used on some batches); DDP then looks for them after
+    every forward. Refused elsewhere."""
     precision: Precision = "fp32"
-    """Compute precision: 'bf16'/'fp16' autocast, or parameters cast by FSDP2 (fp16 with dynamic loss scaling, in
-    every layout tp included); 'fp8': the blocks' Linear layers matmul in fp8 (torchao's
-    Float8, GPUs of compute capability 8.9+, `pip install 'workbench[fp8]'`), the rest in bf16."""
+    """Compute precision: 'bf16'/'fp16' autocast, or parameters cast by FSDP2 (fp16 with dynamic
+    loss scaling, in every layout tp included); 'fp8': the blocks' Linear layers matmul in fp8
+    (torchao's Float8, GPUs of compute capability 8.9+, `pip install 'workbench[fp8]'`), the rest in
+    bf16."""
     fp8_recipe: Fp8Recipe = "tensorwise"
     """precision='fp8': torchao's scaling recipe, 'tensorwise' (one scale per tensor, fastest; with
     FSDP2 the weights are all-gathered in fp8) or 'rowwise' (a scale per row of each operand, more
@@ -104,18 +114,22 @@ class RunConfig:
     device: Device = "auto"
     """'auto' picks CUDA when present, else CPU."""
     start_method: Literal["auto", "fork", "spawn", "subprocess"] = "auto"
-    """How ranks start: 'fork' (tasks as they are, fast), 'spawn' (fresh interpreters, the task pickled with
-    cloudpickle), 'subprocess' (`accelerate launch`/torchrun, tasks by name). 'auto': from Python, fork unless
-    the run uses CUDA, then spawn; from `workbench train`, subprocess. Clusters: `cluster=` of wb.start."""
+    """How ranks start: 'fork' (tasks as they are, fast), 'spawn' (fresh interpreters, the task
+    pickled with cloudpickle), 'subprocess' (`accelerate launch`/torchrun, tasks by name). 'auto':
+    from Python, fork unless the run uses CUDA, then spawn; from `workbench train`, subprocess.
+    Clusters: `cluster=` of wb.start."""
     micro_batch_size: int | Literal["auto"] = 32
-    """Samples per rank per forward/backward; 'auto' picks the largest that fits (see target_global_batch; the
-    ranks of a TP group take the same size, as they share batches)."""
+    """Samples per rank per forward/backward; 'auto' picks the largest that fits (see
+    target_global_batch; the ranks of a TP group take the same size, as they share batches)."""
     target_global_batch: int = 0
-    """With micro_batch_size='auto': choose grad_accum_steps so the global batch is this (0: keep it)."""
+    """With micro_batch_size='auto': choose grad_accum_steps so the global batch is this (0: keep
+    it)."""
     memory_budget_gb: float = 0.0
-    """With micro_batch_size='auto' on CPU: memory a rank may use (0: an equal share of this machine's)."""
+    """With micro_batch_size='auto' on CPU: memory a rank may use (0: an equal share of this
+    machine's)."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step; gradients are all-reduced only on the last one."""
+    """Micro-batches accumulated per optimizer step; gradients are all-reduced only on the last
+    one."""
     max_steps: int = 100
     """Optimizer steps to train for."""
     lr: float = 1e-3
@@ -127,9 +141,11 @@ class RunConfig:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, applied to matrices only (not biases or norms)."""
     beta1: float = 0.9
-    """AdamW's first-moment decay (the default optimizer; a Task's configure_optimizers may read it too)."""
+    """AdamW's first-moment decay (the default optimizer; a Task's configure_optimizers may read it
+    too)."""
     beta2: float = 0.999
-    """AdamW's second-moment decay; 0.95-0.99 is common for transformers (nanoGPT: 0.99 on small data)."""
+    """AdamW's second-moment decay; 0.95-0.99 is common for transformers (nanoGPT: 0.99 on small
+    data)."""
     eps: float = 1e-8
     """AdamW's epsilon, added to the denominator."""
     grad_clip: float = 1.0
@@ -142,9 +158,9 @@ class RunConfig:
     """Write a metrics row (and check for a stop request) every N steps."""
     trackers: list[Tracker] | Literal["auto"] = "auto"
     """Experiment trackers fed the metrics rows and the config (rank 0, files in the run directory):
-    'tensorboard' (<run>/tensorboard/), 'mlflow' (a local file store, <run>/mlflow); 'auto' is TensorBoard when
-    the tensorboard package is installed, else none; [] turns tracking off. A requested one that isn't
-    installed is refused before launch."""
+    'tensorboard' (<run>/tensorboard/), 'mlflow' (a local file store, <run>/mlflow); 'auto' is
+    TensorBoard when the tensorboard package is installed, else none; [] turns tracking off. A
+    requested one that isn't installed is refused before launch."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps; 0 saves only at the end (and on stop)."""
     keep_checkpoints: int = 2
@@ -160,55 +176,62 @@ class RunConfig:
     run_name: str | None = None
     """Run directory name under runs_dir; None makes '<task>-<timestamp>'."""
     resume: bool | Literal["auto"] = False
-    """Continue the run named run_name from its newest complete checkpoint that verifies; 'auto' resumes when
-    there is one and starts fresh otherwise, so a scheduler can resubmit the same command line."""
+    """Continue the run named run_name from its newest complete checkpoint that verifies; 'auto'
+    resumes when there is one and starts fresh otherwise, so a scheduler can resubmit the same
+    command line."""
     resume_allow: list[str] = field(default_factory=list)
-    """Fields a resume may change although they change the training trajectory (e.g. ['lr', 'max_steps']);
-    others that differ from the checkpoint's config are refused, listed."""
+    """Fields a resume may change although they change the training trajectory (e.g. ['lr',
+    'max_steps']); others that differ from the checkpoint's config are refused, listed."""
     max_restarts: int = 0
     """Restart a failed or preempted run from its newest checkpoint up to this many times."""
     restart_backoff_s: float = 10.0
     """Seconds to wait before the first restart; doubled for each further one."""
     preempt_signal: str | None = None
-    """A signal besides SIGTERM and SIGHUP that means 'checkpoint and exit now', e.g. 'SIGUSR1' for Slurm's
-    --signal=USR1@120."""
+    """A signal besides SIGTERM and SIGHUP that means 'checkpoint and exit now', e.g. 'SIGUSR1' for
+    Slurm's --signal=USR1@120."""
     preempt_grace_s: float = 25.0
-    """After a preemption signal, how long a rank may take to reach a step, checkpoint and exit before it is
-    reported as hung (with its stack) and ends; torch elastic kills ranks 30 s after forwarding a signal."""
+    """After a preemption signal, how long a rank may take to reach a step, checkpoint and exit
+    before it is reported as hung (with its stack) and ends; torch elastic kills ranks 30 s after
+    forwarding a signal."""
     max_skipped_steps: int = 20
-    """fp16: this many consecutive steps skipped by the loss scaler (overflow) end the run as diverged."""
+    """fp16: this many consecutive steps skipped by the loss scaler (overflow) end the run as
+    diverged."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     pin_memory: bool | Literal["auto"] = "auto"
-    """Page-locked host batches, so copies to the GPU can overlap compute; 'auto' pins on CUDA. No effect on CPU."""
+    """Page-locked host batches, so copies to the GPU can overlap compute; 'auto' pins on CUDA. No
+    effect on CPU."""
     prefetch_factor: int | None = None
     """Batches each worker loads ahead (num_workers > 0 only); None keeps PyTorch's default, 2."""
     persistent_workers: bool | Literal["auto"] = "auto"
-    """Keep the DataLoader workers alive from one epoch to the next (num_workers > 0 only); 'auto': on when
-    num_workers > 0."""
+    """Keep the DataLoader workers alive from one epoch to the next (num_workers > 0 only); 'auto':
+    on when num_workers > 0."""
     oversubscribe: bool = False
-    """CPU: allow more processes than cores (warned, slow); e.g. to try a 2 x 2 hsdp layout on a 2-core box."""
+    """CPU: allow more processes than cores (warned, slow); e.g. to try a 2 x 2 hsdp layout on a
+    2-core box."""
     track_memory: bool = False
-    """Trace the first step with PyTorch's memory tracker: bytes per rank by category (parameters, gradients,
-    optimizer state, activations, temporaries) in the summary. That step runs slower."""
+    """Trace the first step with PyTorch's memory tracker: bytes per rank by category (parameters,
+    gradients, optimizer state, activations, temporaries) in the summary. That step runs slower."""
     monitor_interval_s: float = 2.0
-    """Sample each rank's device every this many seconds in a background thread, into the metrics rows: on a GPU
-    utilisation, memory used, power and temperature (NVML, `pip install 'workbench[gpu]'`), and always the
-    process's CPU % and RSS. 0 turns monitoring off."""
+    """Sample each rank's device every this many seconds in a background thread, into the metrics
+    rows: on a GPU utilisation, memory used, power and temperature (NVML, `pip install
+    'workbench[gpu]'`), and always the process's CPU % and RSS. 0 turns monitoring off."""
     idle_util_pct: float = 10.0
     """GPU utilisation (%) under which a rank's GPU counts as idle, for idle_after_s."""
     idle_after_s: float = 300.0
-    """A GPU under idle_util_pct this long gets one 'gpu_idle' warning event per episode (0: never warn).
-    GPU runs only: on CPU nobody pays for an accelerator standing still."""
+    """A GPU under idle_util_pct this long gets one 'gpu_idle' warning event per episode (0: never
+    warn). GPU runs only: on CPU nobody pays for an accelerator standing still."""
     profile_steps: list[int] = field(default_factory=list)
-    """[first, last]: record a torch.profiler trace of these optimizer steps (1-based, as in metrics.jsonl) on
-    every rank, to <run>/profile/rank_<r>.json (Chrome trace: chrome://tracing or ui.perfetto.dev); [] is off."""
+    """[first, last]: record a torch.profiler trace of these optimizer steps (1-based, as in
+    metrics.jsonl) on every rank, to <run>/profile/rank_<r>.json (Chrome trace: chrome://tracing or
+    ui.perfetto.dev); [] is off."""
     dist_timeout_s: int = 300
     """How long a collective may block before the run fails instead of hanging."""
     task_options: dict[str, Any] = field(default_factory=dict)
-    """Task-specific settings, e.g. model size for char-gpt; unknown keys are rejected by the task."""
+    """Task-specific settings, e.g. model size for char-gpt; unknown keys are rejected by the
+    task."""
 
-    # ---- derived -------------------------------------------------------------------------------------
+    # ---- derived ---------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return self.num_processes
@@ -225,29 +248,37 @@ class RunConfig:
 
     @property
     def mesh(self) -> dict[str, int]:
-        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp')."""
+        """The rank layout as named dimension sizes ('pp', 'dp_replicate', 'dp_shard', 'cp',
+        'tp')."""
         return self.dims.sizes
 
     def resolved_device(self, hardware: Hardware) -> str:
-        """Deprecated: `workbench.utils.hardware.resolve_device(cfg, hardware)`, which also detects this
-        machine when no hardware is given."""
-        warnings.warn("RunConfig.resolved_device(hw) is deprecated: use "
-                      "workbench.utils.hardware.resolve_device(cfg, hw)", DeprecationWarning, stacklevel=2)
+        """Deprecated: `workbench.utils.hardware.resolve_device(cfg, hardware)`, which also detects
+        this machine when no hardware is given."""
+        warnings.warn(
+            "RunConfig.resolved_device(hw) is deprecated: use "
+            "workbench.utils.hardware.resolve_device(cfg, hw)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if self.device != "auto":
             return self.device
         return "cuda" if hardware.has_cuda else "cpu"
 
     def check(self, *args: Any, **kwargs: Any) -> None:
-        """Moved: the checks against a task and this machine are `preflight(cfg, task=..., hardware=...)`
-        (workbench.config.preflight), so that RunConfig imports neither."""
-        raise AttributeError("RunConfig.check() moved: use `from workbench.config.preflight import preflight` "
-                             "and `preflight(cfg, task=task, hardware=hw)`; wb.launch() and the panel run it "
-                             "before every launch")
+        """Moved: the checks against a task and this machine are `preflight(cfg, task=...,
+        hardware=...)` (workbench.config.preflight), so that RunConfig imports neither."""
+        raise AttributeError(
+            "RunConfig.check() moved: use `from workbench.config.preflight import preflight` "
+            "and `preflight(cfg, task=task, hardware=hw)`; wb.launch() and the panel run it "
+            "before every launch"
+        )
 
     @property
     def global_batch_size(self) -> int | None:
-        """Samples per optimizer step over all ranks: micro_batch_size x grad_accum_steps x data-parallel size
-        (with an 'auto' micro-batch: target_global_batch, or None until the ranks have chosen)."""
+        """Samples per optimizer step over all ranks: micro_batch_size x grad_accum_steps x
+        data-parallel size (with an 'auto' micro-batch: target_global_batch, or None until the ranks
+        have chosen)."""
         if self.micro_batch_size == "auto":
             return self.target_global_batch or None
         return self.dims.global_batch(self.micro_batch_size, self.grad_accum_steps)
@@ -261,10 +292,12 @@ class RunConfig:
     def run_dir(self) -> Path | None:
         return self.runs_dir_path / self.run_name if self.run_name else None
 
-    # ---- validation ----------------------------------------------------------------------------------
+    # ---- validation ------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         for f in fields(self):
-            example = None if f.default is dataclasses.MISSING else f.default  # a value that works, for messages
+            example = (
+                None if f.default is dataclasses.MISSING else f.default
+            )  # a value that works, for messages
             check_type(f.name, getattr(self, f.name), _field_types()[f.name], example)
         self._check_numbers()
         self._check_parallelism()
@@ -280,12 +313,13 @@ class RunConfig:
     def _check_parallelism(self) -> None:
         check_layout(self)
         if self.compile != "off" and self.track_memory:
-            raise ValueError(f"track_memory=True with compile={self.compile!r}: the memory tracker follows eager "
-                             "ops, not compiled graphs; set track_memory=False (the process peak is still "
-                             "reported), or compile='off' to measure by category")
+            raise ValueError(
+                f"track_memory=True with compile={self.compile!r}: the memory tracker follows "
+                "eager ops, not compiled graphs; set track_memory=False (the process peak is "
+                "still reported), or compile='off' to measure by category"
+            )
 
-
-    # ---- copies and files ----------------------------------------------------------------------------
+    # ---- copies and files ------------------------------------------------------------------------
     def replace(self, **changes: Any) -> RunConfig:
         """A validated copy with `changes` applied; unknown field names are rejected."""
         _reject_unknown(changes, "RunConfig.replace()")
@@ -297,15 +331,20 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
         if not isinstance(data, dict):
-            raise ValueError(  # noqa: TRY004  (a config error: the CLI answers ValueError with exit 2)
-                f"{source}: expected a mapping of RunConfig fields, got {type(data).__name__}")
+            # a config error: the CLI answers ValueError with exit 2
+            raise ValueError(  # noqa: TRY004
+                f"{source}: expected a mapping of RunConfig fields, got {type(data).__name__}"
+            )
         _reject_unknown(data, source)
         return cls(**data)
 
     def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
         """The config as YAML; written atomically to `path` when given."""
-        # libyaml's emitter where PyYAML has it: the same text, 4x faster (each launch and checkpoint writes it)
-        text = yaml.dump(self.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
+        # libyaml's emitter where PyYAML has it: the same text, 4x faster (each launch and
+        # checkpoint writes it)
+        text = yaml.dump(
+            self.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False
+        )
         if path is not None:
             atomic_write_text(Path(path), text)
         return text
@@ -320,9 +359,9 @@ class RunConfig:
 
     @classmethod
     def from_accelerate(cls, path: str | os.PathLike[str], **fields: Any) -> RunConfig:
-        """From an `accelerate config` YAML: distributed type and FSDP/DeepSpeed plugin settings, mixed
-        precision, process counts. `fields` add or override (task, max_steps, ...). What has no counterpart is
-        listed by key in a warning."""
+        """From an `accelerate config` YAML: distributed type and FSDP/DeepSpeed plugin settings,
+        mixed precision, process counts. `fields` add or override (task, max_steps, ...). What has
+        no counterpart is listed by key in a warning."""
         from workbench.config.imported import read_accelerate
 
         imported = read_accelerate(path)
@@ -331,9 +370,9 @@ class RunConfig:
 
     @classmethod
     def from_deepspeed(cls, path: str | os.PathLike[str], **fields: Any) -> RunConfig:
-        """From a DeepSpeed JSON: ZeRO stage and offload, fp16 or bf16, clipping, micro-batch, accumulation,
-        AdamW and its warm-up schedule. `fields` add or override. What has no counterpart is listed by key in a
-        warning."""
+        """From a DeepSpeed JSON: ZeRO stage and offload, fp16 or bf16, clipping, micro-batch,
+        accumulation, AdamW and its warm-up schedule. `fields` add or override. What has no
+        counterpart is listed by key in a warning."""
         from workbench.config.imported import read_deepspeed
 
         imported = read_deepspeed(path)
@@ -341,7 +380,8 @@ class RunConfig:
         return cls.from_dict({**imported.mapped, **fields}, source=str(path))
 
     def with_overrides(self, assignments: list[str]) -> RunConfig:
-        """Apply CLI-style 'key=value' strings (values parsed as YAML; 'task_options.n_layer=4' nests)."""
+        """Apply CLI-style 'key=value' strings (values parsed as YAML; 'task_options.n_layer=4'
+        nests)."""
         data = self.to_dict()
         for item in assignments:
             key, sep, raw = item.partition("=")
@@ -360,7 +400,7 @@ class RunConfig:
         return RunConfig.from_dict(data, source="--set")
 
 
-# ---- helpers -----------------------------------------------------------------------------------------
+# ---- helpers -------------------------------------------------------------------------------------
 _TYPES: dict[str, Any] | None = None
 
 
@@ -376,9 +416,10 @@ def _field_types() -> dict[str, Any]:
 
 
 def _coerce(key: Any, value: Any) -> Any:
-    """YAML 1.1 reads '3e-4' (no dot) as a string; in a YAML file or --set, users mean a number when the field
-    is a float. Text that is no finite number ('1e400', 'nan') stays text, for validation to name as written.
-    And it reads `off`/`on` as booleans: a choice field that has them (compile) gets the word back."""
+    """YAML 1.1 reads '3e-4' (no dot) as a string; in a YAML file or --set, users mean a number when
+    the field is a float. Text that is no finite number ('1e400', 'nan') stays text, for validation
+    to name as written. And it reads `off`/`on` as booleans: a choice field that has them (compile)
+    gets the word back."""
     tp = _field_types().get(key) if isinstance(key, str) else None
     if tp is float and isinstance(value, str):
         try:
@@ -386,7 +427,9 @@ def _coerce(key: Any, value: Any) -> Any:
         except ValueError:
             return value
         return number if math.isfinite(number) else value
-    if isinstance(value, bool) and typing.get_origin(tp) is Literal:  # YAML 1.1 reads off/on as booleans
+    if (
+        isinstance(value, bool) and typing.get_origin(tp) is Literal
+    ):  # YAML 1.1 reads off/on as booleans
         word = "on" if value else "off"
         return word if word in typing.get_args(tp) else value
     return value
@@ -396,4 +439,7 @@ def _reject_unknown(data: dict[str, Any], source: str) -> None:
     known = [f.name for f in fields(RunConfig)]
     unknown = unknown_keys(data, known)
     if unknown:
-        raise ValueError(f"{source}: unknown RunConfig key(s): {', '.join(unknown)}. Known keys: {', '.join(known)}")
+        raise ValueError(
+            f"{source}: unknown RunConfig key(s): {', '.join(unknown)}. Known keys: "
+            f"{', '.join(known)}"
+        )

@@ -32,13 +32,18 @@ def _member_path(archive: Path, member: str, is_dir: bool, protected: set[str]) 
         raise _refuse(archive, member, "has an absolute path")
     path = PurePosixPath(member.replace("\\", "/"))
     if ".." in path.parts:
-        raise _refuse(archive, member,
-                      "has a '..' component, which would land outside the dataset directory")
-    clobbered = [p for p in protected
-                 if p == str(path) or (not is_dir and PurePosixPath(p).is_relative_to(path))]
+        raise _refuse(
+            archive, member, "has a '..' component, which would land outside the dataset directory"
+        )
+    clobbered = [
+        p
+        for p in protected
+        if p == str(path) or (not is_dir and PurePosixPath(p).is_relative_to(path))
+    ]
     if clobbered:
-        raise _refuse(archive, member,
-                      f"would overwrite {clobbered[0]!r}, which the manifest declares")
+        raise _refuse(
+            archive, member, f"would overwrite {clobbered[0]!r}, which the manifest declares"
+        )
     return path
 
 
@@ -57,7 +62,9 @@ class _Listing:
     members: dict[PurePosixPath, str] = field(default_factory=dict)  # path -> member name
     dirs: set[PurePosixPath] = field(default_factory=set)
     links: dict[PurePosixPath, str] = field(default_factory=dict)  # symlink -> its target
-    hardlinks: dict[PurePosixPath, str] = field(default_factory=dict)  # hard link -> target, from the root
+    hardlinks: dict[PurePosixPath, str] = field(
+        default_factory=dict
+    )  # hard link -> target, from the root
 
     def add(self, path: PurePosixPath, member: str, is_dir: bool) -> None:
         # The last member of a path wins, as when extracting.
@@ -68,9 +75,10 @@ class _Listing:
 
 
 def _escape(links: dict[PurePosixPath, str], start: PurePosixPath, target: str) -> str | None:
-    """Follow `target` from the directory `start` the way the OS will once everything is in place, through
-    every symlink in `links`: None when it stays inside the dataset directory, else why not. Normalising
-    the text alone is not enough: with 'l2 -> .', 'l2/l2/../..' is '.' as text but '..' on disk."""
+    """Follow `target` from the directory `start` the way the OS will once everything is in place,
+    through every symlink in `links`: None when it stays inside the dataset directory, else why not.
+    Normalising the text alone is not enough: with 'l2 -> .', 'l2/l2/../..' is '.' as text but '..'
+    on disk."""
     if is_absolute(target):
         return "which is an absolute path"
     todo = [*reversed(target.replace("\\", "/").split("/")), *reversed(start.parts)]
@@ -82,7 +90,11 @@ def _escape(links: dict[PurePosixPath, str], start: PurePosixPath, target: str) 
             continue
         if part == "..":
             if not here:
-                through = f" through the link(s) {', '.join(map(repr, dict.fromkeys(followed)))}" if followed else ""
+                through = (
+                    f" through the link(s) {', '.join(map(repr, dict.fromkeys(followed)))}"
+                    if followed
+                    else ""
+                )
                 return f"which leads outside the dataset directory{through}"
             here.pop()
             continue
@@ -92,33 +104,47 @@ def _escape(links: dict[PurePosixPath, str], start: PurePosixPath, target: str) 
             continue
         followed.append(str(path))
         if len(followed) > _MAX_LINK_HOPS:
-            return f"which goes round a loop of links ({', '.join(map(repr, dict.fromkeys(followed)))})"
+            return (
+                "which goes round a loop of links "
+                f"({', '.join(map(repr, dict.fromkeys(followed)))})"
+            )
         if is_absolute(links[path]):
-            return f"which leads to the absolute path {links[path]!r} through the link {str(path)!r}"
+            return (
+                f"which leads to the absolute path {links[path]!r} through the link {str(path)!r}"
+            )
         todo.extend(reversed(links[path].replace("\\", "/").split("/")))
     return None
 
 
 def _links_after_merge(dest: Path, listing: _Listing) -> dict[PurePosixPath, str]:
-    """The symlinks of the dataset directory once the archive is merged in (see _merge_into): its own, and
-    those already there (from other archives) that its members neither replace nor remove."""
+    """The symlinks of the dataset directory once the archive is merged in (see _merge_into): its
+    own, and those already there (from other archives) that its members neither replace nor
+    remove."""
     covered = {parent for path in listing.members for parent in (path, *path.parents)}
-    replaced = set(listing.members) - listing.dirs  # a file or link there removes a directory's whole tree
+    replaced = (
+        set(listing.members) - listing.dirs
+    )  # a file or link there removes a directory's whole tree
     links: dict[PurePosixPath, str] = {}
-    for top, dirnames, filenames in os.walk(dest):  # symlinks to directories are listed, not entered
+    for top, dirnames, filenames in os.walk(
+        dest
+    ):  # symlinks to directories are listed, not entered
         if Path(top) == dest:
             dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
         for name in (*dirnames, *filenames):
             entry = Path(top, name)
             path = PurePosixPath(entry.relative_to(dest).as_posix())
-            if entry.is_symlink() and path not in covered and not replaced.intersection(path.parents):
+            if (
+                entry.is_symlink()
+                and path not in covered
+                and not replaced.intersection(path.parents)
+            ):
                 links[path] = os.readlink(entry)
     return {**links, **listing.links}
 
 
 def _check_listing(archive: Path, dest: Path, listing: _Listing) -> None:
-    """Every link, followed through every other link, stays inside the dataset directory: chains within the
-    archive, and chains through links that earlier archives left in `dest`."""
+    """Every link, followed through every other link, stays inside the dataset directory: chains
+    within the archive, and chains through links that earlier archives left in `dest`."""
     _check_not_through_links(archive, listing.members, set(listing.links))
     links = _links_after_merge(dest, listing)
     for path, target in links.items():
@@ -126,16 +152,19 @@ def _check_listing(archive: Path, dest: Path, listing: _Listing) -> None:
         if why and path in listing.links:
             raise _refuse(archive, listing.members[path], f"is a link to {target!r}, {why}")
         if why:
-            raise UnsafeArchiveError(f"refusing to extract {archive}: with its members in place, the link "
-                                     f"{str(path)!r} -> {target!r} already in {dest} would point outside it ({why})")
+            raise UnsafeArchiveError(
+                f"refusing to extract {archive}: with its members in place, the link "
+                f"{str(path)!r} -> {target!r} already in {dest} would point outside it ({why})"
+            )
     for path, target in listing.hardlinks.items():
         why = _escape(links, PurePosixPath(), target)
         if why:
             raise _refuse(archive, listing.members[path], f"is a hard link to {target!r}, {why}")
 
 
-def _check_not_through_links(archive: Path, members: dict[PurePosixPath, str],
-                             links: set[PurePosixPath]) -> None:
+def _check_not_through_links(
+    archive: Path, members: dict[PurePosixPath, str], links: set[PurePosixPath]
+) -> None:
     # A member under a symlinked directory is written wherever the link points.
     for path, member in members.items():
         through = next((p for p in path.parents if p in links), None)
@@ -159,14 +188,15 @@ def _untar(archive: Path, tmp: Path, dest: Path, protected: set[str]) -> None:
             elif not (info.isfile() or info.isdir()):
                 raise _refuse(archive, info.name, "is a device or fifo")
         _check_listing(archive, dest, listing)
-        # Defence in depth: the stdlib's data filter also checks links as resolved on disk (Python 3.12, and
-        # the 3.8-3.11 security releases of 2023 on).
+        # Defence in depth: the stdlib's data filter also checks links as resolved on disk (Python
+        # 3.12, and the 3.8-3.11 security releases of 2023 on).
         kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         try:
             tar.extractall(tmp, members=infos, **kwargs)
         except getattr(tarfile, "FilterError", ()) as e:
-            raise _refuse(archive, e.tarinfo.name,
-                          f"was refused by tarfile's data filter: {e}") from e
+            raise _refuse(
+                archive, e.tarinfo.name, f"was refused by tarfile's data filter: {e}"
+            ) from e
 
 
 def _unzip(archive: Path, tmp: Path, dest: Path, protected: set[str]) -> None:
@@ -175,12 +205,15 @@ def _unzip(archive: Path, tmp: Path, dest: Path, protected: set[str]) -> None:
         for info in zf.infolist():
             path = _member_path(archive, info.filename, info.is_dir(), protected)
             if stat.S_ISLNK(info.external_attr >> 16):
-                # A zip's links are refused outright: a chain of them ('l2 -> .', then a link through l2/l2/..)
-                # reaches any file, and no dataset needs them.
-                raise _refuse(archive, info.filename,
-                              f"is a symbolic link (to {zf.read(info)[:200].decode('utf-8', 'replace')!r}); "
-                              "links in zip archives are refused, as they can lead out of the dataset directory: "
-                              "repack the archive without links (or as a tar)")
+                # A zip's links are refused outright: a chain of them ('l2 -> .', then a link
+                # through l2/l2/..) reaches any file, and no dataset needs them.
+                raise _refuse(
+                    archive,
+                    info.filename,
+                    f"is a symbolic link (to {zf.read(info)[:200].decode('utf-8', 'replace')!r}); "
+                    "links in zip archives are refused, as they can lead out of the dataset "
+                    "directory: repack the archive without links (or as a tar)",
+                )
             listing.add(path, info.filename, info.is_dir())
         _check_listing(archive, dest, listing)
         zf.extractall(tmp)
@@ -190,8 +223,12 @@ def _merge_into(src: Path, dst: Path) -> None:
     # Directories merge, so two archives sharing a top-level folder don't erase each other.
     for entry in src.iterdir():
         target = dst / entry.name
-        if (entry.is_dir() and not entry.is_symlink()
-                and target.is_dir() and not target.is_symlink()):
+        if (
+            entry.is_dir()
+            and not entry.is_symlink()
+            and target.is_dir()
+            and not target.is_symlink()
+        ):
             _merge_into(entry, target)
             continue
         if target.is_dir() and not target.is_symlink():
@@ -214,8 +251,11 @@ def extract_archive(archive: Path, dest: Path, *, protected: set[str], manifest:
         elif tarfile.is_tarfile(archive):
             _untar(archive, tmp, dest, protected)
         else:
-            raise ManifestError(f"{manifest.path}: {archive.name} has extract: true but is neither "
-                                "a tar nor a zip archive", manifest.path)
+            raise ManifestError(
+                f"{manifest.path}: {archive.name} has extract: true but is neither "
+                "a tar nor a zip archive",
+                manifest.path,
+            )
         _merge_into(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -72,8 +72,9 @@ class Copied:
     size: int
 
 
-def copy_to_temp(src: BinaryIO, dest_dir: Path, *, limit: int | None, desc: str,
-                 progress: bool) -> Copied:
+def copy_to_temp(
+    src: BinaryIO, dest_dir: Path, *, limit: int | None, desc: str, progress: bool
+) -> Copied:
     """Copy ``src`` into a temp file in ``dest_dir``, hashing as it goes.
 
     Copy and hash in one pass, so what is verified is exactly what was written. Reading
@@ -83,9 +84,18 @@ def copy_to_temp(src: BinaryIO, dest_dir: Path, *, limit: int | None, desc: str,
     tmp = Path(name)
     h, size, too_big = hashlib.sha256(), 0, False
     try:
-        with os.fdopen(fd, "wb") as out, tqdm(total=limit, desc=desc, unit="B", unit_scale=True,
-                                              unit_divisor=1024, disable=not progress,
-                                              file=sys.stderr) as bar:
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm(
+                total=limit,
+                desc=desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                disable=not progress,
+                file=sys.stderr,
+            ) as bar,
+        ):
             while chunk := src.read(_CHUNK):
                 size += len(chunk)
                 if limit is not None and size > limit:
@@ -111,13 +121,15 @@ QUIET_WAIT_S = 1.0
 def dataset_lock(cache: Path, name: str) -> Iterator[None]:
     """Hold dataset ``name``'s lock in ``cache``, saying so in the log if another process has it."""
     lock = filelock.FileLock(str(cache / f"{name}.lock"))
-    # The ranks of a launch resolve together and hold the lock for milliseconds when the data is cached:
-    # filelock's default 50-ms poll would be a third of a 1-step launch, and a line a launch only noise.
+    # The ranks of a launch resolve together and hold the lock for milliseconds when the data is
+    # cached: filelock's default 50-ms poll would be a third of a 1-step launch, and a line a launch
+    # only noise.
     try:
         lock.acquire(timeout=QUIET_WAIT_S, poll_interval=0.005)
     except filelock.Timeout:
-        log.info("data %s: waiting for another process resolving it (lock %s)", name,
-                 lock.lock_file)
+        log.info(
+            "data %s: waiting for another process resolving it (lock %s)", name, lock.lock_file
+        )
         lock.acquire(poll_interval=0.05)
     try:
         yield
@@ -174,8 +186,10 @@ class DatasetCache:
 
     def record_generated(self, spec: FileSpec, sha256: str) -> None:
         """Remember that ``spec.path`` was generated from ``spec``'s generator spec."""
-        self._state["generated"][spec.path] = {"sha256": sha256,
-                                               "spec": _jsonable(spec.generator_spec())}
+        self._state["generated"][spec.path] = {
+            "sha256": sha256,
+            "spec": _jsonable(spec.generator_spec()),
+        }
         self._save_state()
 
     def is_extracted(self, path: str, sha256: str) -> bool:

@@ -24,8 +24,9 @@ class ManifestError(ValueError):
 class IntegrityError(ValueError):
     """A file's size or sha256 differs from its manifest; the file was not used."""
 
-    def __init__(self, message: str, *, expected: str | None, actual: str | None,
-                 location: str) -> None:
+    def __init__(
+        self, message: str, *, expected: str | None, actual: str | None, location: str
+    ) -> None:
         super().__init__(message)
         self.expected = expected
         self.actual = actual

@@ -55,8 +55,9 @@ def _positive_int(params: Mapping[str, Any], key: str, upper: int | None = None)
     value = params[key]
     if type(value) is not int or value < 1 or (upper is not None and value > upper):
         bound = f" and at most {upper}" if upper is not None else ""
-        raise ValueError(f"generator parameter {key!r} must be an integer of at least 1{bound}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"generator parameter {key!r} must be an integer of at least 1{bound}, got {value!r}"
+        )
     return value
 
 
@@ -66,9 +67,10 @@ def _write_csv_row(out: BinaryIO, values: Sequence[float], last: str = "") -> No
     out.write((text + ("," + last if last else "") + "\n").encode("ascii"))
 
 
-@register_generator("gaussian-blobs",
-                    {"n_samples": 300, "n_features": 2, "centers": 3, "cluster_std": 1.0,
-                     "center_box": 10.0})
+@register_generator(
+    "gaussian-blobs",
+    {"n_samples": 300, "n_features": 2, "centers": 3, "cluster_std": 1.0, "center_box": 10.0},
+)
 def _gaussian_blobs(out: BinaryIO, params: dict[str, Any], seed: int) -> None:
     """CSV of Gaussian clusters for classification: x0..x{d-1},label."""
     n, d, k = (_positive_int(params, key) for key in ("n_samples", "n_features", "centers"))

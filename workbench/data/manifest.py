@@ -37,8 +37,7 @@ _SHA256_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 _PACKAGE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _URL_SCHEMES = ("http", "https", "ftp", "file")
 
-_TOP_REQUIRED = ("schema_version", "name", "description", "license", "homepage", "version",
-                 "files")
+_TOP_REQUIRED = ("schema_version", "name", "description", "license", "homepage", "version", "files")
 _TOP_OPTIONAL = ("source", "usage")
 # (required, optional) keys of one `files` entry, per source type.
 _FILE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -99,9 +98,11 @@ class Manifest:
             lines.append(f"  usage:    {self.usage}")
         lines.append("  files:")
         for spec in self.files:
-            facts = [f"{spec.size:,} bytes" if spec.size is not None else None,
-                     f"sha256 {spec.sha256}" if spec.sha256 else None,
-                     "archive, extracted into the dataset directory" if spec.extract else None]
+            facts = [
+                f"{spec.size:,} bytes" if spec.size is not None else None,
+                f"sha256 {spec.sha256}" if spec.sha256 else None,
+                "archive, extracted into the dataset directory" if spec.extract else None,
+            ]
             lines.append("    " + "  ".join([spec.path, *(f for f in facts if f)]))
             lines += [f"      {url}" for url in spec.urls]
             if spec.package:
@@ -136,8 +137,13 @@ def _plural(word: str, items: Sequence[Any]) -> str:
     return word if len(items) == 1 else word + "s"
 
 
-def _check_keys(raw: Mapping[Any, Any], required: Sequence[str], optional: Sequence[str],
-                where: str, problems: list[str]) -> None:
+def _check_keys(
+    raw: Mapping[Any, Any],
+    required: Sequence[str],
+    optional: Sequence[str],
+    where: str,
+    problems: list[str],
+) -> None:
     unknown = sorted(str(k) for k in raw if k not in required and k not in optional)
     missing = [k for k in required if k not in raw]
     if unknown:
@@ -160,13 +166,15 @@ def _same_kind(default: Any, value: Any) -> bool:
     return True
 
 
-def _check_params(generator: Generator, params: dict[str, Any], where: str,
-                  problems: list[str]) -> None:
+def _check_params(
+    generator: Generator, params: dict[str, Any], where: str, problems: list[str]
+) -> None:
     for key, value in params.items():
         if key not in generator.defaults:
             takes = ", ".join(generator.defaults)
             problems.append(
-                f"unknown generator parameter {key!r}{where} ({generator.name} takes: {takes})")
+                f"unknown generator parameter {key!r}{where} ({generator.name} takes: {takes})"
+            )
         elif not _same_kind(generator.defaults[key], value):
             kind = type(generator.defaults[key]).__name__
             problems.append(f"generator parameter {key!r}{where} must be a {kind}, got {value!r}")
@@ -187,8 +195,13 @@ def _check_file_values(raw: dict[str, Any], where: str, problems: list[str]) -> 
     if size is not None and (type(size) is not int or size < 0):
         bad("size", "a non-negative integer number of bytes")
     urls = raw.get("urls", [])
-    if "urls" in raw and not (isinstance(urls, list) and urls and all(
-            isinstance(u, str) and urllib.parse.urlsplit(u).scheme in _URL_SCHEMES for u in urls)):
+    if "urls" in raw and not (
+        isinstance(urls, list)
+        and urls
+        and all(
+            isinstance(u, str) and urllib.parse.urlsplit(u).scheme in _URL_SCHEMES for u in urls
+        )
+    ):
         bad("urls", f"a non-empty list of URLs ({', '.join(_URL_SCHEMES)})")
     if "extract" in raw and not isinstance(raw["extract"], bool):
         bad("extract", "true or false")
@@ -214,7 +227,8 @@ def _check_file_values(raw: dict[str, Any], where: str, problems: list[str]) -> 
 def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileSpec | None:
     if not isinstance(raw, dict):
         problems.append(
-            f"files[{index}] must be a mapping (with path, sha256, size, ...), got {raw!r}")
+            f"files[{index}] must be a mapping (with path, sha256, size, ...), got {raw!r}"
+        )
         return None
     before = len(problems)
     named = f" ({raw['path']})" if isinstance(raw.get("path"), str) else ""
@@ -238,8 +252,12 @@ def _parse_file(raw: Any, index: int, source: str, problems: list[str]) -> FileS
         resource=relative_path(raw["resource"]) if "resource" in raw else None,
         generator=raw.get("generator"),
         # `noise: 1` means 1.0; normalising keeps the recorded generator spec canonical.
-        params={k: float(v) if isinstance(generator.defaults[k], float) else v
-                for k, v in params.items()} if generator is not None else {},
+        params={
+            k: float(v) if isinstance(generator.defaults[k], float) else v
+            for k, v in params.items()
+        }
+        if generator is not None
+        else {},
         seed=raw.get("seed", 0),
     )
 
@@ -289,8 +307,9 @@ def parse_manifest(path: Path) -> Manifest:
     except ValueError as e:
         raise ManifestError(f"cannot read data manifest {path}: {one_line(e)}", path) from e
     if not isinstance(raw, dict):
-        raise ManifestError(f"invalid data manifest {path}: expected a YAML mapping, "
-                            f"got {type(raw).__name__}", path)
+        raise ManifestError(
+            f"invalid data manifest {path}: expected a YAML mapping, got {type(raw).__name__}", path
+        )
 
     problems: list[str] = []
     _check_keys(raw, _TOP_REQUIRED, _TOP_OPTIONAL, "", problems)
@@ -309,7 +328,14 @@ def parse_manifest(path: Path) -> Manifest:
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ManifestError(f"invalid data manifest {path}:\n{listed}", path)
-    return Manifest(name=name, version=version, description=raw["description"].strip(),
-                    license=raw["license"].strip(), homepage=raw["homepage"], source=source,
-                    files=tuple(specs), path=path,  # type: ignore[arg-type]
-                    usage=str(raw.get("usage", "")).strip())
+    return Manifest(
+        name=name,
+        version=version,
+        description=raw["description"].strip(),
+        license=raw["license"].strip(),
+        homepage=raw["homepage"],
+        source=source,
+        files=tuple(specs),
+        path=path,  # type: ignore[arg-type]
+        usage=str(raw.get("usage", "")).strip(),
+    )

@@ -60,17 +60,22 @@ def _manifest_paths(extra_dirs: Sequence[PathLike] | None) -> dict[str, Path]:
     found: dict[str, list[Path]] = {}
     for d in manifest_dirs(extra_dirs):
         if not d.is_dir():
-            _warn_once(("missing-dir", str(d)),
-                       "data manifest directory %s does not exist; ignoring it", d)
+            _warn_once(
+                ("missing-dir", str(d)), "data manifest directory %s does not exist; ignoring it", d
+            )
             continue
         for p in sorted(d.iterdir()):
             if p.suffix in (".yaml", ".yml") and p.is_file():
                 found.setdefault(p.stem, []).append(p)
     for name, paths in found.items():
         if len(paths) > 1:
-            _warn_once(("override", *map(str, paths)),
-                       "data manifest %r: using %s, which overrides %s",
-                       name, paths[0], ", ".join(map(str, paths[1:])))
+            _warn_once(
+                ("override", *map(str, paths)),
+                "data manifest %r: using %s, which overrides %s",
+                name,
+                paths[0],
+                ", ".join(map(str, paths[1:])),
+            )
     return {name: paths[0] for name, paths in found.items()}
 
 
@@ -85,6 +90,8 @@ def load_manifest(name: str, extra_dirs: Sequence[PathLike] | None = None) -> Ma
     if name not in paths:
         known = ", ".join(sorted(paths)) or "(none)"
         searched = ", ".join(map(str, manifest_dirs(extra_dirs)))
-        raise ManifestError(f"unknown dataset {name!r}; known datasets: {known} "
-                            f"(manifests are read from: {searched})")
+        raise ManifestError(
+            f"unknown dataset {name!r}; known datasets: {known} "
+            f"(manifests are read from: {searched})"
+        )
     return parse_manifest(paths[name])

@@ -60,8 +60,12 @@ class ResolvedData:
 
     def record(self) -> dict[str, Any]:
         """JSON-able record for the run directory: what data exactly was used."""
-        return {"name": self.name, "version": self.version, "source": self.manifest.source,
-                "files": dict(self.sha256)}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "source": self.manifest.source,
+            "files": dict(self.sha256),
+        }
 
     def __getitem__(self, path: str) -> Path:
         """A declared file, or a file extracted from one of its archives."""
@@ -98,8 +102,9 @@ def _corrupt(where: str, sha: str, size: int) -> _Attempt:
 class _Resolver:
     """Resolves one manifest's files into the cache; runs under the dataset lock."""
 
-    def __init__(self, manifest: Manifest, cache: Path, mirrors: list[Path], offline: bool,
-                 progress: bool) -> None:
+    def __init__(
+        self, manifest: Manifest, cache: Path, mirrors: list[Path], offline: bool, progress: bool
+    ) -> None:
         self.m = manifest
         self.entry = DatasetCache(cache, manifest.name, manifest.version)
         self.root = self.entry.root
@@ -118,8 +123,9 @@ class _Resolver:
             shas[spec.path], origins[spec.path] = self._file(spec, target)
             if spec.extract and not self.entry.is_extracted(spec.path, shas[spec.path]):
                 log.info("data %s: extracting %s", self.m.name, spec.path)
-                extract_archive(target, self.root, protected={s.path for s in self.m.files},
-                                manifest=self.m)
+                extract_archive(
+                    target, self.root, protected={s.path for s in self.m.files}, manifest=self.m
+                )
                 self.entry.record_extracted(spec.path, shas[spec.path])
         files = {s.path: self.root / s.path for s in self.m.files}
         return ResolvedData(self.m.name, self.m.version, self.root, files, self.m, shas, origins)
@@ -139,8 +145,13 @@ class _Resolver:
         if sha == expected and spec.size in (None, size):
             log.debug("data %s: cache hit %s", self._label(spec), target)
             return sha
-        log.warning("data %s: cached file %s is corrupt (expected sha256 %s, got %s); "
-                    "fetching it again", self._label(spec), target, expected, sha)
+        log.warning(
+            "data %s: cached file %s is corrupt (expected sha256 %s, got %s); fetching it again",
+            self._label(spec),
+            target,
+            expected,
+            sha,
+        )
         attempts.append(_corrupt(f"cache {target}", sha, size))
         return None
 
@@ -175,19 +186,29 @@ class _Resolver:
         raise self._failure(spec, attempts)
 
     def _copy(self, src: BinaryIO, spec: FileSpec, target: Path) -> Copied:
-        return copy_to_temp(src, target.parent, limit=spec.size, desc=self._label(spec),
-                            progress=self.progress)
+        return copy_to_temp(
+            src, target.parent, limit=spec.size, desc=self._label(spec), progress=self.progress
+        )
 
     def _accept(self, spec: FileSpec, target: Path, copied: Copied, where: str) -> str | _Attempt:
         """Move a verified temp file into the cache, or reject it."""
         if copied.tmp is None:
-            return _Attempt(where, f"corrupt: more than the expected {spec.size:,} bytes "
-                                   "(stopped reading)", corrupt=True)
-        if ((spec.size is not None and copied.size != spec.size)
-                or (spec.sha256 and copied.sha256 != spec.sha256)):
+            return _Attempt(
+                where,
+                f"corrupt: more than the expected {spec.size:,} bytes (stopped reading)",
+                corrupt=True,
+            )
+        if (spec.size is not None and copied.size != spec.size) or (
+            spec.sha256 and copied.sha256 != spec.sha256
+        ):
             copied.tmp.unlink()
-            log.warning("data %s: rejected %s (expected sha256 %s, got %s)",
-                        self._label(spec), where, spec.sha256, copied.sha256)
+            log.warning(
+                "data %s: rejected %s (expected sha256 %s, got %s)",
+                self._label(spec),
+                where,
+                spec.sha256,
+                copied.sha256,
+            )
             return _corrupt(where, copied.sha256, copied.size)
         os.replace(copied.tmp, target)
         return copied.sha256
@@ -207,12 +228,14 @@ class _Resolver:
             log.info("data %s: copied from %s", self._label(spec), src)
         return result
 
-    def _from_mirrors(self, spec: FileSpec, target: Path,
-                      attempts: list[_Attempt]) -> tuple[str, str] | None:
+    def _from_mirrors(
+        self, spec: FileSpec, target: Path, attempts: list[_Attempt]
+    ) -> tuple[str, str] | None:
         """(sha256, mirror file) of the first good mirror copy; failures go to attempts."""
         if not self.mirrors:
             attempts.append(
-                _Attempt("mirrors", "none configured (WORKBENCH_DATA_MIRROR is not set)"))
+                _Attempt("mirrors", "none configured (WORKBENCH_DATA_MIRROR is not set)")
+            )
         name = self.m.name
         for mirror in self.mirrors:
             # <name>/<path> is the documented layout; <name>/<version>/<path> lets a copied
@@ -251,8 +274,9 @@ class _Resolver:
             sha, size = sha256_file(tmp), tmp.stat().st_size
         except ValueError as e:
             tmp.unlink(missing_ok=True)
-            raise ManifestError(f"{self.m.path}: cannot generate {spec.path}: {e}",
-                                self.m.path) from e
+            raise ManifestError(
+                f"{self.m.path}: cannot generate {spec.path}: {e}", self.m.path
+            ) from e
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -271,16 +295,23 @@ class _Resolver:
                 f"{self._label(spec)}: no copy matches the manifest, so none was used.\n"
                 f"  expected sha256 {spec.sha256 or '(not declared)'}{size}, per {self.m.path}\n"
                 f"Tried:\n{tried}",
-                expected=spec.sha256, actual=corrupt[0].actual_sha256, location=corrupt[0].where)
+                expected=spec.sha256,
+                actual=corrupt[0].actual_sha256,
+                location=corrupt[0].where,
+            )
         name, cache = self.m.name, self.entry.cache
         lines = [
             f"dataset {name!r} is not available: no copy of {spec.path} could be found.",
             f"Tried:\n{tried}",
             "To use it without internet access, either:",
-            ("  - put the file in a mirror directory and set WORKBENCH_DATA_MIRROR to that "
-             "directory"),
-            ("    (WORKBENCH_DATA_MIRROR=/path/to/mirror, holding "
-             f"/path/to/mirror/{name}/{spec.path}), or"),
+            (
+                "  - put the file in a mirror directory and set WORKBENCH_DATA_MIRROR to that "
+                "directory"
+            ),
+            (
+                "    (WORKBENCH_DATA_MIRROR=/path/to/mirror, holding "
+                f"/path/to/mirror/{name}/{spec.path}), or"
+            ),
             f"  - run `workbench data fetch {name}` on a machine with internet access and copy its",
             f"    cache directory {name}/ into {cache} (WORKBENCH_DATA_DIR sets where that is).",
         ]

@@ -43,8 +43,12 @@ class FileCheck:
         return f"{label}  corrupt ({digests}) {self.location}"
 
 
-def verify(name: str | None = None, *, extra_dirs: Sequence[PathLike] | None = None,
-           cache: PathLike | None = None) -> list[FileCheck]:
+def verify(
+    name: str | None = None,
+    *,
+    extra_dirs: Sequence[PathLike] | None = None,
+    cache: PathLike | None = None,
+) -> list[FileCheck]:
     """Re-hash cached files of dataset ``name`` (None: every manifest) against their manifests.
 
     Nothing is fetched or changed. A synthetic file without a sha256 in its

@@ -1,4 +1,5 @@
-"""wb.estimate: trace one step on a fake world of the target size, then price it (memory, time, cost)."""
+"""wb.estimate: trace one step on a fake world of the target size, then price it (memory, time,
+cost)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ log = logging.getLogger("workbench")
 __all__ = ["estimate", "price"]
 
 
-def _ranks(cfg: RunConfig, traces: list[StepTrace], world: int, overhead: int, buckets: int) -> list[RankEstimate]:
-    """Every rank from its stage's trace (one trace without a pipeline): the same activations; its own model state
-    from the trace's shapes and placements (held.py), or, for zero1, the optimizer partition scaled from the
-    traced rank's. FSDP2 pads every rank's parameter and gradient shards to one size, so there only the
-    optimizer state (which follows the unpadded shard) differs at the peak."""
+def _ranks(
+    cfg: RunConfig, traces: list[StepTrace], world: int, overhead: int, buckets: int
+) -> list[RankEstimate]:
+    """Every rank from its stage's trace (one trace without a pipeline): the same activations; its
+    own model state from the trace's shapes and placements (held.py), or, for zero1, the optimizer
+    partition scaled from the traced rank's. FSDP2 pads every rank's parameter and gradient shards
+    to one size, so there only the optimizer state (which follows the unpadded shard) differs at the
+    peak."""
     dims = ParallelDims.of(cfg, world)
     padded = cfg.pp == 1 and (shards(cfg.parallelism) or cfg.tp > 1) and world // cfg.tp > 1
     ranks = []
@@ -44,12 +48,26 @@ def _ranks(cfg: RunConfig, traces: list[StepTrace], world: int, overhead: int, b
         m = trace.memory
         held = held_for(trace.state, trace.mesh_dims, r) if trace.state else dict(trace.held)
         delta = {k: held[k] - trace.held.get(k, 0) for k in held}
-        at_peak = {"params": 0 if padded else delta["params"],
-                   "grads": 0 if padded or not m["grads"] else delta["grads"], "optimizer": delta["optimizer"]}
-        ranks.append(RankEstimate(rank=r, params=m["params"] + at_peak["params"], grads=m["grads"] + at_peak["grads"],
-                                  optimizer=m["optimizer"] + at_peak["optimizer"], activations=m["activations"],
-                                  buffers=m["buffers"], temporaries=m["temporaries"], overhead=overhead,
-                                  tracked_peak=m["peak"] + sum(at_peak.values()), extra_buffers=buckets, held=held))
+        at_peak = {
+            "params": 0 if padded else delta["params"],
+            "grads": 0 if padded or not m["grads"] else delta["grads"],
+            "optimizer": delta["optimizer"],
+        }
+        ranks.append(
+            RankEstimate(
+                rank=r,
+                params=m["params"] + at_peak["params"],
+                grads=m["grads"] + at_peak["grads"],
+                optimizer=m["optimizer"] + at_peak["optimizer"],
+                activations=m["activations"],
+                buffers=m["buffers"],
+                temporaries=m["temporaries"],
+                overhead=overhead,
+                tracked_peak=m["peak"] + sum(at_peak.values()),
+                extra_buffers=buckets,
+                held=held,
+            )
+        )
     trace = traces[0]
     if cfg.parallelism == "zero1" and trace.zero_partition:
         (elements0, count0) = trace.zero_partition[0]
@@ -62,18 +80,34 @@ def _ranks(cfg: RunConfig, traces: list[StepTrace], world: int, overhead: int, b
     return ranks
 
 
-def stage_traces(cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool, gpus: int) -> list[StepTrace]:
-    """A pipeline's stages, one trace each (`trace` is rank 0's: stage 0); [trace] without a pipeline."""
+def stage_traces(
+    cfg: RunConfig, task: Task, trace: StepTrace, gpu_target: bool, gpus: int
+) -> list[StepTrace]:
+    """A pipeline's stages, one trace each (`trace` is rank 0's: stage 0); [trace] without a
+    pipeline."""
     if cfg.pp == 1:
         return [trace]
     replicas = trace.world // cfg.pp
-    return [trace, *(cached_trace(cfg, task, world=trace.world, rank=s * replicas, gpu_target=gpu_target,
-                                  gpus_per_node=gpus) for s in range(1, cfg.pp))]
+    return [
+        trace,
+        *(
+            cached_trace(
+                cfg,
+                task,
+                world=trace.world,
+                rank=s * replicas,
+                gpu_target=gpu_target,
+                gpus_per_node=gpus,
+            )
+            for s in range(1, cfg.pp)
+        ),
+    ]
 
 
 def _refuse_context_parallel(cfg: RunConfig) -> None:
-    """cp > 1 is traced through PyTorch's ring-attention templates (ring_trace.py), which are private: where this
-    torch has moved them, the estimate says so rather than tracing attention as if the sequences were whole."""
+    """cp > 1 is traced through PyTorch's ring-attention templates (ring_trace.py), which are
+    private: where this torch has moved them, the estimate says so rather than tracing attention as
+    if the sequences were whole."""
     if cfg.cp == 1:
         return
     try:
@@ -81,17 +115,30 @@ def _refuse_context_parallel(cfg: RunConfig) -> None:
     except ImportError as e:
         import torch
 
-        raise ValueError(f"cp={cfg.cp}: the estimate traces ring attention through PyTorch's own templates, which "
-                         f"torch {torch.__version__} doesn't have where expected ({e}); estimate the layout with cp=1 "
-                         "(each rank then runs whole sequences), or measure a short cp run") from e
+        raise ValueError(
+            f"cp={cfg.cp}: the estimate traces ring attention through PyTorch's own templates, "
+            f"which torch {torch.__version__} doesn't have where expected ({e}); estimate the "
+            "layout with cp=1 (each rank then runs whole sequences), or measure a short cp run"
+        ) from e
 
 
-def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, nodes: int = 1, *,
-             task: Task | None = None, network: str = "infiniband", catalog: str | Path | None = None,
-             runs_dir: str | Path | None = None, partition: str | None = None, cpus_per_node: int = 0) -> Estimate:
-    """Estimate `cfg` per rank on `gpus` x `nodes` of accelerator `gpu` (a catalog name; default: this
-    machine). `partition`: the Slurm partition the run goes to (with no gpu: its CPU nodes, of `cpus_per_node`
-    cores, taken to be like this machine). The trace runs here, on the CPU, without allocating the model."""
+def estimate(
+    cfg: RunConfig,
+    gpu: str | None = None,
+    gpus: int | None = None,
+    nodes: int = 1,
+    *,
+    task: Task | None = None,
+    network: str = "infiniband",
+    catalog: str | Path | None = None,
+    runs_dir: str | Path | None = None,
+    partition: str | None = None,
+    cpus_per_node: int = 0,
+) -> Estimate:
+    """Estimate `cfg` per rank on `gpus` x `nodes` of accelerator `gpu` (a catalog name; default:
+    this machine). `partition`: the Slurm partition the run goes to (with no gpu: its CPU nodes, of
+    `cpus_per_node` cores, taken to be like this machine). The trace runs here, on the CPU, without
+    allocating the model."""
     from workbench.tasks import get_task
 
     if network not in NETWORKS:
@@ -99,93 +146,163 @@ def estimate(cfg: RunConfig, gpu: str | None = None, gpus: int | None = None, no
     if (gpus is not None and gpus < 1) or nodes < 1:
         raise ValueError(f"gpus={gpus}, nodes={nodes}: both must be at least 1")
     local = not gpu or gpu == THIS_MACHINE
-    plan = Target(gpu=gpu or THIS_MACHINE, gpus_per_node=gpus or cfg.num_processes, nodes=nodes,
-                  catalog=str(catalog) if catalog else None, partition=partition, cpus_per_node=cpus_per_node)
+    plan = Target(
+        gpu=gpu or THIS_MACHINE,
+        gpus_per_node=gpus or cfg.num_processes,
+        nodes=nodes,
+        catalog=str(catalog) if catalog else None,
+        partition=partition,
+        cpus_per_node=cpus_per_node,
+    )
     target = plan.accelerator()
     if partition and local:
-        target = replace(target, name=f"Slurm partition {partition}: CPU nodes taken as this machine's")
+        target = replace(
+            target, name=f"Slurm partition {partition}: CPU nodes taken as this machine's"
+        )
     gpus = plan.gpus_per_node
     world = gpus * nodes
     task = task or get_task(cfg.task)
     # One world size: the estimate is of the run on its target, whatever num_processes said.
-    run = cfg.replace(num_processes=world, oversubscribe=True, track_memory=False,
-                      device="cpu" if local and target.kind == "cpu" else cfg.device if local else "auto")
+    run = cfg.replace(
+        num_processes=world,
+        oversubscribe=True,
+        track_memory=False,
+        device="cpu" if local and target.kind == "cpu" else cfg.device if local else "auto",
+    )
     _refuse_context_parallel(run)
     warned = check_plan(run, plan, task)
     run = run.replace(device="cuda" if target.kind == "cuda" else "cpu")
-    trace = cached_trace(run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus)
+    trace = cached_trace(
+        run, task, world=world, gpu_target=target.kind == "cuda", gpus_per_node=gpus
+    )
     est = price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
     est.assumptions += [f"as planned: {w}" for w in warned]
-    if world != cfg.num_processes:  # said first: every figure is for the target's ranks, not the config's count
-        est.assumptions.insert(0, f"ranks: {world}, the target's {plan.describe(run)} (the config has "
-                                  f"num_processes={cfg.num_processes})")
-        log.info("estimate: planned for %d ranks on %s; the config has num_processes=%d", world,
-                 plan.describe(run), cfg.num_processes)
+    if (
+        world != cfg.num_processes
+    ):  # said first: every figure is for the target's ranks, not the config's count
+        est.assumptions.insert(
+            0,
+            f"ranks: {world}, the target's {plan.describe(run)} (the config has "
+            f"num_processes={cfg.num_processes})",
+        )
+        log.info(
+            "estimate: planned for %d ranks on %s; the config has num_processes=%d",
+            world,
+            plan.describe(run),
+            cfg.num_processes,
+        )
     if cfg.compile != "off":
-        est.assumptions.append(f"compile={cfg.compile!r}: the step is priced as eager's (compiled steps measured "
-                               "0.84-1.23x eager's on a 2-core CPU: the docs' Compile guide); the first step also "
-                               "compiles, 15-26 s with an empty cache and 3-5 s warm there, outside the step time")
+        est.assumptions.append(
+            f"compile={cfg.compile!r}: the step is priced as eager's (compiled steps measured "
+            "0.84-1.23x eager's on a 2-core CPU: the docs' Compile guide); the first step also "
+            "compiles, 15-26 s with an empty cache and 3-5 s warm there, outside the step time"
+        )
     if partition and local:
-        est.assumptions.append(f"Slurm partition {partition}: CPU nodes, priced as this machine's cores and its gloo "
-                               "collectives (between nodes, the cluster's network decides)")
+        est.assumptions.append(
+            f"Slurm partition {partition}: CPU nodes, priced as this machine's cores and its gloo "
+            "collectives (between nodes, the cluster's network decides)"
+        )
     return est
 
 
-def price(cfg: RunConfig, task: Task, trace: StepTrace, target: Accelerator, gpus: int, nodes: int, network: str,
-          runs_dir: Path) -> Estimate:
-    """Memory, time and cost of a traced step on the target, with the assumption behind each figure (a pipeline's
-    other stages are traced here, from the cache when they were traced before)."""
+def price(
+    cfg: RunConfig,
+    task: Task,
+    trace: StepTrace,
+    target: Accelerator,
+    gpus: int,
+    nodes: int,
+    network: str,
+    runs_dir: Path,
+) -> Estimate:
+    """Memory, time and cost of a traced step on the target, with the assumption behind each figure
+    (a pipeline's other stages are traced here, from the cache when they were traced before)."""
     world = gpus * nodes
     dims = ParallelDims.of(cfg, world)
     traces = stage_traces(cfg, task, trace, target.kind == "cuda", gpus)
     assumptions: list[str] = [f"layout: {dims.describe()} over {world} rank(s)"]
-    # DDP's buckets and all-reduce live in C++, out of the trace's sight; TP and PP average their own gradients
+    # DDP's buckets and all-reduce live in C++, out of the trace's sight; TP and PP average their
+    # own gradients
     extra_comm = replicated_comm(cfg, trace, world, nodes)
     grads = trace.held["grads"]
     factor = COMPRESSION.get(cfg.grad_compression, 1.0)
     buckets = grads if extra_comm else 0
     if extra_comm:
-        assumptions.append(f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes); they are "
-                           f"all-reduced once per step ({factor:g} x their bytes with {cfg.grad_compression} "
-                           "compression)" if cfg.grad_compression != "none" else
-                           f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes), all-reduced "
-                           "once per step")
+        assumptions.append(
+            f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes); they "
+            f"are all-reduced once per step ({factor:g} x their bytes with {cfg.grad_compression} "
+            "compression)"
+            if cfg.grad_compression != "none"
+            else f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes), "
+            "all-reduced once per step"
+        )
     assumptions += _layout_memory_notes(cfg, traces, dims)
     overhead = GPU_OVERHEAD_BYTES if target.kind == "cuda" else CPU_OVERHEAD_BYTES
-    assumptions.append(f"runtime overhead {overhead / 2**30:.2f} GiB per rank: " +
-                       ("CUDA context and NCCL's buffers" if target.kind == "cuda" else
-                        "the Python interpreter, torch and accelerate before any tensor"))
+    assumptions.append(
+        f"runtime overhead {overhead / 2**30:.2f} GiB per rank: "
+        + (
+            "CUDA context and NCCL's buffers"
+            if target.kind == "cuda"
+            else "the Python interpreter, torch and accelerate before any tensor"
+        )
+    )
     if target.kind == "cuda":
-        assumptions.append(f"cuBLAS workspaces {CUBLAS_WORKSPACE_BYTES / 2**20:.0f} MiB per rank, counted with the "
-                           "tensors (they come from PyTorch's caching allocator; measured on an H100)")
+        assumptions.append(
+            f"cuBLAS workspaces {CUBLAS_WORKSPACE_BYTES / 2**20:.0f} MiB per rank, counted with "
+            "the tensors (they come from PyTorch's caching allocator; measured on an H100)"
+        )
     workspace = CUBLAS_WORKSPACE_BYTES if target.kind == "cuda" else 0
     ranks = _ranks(cfg, traces, world, overhead, buckets + workspace)
     timing = layout_time(cfg, traces, extra_comm, target, nodes, network, runs_dir)
-    assumptions += [*timing.assumptions,
-                    "fits: the peak stays under 92% of device memory (the caching allocator fragments the rest)",
-                    *target.notes]
+    assumptions += [
+        *timing.assumptions,
+        "fits: the peak stays under 92% of device memory (the caching allocator fragments the "
+        "rest)",
+        *target.notes,
+    ]
     if target.price_per_hour is not None:
-        assumptions.append(f"price ${target.price_per_hour:.2f} per GPU-hour: {target.price_source}")
-    return Estimate(config=cfg.to_dict(), target=target, gpus=gpus, nodes=nodes, ranks=ranks,
-                    flops_per_step=timing.flops, compute_s=timing.compute_s, comm_s=timing.comm_s,
-                    exposed_comm_s=timing.exposed_comm_s, step_s=timing.step_s,
-                    global_batch=dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps),
-                    tokens_per_sample=task.tokens_per_sample(cfg), efficiency=timing.efficiency,
-                    assumptions=assumptions, trace_s=sum(t.trace_s for t in traces),
-                    max_rss_bytes=max(t.max_rss_bytes for t in traces))
+        assumptions.append(
+            f"price ${target.price_per_hour:.2f} per GPU-hour: {target.price_source}"
+        )
+    return Estimate(
+        config=cfg.to_dict(),
+        target=target,
+        gpus=gpus,
+        nodes=nodes,
+        ranks=ranks,
+        flops_per_step=timing.flops,
+        compute_s=timing.compute_s,
+        comm_s=timing.comm_s,
+        exposed_comm_s=timing.exposed_comm_s,
+        step_s=timing.step_s,
+        global_batch=dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps),
+        tokens_per_sample=task.tokens_per_sample(cfg),
+        efficiency=timing.efficiency,
+        assumptions=assumptions,
+        trace_s=sum(t.trace_s for t in traces),
+        max_rss_bytes=max(t.max_rss_bytes for t in traces),
+    )
 
 
 def _layout_memory_notes(cfg: RunConfig, traces: list[StepTrace], dims: ParallelDims) -> list[str]:
     """What the memory of a model-parallel layout rests on."""
     notes = []
     if cfg.tp > 1:
-        notes.append(f"tensor parallel: each rank holds 1/{cfg.tp} of every matrix the task's plan splits, the rest "
-                     "whole" + (f"; FSDP2 then shards that over the {dims.dp} data-parallel ranks" if dims.dp > 1
-                                else ""))
+        notes.append(
+            f"tensor parallel: each rank holds 1/{cfg.tp} of every matrix the task's plan splits, "
+            "the rest whole"
+            + (
+                f"; FSDP2 then shards that over the {dims.dp} data-parallel ranks"
+                if dims.dp > 1
+                else ""
+            )
+        )
     if cfg.pp > 1:
         flight = ", ".join(f"stage {t.stage}: {t.in_flight}" for t in traces)
-        notes.append(f"pipeline: each rank holds its stage's parameters, gradients and optimizer state; "
-                     f"{cfg.pp_schedule.upper()} keeps the activations of several micro-batches at once ({flight} "
-                     f"of {cfg.grad_accum_steps}), and PipelineStage keeps receive buffers for every micro-batch's "
-                     "activations and output gradients (counted as buffers)")
+        notes.append(
+            "pipeline: each rank holds its stage's parameters, gradients and optimizer state; "
+            f"{cfg.pp_schedule.upper()} keeps the activations of several micro-batches at once "
+            f"({flight} of {cfg.grad_accum_steps}), and PipelineStage keeps receive buffers for "
+            "every micro-batch's activations and output gradients (counted as buffers)"
+        )
     return notes

@@ -1,6 +1,7 @@
-"""What a traced step runs in: a fake process group of the target's size, fake tensors, a Placement standing in
-for accelerate's Accelerator, and a dispatch mode that counts the step's collectives and ATen ops. Shared by the
-data- and tensor-parallel trace (trace.py) and the pipeline stage's (pipeline_trace.py)."""
+"""What a traced step runs in: a fake process group of the target's size, fake tensors, a Placement
+standing in for accelerate's Accelerator, and a dispatch mode that counts the step's collectives and
+ATen ops. Shared by the data- and tensor-parallel trace (trace.py) and the pipeline stage's
+(pipeline_trace.py)."""
 
 from __future__ import annotations
 
@@ -31,18 +32,25 @@ class Placement(RankPlacement):
     tracing: bool = True
 
 
-# ---- counting collectives ---------------------------------------------------------------------------------
+# ---- counting collectives ------------------------------------------------------------------------
 def _kind(name: str) -> str | None:
     n = name.lower()
-    for key, kind in (("all_gather", "all_gather"), ("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
-                      ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"), ("broadcast", "broadcast")):
+    for key, kind in (
+        ("all_gather", "all_gather"),
+        ("allgather", "all_gather"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("allreduce", "all_reduce"),
+        ("all_reduce", "all_reduce"),
+        ("broadcast", "broadcast"),
+    ):
         if key in n:
             return kind
     return None
 
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Bytes each rank sends for a collective over n ranks with ring algorithms (nbytes: the full buffer)."""
+    """Bytes each rank sends for a collective over n ranks with ring algorithms (nbytes: the full
+    buffer)."""
     if n <= 1:
         return 0.0
     if kind in ("all_gather", "reduce_scatter"):
@@ -53,7 +61,8 @@ def wire_bytes(kind: str, nbytes: float, n: int) -> float:
 
 
 def mesh_groups(mesh: Any, rank: int) -> dict[frozenset[int], str]:
-    """The groups `rank` belongs to along each dimension of `mesh`, named by the dimension ('tp', 'pp', ...)."""
+    """The groups `rank` belongs to along each dimension of `mesh`, named by the dimension ('tp',
+    'pp', ...)."""
     if mesh is None:
         return {}
     ranks = mesh.mesh
@@ -67,18 +76,28 @@ def mesh_groups(mesh: Any, rank: int) -> dict[frozenset[int], str]:
 
 
 def comm_key(kind: str, group: int, spans_nodes: bool, dim: str | None) -> str:
-    """'all_reduce@8', with '/nodes' when the group crosses nodes and ':tp' or ':pp' for the model-parallel groups
-    (their collectives sit on the critical path; data-parallel ones overlap compute)."""
-    return f"{kind}@{group}{'/nodes' if spans_nodes else ''}{f':{dim}' if dim in ('tp', 'pp') else ''}"
+    """'all_reduce@8', with '/nodes' when the group crosses nodes and ':tp' or ':pp' for the
+    model-parallel groups (their collectives sit on the critical path; data-parallel ones overlap
+    compute)."""
+    return (
+        f"{kind}@{group}{'/nodes' if spans_nodes else ''}{f':{dim}' if dim in ('tp', 'pp') else ''}"
+    )
 
 
 def new_record() -> dict[str, Any]:
-    return {"count": 0, "bytes": 0.0, "wire_bytes": 0.0, "group": 0, "spans_nodes": False, "dim": None}
+    return {
+        "count": 0,
+        "bytes": 0.0,
+        "wire_bytes": 0.0,
+        "group": 0,
+        "spans_nodes": False,
+        "dim": None,
+    }
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives a step issues, with their bytes, group sizes and mesh dimension (fake or real
-    process group), and the ATen ops it dispatches."""
+    """Counts the collectives a step issues, with their bytes, group sizes and mesh dimension (fake
+    or real process group), and the ATen ops it dispatches."""
 
     def __init__(self, gpus_per_node: int, groups: dict[frozenset[int], str] | None = None) -> None:
         super().__init__()
@@ -88,7 +107,8 @@ class CollectiveCounter(TorchDispatchMode):
         self.ops: dict[str, int] = defaultdict(int)
         self.op_bytes: dict[str, int] = defaultdict(int)
         self.flop_calls: dict[tuple[str, float], int] = defaultdict(int)
-        """(op name, FLOPs of one call) -> calls: a matmul's rate depends on its size, not the step's mean."""
+        """(op name, FLOPs of one call) -> calls: a matmul's rate depends on its size, not the
+        step's mean."""
         self.formulas = flop_formulas()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -96,14 +116,17 @@ class CollectiveCounter(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         if any(t is DTensor for t in types):
-            # DTensor handles it (and dispatches its local ops back here); its Python overhead is counted too
+            # DTensor handles it (and dispatches its local ops back here); its Python overhead is
+            # counted too
             self.ops[f"dtensor.{func.overloadpacket}"] += 1
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket)
         self.ops[name] += 1
         # views return no new memory; everything else writes its output once
-        self.op_bytes[name] += sum(t.numel() * t.element_size() for t in _tensors(out) if t._base is None)
+        self.op_bytes[name] += sum(
+            t.numel() * t.element_size() for t in _tensors(out) if t._base is None
+        )
         if (formula := self.formulas.get(func.overloadpacket)) is not None:
             self.flop_calls[name, float(formula(*args, **(kwargs or {}), out_val=out))] += 1
         if func in collective_ops and func not in sync_ops and (kind := _kind(str(func))):
@@ -113,7 +136,9 @@ class CollectiveCounter(TorchDispatchMode):
             self.record(kind, nbytes, ranks, self.groups.get(frozenset(ranks)))
         return out
 
-    def record(self, kind: str, nbytes: float, ranks: list[int], dim: str | None, wire: float | None = None) -> None:
+    def record(
+        self, kind: str, nbytes: float, ranks: list[int], dim: str | None, wire: float | None = None
+    ) -> None:
         spans = len({r // self.gpus_per_node for r in ranks}) > 1
         rec = self.comm[comm_key(kind, len(ranks), spans, dim)]
         rec["count"] += 1
@@ -128,8 +153,13 @@ def flop_formulas() -> dict[Any, Any]:
 
     from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
 
-    return {**flop_registry, **{op.overloadpacket if hasattr(op, "overloadpacket") else op: shape_wrapper(f)
-                                for op, f in EXTRA_FLOP_FORMULAS.items()}}
+    return {
+        **flop_registry,
+        **{
+            op.overloadpacket if hasattr(op, "overloadpacket") else op: shape_wrapper(f)
+            for op, f in EXTRA_FLOP_FORMULAS.items()
+        },
+    }
 
 
 def flop_call_rows(calls: dict[tuple[str, float], int]) -> list[list[Any]]:
@@ -143,12 +173,13 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-# ---- the fake world -----------------------------------------------------------------------------------------
+# ---- the fake world ------------------------------------------------------------------------------
 @contextlib.contextmanager
 def fake_world(world: int, rank: int, gpu_rounding: bool) -> Iterator[Any]:
-    """A fake process group of `world` ranks in this process, fake tensors, and the two corrections a trace
-    needs: DTensor's sharding propagation gets a private fake mode (else the tracker counts its scratch
-    tensors), and storages round up to 512 B as the CUDA caching allocator does (for a GPU target)."""
+    """A fake process group of `world` ranks in this process, fake tensors, and the two corrections
+    a trace needs: DTensor's sharding propagation gets a private fake mode (else the tracker counts
+    its scratch tensors), and storages round up to 512 B as the CUDA caching allocator does (for a
+    GPU target)."""
     import torch.distributed.tensor._sharding_prop as sharding_prop
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools import mem_tracker
@@ -156,21 +187,34 @@ def fake_world(world: int, rank: int, gpu_rounding: bool) -> Iterator[Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("estimate() needs a process without a process group (it simulates one); call it from "
-                           "the notebook or shell, not from inside a launched rank")
-    excepthook = sys.excepthook  # init_process_group prefixes later tracebacks with "[rank0]:" otherwise
+        raise RuntimeError(
+            "estimate() needs a process without a process group (it simulates one); call it from "
+            "the notebook or shell, not from inside a launched rank"
+        )
+    excepthook = (
+        sys.excepthook
+    )  # init_process_group prefixes later tracebacks with "[rank0]:" otherwise
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    detect, consumed = sharding_prop.detect_fake_mode, mem_tracker._WeakRefInfo._calculate_mem_consumed
+    detect, consumed = (
+        sharding_prop.detect_fake_mode,
+        mem_tracker._WeakRefInfo._calculate_mem_consumed,
+    )
     sharding_prop.detect_fake_mode = lambda *a, **k: None
     if gpu_rounding:  # the CUDA caching allocator hands out blocks of 512 bytes
+
         def rounded(self: Any) -> int:
             return math.ceil(self.size * self.element_size / 512) * 512
 
         mem_tracker._WeakRefInfo._calculate_mem_consumed = rounded
     mesh_init = DeviceMesh.__init__
-    DeviceMesh.__init__ = _with_real_tensors(mesh_init)  # FSDP x TP joins its meshes inside fake mode
-    reduce_scatters = {name: getattr(dist, name) for name in ("reduce_scatter_single", "reduce_scatter_tensor")
-                       if hasattr(dist, name)}
+    DeviceMesh.__init__ = _with_real_tensors(
+        mesh_init
+    )  # FSDP x TP joins its meshes inside fake mode
+    reduce_scatters = {
+        name: getattr(dist, name)
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor")
+        if hasattr(dist, name)
+    }
     if not gpu_rounding:
         for name, fn in reduce_scatters.items():
             setattr(dist, name, _with_gloo_scratch(fn))
@@ -188,7 +232,8 @@ def fake_world(world: int, rank: int, gpu_rounding: bool) -> Iterator[Any]:
 
 
 def _with_real_tensors(init: Any) -> Any:
-    """A DeviceMesh computes its ranks' coordinates from real tensors, even when made inside fake mode."""
+    """A DeviceMesh computes its ranks' coordinates from real tensors, even when made inside fake
+    mode."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def call(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -199,8 +244,9 @@ def _with_real_tensors(init: Any) -> Any:
 
 
 def _with_gloo_scratch(reduce_scatter: Any) -> Any:
-    """A CPU target runs on gloo, which has no reduce-scatter of its own: it reduces a full-size copy of the
-    input and scatters that, so a rank briefly holds one more input's worth. The fake process group doesn't."""
+    """A CPU target runs on gloo, which has no reduce-scatter of its own: it reduces a full-size
+    copy of the input and scatters that, so a rank briefly holds one more input's worth. The fake
+    process group doesn't."""
 
     def call(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         scratch = torch.empty_like(input)
@@ -216,9 +262,15 @@ def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     """Give a meta-device model (fake) storage on `device`, keeping tied parameters tied."""
     memo: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for store, make in ((module._parameters, lambda p: torch.nn.Parameter(torch.empty_like(p, device=device),
-                                                                             requires_grad=p.requires_grad)),
-                            (module._buffers, lambda b: torch.empty_like(b, device=device))):
+        for store, make in (
+            (
+                module._parameters,
+                lambda p: torch.nn.Parameter(
+                    torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                ),
+            ),
+            (module._buffers, lambda b: torch.empty_like(b, device=device)),
+        ):
             for name, tensor in list(store.items()):
                 if tensor is not None:
                     if id(tensor) not in memo:
@@ -228,8 +280,8 @@ def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 
 def optimizer_for(cfg: RunConfig, task: Task, gpu_target: bool) -> Any:
-    """The run's optimizer factory; on a GPU target AdamW runs foreach (its default there), whose temporaries are
-    a (sharded) model's worth of memory."""
+    """The run's optimizer factory; on a GPU target AdamW runs foreach (its default there), whose
+    temporaries are a (sharded) model's worth of memory."""
     from workbench.training.optim import build_optimizer
 
     def make(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -243,17 +295,22 @@ def optimizer_for(cfg: RunConfig, task: Task, gpu_target: bool) -> Any:
 
 
 def steady_scaler(strategy: Any) -> None:
-    """fp16's loss scaler reads its overflow flag and scale as Python numbers, which fake tensors don't have: the
-    traced step is one that doesn't overflow (the steady state), so the update always applies and the scale is
-    left as it starts. Its tensors (unscaling, the overflow check, its all-reduce) are still traced."""
+    """fp16's loss scaler reads its overflow flag and scale as Python numbers, which fake tensors
+    don't have: the traced step is one that doesn't overflow (the steady state), so the update
+    always applies and the scale is left as it starts. Its tensors (unscaling, the overflow check,
+    its all-reduce) are still traced."""
     scaler = strategy.scaler
     if scaler is None:
         return
 
-    def opt_step(optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+    def opt_step(
+        optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         return optimizer.step(*args, **kwargs)
 
-    def update(new_scale: Any = None) -> None:  # the scale stays; the per-step bookkeeping starts over
+    def update(
+        new_scale: Any = None,
+    ) -> None:  # the scale stays; the per-step bookkeeping starts over
         scaler._per_optimizer_states = defaultdict(scaler._per_optimizer_states.default_factory)
 
     scaler._maybe_opt_step = opt_step
@@ -262,9 +319,9 @@ def steady_scaler(strategy: Any) -> None:
 
 
 def update(strategy: Any, cfg: RunConfig, grads: list[Any]) -> None:
-    """The end of the trainer's step (training/loop.py): the gradient norm (clipping, or with clipping off still
-    taken, unless fp16's scaler checks for overflow), then the update; `grads` gets the gradients' shapes and
-    placements on the first call (the update clears them)."""
+    """The end of the trainer's step (training/loop.py): the gradient norm (clipping, or with
+    clipping off still taken, unless fp16's scaler checks for overflow), then the update; `grads`
+    gets the gradients' shapes and placements on the first call (the update clears them)."""
     from workbench.estimator.held import grad_pieces
 
     if cfg.grad_clip > 0 or strategy.scaler is None:
@@ -274,14 +331,15 @@ def update(strategy: Any, cfg: RunConfig, grads: list[Any]) -> None:
     strategy.step()
 
 
-def count_then_track(strategy: Any, step: Any, inputs: tuple[Any, ...], counter: Any,
-                     first: Any = None) -> tuple[float, dict[str, int]]:
-    """Run `step` twice: first (it creates the optimizer state; `first`, a second counter, counts its ATen
-    ops), then the steady state under PyTorch's memory tracker (its peak), with its collectives, ATen ops and
-    FLOPs counted by `counter`: the first step's extra ops (AdamW creating its state, FSDP's lazy
-    initialization) are not what every step pays. The FLOPs are the counter's, by FlopCounterMode's formulas
-    (flop_formulas): a FlopCounterMode around the first step counted the same total, at the price of its
-    module hooks."""
+def count_then_track(
+    strategy: Any, step: Any, inputs: tuple[Any, ...], counter: Any, first: Any = None
+) -> tuple[float, dict[str, int]]:
+    """Run `step` twice: first (it creates the optimizer state; `first`, a second counter, counts
+    its ATen ops), then the steady state under PyTorch's memory tracker (its peak), with its
+    collectives, ATen ops and FLOPs counted by `counter`: the first step's extra ops (AdamW creating
+    its state, FSDP's lazy initialization) are not what every step pays. The FLOPs are the
+    counter's, by FlopCounterMode's formulas (flop_formulas): a FlopCounterMode around the first
+    step counted the same total, at the price of its module hooks."""
     from workbench.training.memory import tracked
 
     with first if first is not None else contextlib.nullcontext():
@@ -289,7 +347,9 @@ def count_then_track(strategy: Any, step: Any, inputs: tuple[Any, ...], counter:
     gc.collect()
 
     def counted() -> None:
-        with counter:  # inside the tracker's mode: the counter sees ops on DTensors before DTensor handles them
+        with counter:
+            # inside the tracker's mode: the counter sees ops on DTensors before DTensor handles
+            # them
             step()
 
     _, memory = tracked(strategy, counted, inputs)

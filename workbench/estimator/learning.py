@@ -1,18 +1,19 @@
-"""Learning from completed runs: an estimate is scaled by the median of measured / estimated step time over the
-newest completed runs on the same device class that are most like it: the same task and layout (parallelism, tp,
-pp, ranks) first; on a GPU, else the same layout with any task (what the trainer's layout adds, DDP's hooks or
-DTensor's bookkeeping, is the task's as much as another's), else any run on as many ranks, else any run on that
-device class (the GPU model rests on a datasheet and a published efficiency, which every run there
-corrects alike).
-On this machine's CPU, whose model is measured here, only the same task and layout teach.
+"""Learning from completed runs: an estimate is scaled by the median of measured / estimated step
+time over the newest completed runs on the same device class that are most like it: the same task
+and layout (parallelism, tp, pp, ranks) first; on a GPU, else the same layout with any task (what
+the trainer's layout adds, DDP's hooks or DTensor's bookkeeping, is the task's as much as
+another's), else any run on as many ranks, else any run on that device class (the GPU model rests on
+a datasheet and a published efficiency, which every run there corrects alike). On this machine's
+CPU, whose model is measured here, only the same task and layout teach.
 
-A run's "estimated" is today's model re-applied to its config (config.yaml, with the micro-batch it ran), so a
-better model or a new machine profile never leaves stale figures behind; its trace is the estimate's own cache's,
-and its figure is kept on disk (~/.cache/workbench/learnt-estimates.json) so a new process re-traces nothing.
-Its "measured" is the median of its logged step times after the first window (warm-up), from metrics.jsonl.
+A run's "estimated" is today's model re-applied to its config (config.yaml, with the micro-batch it
+ran), so a better model or a new machine profile never leaves stale figures behind; its trace is the
+estimate's own cache's, and its figure is kept on disk (~/.cache/workbench/learnt-estimates.json) so
+a new process re-traces nothing. Its "measured" is the median of its logged step times after the
+first window (warm-up), from metrics.jsonl.
 
-Pipeline runs teach nothing yet: their estimate adds the schedule's bubble on top of the step priced here, so
-their ratio would not be of the same thing.
+Pipeline runs teach nothing yet: their estimate adds the schedule's bubble on top of the step priced
+here, so their ratio would not be of the same thing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workbench.utils.files import DamagedFileError, read_json, read_json_checked, read_jsonl, write_json
+from workbench.utils.files import (
+    DamagedFileError,
+    read_json,
+    read_json_checked,
+    read_jsonl,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -38,11 +45,12 @@ log = logging.getLogger("workbench")
 MAX_RUNS = 5
 """Runs one lesson is drawn from, newest first."""
 SCAN = 200
-"""Run directories looked at: the most recently written (their summary.json's modification time), whatever their
-names."""
+"""Run directories looked at: the most recently written (their summary.json's modification time),
+whatever their names."""
 MIN_STEPS = 3
 NEW_TRACES = 1
-"""Past runs a lesson may trace anew per call (about a second each); the rest wait for later calls."""
+"""Past runs a lesson may trace anew per call (about a second each); the rest wait for later
+calls."""
 _LOCK = threading.Lock()
 _LESSONS: dict[tuple[object, ...], Lesson] = {}
 
@@ -75,27 +83,32 @@ def layout_of(cfg: RunConfig, world: int) -> tuple[str, int, int, int]:
 
 def describe_layout(layout: tuple[str, int, int, int]) -> str:
     mode, tp, pp, world = layout
-    return f"{mode}{f' tp={tp}' if tp > 1 else ''}{f' pp={pp}' if pp > 1 else ''} on {world} rank(s)"
+    return (
+        f"{mode}{f' tp={tp}' if tp > 1 else ''}{f' pp={pp}' if pp > 1 else ''} on {world} rank(s)"
+    )
 
 
 def measured_step_s(path: Path) -> float | None:
-    """The run's typical step: the median of its logged windows' step times (each a window's mean) after the first
-    window, the warm-up; with fewer than two such windows, the median of timings.json's steps after the first
-    fifth. None when it has too few steps for either."""
-    windows = [row["step_time_s"] for row in read_jsonl(path / "metrics.jsonl")
-               if row.get("loss") is not None and isinstance(row.get("step_time_s"), (int, float))][1:]
+    """The run's typical step: the median of its logged windows' step times (each a window's mean)
+    after the first window, the warm-up; with fewer than two such windows, the median of
+    timings.json's steps after the first fifth. None when it has too few steps for either."""
+    windows = [
+        row["step_time_s"]
+        for row in read_jsonl(path / "metrics.jsonl")
+        if row.get("loss") is not None and isinstance(row.get("step_time_s"), (int, float))
+    ][1:]
     if len(windows) >= 2:
         return statistics.median(windows)
     times = (read_json(path / "timings.json") or {}).get("step_time_s")
     if not isinstance(times, list):
         return None
-    steady = [t for t in times[max(1, len(times) // 5):] if isinstance(t, (int, float)) and t > 0]
+    steady = [t for t in times[max(1, len(times) // 5) :] if isinstance(t, (int, float)) and t > 0]
     return statistics.median(steady) if len(steady) >= MIN_STEPS else None
 
 
 def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
-    """Completed runs on `device_class` with a measured step time, among the SCAN run directories of `runs_dir`
-    written to most recently, newest (by recorded start) first."""
+    """Completed runs on `device_class` with a measured step time, among the SCAN run directories of
+    `runs_dir` written to most recently, newest (by recorded start) first."""
     from workbench.rundir import RunDir
 
     found = []
@@ -107,7 +120,10 @@ def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
                 continue
             measured = measured_step_s(run.path)
             cfg = run.config()
-        except (ValueError, OSError) as e:  # a damaged file (named when that run is read): it teaches nothing
+        except (
+            ValueError,
+            OSError,
+        ) as e:  # a damaged file (named when that run is read): it teaches nothing
             log.debug("learning: %s skipped: %s", run.path, e)
             continue
         if measured is None or cfg is None:
@@ -119,11 +135,12 @@ def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
 
 
 def newest_summaries(runs_dir: Path) -> list[tuple[Path, int]]:
-    """The summary.json of the SCAN run directories written to most recently, newest first, each with its
-    modification time (ns). By age, not by name: run names sort by task and timestamp, so a folder holding many runs
-    of a task named later in the alphabet (or of a user's own naming) would otherwise hide every other task's runs,
-    however recent. A summary is rewritten at each status change, so its time is the run's latest news (its end, for
-    an ended run); one stat per run keeps this cheap however many runs the folder holds."""
+    """The summary.json of the SCAN run directories written to most recently, newest first, each
+    with its modification time (ns). By age, not by name: run names sort by task and timestamp, so a
+    folder holding many runs of a task named later in the alphabet (or of a user's own naming) would
+    otherwise hide every other task's runs, however recent. A summary is rewritten at each status
+    change, so its time is the run's latest news (its end, for an ended run); one stat per run keeps
+    this cheap however many runs the folder holds."""
     dated = []
     for path in Path(runs_dir).expanduser().glob("*/summary.json"):
         try:
@@ -134,21 +151,35 @@ def newest_summaries(runs_dir: Path) -> list[tuple[Path, int]]:
     return dated[:SCAN]
 
 
-def learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profile_key: str,
-          estimate_of: Callable[[RunConfig, int, bool], float]) -> Lesson:
-    """The lesson for `cfg` on `world` ranks: the median measured / estimated of the comparable runs.
-    `estimate_of(run_cfg, world, may_trace)`: today's model's step time for a past run (before learning); it may
-    raise (a task that can't be imported here, a trace it may not make now): that run is left out, for now. At
-    most NEW_TRACES past runs not estimated before are traced per call, so an estimate stays quick when many runs
-    completed since; the rest are estimated by later calls. Lessons are kept in memory until a run directory
-    changes."""
-    key = (str(Path(runs_dir).expanduser().resolve()), device_class, cfg.task, layout_of(cfg, world), profile_key,
-           _signature(runs_dir))
+def learn(
+    cfg: RunConfig,
+    world: int,
+    device_class: str,
+    runs_dir: Path,
+    profile_key: str,
+    estimate_of: Callable[[RunConfig, int, bool], float],
+) -> Lesson:
+    """The lesson for `cfg` on `world` ranks: the median measured / estimated of the comparable
+    runs. `estimate_of(run_cfg, world, may_trace)`: today's model's step time for a past run (before
+    learning); it may raise (a task that can't be imported here, a trace it may not make now): that
+    run is left out, for now. At most NEW_TRACES past runs not estimated before are traced per call,
+    so an estimate stays quick when many runs completed since; the rest are estimated by later
+    calls. Lessons are kept in memory until a run directory changes."""
+    key = (
+        str(Path(runs_dir).expanduser().resolve()),
+        device_class,
+        cfg.task,
+        layout_of(cfg, world),
+        profile_key,
+        _signature(runs_dir),
+    )
     with _LOCK:
         if key in _LESSONS:
             return _LESSONS[key]
     lesson, complete = _learn(cfg, world, device_class, runs_dir, profile_key, estimate_of)
-    if not complete:  # a run left out for now (its trace not made yet, under cache_only): ask again next time
+    if (
+        not complete
+    ):  # a run left out for now (its trace not made yet, under cache_only): ask again next time
         return lesson
     with _LOCK:
         _LESSONS[key] = lesson
@@ -158,7 +189,8 @@ def learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profile
 
 
 def _signature(runs_dir: Path) -> tuple[tuple[str, int], ...]:
-    """What the lessons of `runs_dir` depend on: its newest runs' summaries and step timings, as of now."""
+    """What the lessons of `runs_dir` depend on: its newest runs' summaries and step timings, as of
+    now."""
     out = []
     for summary_path, modified in newest_summaries(runs_dir):
         out.append((str(summary_path), modified))
@@ -170,20 +202,29 @@ def _signature(runs_dir: Path) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profile_key: str,
-           estimate_of: Callable[[RunConfig, int, bool], float]) -> tuple[Lesson, bool]:
+def _learn(
+    cfg: RunConfig,
+    world: int,
+    device_class: str,
+    runs_dir: Path,
+    profile_key: str,
+    estimate_of: Callable[[RunConfig, int, bool], float],
+) -> tuple[Lesson, bool]:
     everything = completed_runs(runs_dir, device_class)
     runs = [r for r in everything if r.cfg.pp == 1]
     piped = len(everything) - len(runs)
     layout = layout_of(cfg, world)
     same = [r for r in runs if r.layout == layout]
-    tiers = [([r for r in same if r.cfg.task == cfg.task], f"{cfg.task}, {describe_layout(layout)}"),
-             (same, f"any task, {describe_layout(layout)}"),
-             ([r for r in runs if r.world == world], f"any task and layout on {world} rank(s)"),
-             (runs, f"any task and layout on {device_class}")]
+    tiers = [
+        ([r for r in same if r.cfg.task == cfg.task], f"{cfg.task}, {describe_layout(layout)}"),
+        (same, f"any task, {describe_layout(layout)}"),
+        ([r for r in runs if r.world == world], f"any task and layout on {world} rank(s)"),
+        (runs, f"any task and layout on {device_class}"),
+    ]
     if device_class == "cpu":
-        # this machine is measured, and what its model misses is the task's and layout's own: another task's or
-        # layout's ratio moved the bench's rows away from the measured more often than towards it
+        # this machine is measured, and what its model misses is the task's and layout's own:
+        # another task's or layout's ratio moved the bench's rows away from the measured more often
+        # than towards it
         tiers = tiers[:1]
     chosen, scope = next((tier for tier in tiers if tier[0]), tiers[-1])
     ratios, names, complete, fresh = [], [], True, 0
@@ -197,20 +238,37 @@ def _learn(cfg: RunConfig, world: int, device_class: str, runs_dir: Path, profil
             names.append(run.name)
         complete = complete and estimated is not None
     if not ratios:
-        only = (f" of {cfg.task}, {describe_layout(layout)} (on this machine only the same task and layout teach)"
-                if device_class == "cpu" and runs else "")
-        return Lesson(note=f"nothing learnt: no completed run{only} on {device_class} in {runs_dir} to learn from"
-                           + (f" ({piped} pipeline run(s) there teach nothing yet)" if piped else "")), complete
+        only = (
+            f" of {cfg.task}, {describe_layout(layout)} (on this machine only the same task and "
+            "layout teach)"
+            if device_class == "cpu" and runs
+            else ""
+        )
+        return Lesson(
+            note=f"nothing learnt: no completed run{only} on {device_class} in {runs_dir} to learn "
+            "from" + (f" ({piped} pipeline run(s) there teach nothing yet)" if piped else "")
+        ), complete
     ratio = statistics.median(ratios)
-    return Lesson(ratio=ratio, runs=names, note=(
-        f"learnt from {len(names)} completed run(s) ({scope}): {', '.join(names)}; measured / estimated "
-        f"{', '.join(f'{r:.2f}' for r in ratios)}, so the step is scaled by their median, {ratio:.2f}")), complete
+    return Lesson(
+        ratio=ratio,
+        runs=names,
+        note=(
+            f"learnt from {len(names)} completed run(s) ({scope}): {', '.join(names)}; measured / "
+            f"estimated {', '.join(f'{r:.2f}' for r in ratios)}, so the step is scaled by their "
+            f"median, {ratio:.2f}"
+        ),
+    ), complete
 
 
-def _remembered(run: PastRun, profile_key: str, estimate_of: Callable[[RunConfig, int, bool], float], *,
-                may_trace: bool = True) -> tuple[float | None, bool]:
-    """Today's estimate of a past run, and whether it was made now: from the file of runs already estimated with
-    this model and profile, or made now (and written there)."""
+def _remembered(
+    run: PastRun,
+    profile_key: str,
+    estimate_of: Callable[[RunConfig, int, bool], float],
+    *,
+    may_trace: bool = True,
+) -> tuple[float | None, bool]:
+    """Today's estimate of a past run, and whether it was made now: from the file of runs already
+    estimated with this model and profile, or made now (and written there)."""
     path = memo_path()
     key = f"{run.path.resolve()}|{run.started_at}|{profile_key}"
     with _LOCK:
@@ -224,7 +282,8 @@ def _remembered(run: PastRun, profile_key: str, estimate_of: Callable[[RunConfig
         return float(value), False
     try:
         value = estimate_of(run.cfg, run.world, may_trace)
-    except Exception as e:  # noqa: BLE001  (a run that can't be estimated here teaches nothing; say why in the log)
+    except Exception as e:  # noqa: BLE001
+        # a run that can't be estimated here teaches nothing; say why in the log
         log.debug("learning: can't estimate run %s again: %s", run.name, e)
         return None, False
     with _LOCK:
@@ -242,7 +301,9 @@ def _remembered(run: PastRun, profile_key: str, estimate_of: Callable[[RunConfig
 def memo_path() -> Path:
     import platformdirs
 
-    folder = Path(os.environ.get("WORKBENCH_CACHE_DIR") or platformdirs.user_cache_dir("workbench")).expanduser()
+    folder = Path(
+        os.environ.get("WORKBENCH_CACHE_DIR") or platformdirs.user_cache_dir("workbench")
+    ).expanduser()
     return folder / "learnt-estimates.json"
 
 

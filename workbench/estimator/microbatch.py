@@ -1,5 +1,6 @@
-"""The launcher's proposal for micro_batch_size='auto': the largest micro-batch the estimate says fits each
-rank of this machine (the ranks then confirm it on their devices; see training/autobatch.py)."""
+"""The launcher's proposal for micro_batch_size='auto': the largest micro-batch the estimate says
+fits each rank of this machine (the ranks then confirm it on their devices; see
+training/autobatch.py)."""
 
 from __future__ import annotations
 
@@ -28,38 +29,58 @@ def _limit(cfg: RunConfig) -> int:
 
 
 def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
-    """Estimates at micro-batch 1 and 2 give the bytes per sample; the largest size under the limit is checked
-    with a third estimate and stepped down until it fits."""
+    """Estimates at micro-batch 1 and 2 give the bytes per sample; the largest size under the limit
+    is checked with a third estimate and stepped down until it fits."""
     from workbench.estimator import estimate
 
     limit = _limit(cfg)
     usable = limit * (1 - MARGIN)
-    # A pipeline's schedule needs its micro-batch count: accumulation stays as set (training/autobatch.py).
+    # A pipeline's schedule needs its micro-batch count: accumulation stays as set
+    # (training/autobatch.py).
     accum = 1 if cfg.target_global_batch and cfg.pp == 1 else cfg.grad_accum_steps
 
     def peak(m: int) -> int:
-        est = estimate(cfg.replace(micro_batch_size=m, grad_accum_steps=accum, target_global_batch=0), task=task)
+        est = estimate(
+            cfg.replace(micro_batch_size=m, grad_accum_steps=accum, target_global_batch=0),
+            task=task,
+        )
         return max(r.tensors for r in est.ranks)
 
     train, _ = task.build_datasets(cfg)
-    most = max(1, len(train) // cfg.dims.dp)  # samples each data-parallel rank has (a TP group shares them)
+    most = max(
+        1, len(train) // cfg.dims.dp
+    )  # samples each data-parallel rank has (a TP group shares them)
     try:
         one, two = peak(1), peak(2)
     except ValueError as e:
         if cfg.pp == 1 and cfg.cp == 1:
             raise
-        # A layout the estimate doesn't trace (pipelines it can't, context parallel): the ranks measure sizes 1
-        # and 2 themselves and go on from there (training/autobatch.py).
-        return {"proposed": None, "limit_bytes": limit, "estimates": [],
-                "how": f"no estimate ({e}); the ranks search from their own trials at micro-batch 1 and 2"}
+        # A layout the estimate doesn't trace (pipelines it can't, context parallel): the ranks
+        # measure sizes 1 and 2 themselves and go on from there (training/autobatch.py).
+        return {
+            "proposed": None,
+            "limit_bytes": limit,
+            "estimates": [],
+            "how": f"no estimate ({e}); the ranks search from their own trials at micro-batch 1 "
+            "and 2",
+        }
     per_sample = max(1, two - one)
     m = max(1, min(most, int((usable - one) // per_sample) + 1))
-    tries = [{"micro_batch": 1, "estimated_peak_bytes": one}, {"micro_batch": 2, "estimated_peak_bytes": two}]
+    tries = [
+        {"micro_batch": 1, "estimated_peak_bytes": one},
+        {"micro_batch": 2, "estimated_peak_bytes": two},
+    ]
     while m > 2:
         p = peak(m)
         tries.append({"micro_batch": m, "estimated_peak_bytes": p})
         if p <= usable:
             break
         m = max(2, int(m * usable / p))
-    return {"proposed": m, "limit_bytes": limit, "per_sample_bytes": per_sample, "estimates": tries,
-            "how": "estimated peak per rank (tensors) at micro-batch 1 and 2, extrapolated, then checked"}
+    return {
+        "proposed": m,
+        "limit_bytes": limit,
+        "per_sample_bytes": per_sample,
+        "estimates": tries,
+        "how": "estimated peak per rank (tensors) at micro-batch 1 and 2, extrapolated, then "
+        "checked",
+    }

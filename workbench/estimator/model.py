@@ -1,5 +1,5 @@
-"""From a traced step to an estimate per rank: memory against the target's capacity, step time from FLOPs
-and collective volumes, time and cost to max_steps. Every figure says what it rests on."""
+"""From a traced step to an estimate per rank: memory against the target's capacity, step time from
+FLOPs and collective volumes, time and cost to max_steps. Every figure says what it rests on."""
 
 from __future__ import annotations
 
@@ -14,19 +14,34 @@ from workbench.utils.units import GiB, fmt_bytes, fmt_money, fmt_seconds, fmt_sp
 GPU_OVERHEAD_BYTES = int(0.75 * GiB)
 """CUDA context and NCCL's buffers: about 0.5-1 GiB per GPU that no tensor accounts for."""
 CUBLAS_WORKSPACE_BYTES = 65 * 2**20
-"""cuBLAS's and cuBLASLt's workspaces, which PyTorch takes from its caching allocator at the first matmul, so
-torch.cuda.max_memory_allocated counts them: 65 MiB measured on an H100 (digits: 65.0 MiB above its tensors)."""
+"""cuBLAS's and cuBLASLt's workspaces, which PyTorch takes from its caching allocator at the first
+matmul, so torch.cuda.max_memory_allocated counts them: 65 MiB measured on an H100 (digits: 65.0 MiB
+above its tensors)."""
 CPU_OVERHEAD_BYTES = int(0.35 * GiB)
-"""A rank's Python, torch and accelerate before any tensor (this machine: about 300-400 MiB of RSS)."""
+"""A rank's Python, torch and accelerate before any tensor (this machine: about 300-400 MiB of
+RSS)."""
 HEADROOM = 0.08
-"""A run 'fits' when its peak stays under 92% of the device: the caching allocator fragments the rest."""
+"""A run 'fits' when its peak stays under 92% of the device: the caching allocator fragments the
+rest."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "temporaries")
-COLUMNS = ("params", "grads held", "grads at peak", "optimizer", "activations", "buffers", "temporaries", "overhead",
-           "peak")
-"""A rank's row: bytes by category at the step's peak, with the gradients it holds beside those at the peak."""
-GRADS_LEGEND = ("grads held: the gradients a rank keeps for the optimizer step (its shard under zero2, zero3 and "
-                "hsdp); grads at peak: those alive at the moment of the step's memory peak (0 when none are then: the "
-                "peak comes before backward makes them, or after they are freed)")
+COLUMNS = (
+    "params",
+    "grads held",
+    "grads at peak",
+    "optimizer",
+    "activations",
+    "buffers",
+    "temporaries",
+    "overhead",
+    "peak",
+)
+"""A rank's row: bytes by category at the step's peak, with the gradients it holds beside those at
+the peak."""
+GRADS_LEGEND = (
+    "grads held: the gradients a rank keeps for the optimizer step (its shard under zero2, zero3 "
+    "and hsdp); grads at peak: those alive at the moment of the step's memory peak (0 when none "
+    "are then: the peak comes before backward makes them, or after they are freed)"
+)
 
 
 @dataclass
@@ -42,13 +57,14 @@ class RankEstimate:
     """Communication buffers: FSDP all-gather/reduce-scatter, DDP gradient buckets."""
     temporaries: int
     overhead: int
-    """Runtime memory no tensor accounts for (CUDA context, NCCL's buffers; the interpreter on CPU)."""
+    """Runtime memory no tensor accounts for (CUDA context, NCCL's buffers; the interpreter on
+    CPU)."""
     tracked_peak: int
     """The traced step's peak (tensors only; without DDP's buckets, which the trace leaves out)."""
 
     extra_buffers: int = 0
-    """Buffers the trace leaves out, added from their known size: DDP's gradient buckets, cuBLAS's workspaces on a
-    GPU."""
+    """Buffers the trace leaves out, added from their known size: DDP's gradient buckets, cuBLAS's
+    workspaces on a GPU."""
     held: dict[str, int] = field(default_factory=dict)
     """Parameters, gradients and optimizer state the rank holds at rest (its shards), by name."""
 
@@ -63,13 +79,23 @@ class RankEstimate:
 
     def row(self) -> list[int | None]:
         """Bytes by COLUMNS (grads held: None when the trace didn't measure it)."""
-        return [self.params, self.held.get("grads"), self.grads, self.optimizer, self.activations,
-                self.buffers + self.extra_buffers, self.temporaries, self.overhead, self.peak]
+        return [
+            self.params,
+            self.held.get("grads"),
+            self.grads,
+            self.optimizer,
+            self.activations,
+            self.buffers + self.extra_buffers,
+            self.temporaries,
+            self.overhead,
+            self.peak,
+        ]
 
 
 @dataclass
 class Estimate:
-    """An estimate of a run per rank: memory, time and cost, for a target accelerator x count x nodes."""
+    """An estimate of a run per rank: memory, time and cost, for a target accelerator x count x
+    nodes."""
 
     config: dict[str, Any]
     target: Accelerator
@@ -89,10 +115,14 @@ class Estimate:
     trace_s: float = 0.0
     max_rss_bytes: int = 0
 
-    # ---- derived ------------------------------------------------------------------------------------------
+    # ---- derived ---------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.target.memory_bytes if self.target.kind == "cuda" else self.target.memory_bytes // self.gpus
+        return (
+            self.target.memory_bytes
+            if self.target.kind == "cuda"
+            else self.target.memory_bytes // self.gpus
+        )
 
     @property
     def peak(self) -> int:
@@ -131,26 +161,33 @@ class Estimate:
         price = self.target.price_per_hour
         return None if price is None else price * self.gpu_hours
 
-    # ---- words --------------------------------------------------------------------------------------------
+    # ---- words -----------------------------------------------------------------------------------
     @property
     def where(self) -> str:
-        """'8 x H100-SXM-80GB', '2 x 8 x H100-SXM-80GB' (nodes x GPUs per node x accelerator: the panel's and
-        Slurm's way); on a CPU, its processes."""
+        """'8 x H100-SXM-80GB', '2 x 8 x H100-SXM-80GB' (nodes x GPUs per node x accelerator: the
+        panel's and Slurm's way); on a CPU, its processes."""
         if self.target.kind == "cpu":
             nodes = f"{self.nodes} nodes x " if self.nodes > 1 else ""
             return f"{self.target.name}, {nodes}{self.gpus} process" + "es" * (self.gpus != 1)
-        return f"{self.nodes} x {self.gpus} x {self.target.name}" if self.nodes > 1 else \
-            f"{self.gpus} x {self.target.name}"
+        return (
+            f"{self.nodes} x {self.gpus} x {self.target.name}"
+            if self.nodes > 1
+            else f"{self.gpus} x {self.target.name}"
+        )
 
     def settings(self) -> str:
-        """Which settings these figures are for: task, layout, precision, micro-batch x accumulation, world."""
+        """Which settings these figures are for: task, layout, precision, micro-batch x
+        accumulation, world."""
         return describe_settings(self.config, self.gpus * self.nodes)
 
     def verdict(self) -> str:
         peak, usable = fmt_bytes(self.peak), fmt_bytes(self.usable)
         if self.fits:
             return f"fits: {peak} per rank of {usable} usable on {self.target.name}"
-        return f"short by {fmt_bytes(self.short_by)}: {peak} per rank, {usable} usable on {self.target.name}"
+        return (
+            f"short by {fmt_bytes(self.short_by)}: {peak} per rank, {usable} usable on "
+            f"{self.target.name}"
+        )
 
     def cost_text(self) -> str:
         """'$12.30', '< $0.01', or 'no price' when the target has none."""
@@ -158,8 +195,11 @@ class Estimate:
 
     def step_line(self) -> str:
         tokens = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
-        return (f"step {fmt_seconds(self.step_s)} (compute {fmt_seconds(self.compute_s)}{self._comm_text()}), "
-                f"{_rate(self.samples_per_s)} samples/s{tokens}")
+        return (
+            f"step {fmt_seconds(self.step_s)} (compute "
+            f"{fmt_seconds(self.compute_s)}{self._comm_text()}), {_rate(self.samples_per_s)} "
+            f"samples/s{tokens}"
+        )
 
     def _comm_text(self) -> str:
         """How much of the communication the step waits for: none, all, or part of it."""
@@ -173,55 +213,79 @@ class Estimate:
         return f", communication {fmt_seconds(comm)} of which {fmt_seconds(exposed)} not hidden"
 
     def run_line(self) -> str:
-        """'400 steps: 50.2 s, 0.03 GPU-hours, $0.12'; a CPU plan has no GPU-hours (and no price)."""
+        """'400 steps: 50.2 s, 0.03 GPU-hours, $0.12'; a CPU plan has no GPU-hours (and no
+        price)."""
         line = f"{self.config['max_steps']} steps: {fmt_span(self.run_s)}"
         if self.target.kind == "cpu":
             return line
-        hours = f"{self.gpu_hours:.2f}" if self.gpu_hours >= 0.01 or self.gpu_hours == 0 else "< 0.01"
+        hours = (
+            f"{self.gpu_hours:.2f}" if self.gpu_hours >= 0.01 or self.gpu_hours == 0 else "< 0.01"
+        )
         cost = f", {fmt_money(self.cost)}" if self.cost is not None else ""
         return f"{line}, {hours} GPU-hours{cost}"
 
     def __repr__(self) -> str:
         fits = "fits" if self.fits else f"short by {fmt_bytes(self.short_by)}"
-        return (f"<Estimate {self.config['task']} {layout_name(self.config)} on {self.where}: {fits}, peak "
-                f"{fmt_bytes(self.peak)} of {fmt_bytes(self.usable)} usable; step {fmt_seconds(self.step_s)}; "
-                f"{self.config['max_steps']} steps {fmt_span(self.run_s)}; {self.cost_text()}>")
+        return (
+            f"<Estimate {self.config['task']} {layout_name(self.config)} on {self.where}: {fits}, "
+            f"peak {fmt_bytes(self.peak)} of {fmt_bytes(self.usable)} usable; step "
+            f"{fmt_seconds(self.step_s)}; {self.config['max_steps']} steps {fmt_span(self.run_s)}; "
+            f"{self.cost_text()}>"
+        )
 
     def table(self) -> str:
-        """The estimate as plain text: memory per group of identical ranks, the verdict, time, cost, assumptions."""
+        """The estimate as plain text: memory per group of identical ranks, the verdict, time, cost,
+        assumptions."""
         groups = self.rank_groups()
         width = max(5, *(len(label) for label, _ in groups))
-        lines = [f"estimate: {self.settings()} on {self.where}, global batch {self.global_batch}",
-                 f"  {'ranks':>{width}} " + " ".join(f"{k:>14}" for k in COLUMNS)]
+        lines = [
+            f"estimate: {self.settings()} on {self.where}, global batch {self.global_batch}",
+            f"  {'ranks':>{width}} " + " ".join(f"{k:>14}" for k in COLUMNS),
+        ]
         for label, values in groups:
             lines.append(f"  {label:>{width}} " + " ".join(f"{fmt_bytes(v):>14}" for v in values))
-        lines += [*textwrap.wrap(GRADS_LEGEND, 116, initial_indent="  ", subsequent_indent="  "),
-                  f"  {self.verdict()}", f"  {self.step_line()}", f"  {self.run_line()}", "  assumptions:",
-                  *(f"    - {a}" for a in self.assumptions)]
+        lines += [
+            *textwrap.wrap(GRADS_LEGEND, 116, initial_indent="  ", subsequent_indent="  "),
+            f"  {self.verdict()}",
+            f"  {self.step_line()}",
+            f"  {self.run_line()}",
+            "  assumptions:",
+            *(f"    - {a}" for a in self.assumptions),
+        ]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        """The estimate in a notebook: a table of rank groups by category, the verdict, time and cost."""
+        """The estimate in a notebook: a table of rank groups by category, the verdict, time and
+        cost."""
         cell = "style='text-align:right;padding:0 8px;white-space:nowrap'"
         head = "".join(f"<th {cell}>{html.escape(k)}</th>" for k in ("ranks", *COLUMNS))
-        body = "".join(f"<tr class='wb-rank-group' data-ranks='{html.escape(label)}'><td {cell}>{html.escape(label)}"
-                       "</td>" + "".join(f"<td {cell}>{fmt_bytes(v)}</td>" for v in values) + "</tr>"
-                       for label, values in self.rank_groups())
+        body = "".join(
+            f"<tr class='wb-rank-group' data-ranks='{html.escape(label)}'><td "
+            f"{cell}>{html.escape(label)}</td>"
+            + "".join(f"<td {cell}>{fmt_bytes(v)}</td>" for v in values)
+            + "</tr>"
+            for label, values in self.rank_groups()
+        )
         color = "#2e7d32" if self.fits else "#b00020"
         assumptions = "".join(f"<li>{html.escape(a)}</li>" for a in self.assumptions)
-        return (f"<div class='wb-estimate-view'><b>Estimate</b> for {html.escape(self.settings())} on "
-                f"{html.escape(self.where)}, global batch {self.global_batch}"
-                f"<table class='wb-estimate-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-                f"<small>{html.escape(GRADS_LEGEND)}</small>"
-                f"<div class='wb-estimate-verdict' style='color:{color}'><b>{html.escape(self.verdict())}</b></div>"
-                f"<div>{html.escape(self.step_line())}</div><div>{html.escape(self.run_line())}</div>"
-                f"<details><summary><small>assumptions ({len(self.assumptions)})</small></summary>"
-                f"<small><ul>{assumptions}</ul></small></details></div>")
+        return (
+            f"<div class='wb-estimate-view'><b>Estimate</b> for {html.escape(self.settings())} on "
+            f"{html.escape(self.where)}, global batch {self.global_batch}"
+            f"<table class='wb-estimate-table'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table>"
+            f"<small>{html.escape(GRADS_LEGEND)}</small>"
+            f"<div class='wb-estimate-verdict' style='color:{color}'>"
+            f"<b>{html.escape(self.verdict())}</b></div>"
+            f"<div>{html.escape(self.step_line())}</div>"
+            f"<div>{html.escape(self.run_line())}</div>"
+            f"<details><summary><small>assumptions ({len(self.assumptions)})</small></summary>"
+            f"<small><ul>{assumptions}</ul></small></details></div>"
+        )
 
     def rank_groups(self) -> list[tuple[str, list[int | None]]]:
-        """Ranks whose rows read the same as shown, one row each, labelled compactly: ('0-6, 8', [...]).
-        A byte count that differs below the shown precision doesn't split a group; to_dict() has the exact
-        figures of every rank."""
+        """Ranks whose rows read the same as shown, one row each, labelled compactly: ('0-6, 8',
+        [...]). A byte count that differs below the shown precision doesn't split a group; to_dict()
+        has the exact figures of every rank."""
         groups: dict[tuple[str, ...], tuple[list[int], list[int | None]]] = {}
         for r in self.ranks:
             row = r.row()
@@ -229,15 +293,29 @@ class Estimate:
         return [(compact_ranks(ranks), row) for ranks, row in groups.values()]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target.name, "gpus": self.gpus, "nodes": self.nodes, "settings": self.settings(),
-                "fits": self.fits,
-                "short_by_bytes": self.short_by, "peak_bytes": self.peak, "capacity_bytes": self.capacity,
-                "ranks": [{**vars(r), "tensors": r.tensors, "peak": r.peak} for r in self.ranks],
-                "flops_per_step": self.flops_per_step,
-                "compute_s": self.compute_s, "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
-                "step_s": self.step_s, "run_s": self.run_s, "samples_per_s": self.samples_per_s,
-                "tokens_per_s": self.tokens_per_s, "gpu_hours": self.gpu_hours, "cost": self.cost,
-                "efficiency": self.efficiency, "assumptions": self.assumptions}
+        return {
+            "target": self.target.name,
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "settings": self.settings(),
+            "fits": self.fits,
+            "short_by_bytes": self.short_by,
+            "peak_bytes": self.peak,
+            "capacity_bytes": self.capacity,
+            "ranks": [{**vars(r), "tensors": r.tensors, "peak": r.peak} for r in self.ranks],
+            "flops_per_step": self.flops_per_step,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "step_s": self.step_s,
+            "run_s": self.run_s,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "gpu_hours": self.gpu_hours,
+            "cost": self.cost,
+            "efficiency": self.efficiency,
+            "assumptions": self.assumptions,
+        }
 
 
 def compact_ranks(ranks: list[int]) -> str:
@@ -266,13 +344,15 @@ def layout_name(config: dict[str, Any]) -> str:
 
 
 def describe_settings(config: dict[str, Any], world: int) -> str:
-    """The settings an estimate is for, in one line: 'char-gpt (preset=tiny), zero3 x tp 2, bf16, micro-batch
-    8 x 2 accumulation, 8 ranks'."""
+    """The settings an estimate is for, in one line: 'char-gpt (preset=tiny), zero3 x tp 2, bf16,
+    micro-batch 8 x 2 accumulation, 8 ranks'."""
     options = ", ".join(f"{k}={v}" for k, v in (config.get("task_options") or {}).items())
     task = f"{config['task']} ({options})" if options else str(config["task"])
-    return (f"{task}, {layout_name({**config, 'num_processes': world})}, {config['precision']}, micro-batch "
-            f"{config['micro_batch_size']} x {config['grad_accum_steps']} accumulation, {world} rank"
-            + "s" * (world != 1))
+    return (
+        f"{task}, {layout_name({**config, 'num_processes': world})}, {config['precision']}, "
+        f"micro-batch {config['micro_batch_size']} x {config['grad_accum_steps']} accumulation, "
+        f"{world} rank" + "s" * (world != 1)
+    )
 
 
 def _rate(per_s: float) -> str:

@@ -1,13 +1,13 @@
-"""A traced step's time before anything is learnt from runs: op by op against this machine's measured profile on
-a CPU target, from the datasheet on a GPU target.
+"""A traced step's time before anything is learnt from runs: op by op against this machine's
+measured profile on a CPU target, from the datasheet on a GPU target.
 
-CPU: a small model's step is mostly fixed costs, so every ATen op the step dispatches pays the per-op cost of a
-training step measured here (views the cost of a bare op, ops on DTensors their sharding bookkeeping on top);
-matrix multiplies and attention run at the FLOP/s measured for their size and dtype; elementwise ops at the
-seconds per byte measured for their kind and size; each micro-batch costs a DataLoader fetch; all of it as much
-slower than its best as the same work runs here on average. Collectives cost gloo's time measured here for
-their kind and size, and none of it hides behind compute: the ranks already use every core,
-and gloo copies and sums on those cores.
+CPU: a small model's step is mostly fixed costs, so every ATen op the step dispatches pays the
+per-op cost of a training step measured here (views the cost of a bare op, ops on DTensors their
+sharding bookkeeping on top); matrix multiplies and attention run at the FLOP/s measured for their
+size and dtype; elementwise ops at the seconds per byte measured for their kind and size; each
+micro-batch costs a DataLoader fetch; all of it as much slower than its best as the same work runs
+here on average. Collectives cost gloo's time measured here for their kind and size, and none of it
+hides behind compute: the ranks already use every core, and gloo copies and sums on those cores.
 
 GPU: FLOPs at the fraction of the datasheet peak published runs reach on that accelerator, for the
 precision and the model's size (the catalog's efficiency, efficiency.py), elementwise bytes at the
@@ -35,19 +35,23 @@ if TYPE_CHECKING:
     from workbench.estimator.machine import MachineProfile
 
 GPU_LAUNCH_S = 33e-6
-"""Host time per working op of an eager step (module call, autograd, dispatch, cudaLaunchKernel): a step is never
-shorter. Measured on an H100 server (16 cores, torch 2.11, 2026-11-24): a hand-written loop and the trainer ran
-digits, char-gpt small and GPT-2 small at 24-41 us per op, with the GPU mostly idle."""
+"""Host time per working op of an eager step (module call, autograd, dispatch, cudaLaunchKernel): a
+step is never shorter. Measured on an H100 server (16 cores, torch 2.11, 2026-11-24): a hand-written
+loop and the trainer ran digits, char-gpt small and GPT-2 small at 24-41 us per op, with the GPU
+mostly idle."""
 GPU_STEP_S = 1.3e-3
-"""Host time per step that no op accounts for (the loss read back, clipping's norm, the loader): same runs."""
+"""Host time per step that no op accounts for (the loss read back, clipping's norm, the loader):
+same runs."""
 GPU_VIEW_S = 8e-6
-"""Host time per view op: free in plain eager code, but FSDP2's sharded modules make thousands of them (copy-in
-and copy-out views per parameter), in Python. Fitted to the same server's zero2/zero3 runs."""
+"""Host time per view op: free in plain eager code, but FSDP2's sharded modules make thousands of
+them (copy-in and copy-out views per parameter), in Python. Fitted to the same server's zero2/zero3
+runs."""
 GPU_DTENSOR_S = 65e-6
-"""Host time DTensor's sharding propagation adds to an op on DTensors (the optimizer's foreach ops, clipping):
-fitted to the same runs."""
+"""Host time DTensor's sharding propagation adds to an op on DTensors (the optimizer's foreach ops,
+clipping): fitted to the same runs."""
 NCCL_LATENCY_S = {False: 20e-6, True: 50e-6}
-"""Per-collective latency within a node (NVLink/PCIe) and across nodes, as nccl-tests show for small messages."""
+"""Per-collective latency within a node (NVLink/PCIe) and across nodes, as nccl-tests show for small
+messages."""
 
 
 @dataclass
@@ -59,8 +63,8 @@ class RawStep:
     exposed_comm_s: float
     efficiency: float
     parts: dict[str, float] = field(default_factory=dict)
-    """What compute_s is made of: 'matmul', 'elementwise', 'dispatch', 'data' (CPU); 'matmul', 'memory',
-    'launch' (GPU)."""
+    """What compute_s is made of: 'matmul', 'elementwise', 'dispatch', 'data' (CPU); 'matmul',
+    'memory', 'launch' (GPU)."""
     assumptions: list[str] = field(default_factory=list)
 
     @property
@@ -69,13 +73,15 @@ class RawStep:
 
 
 def by_kind(trace: Any) -> dict[str, list[tuple[str, int, int]]]:
-    """The trace's ops grouped by kind (op_kind): (name, count, bytes written). Views write nothing, whatever the
-    trace's op_bytes says of them."""
+    """The trace's ops grouped by kind (op_kind): (name, count, bytes written). Views write nothing,
+    whatever the trace's op_bytes says of them."""
     out: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
     for name, count in trace.ops.items():
         kind = op_kind(name)
         if count > 0 and kind != "free":
-            out[kind].append((name, count, 0 if kind == "view" else int(trace.op_bytes.get(name, 0))))
+            out[kind].append(
+                (name, count, 0 if kind == "view" else int(trace.op_bytes.get(name, 0)))
+            )
     return out
 
 
@@ -100,17 +106,29 @@ class _Kernels:
         return self.matmul + self.elementwise + self.dispatch
 
 
-def _kernels(counts: Any, dtype: str, profile: MachineProfile, dtensor_s: float | None = None) -> _Kernels:
-    """The ops of `counts` (a StepTrace, or anything with its ops, op_bytes, flops and flop_calls), each at its
-    best measured here; an op on DTensors at `dtensor_s` more (dtensor_op_cost() unless given)."""
+def _kernels(
+    counts: Any, dtype: str, profile: MachineProfile, dtensor_s: float | None = None
+) -> _Kernels:
+    """The ops of `counts` (a StepTrace, or anything with its ops, op_bytes, flops and flop_calls),
+    each at its best measured here; an op on DTensors at `dtensor_s` more (dtensor_op_cost() unless
+    given)."""
     ops = by_kind(counts)
     matmul, flops_words = _flop_time(counts, ops.get("flop", []), dtype, profile)
-    elementwise = sum(nbytes * profile.seconds_per_byte(kind, nbytes / count)
-                      for kind, rows in ops.items() if kind not in ("flop", "view", "dtensor")
-                      for _, count, nbytes in rows if nbytes)
+    elementwise = sum(
+        nbytes * profile.seconds_per_byte(kind, nbytes / count)
+        for kind, rows in ops.items()
+        if kind not in ("flop", "view", "dtensor")
+        for _, count, nbytes in rows
+        if nbytes
+    )
     views = sum(count for _, count, _ in ops.get("view", []))
     sharded = sum(count for _, count, _ in ops.get("dtensor", []))
-    working = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
+    working = sum(
+        count
+        for kind, rows in ops.items()
+        if kind not in ("view", "dtensor")
+        for _, count, _ in rows
+    )
     if dtensor_s is None:
         dtensor_s = dtensor_op_cost(profile)
     dispatch = views * profile.op_s + working * profile.step_op_s + sharded * dtensor_s
@@ -123,10 +141,11 @@ def _counts(ref: dict[str, Any]) -> SimpleNamespace:
 
 
 def dtensor_op_cost(profile: MachineProfile) -> float:
-    """What an op on DTensors costs beyond its local op inside a real step: from the tensor-parallel reference
-    step (its time less its other ops, at the slowdown of the plain step timed in turn with it, and less its
-    collectives, over its ops on DTensors); the pointwise ops measured alone where there is none. A real step's
-    DTensor ops (matmuls, transposes, views, sharding propagation with autograd around it) cost 5x those here."""
+    """What an op on DTensors costs beyond its local op inside a real step: from the tensor-parallel
+    reference step (its time less its other ops, at the slowdown of the plain step timed in turn
+    with it, and less its collectives, over its ops on DTensors); the pointwise ops measured alone
+    where there is none. A real step's DTensor ops (matmuls, transposes, views, sharding propagation
+    with autograd around it) cost 5x those here."""
     ref = profile.layouts.get("tp")
     if not ref:
         return profile.dtensor_op_s
@@ -137,28 +156,35 @@ def dtensor_op_cost(profile: MachineProfile) -> float:
 
 
 def _slowdown_beside(profile: MachineProfile, ref: dict[str, Any]) -> float:
-    """How much slower than its price the plain reference step ran while timed in turn with layout reference
-    `ref` (its 'plain_s'): the slowdown of those same moments, never below 1."""
+    """How much slower than its price the plain reference step ran while timed in turn with layout
+    reference `ref` (its 'plain_s'): the slowdown of those same moments, never below 1."""
     plain = _kernels(_counts(profile.reference), "fp32", profile, dtensor_s=0.0).total
     return max(1.0, ref["plain_s"] / plain) if plain > 0 else 1.0
 
 
 def _reference_comm_s(profile: MachineProfile, ref: dict[str, Any]) -> float:
-    return sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
-               for key, rec in ref["comm"].items() if rec["count"])
+    return sum(
+        profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
+        for key, rec in ref["comm"].items()
+        if rec["count"]
+    )
 
 
 def slowdown(profile: MachineProfile) -> tuple[float, str]:
-    """How much slower a real step runs here than its kernels at their best: the measured reference step over
-    its own price (machine_reference.reference_step), never below 1; the jitter burst's mean over best in profiles
-    without one."""
+    """How much slower a real step runs here than its kernels at their best: the measured reference
+    step over its own price (machine_reference.reference_step), never below 1; the jitter burst's
+    mean over best in profiles without one."""
     ref = profile.reference
     if not ref:
-        return profile.jitter[0], "as much slower than its best as the same work runs here on average (measured)"
+        return profile.jitter[
+            0
+        ], "as much slower than its best as the same work runs here on average (measured)"
     priced = _kernels(_counts(ref), "fp32", profile).total
     factor = max(1.0, ref["step_s"] / priced) if priced > 0 else 1.0
-    return factor, (f"as much slower than their best as a small model's real training step runs here "
-                    f"({fmt_seconds(ref['step_s'])} against {fmt_seconds(priced)} priced alike, measured)")
+    return factor, (
+        f"as much slower than their best as a small model's real training step runs here "
+        f"({fmt_seconds(ref['step_s'])} against {fmt_seconds(priced)} priced alike, measured)"
+    )
 
 
 def layout_family(cfg: RunConfig) -> str | None:
@@ -166,8 +192,9 @@ def layout_family(cfg: RunConfig) -> str | None:
     from workbench.config import SHARDED
 
     if cfg.tp > 1 or cfg.pp > 1:
-        # tensor parallel's reference sets the cost of an op on DTensors instead (dtensor_op_cost): as a factor on
-        # the whole step it overshot char-gpt's tp step by 25-45%; a pipeline has none
+        # tensor parallel's reference sets the cost of an op on DTensors instead (dtensor_op_cost):
+        # as a factor on the whole step it overshot char-gpt's tp step by 25-45%; a pipeline has
+        # none
         return None
     if cfg.parallelism in SHARDED:
         return "fsdp"
@@ -175,13 +202,15 @@ def layout_family(cfg: RunConfig) -> str | None:
 
 
 def layout_factor(profile: MachineProfile, family: str | None) -> float:
-    """How much slower the reference step runs in `family`'s layout here than its ops and collectives priced
-    alike, its ops at the slowdown of the plain step timed in turn with it: 1.0 without one."""
+    """How much slower the reference step runs in `family`'s layout here than its ops and
+    collectives priced alike, its ops at the slowdown of the plain step timed in turn with it: 1.0
+    without one."""
     ref = profile.layouts.get(family or "")
     if not ref:
         return 1.0
-    priced = (_kernels(_counts(ref), "fp32", profile).total * _slowdown_beside(profile, ref)
-              + _reference_comm_s(profile, ref))
+    priced = _kernels(_counts(ref), "fp32", profile).total * _slowdown_beside(
+        profile, ref
+    ) + _reference_comm_s(profile, ref)
     return min(MAX_FACTOR, max(1 / MAX_FACTOR, ref["step_s"] / priced)) if priced > 0 else 1.0
 
 
@@ -189,47 +218,69 @@ MAX_FACTOR = 10.0
 """A measured correction beyond this is taken as a measuring accident, and capped."""
 
 
-def cpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]],
-             profile: MachineProfile) -> RawStep:
+def cpu_step(
+    cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]], profile: MachineProfile
+) -> RawStep:
     """The step on this machine's CPU, from its measured profile."""
     dtype = "bf16" if cfg.precision == "bf16" else "fp32"
     k = _kernels(trace, dtype, profile)
     batch = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 0
     data = cfg.grad_accum_steps * profile.batch_s(batch)
-    comm = sum(profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
-               for key, rec in [*trace.comm.items(), *extra_comm.items()] if rec["count"])
+    comm = sum(
+        profile.collective_s(_collective_kind(key), rec["count"], rec["wire_bytes"])
+        for key, rec in [*trace.comm.items(), *extra_comm.items()]
+        if rec["count"]
+    )
     factor, why = slowdown(profile)
     family = layout_family(cfg) if trace.world > 1 else None
     in_layout = layout_factor(profile, family)
     compute, comm = (k.total + data) * factor * in_layout, comm * in_layout
     peak = max(r for _, r in profile.matmul.get(dtype) or profile.matmul["fp32"])
-    on_dtensors = (f", {k.sharded} ops on DTensors at {1e6 * dtensor_op_cost(profile):.1f} us more" if k.sharded
-                   else "")
+    on_dtensors = (
+        f", {k.sharded} ops on DTensors at {1e6 * dtensor_op_cost(profile):.1f} us more"
+        if k.sharded
+        else ""
+    )
     assumptions = [
         f"this machine measured ({profile.describe()})",
-        f"compute {fmt_seconds(compute)}: {k.flops_words}, {fmt_seconds(k.matmul)}; "
-        f"elementwise writes at the measured seconds per byte of their kind and size, {fmt_seconds(k.elementwise)}; "
-        f"{k.working} ops at {1e6 * profile.step_op_s:.1f} us and {k.views} views at {1e6 * profile.op_s:.1f} us "
-        f"each{on_dtensors}, {fmt_seconds(k.dispatch)}; {cfg.grad_accum_steps} batch fetch(es) of {batch}, "
+        f"compute {fmt_seconds(compute)}: {k.flops_words}, {fmt_seconds(k.matmul)}; elementwise "
+        "writes at the measured seconds per byte of their kind and size, "
+        f"{fmt_seconds(k.elementwise)}; {k.working} ops at {1e6 * profile.step_op_s:.1f} us and "
+        f"{k.views} views at {1e6 * profile.op_s:.1f} us each{on_dtensors}, "
+        f"{fmt_seconds(k.dispatch)}; {cfg.grad_accum_steps} batch fetch(es) of {batch}, "
         f"{fmt_seconds(data)}; all of it x {factor:.2f}, {why}",
-        f"communication {fmt_seconds(comm)}: each collective at gloo's time measured here for its kind and size "
-        "(a call that didn't stall, interpolated between the sizes measured, plus the mean stall); none of it hides "
-        "behind compute (the ranks use every core, and gloo copies and sums on them)"]
+        f"communication {fmt_seconds(comm)}: each collective at gloo's time measured here for its "
+        "kind and size (a call that didn't stall, interpolated between the sizes measured, plus "
+        "the mean stall); none of it hides behind compute (the ranks use every core, and gloo "
+        "copies and sums on them)",
+    ]
     if in_layout != 1.0:
-        assumptions.append(f"layout ({family}): the step x {in_layout:.2f}, as much slower as a small model's "
-                           f"{family} step runs here than its ops and collectives priced alike (measured)")
-    return RawStep(compute_s=compute, comm_s=comm, exposed_comm_s=comm,
-                   efficiency=trace.flops / compute / peak if compute else 0.0,
-                   parts={"matmul": k.matmul, "elementwise": k.elementwise, "dispatch": k.dispatch, "data": data,
-                          "slowdown": compute - (k.total + data)},
-                   assumptions=assumptions)
+        assumptions.append(
+            f"layout ({family}): the step x {in_layout:.2f}, as much slower as a small model's "
+            f"{family} step runs here than its ops and collectives priced alike (measured)"
+        )
+    return RawStep(
+        compute_s=compute,
+        comm_s=comm,
+        exposed_comm_s=comm,
+        efficiency=trace.flops / compute / peak if compute else 0.0,
+        parts={
+            "matmul": k.matmul,
+            "elementwise": k.elementwise,
+            "dispatch": k.dispatch,
+            "data": data,
+            "slowdown": compute - (k.total + data),
+        },
+        assumptions=assumptions,
+    )
 
 
-def _flop_time(trace: Any, rows: list[tuple[str, int, int]], dtype: str,
-               profile: MachineProfile) -> tuple[float, str]:
-    """Seconds of the FLOP-bound ops, and how they were priced: each call at the rate measured for its own size
-    (attention at attention's) when the trace counts FLOPs per call (StepTrace.flop_calls), else all FLOPs at
-    the matmul rate of the mean call."""
+def _flop_time(
+    trace: Any, rows: list[tuple[str, int, int]], dtype: str, profile: MachineProfile
+) -> tuple[float, str]:
+    """Seconds of the FLOP-bound ops, and how they were priced: each call at the rate measured for
+    its own size (attention at attention's) when the trace counts FLOPs per call
+    (StepTrace.flop_calls), else all FLOPs at the matmul rate of the mean call."""
     from workbench.estimator.machine_probe import ATTENTION_OPS
 
     calls = sum(count for _, count, _ in rows)
@@ -237,65 +288,121 @@ def _flop_time(trace: Any, rows: list[tuple[str, int, int]], dtype: str,
         return 0.0, "no matrix multiplies"
     if not trace.flop_calls:
         rate = profile.matmul_rate(dtype, trace.flops / calls)
-        return trace.flops / rate, (f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs) at "
-                                    f"{rate / 1e9:.0f} GFLOP/s {dtype}, the matmul rate measured for their mean size")
+        return trace.flops / rate, (
+            f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs) at "
+            f"{rate / 1e9:.0f} GFLOP/s {dtype}, the matmul rate measured for their mean size"
+        )
     seconds = 0.0
     for name, flops, count in trace.flop_calls:
         attention = name.split(".", 1)[-1].startswith(ATTENTION_OPS)
-        seconds += count * flops / (profile.attention_rate if attention else profile.matmul_rate)(dtype, flops)
-    return seconds, (f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs), each call at the {dtype} "
-                     f"rate measured for its size (attention at attention's), {trace.flops / seconds / 1e9:.0f} "
-                     "GFLOP/s on average")
+        seconds += (
+            count
+            * flops
+            / (profile.attention_rate if attention else profile.matmul_rate)(dtype, flops)
+        )
+    return seconds, (
+        f"{calls} matrix multiplies and attentions ({trace.flops:.3g} FLOPs), each call at the "
+        f"{dtype} rate measured for its size (attention at attention's), "
+        f"{trace.flops / seconds / 1e9:.0f} GFLOP/s on average"
+    )
 
 
 def matmul_precision(cfg: RunConfig, target: Accelerator) -> str:
-    """The catalog peak a step's matmuls run at: fp32 on TF32 tensor cores when cfg.tf32 (and the accelerator lists
-    a TF32 peak); fp8 as bf16 where the accelerator has no fp8."""
+    """The catalog peak a step's matmuls run at: fp32 on TF32 tensor cores when cfg.tf32 (and the
+    accelerator lists a TF32 peak); fp8 as bf16 where the accelerator has no fp8."""
     if cfg.precision == "fp32" and cfg.tf32 and target.peak("tf32"):
         return "tf32"
     return "bf16" if cfg.precision == "fp8" and target.peak("fp8") is None else cfg.precision
 
 
-def gpu_step(cfg: RunConfig, trace: StepTrace, extra_comm: dict[str, dict[str, Any]], target: Accelerator,
-             nodes: int, network: str) -> RawStep:
+def gpu_step(
+    cfg: RunConfig,
+    trace: StepTrace,
+    extra_comm: dict[str, dict[str, Any]],
+    target: Accelerator,
+    nodes: int,
+    network: str,
+) -> RawStep:
     """The step on a catalog GPU, from its datasheet."""
     precision = matmul_precision(cfg, target)
     peak = target.peak(precision)
     if peak is None:
-        raise ValueError(f"precision={cfg.precision!r}: {target.name} lists no peak for it "
-                         f"(it lists {', '.join(target.peak_flops)})")
-    # the host constants were fitted on an H100 to the first step's op counts (see StepTrace.first_ops)
-    ops = by_kind(SimpleNamespace(ops=trace.first_ops or trace.ops, op_bytes=trace.first_op_bytes or trace.op_bytes))
+        raise ValueError(
+            f"precision={cfg.precision!r}: {target.name} lists no peak for it "
+            f"(it lists {', '.join(target.peak_flops)})"
+        )
+    # the host constants were fitted on an H100 to the first step's op counts (see
+    # StepTrace.first_ops)
+    ops = by_kind(
+        SimpleNamespace(
+            ops=trace.first_ops or trace.ops, op_bytes=trace.first_op_bytes or trace.op_bytes
+        )
+    )
     efficiency, why = matmul_efficiency(target, precision, model_params(cfg, trace))
     matmul = trace.flops / (peak * efficiency)
-    memory = sum(nbytes for kind, rows in ops.items() if kind not in ("flop", "view", "dtensor")
-                 for _, _, nbytes in rows)
-    kernels = sum(count for kind, rows in ops.items() if kind not in ("view", "dtensor") for _, count, _ in rows)
+    memory = sum(
+        nbytes
+        for kind, rows in ops.items()
+        if kind not in ("flop", "view", "dtensor")
+        for _, _, nbytes in rows
+    )
+    kernels = sum(
+        count
+        for kind, rows in ops.items()
+        if kind not in ("view", "dtensor")
+        for _, count, _ in rows
+    )
     sharded = sum(count for _, count, _ in ops.get("dtensor", []))
-    views = sum(count for _, count, _ in ops.get("view", [])) if sharded else 0  # plain views cost ~nothing
+    views = (
+        sum(count for _, count, _ in ops.get("view", [])) if sharded else 0
+    )  # plain views cost ~nothing
     device = matmul + memory / target.memory_bandwidth
     host = GPU_STEP_S + kernels * GPU_LAUNCH_S + views * GPU_VIEW_S + sharded * GPU_DTENSOR_S
     compute = max(device, host)
     comm = 0.0
     for rec in [*trace.comm.values(), *extra_comm.values()]:
-        bandwidth = min(target.link_bandwidth, NETWORKS[network]) if rec["spans_nodes"] else target.link_bandwidth
-        comm += rec["count"] * NCCL_LATENCY_S[bool(rec["spans_nodes"])] + rec["wire_bytes"] / bandwidth
+        bandwidth = (
+            min(target.link_bandwidth, NETWORKS[network])
+            if rec["spans_nodes"]
+            else target.link_bandwidth
+        )
+        comm += (
+            rec["count"] * NCCL_LATENCY_S[bool(rec["spans_nodes"])] + rec["wire_bytes"] / bandwidth
+        )
     exposed = max(comm - compute, comm / max(1, trace.units)) if comm else 0.0
     assumptions = [
         f"compute: FLOPs at {why} of {target.name}'s {peak / 1e12:g} TFLOP/s {precision} datasheet "
-        f"peak, elementwise bytes at its {target.memory_bandwidth / 1e9:g} GB/s; never less than the host's time to "
-        f"launch {kernels} kernels at {1e6 * GPU_LAUNCH_S:g} us (eager PyTorch, measured on an H100 server) plus "
-        f"{1e3 * GPU_STEP_S:g} ms a step" +
-        (f", {views} views at {1e6 * GPU_VIEW_S:g} us and {sharded} DTensor ops at {1e6 * GPU_DTENSOR_S:g} us"
-         if sharded else ""),
-        (f"communication: {1e6 * NCCL_LATENCY_S[False]:g} us per collective ({1e6 * NCCL_LATENCY_S[True]:g} us "
-         f"between nodes) plus ring bytes at {target.link_bandwidth / 1e9:g} GB/s per GPU over {target.link}"
-         + (f", {NETWORKS[network] / 1e9:g} GB/s over {network} between nodes" if nodes > 1 else "")),
-        "overlap: collectives run during compute (FSDP prefetch, DDP buckets in backward); exposed is what exceeds "
-        "compute, and never less than one shard unit's share (the first all-gather or last bucket)"]
-    return RawStep(compute_s=compute, comm_s=comm, exposed_comm_s=exposed, efficiency=efficiency,
-                   parts={"matmul": matmul, "memory": memory / target.memory_bandwidth,
-                          "host": host}, assumptions=assumptions)
+        f"peak, elementwise bytes at its {target.memory_bandwidth / 1e9:g} GB/s; never less than "
+        f"the host's time to launch {kernels} kernels at {1e6 * GPU_LAUNCH_S:g} us (eager PyTorch, "
+        f"measured on an H100 server) plus {1e3 * GPU_STEP_S:g} ms a step"
+        + (
+            f", {views} views at {1e6 * GPU_VIEW_S:g} us and {sharded} DTensor ops at "
+            f"{1e6 * GPU_DTENSOR_S:g} us"
+            if sharded
+            else ""
+        ),
+        (
+            f"communication: {1e6 * NCCL_LATENCY_S[False]:g} us per collective "
+            f"({1e6 * NCCL_LATENCY_S[True]:g} us between nodes) plus ring bytes at "
+            f"{target.link_bandwidth / 1e9:g} GB/s per GPU over {target.link}"
+            + (
+                f", {NETWORKS[network] / 1e9:g} GB/s over {network} between nodes"
+                if nodes > 1
+                else ""
+            )
+        ),
+        "overlap: collectives run during compute (FSDP prefetch, DDP buckets in backward); "
+        "exposed is what exceeds compute, and never less than one shard unit's share (the first "
+        "all-gather or last bucket)",
+    ]
+    return RawStep(
+        compute_s=compute,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        efficiency=efficiency,
+        parts={"matmul": matmul, "memory": memory / target.memory_bandwidth, "host": host},
+        assumptions=assumptions,
+    )
 
 
 def model_params(cfg: RunConfig, trace: StepTrace) -> int:

@@ -1,21 +1,24 @@
 """One pipeline stage's step, traced: what a rank of a pp > 1 run holds, computes and sends.
 
-The trainer's pipeline (training/parallel/pipeline.py) runs torch.distributed.pipelining's schedules, whose
-point-to-point sends and runtime shape inference can't run on a fake process group. So the trace builds the
-trainer's own PipelineParallel strategy for the rank (its stage module, tied-parameter groups, optimizer) and
-runs that stage's forwards and backwards in the order the schedule runs them on this stage, as torch's
-PipelineStage does them:
+The trainer's pipeline (training/parallel/pipeline.py) runs torch.distributed.pipelining's
+schedules, whose point-to-point sends and runtime shape inference can't run on a fake process group.
+So the trace builds the trainer's own PipelineParallel strategy for the rank (its stage module,
+tied-parameter groups, optimizer) and runs that stage's forwards and backwards in the order the
+schedule runs them on this stage, as torch's PipelineStage does them:
 
-- GPipe: every micro-batch's forward, then every backward: all grad_accum_steps micro-batches in flight;
-- 1F1B: min(pp - stage, micro-batches) forwards first, then one backward and one forward in turn: the
+- GPipe: every micro-batch's forward, then every backward: all grad_accum_steps micro-batches in
+  flight;
+- 1F1B: min(pp - stage, micro-batches) forwards first, then one backward and one forward in turn:
+  the
   activations of at most pp - stage micro-batches held at once.
 
-A stage other than the first receives each micro-batch's activations into buffers made once for all of them,
-a stage other than the last receives the output gradients likewise (PipelineStage keeps both for every
-micro-batch across steps); they are counted as communication buffers. The loss is taken on the last stage per
-micro-batch and kept until its backward. Then the trainer's own after_schedule (tied gradients summed, replicas
-averaged), clipping and update run as they do in a real step. The activations and gradients sent
-to the neighbouring stages are recorded as point-to-point traffic ('send@2:pp'), one of each per micro-batch.
+A stage other than the first receives each micro-batch's activations into buffers made once for all
+of them, a stage other than the last receives the output gradients likewise (PipelineStage keeps
+both for every micro-batch across steps); they are counted as communication buffers. The loss is
+taken on the last stage per micro-batch and kept until its backward. Then the trainer's own
+after_schedule (tied gradients summed, replicas averaged), clipping and update run as they do in a
+real step. The activations and gradients sent to the neighbouring stages are recorded as
+point-to-point traffic ('send@2:pp'), one of each per micro-batch.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ if TYPE_CHECKING:
     from workbench.tasks import Task
 
 
-def schedule_order(schedule: str, micro_batches: int, stages: int, stage: int) -> list[tuple[str, int]]:
-    """The (forward 'F' or backward 'B', micro-batch) order `schedule` runs on `stage`, as torch's ScheduleGPipe
-    and Schedule1F1B step through them."""
+def schedule_order(
+    schedule: str, micro_batches: int, stages: int, stage: int
+) -> list[tuple[str, int]]:
+    """The (forward 'F' or backward 'B', micro-batch) order `schedule` runs on `stage`, as torch's
+    ScheduleGPipe and Schedule1F1B step through them."""
     if schedule == "gpipe":
         return [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
     warmup = min(micro_batches, stages - stage)
@@ -51,7 +56,8 @@ def schedule_order(schedule: str, micro_batches: int, stages: int, stage: int) -
 
 
 def in_flight(order: list[tuple[str, int, int]]) -> int:
-    """The most micro-batches forwarded and not yet backwarded at once in `order` (over the rank's chunks)."""
+    """The most micro-batches forwarded and not yet backwarded at once in `order` (over the rank's
+    chunks)."""
     live = most = 0
     for kind, _, _ in order:
         live += 1 if kind == "F" else -1
@@ -60,32 +66,54 @@ def in_flight(order: list[tuple[str, int, int]]) -> int:
 
 
 def rank_order(cfg: RunConfig, strategy: Any) -> list[tuple[str, int, int]]:
-    """(forward 'F' or backward 'B', chunk, micro-batch) in the order this rank's schedule runs them: GPipe's and
-    1F1B's as schedule_order, the interleaved schedules' from the schedule's own pipeline_order (zero bubble's
-    input-gradient pass stands for its whole backward: its weight pass, later, is taken with it)."""
+    """(forward 'F' or backward 'B', chunk, micro-batch) in the order this rank's schedule runs
+    them: GPipe's and 1F1B's as schedule_order, the interleaved schedules' from the schedule's own
+    pipeline_order (zero bubble's input-gradient pass stands for its whole backward: its weight
+    pass, later, is taken with it)."""
     if strategy.chunks_per_rank == 1:
-        return [(kind, 0, i) for kind, i in schedule_order(cfg.pp_schedule, cfg.grad_accum_steps, cfg.pp,
-                                                           strategy.stage_index)]
+        return [
+            (kind, 0, i)
+            for kind, i in schedule_order(
+                cfg.pp_schedule, cfg.grad_accum_steps, cfg.pp, strategy.stage_index
+            )
+        ]
     order = []
     for action in strategy.schedule.pipeline_order[strategy.stage_index]:
         kind = getattr(getattr(action, "computation_type", None), "value", None)
         if action is None or kind not in ("F", "B", "I"):
             continue
-        order.append(("F" if kind == "F" else "B", strategy.stage_ids.index(action.stage_index),
-                      action.microbatch_index))
+        order.append(
+            (
+                "F" if kind == "F" else "B",
+                strategy.stage_ids.index(action.stage_index),
+                action.microbatch_index,
+            )
+        )
     return order
 
 
 def stage_params(task: Task, cfg: RunConfig) -> list[set[str]]:
-    """The parameter names each stage holds (a meta-device model: nothing allocated), virtual stages included."""
+    """The parameter names each stage holds (a meta-device model: nothing allocated), virtual stages
+    included."""
     total = cfg.pp * virtual_stages(cfg)
     with torch.device("meta"):
         model = task.build_model(cfg)
-    return [{n for n, _ in task.pipeline_stages(model, cfg, s, total).named_parameters()} for s in range(total)]
+    return [
+        {n for n, _ in task.pipeline_stages(model, cfg, s, total).named_parameters()}
+        for s in range(total)
+    ]
 
 
-def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: int, fake: Any, gpu_target: bool,
-                gpus_per_node: int) -> dict[str, Any]:
+def trace_stage(
+    cfg: RunConfig,
+    task: Task,
+    real: list[Any],
+    world: int,
+    rank: int,
+    fake: Any,
+    gpu_target: bool,
+    gpus_per_node: int,
+) -> dict[str, Any]:
     """StepTrace fields for `rank`'s stage (see the module docstring)."""
     from workbench.estimator.fake_world import (
         CollectiveCounter,
@@ -100,7 +128,9 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     from workbench.training.parallel.device_mesh import build_mesh
     from workbench.training.parallel.pipeline import PipelineParallel
 
-    device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
+    device = torch.device(
+        "cpu"
+    )  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
     columns = world // cfg.pp  # ranks per stage: a column each, one whole pipeline
     mesh = build_mesh(cfg, "cpu", world)
     placement = Placement(device, world, rank, mesh, stage_params=stage_params(task, cfg))
@@ -110,9 +140,14 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
         with torch.device("meta"):
             model = task.build_model(cfg)
         materialize(model, device)
-        micro = [tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b) for b in real]
+        micro = [
+            tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b)
+            for b in real
+        ]
         outputs = _stage_outputs(task, cfg, model, micro[0][0])
-        strategy = PipelineParallel(cfg, placement, model, task, optimizer_for(cfg, task, gpu_target))
+        strategy = PipelineParallel(
+            cfg, placement, model, task, optimizer_for(cfg, task, gpu_target)
+        )
         run = _StageStep(cfg, strategy, micro, outputs, counter, columns)
         flops, memory = count_then_track(strategy, run, (*micro, *run.buffers), counter, first)
         held = dict(strategy.held_bytes)
@@ -123,13 +158,25 @@ def trace_stage(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
     memory["temporaries"] -= moved
     memory["buffers"] += moved
     after_forward = memory.pop("activations_after_forward")
-    return {"memory": memory, "activations_after_forward": after_forward, "held": held, "flops": flops,
-            "comm": {k: dict(v) for k, v in counter.comm.items()}, "units": 1, "zero_partition": [],
-            "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes), "first_ops": dict(first.ops),
-            "first_op_bytes": dict(first.op_bytes),
-            "flop_calls": flop_call_rows(counter.flop_calls), "state": checked_state(pieces, mesh_dims, rank, held),
-            "mesh_dims": mesh_dims, "stage": strategy.stage_index,
-            "in_flight": in_flight(run.order), "p2p_bytes": run.p2p_bytes}
+    return {
+        "memory": memory,
+        "activations_after_forward": after_forward,
+        "held": held,
+        "flops": flops,
+        "comm": {k: dict(v) for k, v in counter.comm.items()},
+        "units": 1,
+        "zero_partition": [],
+        "ops": dict(counter.ops),
+        "op_bytes": dict(counter.op_bytes),
+        "first_ops": dict(first.ops),
+        "first_op_bytes": dict(first.op_bytes),
+        "flop_calls": flop_call_rows(counter.flop_calls),
+        "state": checked_state(pieces, mesh_dims, rank, held),
+        "mesh_dims": mesh_dims,
+        "stage": strategy.stage_index,
+        "in_flight": in_flight(run.order),
+        "p2p_bytes": run.p2p_bytes,
+    }
 
 
 def _nbytes(meta: tuple[torch.Size, torch.dtype] | None) -> int:
@@ -139,11 +186,12 @@ def _nbytes(meta: tuple[torch.Size, torch.dtype] | None) -> int:
     return shape.numel() * dtype.itemsize
 
 
-def _stage_outputs(task: Task, cfg: RunConfig, model: torch.nn.Module, first_input: Any
-                   ) -> list[tuple[torch.Size, torch.dtype]]:
-    """(shape, dtype) of one micro-batch's output of every stage but the last (what stage s sends and stage s + 1
-    receives), run forward without autograd as the schedule's shape inference does (on a CP rank's share of the
-    sequence)."""
+def _stage_outputs(
+    task: Task, cfg: RunConfig, model: torch.nn.Module, first_input: Any
+) -> list[tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of one micro-batch's output of every stage but the last (what stage s sends
+    and stage s + 1 receives), run forward without autograd as the schedule's shape inference does
+    (on a CP rank's share of the sequence)."""
     from workbench.training.parallel.strategy import DTYPES
 
     dtype, total = DTYPES.get(cfg.precision), cfg.pp * virtual_stages(cfg)
@@ -160,27 +208,53 @@ def _stage_outputs(task: Task, cfg: RunConfig, model: torch.nn.Module, first_inp
 
 
 class _StageStep:
-    """One step of a rank's chunks, as the trainer's pipeline_step runs it: callable, for count_then_track."""
+    """One step of a rank's chunks, as the trainer's pipeline_step runs it: callable, for
+    count_then_track."""
 
-    def __init__(self, cfg: RunConfig, strategy: Any, micro: list[Any], outputs: list[Any], counter: Any,
-                 columns: int) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        strategy: Any,
+        micro: list[Any],
+        outputs: list[Any],
+        counter: Any,
+        columns: int,
+    ) -> None:
         self.cfg, self.strategy, self.micro, self.counter = cfg, strategy, micro, counter
         rank, m, pp = strategy.accelerator.process_index, cfg.grad_accum_steps, cfg.pp
         self.ids, self.total = strategy.stage_ids, strategy.total_stages
         self.order = rank_order(cfg, strategy)
-        # made once for every micro-batch and kept across steps, as PipelineStage's receive infrastructure is
-        self.inputs = [[torch.empty(outputs[s - 1][0], dtype=outputs[s - 1][1]) for _ in range(m)] if s else []
-                       for s in self.ids]
-        self.output_grads = [[torch.empty(outputs[s][0], dtype=outputs[s][1]) for _ in range(m)]
-                             if s < self.total - 1 else [] for s in self.ids]
-        self.buffers = tuple(t for per_chunk in (*self.inputs, *self.output_grads) for t in per_chunk)
+        # made once for every micro-batch and kept across steps, as PipelineStage's receive
+        # infrastructure is
+        self.inputs = [
+            [torch.empty(outputs[s - 1][0], dtype=outputs[s - 1][1]) for _ in range(m)] if s else []
+            for s in self.ids
+        ]
+        self.output_grads = [
+            [torch.empty(outputs[s][0], dtype=outputs[s][1]) for _ in range(m)]
+            if s < self.total - 1
+            else []
+            for s in self.ids
+        ]
+        self.buffers = tuple(
+            t for per_chunk in (*self.inputs, *self.output_grads) for t in per_chunk
+        )
         self.buffer_bytes = sum(t.numel() * t.element_size() for t in self.buffers)
         self.p2p_bytes = max((_nbytes(o) for o in outputs), default=0)
-        # per micro-batch: activations to the next stage's rank, gradients to the previous one's (loop placement)
+        # per micro-batch: activations to the next stage's rank, gradients to the previous one's
+        # (loop placement)
         pp_rank, column = divmod(rank, columns)
-        ahead, behind = ((pp_rank + 1) % pp) * columns + column, ((pp_rank - 1) % pp) * columns + column
-        self.sends = [{"F": (_nbytes(outputs[s]) if s < self.total - 1 else 0, [rank, ahead]),
-                       "B": (_nbytes(outputs[s - 1]) if s else 0, [rank, behind])} for s in self.ids]
+        ahead, behind = (
+            ((pp_rank + 1) % pp) * columns + column,
+            ((pp_rank - 1) % pp) * columns + column,
+        )
+        self.sends = [
+            {
+                "F": (_nbytes(outputs[s]) if s < self.total - 1 else 0, [rank, ahead]),
+                "B": (_nbytes(outputs[s - 1]) if s else 0, [rank, behind]),
+            }
+            for s in self.ids
+        ]
         self.grads: list[Any] = []
         self.steps = 0
 
@@ -188,30 +262,39 @@ class _StageStep:
         from workbench.estimator.fake_world import update
 
         strategy, m = self.strategy, self.cfg.grad_accum_steps
-        # pipeline_step concatenates the step's micro-batches (split over the CP group in place, cp > 1); the
-        # schedule cuts them again (views)
+        # pipeline_step concatenates the step's micro-batches (split over the CP group in place, cp
+        # > 1); the schedule cuts them again (views)
         whole = torch.cat([b[0] for b in self.micro]), torch.cat([b[1] for b in self.micro])
-        split = (whole[0] if strategy.first_stage else None, whole[1] if strategy.last_stage else None)
+        split = (
+            whole[0] if strategy.first_stage else None,
+            whole[1] if strategy.last_stage else None,
+        )
         with strategy.sequence_split(*split), strategy.forward_context():
             self._schedule(whole[0].tensor_split(m), whole[1].tensor_split(m))
-        for p in strategy.module.parameters():  # the schedule's scale_grads: the mean over micro-batches
+        for p in (
+            strategy.module.parameters()
+        ):  # the schedule's scale_grads: the mean over micro-batches
             if p.grad is not None:
                 p.grad.div_(m)
         strategy.after_schedule()
         update(strategy, self.cfg, self.grads)
         self.steps += 1
 
-    def _schedule(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> None:
-        """The rank's forwards and backwards in the schedule's order. A tensor being sent stays alive while
-        torch's schedule holds its send: GPipe holds every send to the end of the step; 1F1B the latest
-        forward's (until the next forward), the warm-up's last one fired on its own (until the 1F1B phase ends)
-        and the latest backward's (until the next backward); the interleaved schedules, taken like 1F1B, the
-        latest of each per chunk."""
+    def _schedule(
+        self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]
+    ) -> None:
+        """The rank's forwards and backwards in the schedule's order. A tensor being sent stays
+        alive while torch's schedule holds its send: GPipe holds every send to the end of the step;
+        1F1B the latest forward's (until the next forward), the warm-up's last one fired on its own
+        (until the 1F1B phase ends) and the latest backward's (until the next backward); the
+        interleaved schedules, taken like 1F1B, the latest of each per chunk."""
         from workbench.training.memory import next_micro_batch
 
         gpipe, m = self.cfg.pp_schedule == "gpipe", self.cfg.grad_accum_steps
         # 1F1B's last warm-up forward is sent on its own (one chunk per rank only)
-        warmup = 0 if gpipe or len(self.ids) > 1 else min(m, self.cfg.pp - self.strategy.stage_index)
+        warmup = (
+            0 if gpipe or len(self.ids) > 1 else min(m, self.cfg.pp - self.strategy.stage_index)
+        )
         cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
         sends: dict[Any, list[torch.Tensor]] = {"warm-up": []}
@@ -248,7 +331,9 @@ class _StageStep:
                 sends[("B", k)] = [*sends.get(("B", k), []), x.grad] if gpipe else [x.grad]
                 x.grad = None
                 self._send("B", k)
-            if forwards == m * len(self.ids):  # the first backward after the last forward ends the steady phase
+            if forwards == m * len(
+                self.ids
+            ):  # the first backward after the last forward ends the steady phase
                 sends["warm-up"] = []
         sends.clear()
 

@@ -1,7 +1,7 @@
-"""Where a run is planned to go: this machine, a catalog accelerator x GPUs per node x nodes, or a Slurm
-partition's nodes. A plan is checked against its target's devices, not against the box the notebook sits on:
-8 processes, fp16 and hsdp 2 x 4 are a valid plan for 8 x H100 on a 2-core laptop, and only launching it here is
-refused (a Slurm target is launched by submitting it)."""
+"""Where a run is planned to go: this machine, a catalog accelerator x GPUs per node x nodes, or a
+Slurm partition's nodes. A plan is checked against its target's devices, not against the box the
+notebook sits on: 8 processes, fp16 and hsdp 2 x 4 are a valid plan for 8 x H100 on a 2-core laptop,
+and only launching it here is refused (a Slurm target is launched by submitting it)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class Target:
     """The hardware a run is planned for."""
 
     gpu: str = THIS_MACHINE
-    """A catalog accelerator ('H100-SXM-80GB'; see workbench.estimator.load_catalog()), or 'this-machine'."""
+    """A catalog accelerator ('H100-SXM-80GB'; see workbench.estimator.load_catalog()), or
+    'this-machine'."""
     gpus_per_node: int = 0
     """Devices per node; 0 on this machine means as many as the run has processes."""
     nodes: int = 1
@@ -30,18 +31,22 @@ class Target:
     catalog: str | None = None
     """A YAML file of extra accelerators (as WORKBENCH_ACCELERATORS), or None."""
     partition: str | None = None
-    """The Slurm partition the run is submitted to, or None. With gpu 'this-machine' the partition's nodes are
-    CPU nodes taken to be like this one (gpus_per_node then counts ranks per node)."""
+    """The Slurm partition the run is submitted to, or None. With gpu 'this-machine' the partition's
+    nodes are CPU nodes taken to be like this one (gpus_per_node then counts ranks per node)."""
     cpus_per_node: int = 0
     """A Slurm CPU partition's cores per node (sinfo's); 0: as this machine has."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0 or self.nodes < 1:
-            raise ValueError(f"target {self.gpu}: gpus_per_node={self.gpus_per_node}, nodes={self.nodes}: use at "
-                             "least 1 GPU per node (0: as many as processes, on this machine) and 1 node")
+            raise ValueError(
+                f"target {self.gpu}: gpus_per_node={self.gpus_per_node}, nodes={self.nodes}: use "
+                "at least 1 GPU per node (0: as many as processes, on this machine) and 1 node"
+            )
         if self.local and self.nodes != 1:
-            raise ValueError(f"target this machine with nodes={self.nodes}: this machine is one node; pick a "
-                             "catalog accelerator to plan for several nodes")
+            raise ValueError(
+                f"target this machine with nodes={self.nodes}: this machine is one node; pick a "
+                "catalog accelerator to plan for several nodes"
+            )
         if not self.cpu_nodes:
             self.accelerator()  # an unknown name is refused now, with the catalog's names
 
@@ -57,14 +62,16 @@ class Target:
 
     @property
     def launchable(self) -> bool:
-        """Launch can start it from here: on this machine, or by submitting it to its Slurm partition."""
+        """Launch can start it from here: on this machine, or by submitting it to its Slurm
+        partition."""
         return self.local or self.partition is not None
 
     def accelerator(self) -> Accelerator:
         return lookup(self.gpu, load_catalog(self.catalog) if not self.local else None)
 
     def world(self, cfg: RunConfig) -> int:
-        """Ranks of the run on this target: GPUs per node x nodes (on this machine: the run's processes)."""
+        """Ranks of the run on this target: GPUs per node x nodes (on this machine: the run's
+        processes)."""
         return (self.gpus_per_node or cfg.num_processes) * self.nodes
 
     def describe(self, cfg: RunConfig | None = None) -> str:
@@ -75,55 +82,75 @@ class Target:
         if self.cpu_nodes:
             cores = f" ({self.cpus_per_node} cores each)" if self.cpus_per_node else ""
             ranks = f"{per_node} CPU rank" + "s" * (per_node != 1)
-            return f"{self.nodes} node{'s' * (self.nodes != 1)}{cores} x {ranks} on Slurm partition {self.partition}"
+            return (
+                f"{self.nodes} node{'s' * (self.nodes != 1)}{cores} x {ranks} on Slurm "
+                f"partition {self.partition}"
+            )
         where = f" on Slurm partition {self.partition}" if self.partition else ""
         return f"{nodes}{per_node} x {self.gpu}{where}"
 
     def hardware(self, cfg: RunConfig) -> Hardware:
-        """The devices checks run against: this machine's, a CPU partition's nodes, or the target's GPUs as the
-        catalog describes them."""
+        """The devices checks run against: this machine's, a CPU partition's nodes, or the target's
+        GPUs as the catalog describes them."""
         if self.local:
             return detect()
         if self.cpu_nodes:
-            return Hardware(cpu_count=self.cpus_per_node or detect().cpu_count, nodes=self.nodes,
-                            planned=self.describe(cfg))
+            return Hardware(
+                cpu_count=self.cpus_per_node or detect().cpu_count,
+                nodes=self.nodes,
+                planned=self.describe(cfg),
+            )
         accel = self.accelerator()
-        # what the catalog lists a peak for is what the device runs natively (bf16 from 8.0, fp8 from 8.9)
+        # what the catalog lists a peak for is what the device runs natively (bf16 from 8.0, fp8
+        # from 8.9)
         capability = (8, 9) if accel.peak("fp8") else (8, 0) if accel.peak("bf16") else (7, 0)
         per_node = self.gpus_per_node or cfg.num_processes
         gpu = GPU(name=accel.name, compute_capability=capability, memory_bytes=accel.memory_bytes)
-        return Hardware(cpu_count=16 * per_node, gpus=(gpu,) * per_node, nodes=self.nodes,
-                        planned=self.describe(cfg))
+        return Hardware(
+            cpu_count=16 * per_node,
+            gpus=(gpu,) * per_node,
+            nodes=self.nodes,
+            planned=self.describe(cfg),
+        )
 
 
 def check_plan(cfg: RunConfig, target: Target, task: Task | None = None) -> list[str]:
-    """preflight() against the target's devices: ValueError naming the field when the plan can't run there.
-    Returns the warnings it gave (e.g. ranks sharing cores), for the estimate to state."""
+    """preflight() against the target's devices: ValueError naming the field when the plan can't run
+    there. Returns the warnings it gave (e.g. ranks sharing cores), for the estimate to state."""
     from workbench.config.preflight import preflight
 
     if not target.cpu_nodes and cfg.device == "cpu":
-        raise ValueError(f"device='cpu' with target {target.describe(cfg)}: the target's devices are GPUs; use "
-                         "device='auto' (or 'cuda'), or set the target to this machine")
+        raise ValueError(
+            f"device='cpu' with target {target.describe(cfg)}: the target's devices are GPUs; use "
+            "device='auto' (or 'cuda'), or set the target to this machine"
+        )
     world = target.world(cfg)
     if cfg.num_processes != world:
         unit = "rank" if target.cpu_nodes else "GPU"
-        raise ValueError(f"num_processes={cfg.num_processes} with target {target.describe(cfg)}: the target has "
-                         f"{world} {unit}(s) in all; use num_processes={world}, or change the target's {unit}s per "
-                         "node or nodes")
+        raise ValueError(
+            f"num_processes={cfg.num_processes} with target {target.describe(cfg)}: the target has "
+            f"{world} {unit}(s) in all; use num_processes={world}, or change the target's {unit}s "
+            "per node or nodes"
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        preflight(cfg.replace(device="auto") if not target.cpu_nodes else cfg, task=task,
-                  hardware=target.hardware(cfg))
+        preflight(
+            cfg.replace(device="auto") if not target.cpu_nodes else cfg,
+            task=task,
+            hardware=target.hardware(cfg),
+        )
     return [str(w.message) for w in caught]
 
 
 def check_here(cfg: RunConfig, target: Target) -> None:
-    """A plan for another target can't be launched on this machine: say so, and what to do instead."""
+    """A plan for another target can't be launched on this machine: say so, and what to do
+    instead."""
     if target.launchable:
         return
     here = detect()
-    raise ValueError(f"this run is planned for {target.describe(cfg)}; this machine has "
-                     f"{here.describe('cuda' if here.has_cuda else 'cpu')}, so it can't be launched here: set the "
-                     "target to 'this machine' (and the processes it has) to run here, or save the config as YAML "
-                     f"and run `workbench train run.yaml` on a machine with {target.describe(cfg)}")
-
+    raise ValueError(
+        f"this run is planned for {target.describe(cfg)}; this machine has "
+        f"{here.describe('cuda' if here.has_cuda else 'cpu')}, so it can't be launched here: set "
+        "the target to 'this machine' (and the processes it has) to run here, or save the config "
+        f"as YAML and run `workbench train run.yaml` on a machine with {target.describe(cfg)}"
+    )

@@ -1,12 +1,13 @@
-"""One training step traced under fake tensors and a fake process group: what a rank of a run would hold,
-compute and send, without a GPU, without the other ranks, and without allocating the model.
+"""One training step traced under fake tensors and a fake process group: what a rank of a run would
+hold, compute and send, without a GPU, without the other ranks, and without allocating the model.
 
 The model is built on the meta device, given fake storage, and made parallel by the trainer's own
-strategies (training/parallel) for a fake world of the target size (fake_world.py); then the trainer's own step
-runs twice: once with FLOPs and collectives counted, once under PyTorch's memory tracker (FSDPMemTracker for
-sharded modes, MemTracker otherwise), after the optimizer state exists, so the peak is the steady state's. This is
-torchtitan's recipe (scripts/estimate), extended to every mode workbench runs: data parallel, tensor parallel
-and FSDP x TP here; a pipeline's stages, whose schedule can't run on a fake process group, in pipeline_trace.py.
+strategies (training/parallel) for a fake world of the target size (fake_world.py); then the
+trainer's own step runs twice: once with FLOPs and collectives counted, once under PyTorch's memory
+tracker (FSDPMemTracker for sharded modes, MemTracker otherwise), after the optimizer state exists,
+so the peak is the steady state's. This is torchtitan's recipe (scripts/estimate), extended to every
+mode workbench runs: data parallel, tensor parallel and FSDP x TP here; a pipeline's stages, whose
+schedule can't run on a fake process group, in pipeline_trace.py.
 """
 
 from __future__ import annotations
@@ -39,36 +40,43 @@ TRACE_LOCK = threading.Lock()
 
 @dataclass
 class StepTrace:
-    """What one rank holds (bytes by category at the step's peak), computes and sends in one step."""
+    """What one rank holds (bytes by category at the step's peak), computes and sends in one
+    step."""
 
     rank: int
     world: int
     memory: dict[str, int]
-    """params, grads, optimizer, activations, buffers, temporaries, peak: the tracked step's peak."""
+    """params, grads, optimizer, activations, buffers, temporaries, peak: the tracked step's
+    peak."""
     activations_after_forward: int
     held: dict[str, int]
     """Parameters, gradients and optimizer state this rank holds at rest, from its shards."""
     flops: float
     comm: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per collective kind: count, bytes (the full buffer), wire_bytes (sent per rank, ring), group size."""
+    """Per collective kind: count, bytes (the full buffer), wire_bytes (sent per rank, ring), group
+    size."""
     units: int = 1
     zero_partition: list[tuple[int, int]] = field(default_factory=list)
     """zero1: (parameter elements, parameters) whose optimizer state each rank owns."""
     ops: dict[str, int] = field(default_factory=dict)
-    """ATen ops the step dispatches, by name ('aten.mm', 'aten.add_', ...): a step's fixed cost per op."""
+    """ATen ops the step dispatches, by name ('aten.mm', 'aten.add_', ...): a step's fixed cost per
+    op."""
     op_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes of the tensors each ATen op returns, by name: the memory traffic of ops that aren't FLOP-bound."""
+    """Bytes of the tensors each ATen op returns, by name: the memory traffic of ops that aren't
+    FLOP-bound."""
     first_ops: dict[str, int] = field(default_factory=dict)
-    """`ops` of the first step (the optimizer creating its state, FSDP initializing): what the GPU host-time
-    constants (op_time.py) were fitted to, until a GPU session fits them to the steady step's."""
+    """`ops` of the first step (the optimizer creating its state, FSDP initializing): what the GPU
+    host-time constants (op_time.py) were fitted to, until a GPU session fits them to the steady
+    step's."""
     first_op_bytes: dict[str, int] = field(default_factory=dict)
     flop_calls: list[list[Any]] = field(default_factory=list)
-    """[op name, FLOPs per call, calls]: the FLOP-bound ops by size, each priced at the rate of its own size."""
+    """[op name, FLOPs per call, calls]: the FLOP-bound ops by size, each priced at the rate of its
+    own size."""
     trace_s: float = 0.0
     max_rss_bytes: int = 0
     state: list[StatePiece] = field(default_factory=list)
-    """Each tensor of model state once, with its placements: any rank's held bytes follow (held.py); [] when
-    they didn't reproduce this rank's (every rank then holds what this one does)."""
+    """Each tensor of model state once, with its placements: any rank's held bytes follow (held.py);
+    [] when they didn't reproduce this rank's (every rank then holds what this one does)."""
     mesh_dims: list[tuple[str, int]] = field(default_factory=list)
     """The run's device mesh, outermost first ([] without one): where each rank sits."""
     stage: int | None = None
@@ -76,20 +84,30 @@ class StepTrace:
     in_flight: int = 0
     """Pipeline: micro-batches whose activations the stage held at once in its schedule."""
     p2p_bytes: int = 0
-    """Pipeline: bytes the stage sends to a neighbour per micro-batch (activations forward, gradients back)."""
+    """Pipeline: bytes the stage sends to a neighbour per micro-batch (activations forward,
+    gradients back)."""
 
 
-def trace_step(cfg: RunConfig, task: Task, *, world: int, rank: int = 0, gpu_target: bool = False,
-               gpus_per_node: int | None = None) -> StepTrace:
-    """Trace one steady-state training step of `cfg` as rank `rank` of `world` (see the module docstring).
+def trace_step(
+    cfg: RunConfig,
+    task: Task,
+    *,
+    world: int,
+    rank: int = 0,
+    gpu_target: bool = False,
+    gpus_per_node: int | None = None,
+) -> StepTrace:
+    """Trace one steady-state training step of `cfg` as rank `rank` of `world` (see the module
+    docstring).
 
-    The trace runs in a forked child: a fake process group and DTensor's caches (keyed by meshes that equal
-    the real ones a later launch builds) must not outlive it in this process, or in ranks forked from it.
+    The trace runs in a forked child: a fake process group and DTensor's caches (keyed by meshes
+    that equal the real ones a later launch builds) must not outlive it in this process, or in ranks
+    forked from it.
     """
     import multiprocessing
 
-    # Real batches are built here, not in the child: a forked child that runs the data pipeline can deadlock on
-    # a thread pool (OpenMP's, a loader's) inherited mid-use from this process.
+    # Real batches are built here, not in the child: a forked child that runs the data pipeline can
+    # deadlock on a thread pool (OpenMP's, a loader's) inherited mid-use from this process.
     if ABORTED.is_set():
         raise RuntimeError("the estimate was cancelled (a run is launching)")
     real = _real_batches(cfg, task, world, rank)
@@ -98,7 +116,10 @@ def trace_step(cfg: RunConfig, task: Task, *, world: int, rank: int = 0, gpu_tar
             raise RuntimeError("the estimate was cancelled (a run is launching)")
         reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
         child = multiprocessing.get_context("fork").Process(
-            target=_trace_child, args=(writer, cfg, task, real, world, rank, gpu_target, gpus_per_node), daemon=True)
+            target=_trace_child,
+            args=(writer, cfg, task, real, world, rank, gpu_target, gpus_per_node),
+            daemon=True,
+        )
         child.start()
         RUNNING.append(child)
         writer.close()
@@ -106,7 +127,9 @@ def trace_step(cfg: RunConfig, task: Task, *, world: int, rank: int = 0, gpu_tar
             ok, payload = reader.recv()
         except EOFError:
             child.join()
-            raise RuntimeError(f"the estimate's trace ended without an answer (exit code {child.exitcode})") from None
+            raise RuntimeError(
+                f"the estimate's trace ended without an answer (exit code {child.exitcode})"
+            ) from None
         finally:
             RUNNING.remove(child)
         child.join()
@@ -122,8 +145,8 @@ ABORTED = threading.Event()
 
 
 def abort_trace() -> None:
-    """End the trace in flight now, and refuse new ones (a run is launching: its processes must not be forked
-    while a trace forks or builds batches)."""
+    """End the trace in flight now, and refuse new ones (a run is launching: its processes must not
+    be forked while a trace forks or builds batches)."""
     ABORTED.set()
     for child in list(RUNNING):
         child.kill()
@@ -134,9 +157,10 @@ def allow_traces() -> None:
 
 
 def _without_cuda() -> None:
-    """The trace runs on CPU fake tensors, but the optimizer's step asks the current CUDA stream whether it is
-    capturing a graph, straight through the C API: in a fork of a process that initialised CUDA (a notebook that
-    ran a GPU job), that call fails. Nothing in the child needs CUDA, so it sees none."""
+    """The trace runs on CPU fake tensors, but the optimizer's step asks the current CUDA stream
+    whether it is capturing a graph, straight through the C API: in a fork of a process that
+    initialised CUDA (a notebook that ran a GPU job), that call fails. Nothing in the child needs
+    CUDA, so it sees none."""
     torch.cuda.is_available = lambda: False
     for name in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
         if hasattr(torch.optim.Optimizer, name):
@@ -147,10 +171,12 @@ def _trace_child(writer: Any, *args: Any) -> None:
     import logging
     import warnings
 
-    torch.set_num_threads(1)  # fake tensors compute nothing; one thread keeps the child clear of the parent's pool
+    torch.set_num_threads(
+        1
+    )  # fake tensors compute nothing; one thread keeps the child clear of the parent's pool
     _without_cuda()
-    # What torch says about the traced step (DTensor's redistribution advice, the scaler's scalar warning) is for
-    # a run's log, not the notebook cell that asked for an estimate.
+    # What torch says about the traced step (DTensor's redistribution advice, the scaler's scalar
+    # warning) is for a run's log, not the notebook cell that asked for an estimate.
     warnings.simplefilter("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     try:
@@ -166,7 +192,8 @@ def _trace_child(writer: Any, *args: Any) -> None:
 
 
 def _real_batches(cfg: RunConfig, task: Task, world: int, rank: int) -> list[Any]:
-    """The micro-batches rank `rank` would see first: their shapes and dtypes are what the trace needs."""
+    """The micro-batches rank `rank` would see first: their shapes and dtypes are what the trace
+    needs."""
     from workbench.training.batches import ShardedBatches
 
     train_ds, _ = task.build_datasets(cfg)
@@ -174,13 +201,22 @@ def _real_batches(cfg: RunConfig, task: Task, world: int, rank: int) -> list[Any
     return [next(batches) for _ in range(cfg.grad_accum_steps)]
 
 
-def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: int, gpu_target: bool,
-                gpus_per_node: int | None) -> StepTrace:
+def _trace_here(
+    cfg: RunConfig,
+    task: Task,
+    real: list[Any],
+    world: int,
+    rank: int,
+    gpu_target: bool,
+    gpus_per_node: int | None,
+) -> StepTrace:
     from workbench.estimator.fake_world import fake_world
 
     started = time.perf_counter()
     ring = contextlib.nullcontext()
-    if cfg.cp > 1:  # attention as a GPU run's ring over the CP group, on the CPU kernel (ring_trace.py)
+    if (
+        cfg.cp > 1
+    ):  # attention as a GPU run's ring over the CP group, on the CPU kernel (ring_trace.py)
         from workbench.estimator.ring_trace import installed
 
         ring = installed()
@@ -188,16 +224,33 @@ def _trace_here(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: i
         if cfg.pp > 1:
             from workbench.estimator.pipeline_trace import trace_stage
 
-            fields = trace_stage(cfg, task, real, world, rank, fake, gpu_target, gpus_per_node or world)
+            fields = trace_stage(
+                cfg, task, real, world, rank, fake, gpu_target, gpus_per_node or world
+            )
         else:
-            fields = _trace_strategy(cfg, task, real, world, rank, fake, gpu_target, gpus_per_node or world)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return StepTrace(rank=rank, world=world, **fields, trace_s=time.perf_counter() - started, max_rss_bytes=rss)
+            fields = _trace_strategy(
+                cfg, task, real, world, rank, fake, gpu_target, gpus_per_node or world
+            )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
+        1 if sys.platform == "darwin" else 1024
+    )
+    return StepTrace(
+        rank=rank, world=world, **fields, trace_s=time.perf_counter() - started, max_rss_bytes=rss
+    )
 
 
-def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, rank: int, fake: Any,
-                    gpu_target: bool, gpus_per_node: int) -> dict[str, Any]:
-    """The data-parallel and tensor-parallel modes: the trainer's strategy and its own step (accumulate)."""
+def _trace_strategy(
+    cfg: RunConfig,
+    task: Task,
+    real: list[Any],
+    world: int,
+    rank: int,
+    fake: Any,
+    gpu_target: bool,
+    gpus_per_node: int,
+) -> dict[str, Any]:
+    """The data-parallel and tensor-parallel modes: the trainer's strategy and its own step
+    (accumulate)."""
     from workbench.estimator.fake_world import (
         CollectiveCounter,
         count_then_track,
@@ -213,8 +266,11 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
     from workbench.training.parallel.device_mesh import build_mesh
     from workbench.training.step import accumulate
 
-    device = torch.device("cpu")  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
-    # A DeviceMesh needs real tensors: it is built before fake mode, and the strategy takes it from the Placement.
+    device = torch.device(
+        "cpu"
+    )  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
+    # A DeviceMesh needs real tensors: it is built before fake mode, and the strategy takes it from
+    # the Placement.
     mesh = build_mesh(cfg, "cpu", world)
     counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
     first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
@@ -222,11 +278,18 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
         with torch.device("meta"):
             model = task.build_model(cfg)
         materialize(model, device)
-        strategy = parallelize(cfg, Placement(device, world, rank, mesh), model, task,
-                               optimizer_for(cfg, task, gpu_target))
+        strategy = parallelize(
+            cfg,
+            Placement(device, world, rank, mesh),
+            model,
+            task,
+            optimizer_for(cfg, task, gpu_target),
+        )
         steady_scaler(strategy)
-        fake_batches = [tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b)
-                        for b in real]
+        fake_batches = [
+            tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b)
+            for b in real
+        ]
         grads: list[Any] = []
 
         def step() -> None:
@@ -235,25 +298,42 @@ def _trace_strategy(cfg: RunConfig, task: Task, real: list[Any], world: int, ran
 
         flops, memory = count_then_track(strategy, step, tuple(fake_batches), counter, first)
         mesh_dims = list(zip(mesh.mesh_dim_names, mesh.mesh.shape)) if mesh is not None else []
-        held = dict(strategy.held_bytes)  # measured at the first update, before the gradients were cleared
+        held = dict(
+            strategy.held_bytes
+        )  # measured at the first update, before the gradients were cleared
         pieces = state_pieces(strategy) + grads
         partition = _zero_partition(strategy)
     state = checked_state(pieces, mesh_dims, rank, held)
     after_forward = memory.pop("activations_after_forward")
-    return {"memory": memory, "activations_after_forward": after_forward, "held": held, "flops": flops,
-            "comm": {k: dict(v) for k, v in counter.comm.items()}, "units": 1 + sum(1 for _ in _units_of(task, cfg)),
-            "zero_partition": partition, "ops": dict(counter.ops), "op_bytes": dict(counter.op_bytes),
-            "first_ops": dict(first.ops), "first_op_bytes": dict(first.op_bytes),
-            "flop_calls": flop_call_rows(counter.flop_calls), "state": state,
-            "mesh_dims": [(n, int(s)) for n, s in mesh_dims]}
+    return {
+        "memory": memory,
+        "activations_after_forward": after_forward,
+        "held": held,
+        "flops": flops,
+        "comm": {k: dict(v) for k, v in counter.comm.items()},
+        "units": 1 + sum(1 for _ in _units_of(task, cfg)),
+        "zero_partition": partition,
+        "ops": dict(counter.ops),
+        "op_bytes": dict(counter.op_bytes),
+        "first_ops": dict(first.ops),
+        "first_op_bytes": dict(first.op_bytes),
+        "flop_calls": flop_call_rows(counter.flop_calls),
+        "state": state,
+        "mesh_dims": [(n, int(s)) for n, s in mesh_dims],
+    }
 
 
 def _zero_partition(strategy: Any) -> list[tuple[int, int]]:
     partition = getattr(strategy.optimizer, "_partition_parameters", None)
     if partition is None:
         return []
-    return [(sum(p.numel() for group in groups for p in group["params"]), sum(len(g["params"]) for g in groups))
-            for groups in partition()]
+    return [
+        (
+            sum(p.numel() for group in groups for p in group["params"]),
+            sum(len(g["params"]) for g in groups),
+        )
+        for groups in partition()
+    ]
 
 
 def _units_of(task: Task, cfg: RunConfig) -> Iterator[torch.nn.Module]:

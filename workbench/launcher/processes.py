@@ -1,6 +1,6 @@
-"""Starting the process that runs a launch's ranks: a forked supervisor, or a shell launcher (torchrun or
-`accelerate launch`) on `python -m workbench.worker`; and the line that says what runs where."""
-
+"""Starting the process that runs a launch's ranks: a forked supervisor, or a shell launcher
+(torchrun or `accelerate launch`) on `python -m workbench.worker`; and the line that says what runs
+where."""
 
 from __future__ import annotations
 
@@ -56,18 +56,32 @@ def describe_launch(cfg: RunConfig) -> str:
     else:
         backend = "NCCL" if device == "cuda" else "gloo"
         what = "GPUs" if device == "cuda" else "CPU processes"
-        mode = "DDP" if cfg.parallelism == "ddp" else f"{cfg.parallelism} ({PARALLELISM_MODES[cfg.parallelism]})"
+        mode = (
+            "DDP"
+            if cfg.parallelism == "ddp"
+            else f"{cfg.parallelism} ({PARALLELISM_MODES[cfg.parallelism]})"
+        )
         if cfg.tp > 1:
-            data_parallel = f" x {cfg.parallelism} (data-parallel {cfg.dp_size})" if cfg.dp_size > 1 else ""
+            data_parallel = (
+                f" x {cfg.parallelism} (data-parallel {cfg.dp_size})" if cfg.dp_size > 1 else ""
+            )
             mode = f"tensor parallel tp={cfg.tp}{data_parallel}"
         if cfg.pp > 1:
             chunks = virtual_stages(cfg)
-            inside = [f"{cfg.parallelism} (data-parallel {cfg.dp_size})"] * (cfg.dp_size > 1) + [f"tp={cfg.tp}"] * (
-                cfg.tp > 1)
-            mode = (f"pipeline parallel pp={cfg.pp} ({cfg.pp_schedule}, {cfg.grad_accum_steps} micro-batches a step"
-                    + f", {chunks} chunks per rank" * (chunks > 1) + ")" + "".join(f" x {d}" for d in inside))
+            inside = [f"{cfg.parallelism} (data-parallel {cfg.dp_size})"] * (cfg.dp_size > 1) + [
+                f"tp={cfg.tp}"
+            ] * (cfg.tp > 1)
+            mode = (
+                f"pipeline parallel pp={cfg.pp} ({cfg.pp_schedule}, {cfg.grad_accum_steps} "
+                "micro-batches a step"
+                + f", {chunks} chunks per rank" * (chunks > 1)
+                + ")"
+                + "".join(f" x {d}" for d in inside)
+            )
         how = f"{cfg.num_processes} {what}, {mode} over {backend}"
-    extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (cfg.activation_checkpointing != "none")
+    extras = [f"activation checkpointing {cfg.activation_checkpointing}"] * (
+        cfg.activation_checkpointing != "none"
+    )
     extras += [f"{cfg.grad_compression} gradient compression"] * (cfg.grad_compression != "none")
     extras += ["parameters offloaded to CPU"] * cfg.cpu_offload
     extras += ["DDP finds unused parameters"] * cfg.find_unused_parameters
@@ -80,17 +94,41 @@ def describe_launch(cfg: RunConfig) -> str:
 def launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
     """The shell launcher for one machine: `accelerate launch`, except for multi-process CPU runs.
 
-    `accelerate launch --cpu` starts a single process unless MPI is configured, so N CPU ranks are started
-    with torchrun (the elastic launcher accelerate's multi-GPU mode uses too); the worker then builds its
-    Accelerator with cpu=True and the ranks form one gloo group.
+    `accelerate launch --cpu` starts a single process unless MPI is configured, so N CPU ranks are
+    started with torchrun (the elastic launcher accelerate's multi-GPU mode uses too); the worker
+    then builds its Accelerator with cpu=True and the ranks form one gloo group.
     """
     worker = ["-m", "workbench.worker", str(run_dir)]
     if resolve_device(cfg) == "cpu" and cfg.num_processes > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.num_processes),
-                "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), *worker]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cfg.num_processes),
-           "--num_machines", "1", "--main_process_port", str(port), "--dynamo_backend", "no",
-           "--mixed_precision", accelerate_mixed_precision(cfg.precision)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(cfg.num_processes),
+            "--nnodes",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            *worker,
+        ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        str(cfg.num_processes),
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(port),
+        "--dynamo_backend",
+        "no",
+        "--mixed_precision",
+        accelerate_mixed_precision(cfg.precision),
+    ]
     if resolve_device(cfg) == "cpu":
         cmd.append("--cpu")
     elif cfg.num_processes > 1:
@@ -98,26 +136,46 @@ def launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
     return [*cmd, *worker]
 
 
-def start_processes(cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: StartPlan, progress: bool) -> Any:
-    """Start the process that runs the ranks: a forked supervisor, or `accelerate launch`/torchrun (for the
-    shell, or for ranks spawned from here, whose output is then copied to this process's sys.stdout/stderr)."""
+def start_processes(
+    cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: StartPlan, progress: bool
+) -> Any:
+    """Start the process that runs the ranks: a forked supervisor, or `accelerate launch`/torchrun
+    (for the shell, or for ranks spawned from here, whose output is then copied to this process's
+    sys.stdout/stderr)."""
     port = free_port()
     log.info("%s -> %s", describe_launch(cfg), run.path)
     if plan.method != "subprocess":
         log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
-    scratch = make_scratch(cfg.run_name)  # the launch's TMPDIR, removed once its processes are gone (scratch.py)
+    scratch = make_scratch(
+        cfg.run_name
+    )  # the launch's TMPDIR, removed once its processes are gone (scratch.py)
     try:
         process = _start(cfg, task, run, token, plan, progress, port, scratch)
     except BaseException:
         remove_scratch(scratch)
         raise
-    lock.set_runner(run, token, {**this_process(), "pid": process.pid,
-                                 "create_time": psutil.Process(process.pid).create_time()})
+    lock.set_runner(
+        run,
+        token,
+        {
+            **this_process(),
+            "pid": process.pid,
+            "create_time": psutil.Process(process.pid).create_time(),
+        },
+    )
     return process
 
 
-def _start(cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: StartPlan, progress: bool, port: int,
-           scratch: Path | None) -> Any:
+def _start(
+    cfg: RunConfig,
+    task: Task | None,
+    run: RunDir,
+    token: str,
+    plan: StartPlan,
+    progress: bool,
+    port: int,
+    scratch: Path | None,
+) -> Any:
     if plan.method == "fork":
         from workbench.launcher.supervisor import load_rank_modules, supervise
 
@@ -125,30 +183,46 @@ def _start(cfg: RunConfig, task: Task | None, run: RunDir, token: str, plan: Sta
 
         read_fd, write_fd = os.pipe()
         ctx = multiprocessing.get_context("fork")
-        forked = ctx.Process(target=supervise, args=(cfg, task, str(run.path), progress, port, token, os.getpid(),
-                                                     write_fd, scratch), name=f"workbench-{cfg.run_name}")
+        forked = ctx.Process(
+            target=supervise,
+            args=(cfg, task, str(run.path), progress, port, token, os.getpid(), write_fd, scratch),
+            name=f"workbench-{cfg.run_name}",
+        )
         in_a_lasting_thread(forked.start)  # the supervisor dies with this process (supervise)
         return ForkedSupervisor(forked, write_fd, read_fd, cfg.num_processes, run, scratch)
-    env = {**os.environ, "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
-           "WORKBENCH_PROGRESS": "1" if progress else "0", "PYTHONUNBUFFERED": "1",
-           "WORKBENCH_LOCK_TOKEN": token, "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(detect().threads_per_rank(cfg.num_processes)),
+        "WORKBENCH_PROGRESS": "1" if progress else "0",
+        "PYTHONUNBUFFERED": "1",
+        "WORKBENCH_LOCK_TOKEN": token,
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg),
+    }
     command = launch_command(cfg, run.path, port)
     if plan.method == "spawn":
         assert plan.payload is not None
         env.update(write_task(run.path, plan.payload))
-        return in_a_lasting_thread(lambda: SpawnedRanks(command, env, f"workbench-{cfg.run_name}", scratch))
+        return in_a_lasting_thread(
+            lambda: SpawnedRanks(command, env, f"workbench-{cfg.run_name}", scratch)
+        )
     # The preexec_fn only makes two system calls (prctl, getppid): safe beside other threads.
-    return in_a_lasting_thread(lambda: ScratchProcess(command, scratch=scratch, env=env, start_new_session=True,
-                                                      preexec_fn=die_with_caller()))
+    return in_a_lasting_thread(
+        lambda: ScratchProcess(
+            command, scratch=scratch, env=env, start_new_session=True, preexec_fn=die_with_caller()
+        )
+    )
 
 
 def in_a_lasting_thread(start: Callable[[], T]) -> T:
-    """Run `start` (which forks a launcher process) in the main thread or in one kept for the life of this
-    process. The launcher dies with its parent by PR_SET_PDEATHSIG, which the kernel sends when the *thread*
-    that forked it ends: a launch from a short-lived thread (a callback's, a pool's) would die with that thread."""
+    """Run `start` (which forks a launcher process) in the main thread or in one kept for the life
+    of this process. The launcher dies with its parent by PR_SET_PDEATHSIG, which the kernel sends
+    when the *thread* that forked it ends: a launch from a short-lived thread (a callback's, a
+    pool's) would die with that thread."""
     if threading.current_thread() is threading.main_thread():
         return start()
     with _starter_lock:
         if not _starter:
-            _starter.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-starter"))
+            _starter.append(
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-starter")
+            )
     return _starter[0].submit(start).result()

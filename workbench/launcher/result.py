@@ -1,6 +1,6 @@
-"""RunResult: a run that has ended, as the caller holds it. It composes the run directory's read side with
-what the run directory itself must not import: the task's model (load_model), the figures (plot) and the
-launcher (resume)."""
+"""RunResult: a run that has ended, as the caller holds it. It composes the run directory's read
+side with what the run directory itself must not import: the task's model (load_model), the figures
+(plot) and the launcher (resume)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ class RunResult(RunFiles):
     def _config(self) -> RunConfig:
         cfg = self.config or self.dir.config()
         if cfg is None:
-            raise FileNotFoundError(f"{self.dir.config_path}: no such file; is {self.run_dir} a run directory?")
+            raise FileNotFoundError(
+                f"{self.dir.config_path}: no such file; is {self.run_dir} a run directory?"
+            )
         return cfg
 
     def load_model(self, step: int | None = None, device: str | Any = "cpu") -> Any:
@@ -53,10 +55,12 @@ class RunResult(RunFiles):
         return rank_values(self.dir)
 
     def resume(self, **changes: Any) -> RunResult:
-        """Continue this run from its newest checkpoint, with `changes` to the config (e.g. max_steps=2000);
-        blocks like wb.launch. Changes you name are allowed even where they alter the trajectory."""
-        # Through the public wb.launch (resolved on first use, PEP 562): the launcher imports this module, so
-        # a module-level import back would be a cycle, and a RunResult alone (reading old runs) loads no launcher.
+        """Continue this run from its newest checkpoint, with `changes` to the config (e.g.
+        max_steps=2000); blocks like wb.launch. Changes you name are allowed even where they alter
+        the trajectory."""
+        # Through the public wb.launch (resolved on first use, PEP 562): the launcher imports this
+        # module, so a module-level import back would be a cycle, and a RunResult alone (reading old
+        # runs) loads no launcher.
         import workbench
 
         return workbench.launch(resume_config(self._config(), self.run_dir, changes), self.task)
@@ -66,27 +70,28 @@ class RunResult(RunFiles):
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
-        """The rows of metrics.jsonl: a list of plain dicts, as written (`dir.metrics_rows()`: typed). Parsed at the
-        first access and kept; a later one parses only the rows appended since (a result of a run still going, as
-        wb.runs() gives one) and reads the file again only when it was replaced (a resume sets rows aside). A new
-        list each time; its dicts are the ones kept, so copy a row before changing it."""
+        """The rows of metrics.jsonl: a list of plain dicts, as written (`dir.metrics_rows()`:
+        typed). Parsed at the first access and kept; a later one parses only the rows appended since
+        (a result of a run still going, as wb.runs() gives one) and reads the file again only when
+        it was replaced (a resume sets rows aside). A new list each time; its dicts are the ones
+        kept, so copy a row before changing it."""
         if self._metrics_rows is None or self._metrics_rows.path != self.dir.metrics_path:
             self._metrics_rows = JsonlRows(self.dir.metrics_path, shared=("verdicts",))
         return list(self._metrics_rows.read())
 
     def plot(self, *others: RunResult, **kwargs: Any) -> Any:
-        """Loss, throughput and memory; pass other results to overlay them (e.g. fp32 against bf16). A long run is
-        drawn from an even sample of its rows (the newest and its evaluations included), read without parsing the
-        rest of metrics.jsonl."""
+        """Loss, throughput and memory; pass other results to overlay them (e.g. fp32 against bf16).
+        A long run is drawn from an even sample of its rows (the newest and its evaluations
+        included), read without parsing the rest of metrics.jsonl."""
         from workbench.notebook.plots import plot_runs
 
         return plot_runs([self, *others], **kwargs)
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike[str]) -> RunResult:
-        """The run in `run_dir` (one folder under runs_dir, as wb.launch made it). ValueError when it isn't a run
-        directory (a mistyped path, the runs_dir itself), naming the runs there are: a RunResult of nothing would
-        read as a run forever 'starting', with no rows."""
+        """The run in `run_dir` (one folder under runs_dir, as wb.launch made it). ValueError when
+        it isn't a run directory (a mistyped path, the runs_dir itself), naming the runs there are:
+        a RunResult of nothing would read as a run forever 'starting', with no rows."""
         run = RunDir(Path(run_dir).expanduser())
         if not run.config_paths() and not run.summary_path.exists():
             raise ValueError(not_a_run_directory(run.path))
@@ -100,8 +105,11 @@ SHOWN_RUNS = 5
 def _runs_in(folder: Path) -> list[str]:
     """Names of the run directories in `folder`, most recently written first."""
     try:
-        found = [(p.stat().st_mtime, p.parent.name) for pattern in ("*/summary.json", "*/config.yaml")
-                 for p in folder.glob(pattern)]
+        found = [
+            (p.stat().st_mtime, p.parent.name)
+            for pattern in ("*/summary.json", "*/config.yaml")
+            for p in folder.glob(pattern)
+        ]
     except OSError:
         return []
     newest: dict[str, float] = {}
@@ -118,17 +126,21 @@ def not_a_run_directory(path: Path, call: str = "RunResult.load") -> str:
     if not path.is_dir():
         siblings = _runs_in(path.parent) if path.parent.is_dir() else []
         hint = did_you_mean(path.name, siblings)
-        there = (f"; the runs in {path.parent} are {_listed(siblings)}" if siblings else "")
+        there = f"; the runs in {path.parent} are {_listed(siblings)}" if siblings else ""
         return f"{head} {'is a file' if path.exists() else 'does not exist'}{hint}{there}"
     runs = _runs_in(path)
     if runs:
-        return (f"{head} has no config.yaml or summary.json: it is a runs_dir; its runs are {_listed(runs)}. Load "
-                f"one, e.g. wb.{call}({str(path / runs[0])!r}), or list them with wb.runs({str(path)!r})")
-    return (f"{head} has no config.yaml or summary.json, nor runs in it; pass the folder wb.launch made under "
-            "runs_dir (result.run_dir)")
+        return (
+            f"{head} has no config.yaml or summary.json: it is a runs_dir; its runs are "
+            f"{_listed(runs)}. Load one, e.g. wb.{call}({str(path / runs[0])!r}), or list them "
+            f"with wb.runs({str(path)!r})"
+        )
+    return (
+        f"{head} has no config.yaml or summary.json, nor runs in it; pass the folder wb.launch "
+        "made under runs_dir (result.run_dir)"
+    )
 
 
 def _listed(names: list[str]) -> str:
     more = len(names) - SHOWN_RUNS
     return ", ".join(names[:SHOWN_RUNS]) + (f", ... ({len(names)} in all)" if more > 0 else "")
-

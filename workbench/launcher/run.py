@@ -1,6 +1,5 @@
 """Run: the handle of a launched run, live or ended: its status, wait(), stop() and the result."""
 
-
 from __future__ import annotations
 
 import contextlib
@@ -47,11 +46,12 @@ log = logging.getLogger("workbench")
 class Run(RunFiles):
     """A launched run. `stop()` asks ranks to checkpoint and exit; `wait()` returns the RunResult.
 
-    While `wait()` blocks in the main thread, SIGTERM, SIGHUP and cfg.preempt_signal sent to this process are
-    forwarded to the ranks (they checkpoint and exit: 'preempted'), then delivered again to this process once
-    the ranks are gone, so the launcher neither outlives nor underlives them. Whenever such a signal lands, the
-    run ends 'preempted', never restarted: before the ranks train, while they start, in a restart's back-off.
-    A failed or preempted run is restarted from its newest checkpoint up to cfg.max_restarts times.
+    While `wait()` blocks in the main thread, SIGTERM, SIGHUP and cfg.preempt_signal sent to this
+    process are forwarded to the ranks (they checkpoint and exit: 'preempted'), then delivered again
+    to this process once the ranks are gone, so the launcher neither outlives nor underlives them.
+    Whenever such a signal lands, the run ends 'preempted', never restarted: before the ranks train,
+    while they start, in a restart's back-off. A failed or preempted run is restarted from its
+    newest checkpoint up to cfg.max_restarts times.
     """
 
     config: RunConfig
@@ -65,21 +65,26 @@ class Run(RunFiles):
     _result: RunResult | None = field(default=None, repr=False)
     _signalled: int = 0
     _signalled_between: bool = False
-    """The signal came when the last attempt's processes were gone (before a restart): it ends the run."""
+    """The signal came when the last attempt's processes were gone (before a restart): it ends the
+    run."""
     _kill_at: float | None = None
     _unrecorded: dict[str, Any] | None = field(default=None, repr=False)
-    """A failure finalize could not write into the run directory (a full disk): wait() still raises it."""
-    # wait() in one thread and stop()/done() in another (the panel does this) must not race on the process.
+    """A failure finalize could not write into the run directory (a full disk): wait() still raises
+    it."""
+    # wait() in one thread and stop()/done() in another (the panel does this) must not race on the
+    # process.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def start_method(self) -> str:
-        """How the ranks were started: 'fork', 'spawn' (fresh interpreters) or 'subprocess' (the shell's way)."""
+        """How the ranks were started: 'fork', 'spawn' (fresh interpreters) or 'subprocess' (the
+        shell's way)."""
         return self._plan.method
 
     @property
     def start_reason(self) -> str:
-        """Why that start method (e.g. CUDA was already initialised in this process, so not fork)."""
+        """Why that start method (e.g. CUDA was already initialised in this process, so not
+        fork)."""
         return self._plan.reason
 
     def done(self) -> bool:
@@ -90,7 +95,8 @@ class Run(RunFiles):
             return self._process.exitcode if self.start_method == "fork" else self._process.poll()
 
     def _close_output(self) -> None:
-        """Spawned ranks: their output is copied until they are gone; no copying thread outlives the run."""
+        """Spawned ranks: their output is copied until they are gone; no copying thread outlives the
+        run."""
         close = getattr(self._process, "close_output", None)
         if close is not None:
             close()
@@ -113,7 +119,10 @@ class Run(RunFiles):
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._exitcode() is None:
             if self._kill_at is not None and time.monotonic() > self._kill_at:
-                log.warning("%s: the ranks did not exit within preempt_grace_s; killing them", self.run_dir.name)
+                log.warning(
+                    "%s: the ranks did not exit within preempt_grace_s; killing them",
+                    self.run_dir.name,
+                )
                 self._kill_at = None
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self._process.pid, signal.SIGKILL)
@@ -123,9 +132,12 @@ class Run(RunFiles):
             if self.start_method != "fork":
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._process.wait(left)
-            elif self._process.sentinel in multiprocessing.connection.wait(self._process.waitables(), left):
-                # The sentinel fires when the process closes its files, a moment before it can be reaped;
-                # join() then returns at once with the exit code. The lock keeps two threads from reaping at once.
+            elif self._process.sentinel in multiprocessing.connection.wait(
+                self._process.waitables(), left
+            ):
+                # The sentinel fires when the process closes its files, a moment before it can be
+                # reaped; join() then returns at once with the exit code. The lock keeps two threads
+                # from reaping at once.
                 with self._lock:
                     self._process.join()
 
@@ -133,10 +145,13 @@ class Run(RunFiles):
         try:
             self._join(timeout)
         except KeyboardInterrupt:
-            # First Ctrl-C / kernel interrupt: stop gracefully (the ranks checkpoint); a second one kills.
+            # First Ctrl-C / kernel interrupt: stop gracefully (the ranks checkpoint); a second one
+            # kills.
             self.stop()
-            log.warning("stopping %s: ranks save a checkpoint and exit; interrupt again to kill them",
-                        self.run_dir.name)
+            log.warning(
+                "stopping %s: ranks save a checkpoint and exit; interrupt again to kill them",
+                self.run_dir.name,
+            )
             try:
                 self._join(timeout)
             except KeyboardInterrupt:
@@ -144,19 +159,25 @@ class Run(RunFiles):
                 raise
 
     def _forward(self, signum: int, frame: Any) -> None:
-        """A preemption signal for the launcher: the ranks get it, checkpoint and exit within the grace period."""
+        """A preemption signal for the launcher: the ranks get it, checkpoint and exit within the
+        grace period."""
         if self._signalled:
             return
         self._signalled = signum
         self._kill_at = time.monotonic() + self.config.preempt_grace_s + 15
-        log.warning("%s: %s received; the ranks save a checkpoint and exit", self.run_dir.name,
-                    signal.Signals(signum).name)
-        # Straight to the ranks (a signal through torch elastic would be followed by its SIGKILL 30 s later, and
-        # a traceback), started ones too (they keep it until they can act on it, see utils/preemption.py); before
-        # any rank exists, to the launcher process.
+        log.warning(
+            "%s: %s received; the ranks save a checkpoint and exit",
+            self.run_dir.name,
+            signal.Signals(signum).name,
+        )
+        # Straight to the ranks (a signal through torch elastic would be followed by its SIGKILL 30
+        # s later, and a traceback), started ones too (they keep it until they can act on it, see
+        # utils/preemption.py); before any rank exists, to the launcher process.
         runner = self._runner()
         ranks = {b["pid"] for b in heartbeats(self.dir) if is_alive(b)}
-        if runner is not None:  # torchrun's and the supervisor's children are the ranks, heartbeat or not
+        if (
+            runner is not None
+        ):  # torchrun's and the supervisor's children are the ranks, heartbeat or not
             with contextlib.suppress(psutil.Error):
                 ranks.update(c.pid for c in runner.children())
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -172,8 +193,8 @@ class Run(RunFiles):
                 self._process.send_signal(signum)  # torchrun forwards it to its ranks
 
     def _runner(self) -> psutil.Process | None:
-        """The launcher process while it runs. Not through _exitcode(): a signal handler calling this may have
-        interrupted this very thread holding self._lock."""
+        """The launcher process while it runs. Not through _exitcode(): a signal handler calling
+        this may have interrupted this very thread holding self._lock."""
         with contextlib.suppress(psutil.Error):
             runner = psutil.Process(self._process.pid)
             # Still our child: once reaped, its pid may be another process's.
@@ -192,20 +213,28 @@ class Run(RunFiles):
             yield
 
     def wait(self, timeout: float | None = None) -> RunResult:
-        """Block until the run ends. Raises RunFailedError naming the failing rank (RunPreemptedError,
-        RunDivergedError for those endings), or TimeoutError."""
+        """Block until the run ends. Raises RunFailedError naming the failing rank
+        (RunPreemptedError, RunDivergedError for those endings), or TimeoutError."""
         if self._result is None:
             with self._forwarding_signals():
                 while True:
                     self._join_interruptibly(timeout)
                     code = self._exitcode()
                     if code is None:
-                        raise TimeoutError(f"run {self.run_dir.name} still running after {timeout}s; call wait() "
-                                           "again, stop() or kill()")
+                        raise TimeoutError(
+                            f"run {self.run_dir.name} still running after {timeout}s; call wait() "
+                            "again, stop() or kill()"
+                        )
                     self._close_output()
-                    if not (self._signalled and record_preemption(
-                            self.dir, self._signalled, "reached the launcher before the ranks recorded an ending "
-                            "(they had not started training, or were ended by it)")):
+                    if not (
+                        self._signalled
+                        and record_preemption(
+                            self.dir,
+                            self._signalled,
+                            "reached the launcher before the ranks recorded an ending "
+                            "(they had not started training, or were ended by it)",
+                        )
+                    ):
                         self._unrecorded = finalize(self.dir, exitcode=code)
                     if not self._restart_if_due():
                         break
@@ -214,9 +243,13 @@ class Run(RunFiles):
             if self._result.status in (Status.COMPLETED, Status.STOPPED):
                 from workbench.regress.recording import record_run
 
-                record_run(self._result)  # in a notebook: the regression suite reads these back (no-op elsewhere)
+                record_run(
+                    self._result
+                )  # in a notebook: the regression suite reads these back (no-op elsewhere)
             if self._signalled:
-                os.kill(os.getpid(), self._signalled)  # the launcher's own fate, now that the ranks are safe
+                os.kill(
+                    os.getpid(), self._signalled
+                )  # the launcher's own fate, now that the ranks are safe
         raise_for_ending(self.dir, self._unrecorded)
         return self._result
 
@@ -231,23 +264,44 @@ class Run(RunFiles):
             backoff = min(cfg.restart_backoff_s * 2.0 ** min(self.restarts, 64), 86400.0)
             error = self.dir.summary().error or {}
             self.restarts += 1
-            self.dir.event("restarting", attempt=self.restarts, of=cfg.max_restarts, after=status.value,
-                           error=error.get("message"), backoff_s=backoff)
-            log.warning("%s %s; restart %d of %d in %.0f s", self.run_dir.name, status.value, self.restarts,
-                        cfg.max_restarts, backoff)
+            self.dir.event(
+                "restarting",
+                attempt=self.restarts,
+                of=cfg.max_restarts,
+                after=status.value,
+                error=error.get("message"),
+                backoff_s=backoff,
+            )
+            log.warning(
+                "%s %s; restart %d of %d in %.0f s",
+                self.run_dir.name,
+                status.value,
+                self.restarts,
+                cfg.max_restarts,
+                backoff,
+            )
             if self._back_off(backoff):
                 cfg, run_dir, token = prepare(cfg.replace(resume="auto"), token=self._token)
                 self.config, self._token = cfg, token
-                self._process = start_processes(cfg, self._task, run_dir, token, self._plan, self._progress)
+                self._process = start_processes(
+                    cfg, self._task, run_dir, token, self._plan, self._progress
+                )
                 return True
-        # A preemption signal came once the run had ended and before a due restart started: it ends preempted.
-        record_preemption(self.dir, self._signalled, f"came after the run ended {status.value}, before its due "
-                          f"restart (max_restarts={cfg.max_restarts}): not restarted", after_failure=True)
+        # A preemption signal came once the run had ended and before a due restart started: it ends
+        # preempted.
+        record_preemption(
+            self.dir,
+            self._signalled,
+            f"came after the run ended {status.value}, before its due "
+            f"restart (max_restarts={cfg.max_restarts}): not restarted",
+            after_failure=True,
+        )
         return False
 
     def _back_off(self, seconds: float) -> bool:
-        """Sleep before a restart; False when a preemption signal came meanwhile (it ends the run instead). A
-        plain sleep would resume after the signal's handler and restart the run regardless."""
+        """Sleep before a restart; False when a preemption signal came meanwhile (it ends the run
+        instead). A plain sleep would resume after the signal's handler and restart the run
+        regardless."""
         until = time.monotonic() + seconds
         while not self._signalled and (left := until - time.monotonic()) > 0:
             time.sleep(min(left, 0.1))
@@ -259,8 +313,8 @@ class Run(RunFiles):
 
 
 def raise_for_ending(run: RunDir, unrecorded: dict[str, Any] | None = None) -> None:
-    """The exception for a run that didn't end well: failed, diverged or preempted. `unrecorded`: the failure
-    finalize could not write (a full disk), which is still the one to report."""
+    """The exception for a run that didn't end well: failed, diverged or preempted. `unrecorded`:
+    the failure finalize could not write (a full disk), which is still the one to report."""
     if unrecorded is not None:
         raise RunFailedError(run.path, unrecorded)
     summary = run.summary()
@@ -270,4 +324,6 @@ def raise_for_ending(run: RunDir, unrecorded: dict[str, Any] | None = None) -> N
     if summary.status is Status.PREEMPTED:
         raise RunPreemptedError(run.path, summary.ending or {})
     if status is Status.FAILED:
-        raise RunFailedError(run.path, summary.error or {"type": "Lost", "message": run.observed_status()[1]})
+        raise RunFailedError(
+            run.path, summary.error or {"type": "Lost", "message": run.observed_status()[1]}
+        )

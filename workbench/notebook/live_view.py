@@ -1,9 +1,10 @@
-"""What `wb.launch` shows in a notebook while it blocks: one compact line that follows the run (a progress bar,
-the step, ETA, loss and step time), updated in place, that becomes the run's static summary when it ends.
+"""What `wb.launch` shows in a notebook while it blocks: one compact line that follows the run (a
+progress bar, the step, ETA, loss and step time), updated in place, that becomes the run's static
+summary when it ends.
 
-It is plain HTML updated through a display id, not a widget: it needs no widget state, so a notebook saved by
-papermill or nbconvert keeps the final summary readable. The numbers are the dashboard's (`Dashboard` reads
-the run directory without being shown; its figure is never drawn here).
+It is plain HTML updated through a display id, not a widget: it needs no widget state, so a notebook
+saved by papermill or nbconvert keeps the final summary readable. The numbers are the dashboard's
+(`Dashboard` reads the run directory without being shown; its figure is never drawn here).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ log = logging.getLogger("workbench")
 
 
 class LiveView:
-    """Follows `run` (a Run or SlurmRun) in the cell's output until `close()`. `interval`: seconds between
-    updates."""
+    """Follows `run` (a Run or SlurmRun) in the cell's output until `close()`. `interval`: seconds
+    between updates."""
 
     def __init__(self, run: Any, interval: float = 1.0) -> None:
         from IPython.display import HTML, display
@@ -33,7 +34,9 @@ class LiveView:
         self._html = HTML
         self._handle = display(HTML(self.html()), display_id=True)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name="workbench-live-view", daemon=True)
+        self._thread = threading.Thread(
+            target=self._follow, name="workbench-live-view", daemon=True
+        )
         self._thread.start()
 
     def html(self) -> str:
@@ -42,8 +45,14 @@ class LiveView:
         status = d.status
         color = STATUS_COLORS.get(status, "#555")
         max_steps = d.max_steps or 0
-        bar = (f"<progress value='{min(d.step, max_steps)}' max='{max_steps}' style='width:10em;"
-               "vertical-align:middle'></progress> ") if max_steps else ""
+        bar = (
+            (
+                f"<progress value='{min(d.step, max_steps)}' max='{max_steps}' style='width:10em;"
+                "vertical-align:middle'></progress> "
+            )
+            if max_steps
+            else ""
+        )
         last = d.last_train_row
         parts = [d.progress_line()]
         if last is not None:
@@ -54,13 +63,19 @@ class LiveView:
             evals = d.eval_rows
             if evals:
                 last_eval = {"loss": evals[-1].eval_loss, **evals[-1].eval}
-                parts += [f"eval {k.removeprefix('eval_').replace('_', ' ')} {fmt_num(v)}"
-                          for k, v in last_eval.items() if v is not None]
+                parts += [
+                    f"eval {k.removeprefix('eval_').replace('_', ' ')} {fmt_num(v)}"
+                    for k, v in last_eval.items()
+                    if v is not None
+                ]
             if d.run_average is not None:
                 parts.append(f"{d.run_average:,.0f} samples/s")
-        return (f"<div class='wb-live' data-status='{html.escape(status)}'><b>{html.escape(d.run_dir.name)}</b> "
-                f"<span style='color:{color}'>{html.escape(status)}</span> {bar}"
-                f"{html.escape(' · '.join(parts))}</div>")
+        return (
+            "<div class='wb-live' "
+            f"data-status='{html.escape(status)}'><b>{html.escape(d.run_dir.name)}</b> <span "
+            f"style='color:{color}'>{html.escape(status)}</span> "
+            f"{bar}{html.escape(' · '.join(parts))}</div>"
+        )
 
     def show(self) -> None:
         """Read the run directory and update the line now."""

@@ -1,6 +1,6 @@
-"""Figures of runs: loss (train and eval), throughput, memory, learning rate, and the device monitor's
-utilisation and memory per rank when the rows have them; several runs overlaid. `LiveFigure` is the
-dashboard's: built once, then redrawn in place as rows arrive."""
+"""Figures of runs: loss (train and eval), throughput, memory, learning rate, and the device
+monitor's utilisation and memory per rank when the rows have them; several runs overlaid.
+`LiveFigure` is the dashboard's: built once, then redrawn in place as rows arrive."""
 
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ from workbench.notebook.figure_lines import (
     thin,
     typed_rows,
 )
-from workbench.notebook.monitor_figure import MONITOR_PANELS, draw_monitor, monitor_kind, monitor_ranks
+from workbench.notebook.monitor_figure import (
+    MONITOR_PANELS,
+    draw_monitor,
+    monitor_kind,
+    monitor_ranks,
+)
 from workbench.notebook.reading import PLOT_POINTS, sampled_rows
 from workbench.rundir.metrics_row import MetricsRow
 
@@ -36,18 +41,21 @@ if TYPE_CHECKING:
 
 PANELS = ("loss", "throughput", "memory", "lr")
 EMA_WEIGHT = 0.5
-"""Weight of the past in the smoothed loss (per logged row): enough to calm the noise of small batches,
-little enough that a 20-row run still shows its shape."""
+"""Weight of the past in the smoothed loss (per logged row): enough to calm the noise of small
+batches, little enough that a 20-row run still shows its shape."""
 
 
 LIVE_POINTS = 400
-"""The most points a line of the live figure draws: a long run's thousands of rows, thinned, look the same and
-cost a fraction to render."""
+"""The most points a line of the live figure draws: a long run's thousands of rows, thinned, look
+the same and cost a fraction to render."""
 LOG_LOSS_SPAN = 10.0
-"""log_loss=None (auto) puts the loss on a log scale once its largest value is this many times its smallest."""
+"""log_loss=None (auto) puts the loss on a log scale once its largest value is this many times its
+smallest."""
+
 
 def loss_on_log_scale(runs: Runs, log_loss: bool | None) -> bool:
-    """The loss axis's scale: as asked, or with None, log once the positive losses span LOG_LOSS_SPAN."""
+    """The loss axis's scale: as asked, or with None, log once the positive losses span
+    LOG_LOSS_SPAN."""
     losses = [v for _, rows in runs for v in series_of(rows, lambda r: r.loss)[1] if v > 0]
     if log_loss is not None:
         return log_loss and bool(losses)
@@ -75,21 +83,24 @@ def sci(value: float, digits: int = 2) -> str:
 
 
 class _SciFormatter(Formatter):
-    """Tick labels in `sci` style, with as many digits as it takes to tell neighbouring ticks apart: a slowly
-    decaying learning rate would otherwise read 1e-3, 1e-3, 1e-3."""
+    """Tick labels in `sci` style, with as many digits as it takes to tell neighbouring ticks apart:
+    a slowly decaying learning rate would otherwise read 1e-3, 1e-3, 1e-3."""
 
     digits = 2
 
     def set_locs(self, locs: Sequence[float]) -> None:
         super().set_locs(locs)
-        self.digits = next((d for d in range(2, 8) if len({sci(v, d) for v in locs}) == len(set(locs))), 8)
+        self.digits = next(
+            (d for d in range(2, 8) if len({sci(v, d) for v in locs}) == len(set(locs))), 8
+        )
 
     def __call__(self, x: float, pos: int | None = None) -> str:
         return sci(x, self.digits)
 
 
 class _PlainLogFormatter(LogFormatter):
-    """Log-axis labels as 0.6 and 2 rather than 6x10^-1; which ticks get a label stays LogFormatter's choice."""
+    """Log-axis labels as 0.6 and 2 rather than 6x10^-1; which ticks get a label stays
+    LogFormatter's choice."""
 
     def __call__(self, x: float, pos: int | None = None) -> str:
         return f"{x:g}" if super().__call__(x, pos) else ""
@@ -107,30 +118,61 @@ def _loss_ema(rows: Sequence[MetricsRow]) -> tuple[list[float], list[float]]:
     return x, ema(y)
 
 
-def _draw_loss(ax: Axes, rows: Sequence[MetricsRow], label: str, style: dict[str, Any], drawn: Drawn,
-               live: bool, several: bool = False) -> None:
-    """The run's training loss (smoothed once there are enough points) and its evaluations. Several runs: the
-    legend names each run once, and one entry says what the hollow markers are (`_legend_loss`)."""
+def _draw_loss(
+    ax: Axes,
+    rows: Sequence[MetricsRow],
+    label: str,
+    style: dict[str, Any],
+    drawn: Drawn,
+    live: bool,
+    several: bool = False,
+) -> None:
+    """The run's training loss (smoothed once there are enough points) and its evaluations. Several
+    runs: the legend names each run once, and one entry says what the hollow markers are
+    (`_legend_loss`)."""
     loss = of(lambda r: r.loss)
-    if live or len(loss(rows)[0]) >= 4:  # a live figure smooths from the start: its lines stay what they are
-        # The raw curve faint, the smoothed one on top in the run's style: the trend reads at a glance and
-        # the noise stays visible.
+    if (
+        live or len(loss(rows)[0]) >= 4
+    ):  # a live figure smooths from the start: its lines stay what they are
+        # The raw curve faint, the smoothed one on top in the run's style: the trend reads at a
+        # glance and the noise stays visible.
         plot_line(ax, drawn, loss, rows, color=style["color"], alpha=0.3, linewidth=0.8)
-        plot_line(ax, drawn, _loss_ema, rows, label=label if several else f"{label} train (EMA)", **style)
+        plot_line(
+            ax, drawn, _loss_ema, rows, label=label if several else f"{label} train (EMA)", **style
+        )
     else:
         plot_line(ax, drawn, loss, rows, label=label if several else f"{label} train", **style)
     if any(r.eval_loss is not None for r in rows):
-        plot_line(ax, drawn, of(lambda r: r.eval_loss), rows, linestyle="none", marker=style["marker"],
-                  markersize=8, markerfacecolor="none", markeredgewidth=1.5, color=style["color"],
-                  label="_eval" if several else f"{label} eval")
+        plot_line(
+            ax,
+            drawn,
+            of(lambda r: r.eval_loss),
+            rows,
+            linestyle="none",
+            marker=style["marker"],
+            markersize=8,
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            color=style["color"],
+            label="_eval" if several else f"{label} eval",
+        )
 
 
 def _legend_loss(ax: Axes, several: bool) -> None:
-    """Several runs: one entry per run (its train line, smoothed when drawn faint behind), and a grey hollow
-    marker for 'eval' when any run evaluated."""
+    """Several runs: one entry per run (its train line, smoothed when drawn faint behind), and a
+    grey hollow marker for 'eval' when any run evaluated."""
     if several and any(line.get_label() == "_eval" for line in ax.get_lines()):
-        ax.plot([], [], linestyle="none", marker="o", markersize=8, markerfacecolor="none", markeredgewidth=1.5,
-                color="#555", label="eval (hollow markers)")
+        ax.plot(
+            [],
+            [],
+            linestyle="none",
+            marker="o",
+            markersize=8,
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            color="#555",
+            label="eval (hollow markers)",
+        )
     ax.legend(fontsize="small")
 
 
@@ -140,13 +182,27 @@ def _rate(rows: Sequence[MetricsRow]) -> tuple[Callable[[MetricsRow], float | No
     return (lambda r: r.samples_per_s), "samples/s"
 
 
-def _draw_run(axes: Sequence[Axes], rows: Sequence[MetricsRow], label: str, i: int, drawn: Drawn,
-              live: bool = False, several: bool = False) -> None:
+def _draw_run(
+    axes: Sequence[Axes],
+    rows: Sequence[MetricsRow],
+    label: str,
+    i: int,
+    drawn: Drawn,
+    live: bool = False,
+    several: bool = False,
+) -> None:
     """One run's loss, throughput, memory and learning rate, in the style of the i-th run."""
     ax_loss, ax_tp, ax_mem, ax_lr = axes
-    n = max(1, min(PLOT_POINTS, len(series_of(rows, lambda r: r.loss)[0])))  # the points drawn: see _plot
-    style = {"color": f"C{i}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
-             "marker": MARKERS[i % len(MARKERS)], "markevery": max(1, n // 8), "markersize": 4}
+    n = max(
+        1, min(PLOT_POINTS, len(series_of(rows, lambda r: r.loss)[0]))
+    )  # the points drawn: see _plot
+    style = {
+        "color": f"C{i}",
+        "linestyle": LINESTYLES[i % len(LINESTYLES)],
+        "marker": MARKERS[i % len(MARKERS)],
+        "markevery": max(1, n // 8),
+        "markersize": 4,
+    }
     _draw_loss(ax_loss, rows, label, style, drawn, live, several)
     rate, unit = _rate(rows)
     plot_line(ax_tp, drawn, of(rate), rows, label=label, **style)
@@ -156,7 +212,8 @@ def _draw_run(axes: Sequence[Axes], rows: Sequence[MetricsRow], label: str, i: i
 
 
 class _Drawing(NamedTuple):
-    """What a live figure moves: the lines and their series, and the axes rescaled by rule, not by their data."""
+    """What a live figure moves: the lines and their series, and the axes rescaled by rule, not by
+    their data."""
 
     lines: Drawn
     loss: Axes
@@ -166,7 +223,13 @@ class _Drawing(NamedTuple):
 
 
 def _memory_top(runs: Runs) -> float:
-    return max((v for _, rows in runs for v in series_of(rows, lambda r: r.peak_memory_bytes)[1]), default=0) / 2**20
+    return (
+        max(
+            (v for _, rows in runs for v in series_of(rows, lambda r: r.peak_memory_bytes)[1]),
+            default=0,
+        )
+        / 2**20
+    )
 
 
 def _loss_scale(ax: Axes, log: bool) -> None:
@@ -177,14 +240,17 @@ def _loss_scale(ax: Axes, log: bool) -> None:
     ax.set_title("loss" + (" (log scale)" if log else ""))
 
 
-def _draw(fig: Figure, typed: Runs, title: str | None, log: bool, drawn_at: int | None,
-          live: bool = False) -> _Drawing:
+def _draw(
+    fig: Figure, typed: Runs, title: str | None, log: bool, drawn_at: int | None, live: bool = False
+) -> _Drawing:
     fig.clear()
     kind = monitor_kind([r for _, rows in typed for r in rows])
     ax_loss, ax_tp, ax_mem, ax_lr, *ax_monitor = fig.subplots(3 if kind else 2, 2).flat
     drawn: Drawn = []
     for i, (label, rows) in enumerate(typed):
-        _draw_run((ax_loss, ax_tp, ax_mem, ax_lr), rows, label, i, drawn, live, several=len(typed) > 1)
+        _draw_run(
+            (ax_loss, ax_tp, ax_mem, ax_lr), rows, label, i, drawn, live, several=len(typed) > 1
+        )
     _loss_scale(ax_loss, log)
     if len(typed) > 1:
         ax_loss.set_title(ax_loss.get_title() + ", train smoothed (EMA)")
@@ -209,23 +275,35 @@ def _draw(fig: Figure, typed: Runs, title: str | None, log: bool, drawn_at: int 
         fig.suptitle(title)
     stamp = None
     if drawn_at is not None:
-        stamp = fig.text(0.995, 0.005, f"drawn at step {drawn_at}", ha="right", va="bottom", fontsize="small",
-                         color="#555")
-    # The tight layout applied once, not kept as the figure's layout engine: savefig would then draw every figure
-    # twice, once to lay it out.
+        stamp = fig.text(
+            0.995,
+            0.005,
+            f"drawn at step {drawn_at}",
+            ha="right",
+            va="bottom",
+            fontsize="small",
+            color="#555",
+        )
+    # The tight layout applied once, not kept as the figure's layout engine: savefig would then draw
+    # every figure twice, once to lay it out.
     TightLayoutEngine(rect=(0, 0.03 if drawn_at is not None else 0, 1, 1)).execute(fig)
     return _Drawing(drawn, ax_loss, ax_mem, ax_monitor, stamp)
 
 
-def draw(fig: Figure, runs: Sequence[tuple[str, Sequence[MetricsRow | Mapping[str, Any]]]],
-         title: str | None = None, *, log_loss: bool | None = None,
-         drawn_at: int | None = None) -> Figure:
-    """Draw metrics rows of each (label, rows) into `fig` (cleared first). Rows are MetricsRow, or the plain
-    dicts of metrics.jsonl.
+def draw(
+    fig: Figure,
+    runs: Sequence[tuple[str, Sequence[MetricsRow | Mapping[str, Any]]]],
+    title: str | None = None,
+    *,
+    log_loss: bool | None = None,
+    drawn_at: int | None = None,
+) -> Figure:
+    """Draw metrics rows of each (label, rows) into `fig` (cleared first). Rows are MetricsRow, or
+    the plain dicts of metrics.jsonl.
 
-    log_loss: the loss axis on a log scale (True), linear (False), or with None, log once the loss spans a
-    decade (LOG_LOSS_SPAN). drawn_at: the step the rows reach, written on the figure so a live or saved
-    picture says how current it is.
+    log_loss: the loss axis on a log scale (True), linear (False), or with None, log once the loss
+    spans a decade (LOG_LOSS_SPAN). drawn_at: the step the rows reach, written on the figure so a
+    live or saved picture says how current it is.
     """
     typed: Runs = [(label, typed_rows(rows)) for label, rows in runs]
     _draw(fig, typed, title, loss_on_log_scale(typed, log_loss), drawn_at)
@@ -233,10 +311,11 @@ def draw(fig: Figure, runs: Sequence[tuple[str, Sequence[MetricsRow | Mapping[st
 
 
 class LiveFigure:
-    """The dashboard's figure of one run, redrawn in place as rows come: the axes, titles, legends and layout
-    are built once (again only when what they show changes: an eval row, the device monitor's ranks), and each
-    new picture only moves the lines' data, thinned to LIVE_POINTS, and rescales (the loss axis turning log
-    included). That keeps a redraw to the cost of rendering the PNG, a fraction of building the figure."""
+    """The dashboard's figure of one run, redrawn in place as rows come: the axes, titles, legends
+    and layout are built once (again only when what they show changes: an eval row, the device
+    monitor's ranks), and each new picture only moves the lines' data, thinned to LIVE_POINTS, and
+    rescales (the loss axis turning log included). That keeps a redraw to the cost of rendering the
+    PNG, a fraction of building the figure."""
 
     def __init__(self) -> None:
         self.figure = Figure(figsize=(9, 5.5), dpi=80)
@@ -251,17 +330,35 @@ class LiveFigure:
         rows = [r for _, run in runs for r in run]
         kind = monitor_kind(rows)
         ranks = tuple(monitor_ranks(rows, panel) for panel in MONITOR_PANELS[kind]) if kind else ()
-        return kind, ranks, any(r.eval_loss is not None for r in rows), _rate(rows)[1], tuple(name for name, _ in runs)
+        return (
+            kind,
+            ranks,
+            any(r.eval_loss is not None for r in rows),
+            _rate(rows)[1],
+            tuple(name for name, _ in runs),
+        )
 
-    def png(self, label: str, rows: Sequence[MetricsRow], *, title: str, log_loss: bool | None,
-            drawn_at: int) -> bytes:
+    def png(
+        self,
+        label: str,
+        rows: Sequence[MetricsRow],
+        *,
+        title: str,
+        log_loss: bool | None,
+        drawn_at: int,
+    ) -> bytes:
         """The figure of `rows` as PNG bytes."""
         runs = [(label, rows)]
         log = loss_on_log_scale(runs, log_loss)
         layout = self.layout(runs)
         if layout != self._layout or self._drawing is None:
-            self.figure.set_size_inches(9, 8 if layout[0] else 5.5)  # a third row: the device monitor
-            self._drawing, self._layout = _draw(self.figure, runs, title, log, drawn_at, live=True), layout
+            self.figure.set_size_inches(
+                9, 8 if layout[0] else 5.5
+            )  # a third row: the device monitor
+            self._drawing, self._layout = (
+                _draw(self.figure, runs, title, log, drawn_at, live=True),
+                layout,
+            )
             self.builds += 1
         self._move(self._drawing, runs, drawn_at, log)
         buf = io.BytesIO()
@@ -298,15 +395,24 @@ class RunFigure(Figure):
         return buf.getvalue()
 
 
-def plot_runs(results: Sequence[RunResult], labels: Sequence[str] | None = None,
-              path: str | Path | None = None, *, log_loss: bool | None = None) -> Figure:
-    """One figure overlaying `results`; saved to `path` when given. log_loss as `draw` takes it (None: log
-    once the loss spans a decade). Each run is drawn from `sampled_rows`: a long one costs what is drawn."""
+def plot_runs(
+    results: Sequence[RunResult],
+    labels: Sequence[str] | None = None,
+    path: str | Path | None = None,
+    *,
+    log_loss: bool | None = None,
+) -> Figure:
+    """One figure overlaying `results`; saved to `path` when given. log_loss as `draw` takes it
+    (None: log once the loss spans a decade). Each run is drawn from `sampled_rows`: a long one
+    costs what is drawn."""
     rows = [sampled_rows(r.dir.metrics_path, PLOT_POINTS) for r in results]
     fig = RunFigure(figsize=(10, 10 if any(monitor_kind(run) for run in rows) else 7))
-    draw(fig, [(_label(r, labels, i), run) for i, (r, run) in enumerate(zip(results, rows))],
-         title=results[0].run_dir.name if len(results) == 1 else None, log_loss=log_loss)
+    draw(
+        fig,
+        [(_label(r, labels, i), run) for i, (r, run) in enumerate(zip(results, rows))],
+        title=results[0].run_dir.name if len(results) == 1 else None,
+        log_loss=log_loss,
+    )
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
-

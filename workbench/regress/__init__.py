@@ -1,7 +1,8 @@
-"""Regression runs: papermill executes notebooks headless, and what they recorded is compared to baselines.
+"""Regression runs: papermill executes notebooks headless, and what they recorded is compared to
+baselines.
 
 The package by concern: suite.py (suites as data: the YAML format is documented there), rules.py
-(comparison rules), execution.py (papermill), baselines.py (per device class), judging.py (verdicts),
-runner.py (`workbench regress`), report.py (HTML, Markdown, JUnit).
-Nothing is imported here, so `workbench.regress.recording` can use the rules without importing the runner.
+(comparison rules), execution.py (papermill), baselines.py (per device class), judging.py
+(verdicts), runner.py (`workbench regress`), report.py (HTML, Markdown, JUnit). Nothing is imported
+here, so `workbench.regress.recording` can use the rules without importing the runner.
 """

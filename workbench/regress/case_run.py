@@ -1,5 +1,6 @@
-"""One case of a regression suite: its notebook executed (every repeat) under the report directory, and judged
-against the baseline of the device class it ran on. The same wherever it runs: here, or as a Slurm array task."""
+"""One case of a regression suite: its notebook executed (every repeat) under the report directory,
+and judged against the baseline of the device class it ran on. The same wherever it runs: here, or
+as a Slurm array task."""
 
 from __future__ import annotations
 
@@ -11,13 +12,25 @@ from typing import Any
 
 from workbench.regress.baselines import baseline_path, load_baseline, write_baseline
 from workbench.regress.execution import CaseError, execute
-from workbench.regress.judging import ERROR, FAILED, NEW, PASSED, SKIPPED, UPDATED, CaseResult, compare
+from workbench.regress.judging import (
+    ERROR,
+    FAILED,
+    NEW,
+    PASSED,
+    SKIPPED,
+    UPDATED,
+    CaseResult,
+    compare,
+)
 from workbench.regress.recording import Records, decode_value, read_records
 from workbench.regress.suite import Case
 
 
-def _execute(case: Case, params: dict[str, Any], case_dir: Path, result: CaseResult) -> list[Records]:
-    """Every repeat of `case` under case_dir, the records of each; stops at the first that fails (result.error)."""
+def _execute(
+    case: Case, params: dict[str, Any], case_dir: Path, result: CaseResult
+) -> list[Records]:
+    """Every repeat of `case` under case_dir, the records of each; stops at the first that fails
+    (result.error)."""
     if case_dir.exists():  # a previous report in the same --out: its runs must not mix with these
         shutil.rmtree(case_dir)
     runs = []
@@ -34,9 +47,17 @@ def _execute(case: Case, params: dict[str, Any], case_dir: Path, result: CaseRes
     return runs
 
 
-def run_case(case: Case, overrides: Mapping[str, Any], out: Path, *, device_class: str, has_cuda: bool,
-             update_baselines: bool) -> CaseResult:
-    """Execute one case (all its repeats) under out/cases/<id>/ and judge it; never raises for the case's faults."""
+def run_case(
+    case: Case,
+    overrides: Mapping[str, Any],
+    out: Path,
+    *,
+    device_class: str,
+    has_cuda: bool,
+    update_baselines: bool,
+) -> CaseResult:
+    """Execute one case (all its repeats) under out/cases/<id>/ and judge it; never raises for the
+    case's faults."""
     params = {**case.parameters, **overrides}
     result = CaseResult(case, SKIPPED, params, baseline_path=baseline_path(case, device_class))
     if case.needs_gpu and not has_cuda:
@@ -57,27 +78,41 @@ def run_case(case: Case, overrides: Mapping[str, Any], out: Path, *, device_clas
         result.notes.append(f"the old baseline could not be used and is replaced: {e}")
     result.metrics = compare(case, runs, baseline, device_class)
     result.curves = runs[0].curves
-    result.baseline_curves = {k: [[p[0], decode_value(p[1])] for p in v]
-                              for k, v in (baseline or {}).get("curves", {}).items()}
+    result.baseline_curves = {
+        k: [[p[0], decode_value(p[1])] for p in v]
+        for k, v in (baseline or {}).get("curves", {}).items()
+    }
     for name in sorted({n for rec in runs for n in rec.repeated}):
-        result.notes.append(f"{name} was recorded more than once in one execution; the last value counts")
+        result.notes.append(
+            f"{name} was recorded more than once in one execution; the last value counts"
+        )
     if not result.metrics:
-        result.notes.append("the notebook recorded no metrics: call wb.record(name, value) or launch a run")
+        result.notes.append(
+            "the notebook recorded no metrics: call wb.record(name, value) or launch a run"
+        )
     if baseline is not None and baseline.get("parameters", params) != params:
-        result.notes.append(f"parameters differ from the baseline's ({baseline.get('parameters')}): the "
-                            "comparison may be meaningless")
+        result.notes.append(
+            f"parameters differ from the baseline's ({baseline.get('parameters')}): the "
+            "comparison may be meaningless"
+        )
     if update_baselines:
         try:
-            write_baseline(result.baseline_path, case, params, result.metrics, result.curves, device_class)
-        except ValueError as e:  # nothing to store: a baseline that compares nothing would pass any later run
+            write_baseline(
+                result.baseline_path, case, params, result.metrics, result.curves, device_class
+            )
+        except (
+            ValueError
+        ) as e:  # nothing to store: a baseline that compares nothing would pass any later run
             result.status, result.error = ERROR, CaseError("no metrics", str(e))
             return result
         result.status = UPDATED
         result.notes.append(f"baseline written to {result.baseline_path}")
     elif baseline is None:
         result.status = NEW
-        result.notes.append(f"no baseline for {device_class} yet ({result.baseline_path}): run again with "
-                            "--update-baselines to create it")
+        result.notes.append(
+            f"no baseline for {device_class} yet ({result.baseline_path}): run again with "
+            "--update-baselines to create it"
+        )
     else:
         result.status = FAILED if result.failed_metrics else PASSED
     return result

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 KERNEL = "python3"
-_SOCKET_PATH_MAX = 90  # AF_UNIX paths: 104 bytes on macOS, 108 on Linux, with room for ipykernel's '-<n>'
+_SOCKET_PATH_MAX = (
+    90  # AF_UNIX paths: 104 bytes on macOS, 108 on Linux, with room for ipykernel's '-<n>'
+)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
@@ -54,13 +56,16 @@ class _Deadline:
 def _kernel_manager(deadline: _Deadline, socket_dir: str | None) -> type:
     """The kernel manager class nbclient instantiates for one execution.
 
-    The kernel writes its own messages to our stderr, into the middle of the run's log. Two differences keep
-    it quiet:
-    - Unix sockets (ZMQ's ipc transport) in a private directory where ZMQ has them, instead of TCP on
-      localhost: ipykernel warns 'Kernel is running over TCP without encryption' at every start otherwise.
-    - After a timeout the kernel is killed, not asked to shut down: a kernel still inside the timed-out cell
-      closes its sockets on shutdown_request while the interrupted cell's execute_reply is on its way, and
-      logs that as a ZMQError traceback ('Socket operation on non-socket').
+    The kernel writes its own messages to our stderr, into the middle of the run's log. Two
+    differences keep it quiet:
+    - Unix sockets (ZMQ's ipc transport) in a private directory where ZMQ has them, instead of TCP
+      on
+      localhost: ipykernel warns 'Kernel is running over TCP without encryption' at every start
+      otherwise.
+    - After a timeout the kernel is killed, not asked to shut down: a kernel still inside the
+      timed-out cell
+      closes its sockets on shutdown_request while the interrupted cell's execute_reply is on its
+      way, and logs that as a ZMQError traceback ('Socket operation on non-socket').
     """
     from jupyter_client.manager import AsyncKernelManager
 
@@ -77,53 +82,88 @@ def _kernel_manager(deadline: _Deadline, socket_dir: str | None) -> type:
 
 
 def _socket_dir() -> str | None:
-    """A private directory for the kernel's Unix sockets, or None where ZMQ has no ipc transport (Windows)."""
+    """A private directory for the kernel's Unix sockets, or None where ZMQ has no ipc transport
+    (Windows)."""
     import zmq
 
     if not zmq.has("ipc"):
         return None
     path = tempfile.mkdtemp(prefix="wb-kernel-")
-    if len(os.path.join(path, "kernel-99")) > _SOCKET_PATH_MAX:  # a long TMPDIR: TCP rather than a failed bind
+    if (
+        len(os.path.join(path, "kernel-99")) > _SOCKET_PATH_MAX
+    ):  # a long TMPDIR: TCP rather than a failed bind
         os.rmdir(path)
         return None
     return path
 
 
 def _running_cell(notebook: Path) -> str:
-    """Source of the last cell papermill started: the one running when the kernel timed out or died."""
+    """Source of the last cell papermill started: the one running when the kernel timed out or
+    died."""
     import nbformat
 
     try:
         nb = nbformat.read(str(notebook), as_version=4)
     except Exception:  # noqa: BLE001  (the notebook may not have been written at all)
         return ""
-    started = [c for c in nb.cells if c.cell_type == "code" and c.metadata.get("papermill", {}).get("start_time")]
+    started = [
+        c
+        for c in nb.cells
+        if c.cell_type == "code" and c.metadata.get("papermill", {}).get("start_time")
+    ]
     return started[-1].source if started else ""
 
 
-def execute(notebook: Path, output: Path, cwd: Path, parameters: Mapping[str, Any],
-            timeout_s: float) -> CaseError | None:
+def execute(
+    notebook: Path, output: Path, cwd: Path, parameters: Mapping[str, Any], timeout_s: float
+) -> CaseError | None:
     """Run `notebook` with papermill into `output` (kept whatever happens); None on success."""
     import papermill as pm
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     deadline, socket_dir = _Deadline(timeout_s), _socket_dir()
     try:
-        pm.execute_notebook(str(notebook), str(output), parameters=dict(parameters), kernel_name=KERNEL,
-                            cwd=str(cwd), progress_bar=False, timeout_func=deadline,
-                            kernel_manager_class=_kernel_manager(deadline, socket_dir))
+        pm.execute_notebook(
+            str(notebook),
+            str(output),
+            parameters=dict(parameters),
+            kernel_name=KERNEL,
+            cwd=str(cwd),
+            progress_bar=False,
+            timeout_func=deadline,
+            kernel_manager_class=_kernel_manager(deadline, socket_dir),
+        )
     except pm.PapermillExecutionError as e:
-        return CaseError("exception", f"{e.ename}: {e.evalue}", e.ename, e.evalue,
-                         strip_ansi("\n".join(e.traceback)), e.source)
+        return CaseError(
+            "exception",
+            f"{e.ename}: {e.evalue}",
+            e.ename,
+            e.evalue,
+            strip_ansi("\n".join(e.traceback)),
+            e.source,
+        )
     except CellTimeoutError:
-        return CaseError("timeout", f"timed out: the notebook ran longer than timeout_s={timeout_s:g} s; raise "
-                         "timeout_s or make it faster", cell_source=_running_cell(output))
+        return CaseError(
+            "timeout",
+            f"timed out: the notebook ran longer than timeout_s={timeout_s:g} s; raise "
+            "timeout_s or make it faster",
+            cell_source=_running_cell(output),
+        )
     except DeadKernelError as e:
-        return CaseError("dead kernel", f"the kernel died ({e}): out of memory, a crash in native code, or "
-                         "os._exit()", cell_source=_running_cell(output))
-    except Exception as e:  # noqa: BLE001  (a kernel that won't start, an unreadable notebook: this case fails)
-        return CaseError("could not run", f"{type(e).__name__}: {e}", type(e).__name__, str(e),
-                         traceback.format_exc())
+        return CaseError(
+            "dead kernel",
+            f"the kernel died ({e}): out of memory, a crash in native code, or os._exit()",
+            cell_source=_running_cell(output),
+        )
+    except Exception as e:  # noqa: BLE001
+        # a kernel that won't start, an unreadable notebook: this case fails
+        return CaseError(
+            "could not run",
+            f"{type(e).__name__}: {e}",
+            type(e).__name__,
+            str(e),
+            traceback.format_exc(),
+        )
     finally:
         if socket_dir is not None:
             shutil.rmtree(socket_dir, ignore_errors=True)

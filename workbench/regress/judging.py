@@ -13,7 +13,14 @@ from workbench.regress.rules import Rule, median
 from workbench.regress.suite import Case
 
 # Case statuses, worst first; exit code 2 for 'error', 1 for 'failed'.
-ERROR, FAILED, NEW, PASSED, UPDATED, SKIPPED = "error", "failed", "new", "passed", "updated", "skipped"
+ERROR, FAILED, NEW, PASSED, UPDATED, SKIPPED = (
+    "error",
+    "failed",
+    "new",
+    "passed",
+    "updated",
+    "skipped",
+)
 
 
 @dataclass
@@ -42,24 +49,41 @@ class MetricResult:
         return self.current - self.baseline
 
 
-def compare(case: Case, runs: Sequence[Records], baseline: Mapping[str, Any] | None,
-            device_class: str | None = None) -> list[MetricResult]:
-    """Judge the median over `runs` (one Records per repeat) of every metric against `baseline`, by the rules
-    for `device_class`."""
+def compare(
+    case: Case,
+    runs: Sequence[Records],
+    baseline: Mapping[str, Any] | None,
+    device_class: str | None = None,
+) -> list[MetricResult]:
+    """Judge the median over `runs` (one Records per repeat) of every metric against `baseline`, by
+    the rules for `device_class`."""
     values: dict[str, list[float]] = {}
     last: dict[str, RecordedMetric] = {}
     for rec in runs:
         for name, m in rec.metrics.items():
             values.setdefault(name, []).append(m.value)
             last[name] = m
-    base = {k: {**v, "value": decode_value(v["value"])} for k, v in (baseline or {}).get("metrics", {}).items()}
+    base = {
+        k: {**v, "value": decode_value(v["value"])}
+        for k, v in (baseline or {}).get("metrics", {}).items()
+    }
     results = []
     for name in sorted(values):
         m = last[name]
         rule, source = case.rule_for(name, m.direction, m.tolerance, device_class)
         current = median(values[name])
-        res = MetricResult(name, "new", "not in the baseline", rule, source, current, None, values[name], m.unit,
-                           m.direction)
+        res = MetricResult(
+            name,
+            "new",
+            "not in the baseline",
+            rule,
+            source,
+            current,
+            None,
+            values[name],
+            m.unit,
+            m.direction,
+        )
         if name in base:
             res.baseline = base[name]["value"]
             res.verdict, res.reason = rule.check(current, res.baseline, m.unit)
@@ -69,9 +93,20 @@ def compare(case: Case, runs: Sequence[Records], baseline: Mapping[str, Any] | N
     for name in sorted(set(base) - set(values)):
         rule, source = case.rule_for(name, base[name].get("direction"), device_class=device_class)
         verdict = "info" if rule.mode == "info" else "missing"
-        results.append(MetricResult(name, verdict, "in the baseline but not recorded by this run", rule, source,
-                                    None, base[name]["value"], [], base[name].get("unit"),
-                                    base[name].get("direction")))
+        results.append(
+            MetricResult(
+                name,
+                verdict,
+                "in the baseline but not recorded by this run",
+                rule,
+                source,
+                None,
+                base[name]["value"],
+                [],
+                base[name].get("unit"),
+                base[name].get("direction"),
+            )
+        )
     return results
 
 
@@ -100,7 +135,9 @@ class CaseResult:
             return f"{self.case.id}: ERROR ({self.error.kind}) {self.error.message.splitlines()[0]}"
         if self.status == FAILED:
             return f"{self.case.id}: FAILED {', '.join(m.name for m in self.failed_metrics)}"
-        return f"{self.case.id}: {self.status} ({len(self.metrics)} metrics, {self.duration_s:.1f} s)"
+        return (
+            f"{self.case.id}: {self.status} ({len(self.metrics)} metrics, {self.duration_s:.1f} s)"
+        )
 
 
 def exit_code(results: Sequence[CaseResult]) -> int:

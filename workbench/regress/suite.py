@@ -9,20 +9,19 @@ A suite is data, a YAML file (paths relative to it):
       tolerances: {"*.samples_per_s": {mode: higher_is_better, rel: 0.5}}
     cases:
       - notebook: ../notebooks/01_quickstart.ipynb
-        name: quickstart             # default: the notebook's stem
-        parameters: {max_steps: 30}  # papermill parameters; `-p NAME VALUE` on the command line wins
-        profile: smoke               # or a list; `--profile` runs only the cases that have it
-        timeout_s: 600               # all cells together (kernel start not counted)
-        needs_gpu: false             # without CUDA the case is skipped, not failed
-        repeats: 1                   # run N times and compare the median (noisy timings)
-        tolerances:                  # metric name or glob -> rule; beats the notebook's own tolerance
-          "*.final_loss": {mode: abs, abs: 0.05}
-          "*.wall_time_s": info
-        device_tolerances:           # device class (or glob) -> tolerances there; beat the ones above
-          cpu: {"*.samples_per_s": {mode: higher_is_better, rel: 0.85}}
+        name: quickstart             # default: the notebook's stem parameters: {max_steps: 30}  #
+        papermill parameters; `-p NAME VALUE` on the command line wins profile: smoke
+        # or a list; `--profile` runs only the cases that have it timeout_s: 600               # all
+        cells together (kernel start not counted) needs_gpu: false             # without CUDA the
+        case is skipped, not failed repeats: 1                   # run N times and compare the
+        median (noisy timings) tolerances:                  # metric name or glob -> rule; beats the
+        notebook's own tolerance "*.final_loss": {mode: abs, abs: 0.05} "*.wall_time_s": info
+        device_tolerances:           # device class (or glob) -> tolerances there; beat the ones
+        above cpu: {"*.samples_per_s": {mode: higher_is_better, rel: 0.85}}
 
-Baselines live in <baselines>/<device class>/<case id>.json ('cpu', 'cuda-H100', ...) and are written by
-`--update-baselines`. A notebook target (.ipynb) is one case with default settings, baselines beside it.
+Baselines live in <baselines>/<device class>/<case id>.json ('cpu', 'cuda-H100', ...) and are
+written by `--update-baselines`. A notebook target (.ipynb) is one case with default settings,
+baselines beside it.
 """
 
 from __future__ import annotations
@@ -40,7 +39,15 @@ from workbench.utils.suggest import reject_unknown
 
 DEFAULT_TIMEOUT_S = 3600.0
 _SUITE_KEYS = ("name", "description", "baselines", "defaults", "cases")
-_DEFAULT_KEYS = ("parameters", "profile", "timeout_s", "needs_gpu", "repeats", "tolerances", "device_tolerances")
+_DEFAULT_KEYS = (
+    "parameters",
+    "profile",
+    "timeout_s",
+    "needs_gpu",
+    "repeats",
+    "tolerances",
+    "device_tolerances",
+)
 _CASE_KEYS = ("notebook", "name", "description", *_DEFAULT_KEYS)
 _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -61,37 +68,60 @@ class Case:
     needs_gpu: bool = False
     repeats: int = 1
     tolerances: tuple[dict[str, Any], ...] = ()
-    """Case-level then suite-level tables of metric name or glob -> rule spec; the first match decides."""
+    """Case-level then suite-level tables of metric name or glob -> rule spec; the first match
+    decides."""
     device_tolerances: tuple[dict[str, Any], ...] = ()
-    """Case-level then suite-level tables of device class (or glob) -> tolerances; they beat `tolerances`."""
+    """Case-level then suite-level tables of device class (or glob) -> tolerances; they beat
+    `tolerances`."""
     source: str = ""
 
-    def rule_for(self, name: str, direction: str | None, notebook_tolerance: Any = None,
-                 device_class: str | None = None) -> tuple[Rule, str]:
-        """The rule for metric `name` on `device_class` and where it came from: the suite (for that device
-        class, then for all), the notebook, or the default."""
-        tables = [(table, f"{self.source} device_tolerances[{cls!r}]", f" on {cls}")
-                  for by_device in self.device_tolerances for cls, table in by_device.items()
-                  if device_class is not None and fnmatch.fnmatchcase(device_class, cls)]
+    def rule_for(
+        self,
+        name: str,
+        direction: str | None,
+        notebook_tolerance: Any = None,
+        device_class: str | None = None,
+    ) -> tuple[Rule, str]:
+        """The rule for metric `name` on `device_class` and where it came from: the suite (for that
+        device class, then for all), the notebook, or the default."""
+        tables = [
+            (table, f"{self.source} device_tolerances[{cls!r}]", f" on {cls}")
+            for by_device in self.device_tolerances
+            for cls, table in by_device.items()
+            if device_class is not None and fnmatch.fnmatchcase(device_class, cls)
+        ]
         tables += [(table, f"{self.source} tolerances", "") for table in self.tolerances]
         for table, where, on in tables:
-            for pattern, spec in ([(name, table[name])] if name in table else []) + list(table.items()):
+            for pattern, spec in ([(name, table[name])] if name in table else []) + list(
+                table.items()
+            ):
                 if pattern == name or fnmatch.fnmatchcase(name, pattern):
-                    return parse_rule(spec, direction, where=f"{where}[{pattern!r}]"), f"suite '{pattern}'{on}"
+                    return parse_rule(
+                        spec, direction, where=f"{where}[{pattern!r}]"
+                    ), f"suite '{pattern}'{on}"
         if notebook_tolerance is not None:
-            return parse_rule(notebook_tolerance, direction, where=f"notebook tolerance of {name!r}"), "notebook"
+            return parse_rule(
+                notebook_tolerance, direction, where=f"notebook tolerance of {name!r}"
+            ), "notebook"
         return default_rule(direction), "default"
 
 
 def _check_fields(data: Mapping[str, Any], where: str) -> None:
     """Types of the case/default fields, each error naming the field and a value that would work."""
-    if "parameters" in data and not (isinstance(data["parameters"], Mapping)
-                                     and all(isinstance(k, str) for k in data["parameters"])):
-        raise ValueError(f"{where}: parameters={data['parameters']!r}: use a mapping, e.g. {{max_steps: 30}}")
+    if "parameters" in data and not (
+        isinstance(data["parameters"], Mapping)
+        and all(isinstance(k, str) for k in data["parameters"])
+    ):
+        raise ValueError(
+            f"{where}: parameters={data['parameters']!r}: use a mapping, e.g. {{max_steps: 30}}"
+        )
     prof = data.get("profile")
-    if prof is not None and not (isinstance(prof, str) or (isinstance(prof, list)
-                                                           and all(isinstance(p, str) for p in prof))):
-        raise ValueError(f"{where}: profile={prof!r}: use a name or a list of names, e.g. smoke or [smoke, full]")
+    if prof is not None and not (
+        isinstance(prof, str) or (isinstance(prof, list) and all(isinstance(p, str) for p in prof))
+    ):
+        raise ValueError(
+            f"{where}: profile={prof!r}: use a name or a list of names, e.g. smoke or [smoke, full]"
+        )
     t = data.get("timeout_s")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
         raise ValueError(f"{where}: timeout_s={t!r}: use seconds > 0, e.g. 600")
@@ -99,48 +129,70 @@ def _check_fields(data: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where}: needs_gpu={data['needs_gpu']!r}: use true or false")
     n = data.get("repeats")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"{where}: repeats={n!r}: use a whole number >= 1 (e.g. 3 for noisy timings)")
+        raise ValueError(
+            f"{where}: repeats={n!r}: use a whole number >= 1 (e.g. 3 for noisy timings)"
+        )
     if data.get("tolerances") is not None:
         _check_tolerances(data["tolerances"], f"{where}: tolerances")
     by_device = data.get("device_tolerances")
     if by_device is not None:
         if not isinstance(by_device, Mapping) or not all(isinstance(k, str) for k in by_device):
-            raise ValueError(f"{where}: device_tolerances={by_device!r}: use a mapping of device class (or glob) "
-                             "to tolerances, e.g. {cpu: {'*.samples_per_s': info}}")
+            raise ValueError(
+                f"{where}: device_tolerances={by_device!r}: use a mapping of device class (or "
+                "glob) to tolerances, e.g. {cpu: {'*.samples_per_s': info}}"
+            )
         for cls, tol in by_device.items():
             _check_tolerances(tol, f"{where}: device_tolerances[{cls!r}]")
 
 
 def _check_tolerances(tol: Any, where: str) -> None:
     if not isinstance(tol, Mapping):
-        raise ValueError(f"{where}={tol!r}: use a mapping of metric name (or glob) to rule, "
-                         "e.g. {'*.final_loss': {mode: abs, abs: 0.05}}")
+        raise ValueError(
+            f"{where}={tol!r}: use a mapping of metric name (or glob) to rule, "
+            "e.g. {'*.final_loss': {mode: abs, abs: 0.05}}"
+        )
     for metric, spec in tol.items():
-        # Direction is only known once the notebook runs; 'higher' accepts every spec that some metric could use.
+        # Direction is only known once the notebook runs; 'higher' accepts every spec that some
+        # metric could use.
         parse_rule(spec, "higher", where=f"{where}[{metric!r}]")
-        if isinstance(spec, Mapping) and "mode" not in spec and spec.get("abs") is not None \
-                and spec.get("rel") is not None:
-            raise ValueError(f"{where}[{metric!r}] has abs and rel but no mode: set mode, "
-                             "e.g. {mode: lower_is_better, abs: 0.01, rel: 0.05}")
+        if (
+            isinstance(spec, Mapping)
+            and "mode" not in spec
+            and spec.get("abs") is not None
+            and spec.get("rel") is not None
+        ):
+            raise ValueError(
+                f"{where}[{metric!r}] has abs and rel but no mode: set mode, "
+                "e.g. {mode: lower_is_better, abs: 0.01, rel: 0.05}"
+            )
 
 
 def load_suite(path: Path, baselines: Path | None = None) -> list[Case]:
-    """The cases of a suite file, validated (unknown keys, types, notebooks that exist) before anything runs."""
+    """The cases of a suite file, validated (unknown keys, types, notebooks that exist) before
+    anything runs."""
     data = read_yaml(path)
     if not isinstance(data, Mapping) or not data.get("cases"):
-        raise ValueError(f"{path}: a suite is a mapping with a non-empty 'cases:' list of {{notebook: ...}}")
+        raise ValueError(
+            f"{path}: a suite is a mapping with a non-empty 'cases:' list of {{notebook: ...}}"
+        )
     reject_unknown(data, _SUITE_KEYS, str(path))
     suite = data.get("name", path.stem)
     if not isinstance(suite, str) or not _ID.match(suite):
         raise ValueError(f"{path}: name={suite!r}: use letters, digits, '_', '.', '-'")
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, Mapping):
-        raise ValueError(f"{path}: defaults={defaults!r}: use a mapping of case keys, e.g. {{profile: smoke}}")
+        raise ValueError(
+            f"{path}: defaults={defaults!r}: use a mapping of case keys, e.g. {{profile: smoke}}"
+        )
     reject_unknown(defaults, _DEFAULT_KEYS, f"{path}: defaults")
     _check_fields(defaults, f"{path}: defaults")
     if not isinstance(data["cases"], list):
         raise ValueError(f"{path}: cases: use a list, each item a mapping with 'notebook:'")
-    root = baselines if baselines is not None else path.parent / str(data.get("baselines", "baselines"))
+    root = (
+        baselines
+        if baselines is not None
+        else path.parent / str(data.get("baselines", "baselines"))
+    )
     cases = []
     for i, raw in enumerate(data["cases"]):
         where = f"{path}: cases[{i}]"
@@ -148,33 +200,56 @@ def load_suite(path: Path, baselines: Path | None = None) -> list[Case]:
             raise ValueError(f"{where}: use a mapping such as {{notebook: ../notebooks/x.ipynb}}")
         reject_unknown(raw, _CASE_KEYS, where)
         if "notebook" not in raw:
-            raise ValueError(f"{where}: missing 'notebook': the .ipynb to run, relative to the suite file")
+            raise ValueError(
+                f"{where}: missing 'notebook': the .ipynb to run, relative to the suite file"
+            )
         notebook = (path.parent / str(raw["notebook"])).resolve()
         if notebook.suffix != ".ipynb" or not notebook.is_file():
-            raise ValueError(f"{where}: notebook {raw['notebook']!r} not found (looked for {notebook}); "
-                             "paths are relative to the suite file")
+            raise ValueError(
+                f"{where}: notebook {raw['notebook']!r} not found (looked for {notebook}); "
+                "paths are relative to the suite file"
+            )
         _check_fields(raw, where)
         name = raw.get("name", notebook.stem)
         if not isinstance(name, str) or not _ID.match(name):
-            raise ValueError(f"{where}: name={name!r}: use letters, digits, '_', '.', '-' (it names files)")
+            raise ValueError(
+                f"{where}: name={name!r}: use letters, digits, '_', '.', '-' (it names files)"
+            )
         merged = {**defaults, **raw}
         profile = merged.get("profile")
-        cases.append(Case(
-            id=f"{suite}.{name}", suite=suite, name=name, notebook=notebook, baselines=root,
-            parameters={**defaults.get("parameters", {}), **raw.get("parameters", {})},
-            profiles=tuple([profile] if isinstance(profile, str) else profile or ()),
-            timeout_s=float(merged.get("timeout_s", DEFAULT_TIMEOUT_S)), needs_gpu=merged.get("needs_gpu", False),
-            repeats=merged.get("repeats", 1),
-            tolerances=tuple(t for t in (raw.get("tolerances"), defaults.get("tolerances")) if t),
-            device_tolerances=tuple(t for t in (raw.get("device_tolerances"), defaults.get("device_tolerances")) if t),
-            source=where))
+        cases.append(
+            Case(
+                id=f"{suite}.{name}",
+                suite=suite,
+                name=name,
+                notebook=notebook,
+                baselines=root,
+                parameters={**defaults.get("parameters", {}), **raw.get("parameters", {})},
+                profiles=tuple([profile] if isinstance(profile, str) else profile or ()),
+                timeout_s=float(merged.get("timeout_s", DEFAULT_TIMEOUT_S)),
+                needs_gpu=merged.get("needs_gpu", False),
+                repeats=merged.get("repeats", 1),
+                tolerances=tuple(
+                    t for t in (raw.get("tolerances"), defaults.get("tolerances")) if t
+                ),
+                device_tolerances=tuple(
+                    t
+                    for t in (raw.get("device_tolerances"), defaults.get("device_tolerances"))
+                    if t
+                ),
+                source=where,
+            )
+        )
     return cases
 
 
 def load_targets(targets: Sequence[Path], baselines: Path | None = None) -> list[Case]:
-    """Cases of every target: suites (.yaml/.yml) and single notebooks (.ipynb). Ids must be unique."""
+    """Cases of every target: suites (.yaml/.yml) and single notebooks (.ipynb). Ids must be
+    unique."""
     if not targets:
-        raise ValueError("no targets: name notebooks (.ipynb) or suite files (.yaml), e.g. regress/smoke.yaml")
+        raise ValueError(
+            "no targets: name notebooks (.ipynb) or suite files (.yaml), e.g. regress/smoke.yaml"
+        )
     cases: list[Case] = []
     baselines = None if baselines is None else Path(baselines).resolve()
     for target in map(Path, targets):
@@ -184,38 +259,55 @@ def load_targets(targets: Sequence[Path], baselines: Path | None = None) -> list
             cases += load_suite(target, baselines)
         elif target.suffix == ".ipynb":
             nb = target.resolve()
-            cases.append(Case(id=nb.stem, suite="notebooks", name=nb.stem, notebook=nb,
-                              baselines=baselines if baselines is not None else nb.parent / "baselines",
-                              source=str(target)))
+            cases.append(
+                Case(
+                    id=nb.stem,
+                    suite="notebooks",
+                    name=nb.stem,
+                    notebook=nb,
+                    baselines=baselines if baselines is not None else nb.parent / "baselines",
+                    source=str(target),
+                )
+            )
         else:
-            raise ValueError(f"{target}: unknown kind of target; name a notebook (.ipynb) or a suite (.yaml)")
+            raise ValueError(
+                f"{target}: unknown kind of target; name a notebook (.ipynb) or a suite (.yaml)"
+            )
     seen: dict[str, Case] = {}
     for case in cases:
         if case.id in seen:
-            raise ValueError(f"case id {case.id!r} appears twice ({seen[case.id].source} and {case.source}); "
-                             "give one a different 'name:'")
+            raise ValueError(
+                f"case id {case.id!r} appears twice ({seen[case.id].source} and {case.source}); "
+                "give one a different 'name:'"
+            )
         seen[case.id] = case
     return cases
 
 
 def select_profile(cases: list[Case], profile: str | None) -> list[Case]:
-    """Cases of `profile` (bare notebook targets have none and always run); all cases when profile is None."""
+    """Cases of `profile` (bare notebook targets have none and always run); all cases when profile
+    is None."""
     if profile is None:
         return cases
     chosen = [c for c in cases if profile in c.profiles or c.suite == "notebooks"]
     if not chosen:
         known = sorted({p for c in cases for p in c.profiles})
-        raise ValueError(f"--profile {profile!r}: no case has it; profiles in these suites: "
-                         f"{', '.join(known) or 'none'}")
+        raise ValueError(
+            f"--profile {profile!r}: no case has it; profiles in these suites: "
+            f"{', '.join(known) or 'none'}"
+        )
     return chosen
 
 
 def parse_parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """`-p NAME VALUE` strings to Python values, like papermill's CLI (YAML), '1e-3' read as a number too."""
+    """`-p NAME VALUE` strings to Python values, like papermill's CLI (YAML), '1e-3' read as a
+    number too."""
     values: dict[str, Any] = {}
     for name, text in raw.items():
         if not str(name).isidentifier():
-            raise ValueError(f"-p {name} {text}: parameter names are Python identifiers, e.g. -p max_steps 50")
+            raise ValueError(
+                f"-p {name} {text}: parameter names are Python identifiers, e.g. -p max_steps 50"
+            )
         if not isinstance(text, str):
             values[name] = text
             continue
@@ -224,6 +316,8 @@ def parse_parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
         except ValueError:
             value = text
         if isinstance(value, str) and _NUMBER.match(value.strip()):
-            value = float(value)  # YAML 1.1 reads 1e-3 as a string; papermill's CLI makes it a float
+            value = float(
+                value
+            )  # YAML 1.1 reads 1e-3 as a string; papermill's CLI makes it a float
         values[name] = value
     return values

@@ -1,4 +1,5 @@
-"""The run directory: the only channel from ranks back to the user (forked, subprocess or remote ranks alike).
+"""The run directory: the only channel from ranks back to the user (forked, subprocess or remote
+ranks alike).
 
 `RunDir` (run_dir.py) names the files and is the only code that writes them (`set_status` is the
 one writer of summary.json); `Summary` (summary.py) is summary.json's schema and `Status` the
@@ -16,25 +17,48 @@ from workbench.rundir.lock import RunDirLocked
 from workbench.rundir.metrics_row import METRICS_SCHEMA_VERSION, MetricsRow
 from workbench.rundir.prepare import prepare
 from workbench.rundir.run_dir import (
-                                      CHECKPOINTS,
-                                      COMPLETE_MARKER,
-                                      CONFIG,
-                                      ERRORS,
-                                      EVENTS,
-                                      METRICS,
-                                      STOP_REQUEST,
-                                      SUMMARY,
-                                      TIMINGS,
-                                      RunDir,
-                                      RunDirWriteError,
-                                      is_fallout,
-                                      new_run_name,
+    CHECKPOINTS,
+    COMPLETE_MARKER,
+    CONFIG,
+    ERRORS,
+    EVENTS,
+    METRICS,
+    STOP_REQUEST,
+    SUMMARY,
+    TIMINGS,
+    RunDir,
+    RunDirWriteError,
+    is_fallout,
+    new_run_name,
 )
 from workbench.rundir.run_files import RunDivergedError, RunFailedError, RunFiles, RunPreemptedError
 from workbench.rundir.summary import ENDED, RESUMABLE, SCHEMA_VERSION, Status, Summary
 
-__all__ = ["CHECKPOINTS", "COMPLETE_MARKER", "CONFIG", "ENDED", "ERRORS", "EVENTS", "METRICS",
-           "METRICS_SCHEMA_VERSION", "RESUMABLE", "SCHEMA_VERSION", "STOP_REQUEST", "SUMMARY",
-           "TIMINGS", "MetricsRow", "RunDir", "RunDirLocked", "RunDirWriteError",
-           "RunDivergedError", "RunFailedError", "RunFiles", "RunPreemptedError", "Status", "Summary",
-           "is_fallout", "new_run_name", "prepare"]
+__all__ = [
+    "CHECKPOINTS",
+    "COMPLETE_MARKER",
+    "CONFIG",
+    "ENDED",
+    "ERRORS",
+    "EVENTS",
+    "METRICS",
+    "METRICS_SCHEMA_VERSION",
+    "RESUMABLE",
+    "SCHEMA_VERSION",
+    "STOP_REQUEST",
+    "SUMMARY",
+    "TIMINGS",
+    "MetricsRow",
+    "RunDir",
+    "RunDirLocked",
+    "RunDirWriteError",
+    "RunDivergedError",
+    "RunFailedError",
+    "RunFiles",
+    "RunPreemptedError",
+    "Status",
+    "Summary",
+    "is_fallout",
+    "new_run_name",
+    "prepare",
+]

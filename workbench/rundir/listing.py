@@ -1,5 +1,6 @@
-"""wb.runs(runs_dir): the past runs in a folder as one table (text in a terminal, HTML in a notebook), newest
-first, read from each run's summary.json and the tail of its metrics.jsonl; wb.compare(...): runs overlaid."""
+"""wb.runs(runs_dir): the past runs in a folder as one table (text in a terminal, HTML in a
+notebook), newest first, read from each run's summary.json and the tail of its metrics.jsonl;
+wb.compare(...): runs overlaid."""
 
 from __future__ import annotations
 
@@ -19,11 +20,23 @@ if TYPE_CHECKING:
 
     from workbench.launcher.result import RunResult
 
-COLUMNS = ("name", "status", "task", "layout", "precision", "steps", "loss", "eval", "samples/s", "started")
+COLUMNS = (
+    "name",
+    "status",
+    "task",
+    "layout",
+    "precision",
+    "steps",
+    "loss",
+    "eval",
+    "samples/s",
+    "started",
+)
 
 
 def _layout(summary: Any) -> str:
-    """'zero3 x 4, tp 2': the data-parallel mode over the world size, then the model-parallel sizes."""
+    """'zero3 x 4, tp 2': the data-parallel mode over the world size, then the model-parallel
+    sizes."""
     mesh = summary.mesh or {}
     split = [f"{k} {mesh[k]}" for k in ("tp", "pp", "cp") if (mesh.get(k) or 1) > 1]
     world = f" x {summary.world_size}" if summary.world_size else ""
@@ -33,8 +46,11 @@ def _layout(summary: Any) -> str:
 def _eval(row: dict[str, Any] | None) -> str:
     if not row:
         return ""
-    return ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in row.items()
-                     if k.startswith("eval_") and isinstance(v, (int, float)))
+    return ", ".join(
+        f"{k.removeprefix('eval_')} {v:.4g}"
+        for k, v in row.items()
+        if k.startswith("eval_") and isinstance(v, (int, float))
+    )
 
 
 def _row(folder: RunDir) -> dict[str, Any]:
@@ -43,16 +59,31 @@ def _row(folder: RunDir) -> dict[str, Any]:
         summary = folder.summary()
         status = folder.observed_status()[0].value
     except ValueError as e:
-        return {"name": folder.name, "status": "unreadable", "task": str(e).split(":")[0], "started_at": None}
+        return {
+            "name": folder.name,
+            "status": "unreadable",
+            "task": str(e).split(":")[0],
+            "started_at": None,
+        }
     tail = list(folder.tail_rows())  # read once for both rows
     train = next((r for r in tail if "loss" in r), {})
     evaluated = next((r for r in tail if any(k.startswith("eval_") for k in r)), None)
     loss = summary.final_loss if summary.final_loss is not None else train.get("loss")
-    rate = summary.samples_per_s if summary.samples_per_s is not None else train.get("samples_per_s")
-    return {"name": folder.name, "status": status, "task": summary.task or "", "layout": _layout(summary),
-            "precision": summary.precision or "",
-            "steps": summary.steps if summary.steps is not None else train.get("step"), "loss": loss,
-            "eval": _eval(evaluated), "samples/s": rate, "started_at": summary.started_at}
+    rate = (
+        summary.samples_per_s if summary.samples_per_s is not None else train.get("samples_per_s")
+    )
+    return {
+        "name": folder.name,
+        "status": status,
+        "task": summary.task or "",
+        "layout": _layout(summary),
+        "precision": summary.precision or "",
+        "steps": summary.steps if summary.steps is not None else train.get("step"),
+        "loss": loss,
+        "eval": _eval(evaluated),
+        "samples/s": rate,
+        "started_at": summary.started_at,
+    }
 
 
 def _cell(column: str, row: dict[str, Any]) -> str:
@@ -90,8 +121,10 @@ class RunsTable:
         if isinstance(key, int):
             return RunResult.load(self.runs_dir / names[key])
         if key not in names:
-            raise KeyError(f"{key!r}: no run of that name in {self.runs_dir} (it has {len(names)}: "
-                           f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+            raise KeyError(
+                f"{key!r}: no run of that name in {self.runs_dir} (it has {len(names)}: "
+                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+            )
         return RunResult.load(self.runs_dir / key)
 
     @property
@@ -121,38 +154,63 @@ class RunsTable:
             for c in COLUMNS:
                 text = html.escape(_cell(c, r))
                 if c == "status":
-                    text = f"<span style='color:{STATUS_COLORS.get(r['status'], '#555')}'>{text}</span>"
+                    text = (
+                        "<span "
+                        f"style='color:{STATUS_COLORS.get(r['status'], '#555')}'>{text}</span>"
+                    )
                 align = "right" if c in ("steps", "loss", "samples/s") else "left"
                 cells.append(f"<td style='text-align:{align}'>{text}</td>")
-            body.append(f"<tr data-run='{html.escape(r['name'], quote=True)}'>{''.join(cells)}</tr>")
-        return (f"<table class='wb-runs'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-                f"<small>{len(self.rows)} run(s) in {html.escape(str(self.runs_dir))}</small>")
+            body.append(
+                f"<tr data-run='{html.escape(r['name'], quote=True)}'>{''.join(cells)}</tr>"
+            )
+        return (
+            f"<table class='wb-runs'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>"
+            f"<small>{len(self.rows)} run(s) in {html.escape(str(self.runs_dir))}</small>"
+        )
 
 
 def runs(runs_dir: str | os.PathLike[str] = "runs", *, limit: int | None = None) -> RunsTable:
-    """The runs in `runs_dir` (folders with a summary.json), newest first; `limit`: only that many."""
+    """The runs in `runs_dir` (folders with a summary.json), newest first; `limit`: only that
+    many."""
     root = Path(runs_dir).expanduser()
     if not root.is_dir():
-        raise ValueError(f"runs_dir={str(runs_dir)!r}: no such folder; runs go to RunConfig.runs_dir ('runs' "
-                         "unless set)")
+        raise ValueError(
+            f"runs_dir={str(runs_dir)!r}: no such folder; runs go to RunConfig.runs_dir ('runs' "
+            "unless set)"
+        )
     folders = [RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "summary.json").is_file()]
-    rows = sorted((_row(f) for f in folders), key=lambda r: (r.get("started_at") or 0, r["name"]), reverse=True)
+    rows = sorted(
+        (_row(f) for f in folders),
+        key=lambda r: (r.get("started_at") or 0, r["name"]),
+        reverse=True,
+    )
     return RunsTable(root, rows[:limit] if limit is not None else rows)
 
 
-def compare(*runs: Any, labels: list[str] | None = None, path: str | os.PathLike[str] | None = None,
-            log_loss: bool | None = None) -> Figure:
-    """Runs overlaid in one figure (loss, throughput, memory): RunResults, Runs or run directories."""
+def compare(
+    *runs: Any,
+    labels: list[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+    log_loss: bool | None = None,
+) -> Figure:
+    """Runs overlaid in one figure (loss, throughput, memory): RunResults, Runs or run
+    directories."""
     from workbench.launcher.result import RunResult
     from workbench.notebook.plots import plot_runs
     from workbench.rundir.run_files import RunFiles
 
     if not runs:
         raise ValueError("compare(): name at least one run (a RunResult, a Run or a run directory)")
-    # not RunResult.load, which refuses a folder that isn't a run: the check below names every such folder at once
-    results = [r if isinstance(r, RunFiles) else RunResult(Path(r), RunDir(r).config()) for r in runs]
+    # not RunResult.load, which refuses a folder that isn't a run: the check below names every such
+    # folder at once
+    results = [
+        r if isinstance(r, RunFiles) else RunResult(Path(r), RunDir(r).config()) for r in runs
+    ]
     missing = [str(r.run_dir) for r in results if not r.dir.metrics_path.exists()]
     if missing:
-        raise ValueError(f"compare(): no metrics.jsonl in {', '.join(missing)}: not a run directory, or a run "
-                         "that logged nothing yet")
+        raise ValueError(
+            f"compare(): no metrics.jsonl in {', '.join(missing)}: not a run directory, or a run "
+            "that logged nothing yet"
+        )
     return plot_runs(results, labels, path, log_loss=log_loss)  # type: ignore[arg-type]

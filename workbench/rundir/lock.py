@@ -1,13 +1,14 @@
 """One writer per run directory: an exclusive lock file from prepare to the end of the run.
 
-LOCK records its owner: host, pid, process start time, and, once started, the process that runs the ranks.
-It is written whole to a temp file and hard-linked into place (a link fails where LOCK exists), so no one
-ever reads a half-written lock and two launches racing for a new run directory can't both win. A lock whose
-processes are all gone (checked by pid on the same host, by its Slurm job's state, and elsewhere by whether the
-ranks' heartbeats still change, timed on this host's clock) is stale and taken over; one whose Slurm job can't be
-asked (the controller is unreachable) is not, while its heartbeats are fresh or there are none to tell.
-Judging a lock and taking it over happen under an flock on LOCK_GUARD, a file that is never deleted: without
-it, two launches could both judge one stale lock, and the second delete the first's new lock to put its own.
+LOCK records its owner: host, pid, process start time, and, once started, the process that runs the
+ranks. It is written whole to a temp file and hard-linked into place (a link fails where LOCK
+exists), so no one ever reads a half-written lock and two launches racing for a new run directory
+can't both win. A lock whose processes are all gone (checked by pid on the same host, by its Slurm
+job's state, and elsewhere by whether the ranks' heartbeats still change, timed on this host's
+clock) is stale and taken over; one whose Slurm job can't be asked (the controller is unreachable)
+is not, while its heartbeats are fresh or there are none to tell. Judging a lock and taking it over
+happen under an flock on LOCK_GUARD, a file that is never deleted: without it, two launches could
+both judge one stale lock, and the second delete the first's new lock to put its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from workbench.rundir.liveness import heartbeat_verdict, is_alive, this_process
 from workbench.rundir.scheduler import ACTIVE, UNKNOWN, identity_of, query
-from workbench.utils.files import DamagedFileError, mkstemp_like_open, parse_json, read_json_checked, write_json
+from workbench.utils.files import (
+    DamagedFileError,
+    mkstemp_like_open,
+    parse_json,
+    read_json_checked,
+    write_json,
+)
 
 try:
     import fcntl
@@ -39,16 +46,18 @@ log = logging.getLogger("workbench")
 
 LOCK = "LOCK"
 LOCK_GUARD = ".LOCK.guard"
-"""flock'ed while a launch judges LOCK and takes it; never deleted, so that every launch locks the same file."""
+"""flock'ed while a launch judges LOCK and takes it; never deleted, so that every launch locks the
+same file."""
 DAMAGED_AFTER_S = 10.0
-"""A LOCK that can't be read is damaged (its writer died) once older than this; younger, a launch of an older
-workbench (which created LOCK empty, then wrote it) may still be writing it."""
+"""A LOCK that can't be read is damaged (its writer died) once older than this; younger, a launch of
+an older workbench (which created LOCK empty, then wrote it) may still be writing it."""
 GUARD_WAIT_S = 30.0
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 
 
 class RunDirLocked(ValueError):
-    """Another live launch holds the run directory (or its lock can't be read: the message says what to do)."""
+    """Another live launch holds the run directory (or its lock can't be read: the message says what
+    to do)."""
 
 
 def _stale(run: RunDir, owner: dict[str, Any]) -> tuple[bool, str]:
@@ -68,21 +77,28 @@ def _stale(run: RunDir, owner: dict[str, Any]) -> tuple[bool, str]:
         return False, ""
     if verdicts and all(v is False for v in verdicts):
         return True, ""
-    # Another host's processes, or a job that can't be asked: do the ranks' heartbeats still change, timed on this
-    # host's clock? The lock's own record counts as one (a launch that took it has no heartbeat yet).
+    # Another host's processes, or a job that can't be asked: do the ranks' heartbeats still change,
+    # timed on this host's clock? The lock's own record counts as one (a launch that took it has no
+    # heartbeat yet).
     fresh, why, beats = heartbeat_verdict(run, settle=True, also=((run.lock_path, owner),))
     if fresh is True:
-        return False, f"; its ranks' heartbeats are fresh ({why})" + (f", and {unasked}" if unasked else "")
+        return False, f"; its ranks' heartbeats are fresh ({why})" + (
+            f", and {unasked}" if unasked else ""
+        )
     if unasked and not beats:  # nothing to go by (a job still pending?): nothing says it is gone
-        return False, f"; {unasked}, and it has no heartbeat to tell by: try again once `scontrol ping` says UP"
+        return (
+            False,
+            f"; {unasked}, and it has no heartbeat to tell by: try again once `scontrol ping` says "
+            "UP",
+        )
     return (True, "") if fresh is False else (False, f"; {why}")
 
 
 @contextlib.contextmanager
 def _guarded(run: RunDir, required: bool = True) -> Iterator[None]:
-    """Hold LOCK_GUARD. Where flock isn't supported, go on without: LOCK still can't be created twice, only two
-    takeovers of one stale lock could both succeed. `required=False` (releasing) goes on without it too when
-    it can't be had in time or at all."""
+    """Hold LOCK_GUARD. Where flock isn't supported, go on without: LOCK still can't be created
+    twice, only two takeovers of one stale lock could both succeed. `required=False` (releasing)
+    goes on without it too when it can't be had in time or at all."""
     guard = run.path / LOCK_GUARD
     try:
         fd = _open_guard(guard)
@@ -101,7 +117,9 @@ def _guarded(run: RunDir, required: bool = True) -> Iterator[None]:
 def _open_guard(guard: Path) -> int:
     try:
         return os.open(guard, os.O_RDWR | os.O_CREAT, 0o666)  # less the umask
-    except PermissionError:  # another user's guard in a shared run directory: reading it is enough to flock it
+    except (
+        PermissionError
+    ):  # another user's guard in a shared run directory: reading it is enough to flock it
         return os.open(guard, os.O_RDONLY)
 
 
@@ -114,11 +132,17 @@ def _flock(fd: int, guard: Path, run: RunDir, required: bool) -> None:
         except BlockingIOError:
             if time.monotonic() > deadline:
                 if not required:
-                    log.warning("%s: held by another process for %.0f s; going on without it", guard, GUARD_WAIT_S)
+                    log.warning(
+                        "%s: held by another process for %.0f s; going on without it",
+                        guard,
+                        GUARD_WAIT_S,
+                    )
                     return
-                raise RunDirLocked(f"run directory {run.path}: another process has held {guard} for "
-                                   f"{GUARD_WAIT_S:.0f} s while taking the run's lock; try again (if it stays so, "
-                                   f"`fuser {guard}` names the process, which is stuck)") from None
+                raise RunDirLocked(
+                    f"run directory {run.path}: another process has held {guard} for "
+                    f"{GUARD_WAIT_S:.0f} s while taking the run's lock; try again (if it stays so, "
+                    f"`fuser {guard}` names the process, which is stuck)"
+                ) from None
             time.sleep(0.002)
         except OSError as e:  # no flock on this filesystem
             log.debug("%s: flock unsupported (%s); taking the lock without the guard", guard, e)
@@ -126,8 +150,9 @@ def _flock(fd: int, guard: Path, run: RunDir, required: bool) -> None:
 
 
 def _judge(run: RunDir) -> tuple[int, str] | None:
-    """None when there is no LOCK; (log level, why) when it may be taken over (stale or damaged); RunDirLocked
-    when a live launch holds it, or it can't be told (a directory, unreadable, damaged but fresh)."""
+    """None when there is no LOCK; (log level, why) when it may be taken over (stale or damaged);
+    RunDirLocked when a live launch holds it, or it can't be told (a directory, unreadable, damaged
+    but fresh)."""
     path = run.lock_path
     try:
         with open(path, "rb") as f:
@@ -135,27 +160,42 @@ def _judge(run: RunDir) -> tuple[int, str] | None:
     except FileNotFoundError:
         return None
     except IsADirectoryError:
-        raise RunDirLocked(f"run directory {run.path}: {path} is a directory, not a lock file; remove it (if no "
-                           "launch is using this run directory) and try again") from None
+        raise RunDirLocked(
+            f"run directory {run.path}: {path} is a directory, not a lock file; remove it (if no "
+            "launch is using this run directory) and try again"
+        ) from None
     except OSError as e:
-        raise RunDirLocked(f"run directory {run.path}: its lock file {path} can't be read ({e.strerror or e}); fix "
-                           "its permissions, or delete it if no launch is using this run directory") from None
+        raise RunDirLocked(
+            f"run directory {run.path}: its lock file {path} can't be read ({e.strerror or e}); "
+            "fix its permissions, or delete it if no launch is using this run directory"
+        ) from None
     try:
         owner = parse_json(data, path)
     except DamagedFileError as e:
         if age < DAMAGED_AFTER_S:
-            raise RunDirLocked(f"run directory {run.path}: its lock file {path} can't be read ({e.problem}) and was "
-                               f"written {age:.0f} s ago: another launch may be writing it; try again in a few "
-                               f"seconds, and if it stays so, delete {path} (if no launch is using this run "
-                               "directory)") from None
-        return logging.WARNING, f"{path} can't be read ({e.problem}) and is {age:.0f} s old: a damaged lock, taken over"
+            raise RunDirLocked(
+                f"run directory {run.path}: its lock file {path} can't be read ({e.problem}) and "
+                f"was written {age:.0f} s ago: another launch may be writing it; try again in a "
+                f"few seconds, and if it stays so, delete {path} (if no launch is using this run "
+                "directory)"
+            ) from None
+        return (
+            logging.WARNING,
+            f"{path} can't be read ({e.problem}) and is {age:.0f} s old: a damaged lock, taken "
+            "over",
+        )
     stale, why = _stale(run, owner)
     if not stale:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("time", 0)))
-        raise RunDirLocked(f"run directory {run.path} is in use by pid {owner.get('pid')} on "
-                           f"{owner.get('host')} (since {since}){why}; wait for that run to end or stop it, or "
-                           "pick another run_name")
-    return logging.INFO, f"the launch of {path} (pid {owner.get('pid')} on {owner.get('host')}) is gone; taken over"
+        raise RunDirLocked(
+            f"run directory {run.path} is in use by pid {owner.get('pid')} on "
+            f"{owner.get('host')} (since {since}){why}; wait for that run to end or stop it, or "
+            "pick another run_name"
+        )
+    return (
+        logging.INFO,
+        f"the launch of {path} (pid {owner.get('pid')} on {owner.get('host')}) is gone; taken over",
+    )
 
 
 def _put(run: RunDir, record: dict[str, Any]) -> bool:
@@ -191,9 +231,11 @@ def _put(run: RunDir, record: dict[str, Any]) -> bool:
 
 
 def acquire(run: RunDir, token: str | None = None) -> str:
-    """Take the lock (taking over a stale one); returns its token. RunDirLocked when someone live holds it.
+    """Take the lock (taking over a stale one); returns its token. RunDirLocked when someone live
+    holds it.
 
-    With the token of a lock already held (a restart by the same launcher), the lock is kept as it is.
+    With the token of a lock already held (a restart by the same launcher), the lock is kept as it
+    is.
     """
     if token is not None and held_by(run, token):
         return token
@@ -205,8 +247,10 @@ def acquire(run: RunDir, token: str | None = None) -> str:
             run.lock_path.unlink(missing_ok=True)
         if not _put(run, {**this_process(), "token": token, "time": time.time()}):
             # Only a launch that doesn't take the guard (an older workbench) gets here.
-            raise RunDirLocked(f"run directory {run.path}: another launch took its lock {run.lock_path} just now; "
-                               "wait for that run to end, or pick another run_name")
+            raise RunDirLocked(
+                f"run directory {run.path}: another launch took its lock {run.lock_path} just now; "
+                "wait for that run to end, or pick another run_name"
+            )
     return token
 
 
@@ -239,7 +283,8 @@ def held_by(run: RunDir, token: str | None) -> bool:
 
 @contextlib.contextmanager
 def holding(run: RunDir, token: str | None) -> Iterator[bool]:
-    """Whether `token` still holds the lock, kept true while the block runs: no launch can take the directory
-    over meanwhile. For a process that outlives its launcher's interest in the run (launcher/forked.py)."""
+    """Whether `token` still holds the lock, kept true while the block runs: no launch can take the
+    directory over meanwhile. For a process that outlives its launcher's interest in the run
+    (launcher/forked.py)."""
     with _guarded(run, required=False):
         yield held_by(run, token)

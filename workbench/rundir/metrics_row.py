@@ -82,8 +82,9 @@ class MetricsRow:
     comm_measured: bool | None = None
     """Whether comm_ms_per_rank was measured (DDP); False: collectives are counted in compute."""
     slowest_rank: int | None = None
-    """The straggler: the rank with the most time per step in its own work (data, compute, optimizer), by enough
-    and over enough windows to hold the others back (training/verdicts.py); None when no rank does."""
+    """The straggler: the rank with the most time per step in its own work (data, compute,
+    optimizer), by enough and over enough windows to hold the others back (training/verdicts.py);
+    None when no rank does."""
     verdicts: list[str] | None = None
     """What limits the step, in words with the fix (training/verdicts.py); [] when nothing does."""
     gpu_util_pct_per_rank: PerRank | None = None
@@ -128,28 +129,41 @@ class MetricsRow:
 
     def phases_ms(self) -> dict[str, list[float]] | None:
         """{phase: milliseconds per step, per rank} in PHASES order; None without a breakdown."""
-        parts = (self.data_ms_per_rank, self.compute_ms_per_rank, self.comm_ms_per_rank,
-                 self.optimizer_ms_per_rank, self.other_ms_per_rank)
+        parts = (
+            self.data_ms_per_rank,
+            self.compute_ms_per_rank,
+            self.comm_ms_per_rank,
+            self.optimizer_ms_per_rank,
+            self.other_ms_per_rank,
+        )
         if any(part is None for part in parts):
             return None
         return dict(zip(PHASES, typing.cast("tuple[list[float], ...]", parts)))
 
     def set_phases_ms(self, parts: Mapping[str, list[float]]) -> None:
         """Set the breakdown from {phase: milliseconds per step, per rank}, each phase of PHASES."""
-        (self.data_ms_per_rank, self.compute_ms_per_rank, self.comm_ms_per_rank,
-         self.optimizer_ms_per_rank, self.other_ms_per_rank) = (list(parts[p]) for p in PHASES)
+        (
+            self.data_ms_per_rank,
+            self.compute_ms_per_rank,
+            self.comm_ms_per_rank,
+            self.optimizer_ms_per_rank,
+            self.other_ms_per_rank,
+        ) = (list(parts[p]) for p in PHASES)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value has the wrong type."""
         for name, check, hint in _CHECKS:
             value = getattr(self, name)
             if not check(value):
-                raise ValueError(f"metrics row at step {self.step!r}: {name}={value!r:.80} "
-                                 f"is not {hint}")
+                raise ValueError(
+                    f"metrics row at step {self.step!r}: {name}={value!r:.80} is not {hint}"
+                )
         for key, value in self.eval.items():
             if not key.startswith(EVAL_PREFIX) or key in _KNOWN or not _number(value):
-                raise ValueError(f"metrics row at step {self.step}: eval[{key!r}]={value!r:.80}: "
-                                 f"expected '{EVAL_PREFIX}<metric>' (not eval_loss) with a number")
+                raise ValueError(
+                    f"metrics row at step {self.step}: eval[{key!r}]={value!r:.80}: "
+                    f"expected '{EVAL_PREFIX}<metric>' (not eval_loss) with a number"
+                )
         clash = sorted(set(self.extra) & (_KNOWN | {VERSION_KEY}))
         if clash:
             raise ValueError(f"metrics row at step {self.step}: extra holds known keys {clash}")
@@ -171,14 +185,16 @@ class MetricsRow:
         if not isinstance(data, Mapping):
             # A line of the file that isn't an object is a bad row like any other: ValueError.
             raise ValueError(  # noqa: TRY004
-                f"a metrics row is a JSON object, not {type(data).__name__}: {data!r:.80}")
+                f"a metrics row is a JSON object, not {type(data).__name__}: {data!r:.80}"
+            )
         rest = dict(data)
         known = {name: rest.pop(name) for name in _ORDER if name in rest}
         if "step" not in known:
             raise ValueError(f"metrics row without a step: {dict(data)!r:.120}")
         version = rest.pop(VERSION_KEY, 0)
-        evals = {k: rest.pop(k) for k in list(rest)
-                 if k.startswith(EVAL_PREFIX) and _number(rest[k])}
+        evals = {
+            k: rest.pop(k) for k in list(rest) if k.startswith(EVAL_PREFIX) and _number(rest[k])
+        }
         return cls(**known, eval=evals, extra=rest, schema_version=version)
 
     @classmethod
@@ -200,6 +216,7 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
 
     Readers check every row of a file on each poll, and a row of 8 ranks holds ~200 numbers: exact
     types are tested first, in C where possible; isinstance only for what that refuses."""
+
     def slow(v: Any) -> bool:
         return type_ok(v, hint)
 
@@ -212,8 +229,9 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
         is_list = typing.get_origin(inner) is list
         items = _exact_types(typing.get_args(inner)[0]) if is_list else None
         if items is not None:
-            return lambda v: (v is None or (type(v) is list and items.issuperset(map(type, v)))
-                              or slow(v))
+            return lambda v: (
+                v is None or (type(v) is list and items.issuperset(map(type, v))) or slow(v)
+            )
     return slow
 
 
@@ -221,8 +239,13 @@ def _is_union(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
-_PLAIN: dict[Any, tuple[type, ...]] = {float: (int, float), int: (int,), bool: (bool,), str: (str,),
-                                       type(None): (type(None),)}
+_PLAIN: dict[Any, tuple[type, ...]] = {
+    float: (int, float),
+    int: (int,),
+    bool: (bool,),
+    str: (str,),
+    type(None): (type(None),),
+}
 
 
 def _exact_types(hint: Any) -> frozenset[type] | None:
@@ -234,9 +257,11 @@ def _exact_types(hint: Any) -> frozenset[type] | None:
 
 
 _HINTS = typing.get_type_hints(MetricsRow)
-_CHECKS = [(f.name, _checker(_HINTS[f.name]), f.type)
-           for f in fields(MetricsRow) if f.name != "extra"]
-_ORDER = tuple(f.name for f in fields(MetricsRow)
-               if f.name not in ("eval", "schema_version", "extra"))
+_CHECKS = [
+    (f.name, _checker(_HINTS[f.name]), f.type) for f in fields(MetricsRow) if f.name != "extra"
+]
+_ORDER = tuple(
+    f.name for f in fields(MetricsRow) if f.name not in ("eval", "schema_version", "extra")
+)
 """The keys of one field each, in the order a row writes them (training rows' order as it was)."""
 _KNOWN = frozenset(_ORDER)

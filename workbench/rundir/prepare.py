@@ -1,7 +1,9 @@
-"""Preparing a launch: create or reopen the run directory under its lock, decide whether to resume, and
-refuse a resume whose config would change the training trajectory (unless the user allows the change).
+"""Preparing a launch: create or reopen the run directory under its lock, decide whether to resume,
+and refuse a resume whose config would change the training trajectory (unless the user allows the
+change).
 
-Every attempt keeps its own config (config.yaml, config.attempt-2.yaml, ...): nothing is overwritten.
+Every attempt keeps its own config (config.yaml, config.attempt-2.yaml, ...): nothing is
+overwritten.
 """
 
 from __future__ import annotations
@@ -17,25 +19,50 @@ from workbench.utils.files import read_json
 if TYPE_CHECKING:
     from workbench.config import RunConfig
 
-TRAJECTORY = ("task", "task_options", "seed", "precision", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
-              "beta1", "beta2", "eps", "grad_clip", "max_steps")
-"""Fields that change what a resumed run computes; the layout (ranks, micro-batch, accumulation, mode) may
-change as long as the global batch stays, since the checkpoint is resharded and the data order follows samples."""
+TRAJECTORY = (
+    "task",
+    "task_options",
+    "seed",
+    "precision",
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "grad_clip",
+    "max_steps",
+)
+"""Fields that change what a resumed run computes; the layout (ranks, micro-batch, accumulation,
+mode) may change as long as the global batch stays, since the checkpoint is resharded and the data
+order follows samples."""
 
 
 def config_changes(saved: RunConfig, new: RunConfig, step: int) -> list[str]:
     """What in `new` would make the resumed run differ from continuing `saved` from `step`."""
-    changes = [f"{name}: {getattr(saved, name)!r} -> {getattr(new, name)!r}" for name in TRAJECTORY
-               if getattr(saved, name) != getattr(new, name) and name not in new.resume_allow]
+    changes = [
+        f"{name}: {getattr(saved, name)!r} -> {getattr(new, name)!r}"
+        for name in TRAJECTORY
+        if getattr(saved, name) != getattr(new, name) and name not in new.resume_allow
+    ]
     if new.max_steps < step:
         changes.append(f"max_steps={new.max_steps} is below the checkpoint's step {step}")
     if new.global_batch_size is None:
-        changes.append(f"micro_batch_size='auto' without target_global_batch may change the global batch (the "
-                       f"checkpoint's is {saved.global_batch_size}); set target_global_batch={saved.global_batch_size}")
-    elif saved.global_batch_size != new.global_batch_size and "global_batch_size" not in new.resume_allow:
-        changes.append(f"global batch: {saved.global_batch_size} ({saved.micro_batch_size} x {saved.grad_accum_steps} "
-                       f"x {saved.num_processes}) -> {new.global_batch_size} ({new.micro_batch_size} x "
-                       f"{new.grad_accum_steps} x {new.num_processes})")
+        changes.append(
+            "micro_batch_size='auto' without target_global_batch may change the global batch (the "
+            f"checkpoint's is {saved.global_batch_size}); set "
+            f"target_global_batch={saved.global_batch_size}"
+        )
+    elif (
+        saved.global_batch_size != new.global_batch_size
+        and "global_batch_size" not in new.resume_allow
+    ):
+        changes.append(
+            f"global batch: {saved.global_batch_size} ({saved.micro_batch_size} x "
+            f"{saved.grad_accum_steps} x {saved.num_processes}) -> {new.global_batch_size} "
+            f"({new.micro_batch_size} x {new.grad_accum_steps} x {new.num_processes})"
+        )
     return changes
 
 
@@ -49,10 +76,18 @@ def _check_resume(cfg: RunConfig, run: RunDir) -> None:
     step = int((read_json(ckpt / "trainer_state.json") or {}).get("step", 0))
     changes = config_changes(saved, cfg, step) if saved is not None else []
     if changes:
-        allow = sorted({c.split(":")[0].split("=")[0].replace("global batch", "global_batch_size") for c in changes})
-        raise ValueError(f"resume of {run.path} from step {step}: the config changes the training trajectory: "
-                         + "; ".join(changes) + f". Keep the checkpoint's values, or allow the changes with "
-                         f"resume_allow={allow}")
+        allow = sorted(
+            {
+                c.split(":")[0].split("=")[0].replace("global batch", "global_batch_size")
+                for c in changes
+            }
+        )
+        raise ValueError(
+            f"resume of {run.path} from step {step}: the config changes the training trajectory: "
+            + "; ".join(changes)
+            + f". Keep the checkpoint's values, or allow the changes with "
+            f"resume_allow={allow}"
+        )
 
 
 def _wants_resume(cfg: RunConfig, run: RunDir, existed: bool) -> bool:
@@ -60,21 +95,25 @@ def _wants_resume(cfg: RunConfig, run: RunDir, existed: bool) -> bool:
         return run.latest_checkpoint() is not None
     if cfg.resume:
         if run.latest_checkpoint() is None:
-            raise ValueError(f"resume=True: {run.path} has no complete checkpoint to resume from; set resume=False "
-                             "to start over, resume='auto' to start over when there is none, or pick the run_name of "
-                             "a run that saved one")
+            raise ValueError(
+                f"resume=True: {run.path} has no complete checkpoint to resume from; set "
+                "resume=False to start over, resume='auto' to start over when there is none, or "
+                "pick the run_name of a run that saved one"
+            )
         return True
     if existed and any(p.name not in (lock.LOCK, lock.LOCK_GUARD) for p in run.path.iterdir()):
-        raise ValueError(f"run_name={cfg.run_name!r}: {run.path} already exists; pick another run_name, leave it None "
-                         "for a fresh one, or set resume=True (or 'auto') to continue it")
+        raise ValueError(
+            f"run_name={cfg.run_name!r}: {run.path} already exists; pick another run_name, leave "
+            "it None for a fresh one, or set resume=True (or 'auto') to continue it"
+        )
     return False
 
 
 def prepare(cfg: RunConfig, token: str | None = None) -> tuple[RunConfig, RunDir, str]:
     """Create (or reopen) the run directory, holding its lock, and store the config of this attempt.
 
-    Returns the config that will run (run_name filled in, resume decided), the run directory and the lock
-    token; the caller releases the lock when the run has ended.
+    Returns the config that will run (run_name filled in, resume decided), the run directory and the
+    lock token; the caller releases the lock when the run has ended.
     """
     if cfg.run_name is None:
         cfg = cfg.replace(run_name=new_run_name(cfg))
@@ -96,7 +135,13 @@ def prepare(cfg: RunConfig, token: str | None = None) -> tuple[RunConfig, RunDir
         run.clear_rank_errors()
         attempt = len(run.config_paths()) + 1
         run.write_config(cfg)
-        run.set_status(Status.STARTING, run_name=cfg.run_name, task=cfg.task, started_at=time.time(), attempt=attempt)
+        run.set_status(
+            Status.STARTING,
+            run_name=cfg.run_name,
+            task=cfg.task,
+            started_at=time.time(),
+            attempt=attempt,
+        )
     except BaseException:
         lock.release(run, token)
         if not existed:
@@ -109,7 +154,10 @@ def _remove_if_unused(run: RunDir) -> None:
     """A launch that failed while preparing leaves nothing behind in a directory it created."""
     import shutil
 
-    leftovers: list[Any] = [p for p in run.path.iterdir()
-                            if p.name not in ("config.yaml", "summary.json", lock.LOCK, lock.LOCK_GUARD)]
+    leftovers: list[Any] = [
+        p
+        for p in run.path.iterdir()
+        if p.name not in ("config.yaml", "summary.json", lock.LOCK, lock.LOCK_GUARD)
+    ]
     if not leftovers:
         shutil.rmtree(run.path, ignore_errors=True)

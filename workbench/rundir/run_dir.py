@@ -1,13 +1,14 @@
 """RunDir: the files of one run directory, and the only code that writes them.
 
-runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl (rows: MetricsRow),
-events.jsonl, summary.json, timings.json, model.safetensors, checkpoints/step_<N>/,
-errors/rank_<r>.json, ranks/rank_<r>.json (heartbeats), stacks/rank_<r>.txt, profile/rank_<r>.json
-(profile_steps), tensorboard/ and mlflow/ (trackers), LOCK, STOP.
-JSON files are replaced atomically; JSONL files are appended a whole line at a time (a line torn by a crash is
-ended first), and readers skip a line they can't parse, so a crash never leaves a file that can't be read. A write
-that fails (disk full, permissions) raises RunDirWriteError naming the run directory and the file; a file damaged
-by something else (summary.json that isn't a JSON object) reads as a ValueError (DamagedFileError) naming it.
+runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl (rows: MetricsRow), events.jsonl,
+summary.json, timings.json, model.safetensors, checkpoints/step_<N>/, errors/rank_<r>.json,
+ranks/rank_<r>.json (heartbeats), stacks/rank_<r>.txt, profile/rank_<r>.json (profile_steps),
+tensorboard/ and mlflow/ (trackers), LOCK, STOP. JSON files are replaced atomically; JSONL files are
+appended a whole line at a time (a line torn by a crash is ended first), and readers skip a line
+they can't parse, so a crash never leaves a file that can't be read. A write that fails (disk full,
+permissions) raises RunDirWriteError naming the run directory and the file; a file damaged by
+something else (summary.json that isn't a JSON object) reads as a ValueError (DamagedFileError)
+naming it.
 """
 
 from __future__ import annotations
@@ -51,15 +52,18 @@ STOP_REQUEST = "STOP"
 RANKS = "ranks"
 RANK_VALUES = "rank_values"
 
-"""ranks/rank_<r>.json: each rank's heartbeat (pid, host, step, phase), rewritten every few seconds."""
+"""ranks/rank_<r>.json: each rank's heartbeat (pid, host, step, phase), rewritten every few
+seconds."""
 STACKS = "stacks"
 """stacks/rank_<r>.txt: a rank's Python stacks, dumped when it hangs past the grace period."""
 PROFILE = "profile"
-"""profile/rank_<r>.json: each rank's torch.profiler Chrome trace of the steps RunConfig.profile_steps names."""
+"""profile/rank_<r>.json: each rank's torch.profiler Chrome trace of the steps
+RunConfig.profile_steps names."""
 WEIGHTS = "model.safetensors"
 """The full weights at the end of a run (any parallelism), loadable without torch.distributed."""
 COMPLETE_MARKER = "manifest.json"
-"""Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not complete."""
+"""Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not
+complete."""
 TAIL_BYTES = 64 * 1024
 """How much of metrics.jsonl's end tail_rows reads at a time: rows are a few hundred bytes."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -71,7 +75,8 @@ class RunDirWriteError(OSError):
 
 
 class RunDir:
-    """One run directory. Cheap to make; every read goes to the files, so it always shows the latest state."""
+    """One run directory. Cheap to make; every read goes to the files, so it always shows the latest
+    state."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -86,7 +91,7 @@ class RunDir:
     def name(self) -> str:
         return self.path.name
 
-    # ---- paths ----------------------------------------------------------------------------------------
+    # ---- paths -----------------------------------------------------------------------------------
     config_path = property(lambda self: self.path / CONFIG)
     metrics_path = property(lambda self: self.path / METRICS)
     events_path = property(lambda self: self.path / EVENTS)
@@ -104,20 +109,27 @@ class RunDir:
 
     @contextlib.contextmanager
     def writing(self, path: Path, what: str) -> Iterator[None]:
-        """Turn an OSError while writing `path` into one that names the run directory and the file."""
+        """Turn an OSError while writing `path` into one that names the run directory and the
+        file."""
         try:
             yield
         except RunDirWriteError:
             raise
         except OSError as e:
-            raise RunDirWriteError(e.errno, f"could not write {what} ({path}) in run directory {self.path}: "
-                                            f"{e.strerror or e}") from e
+            raise RunDirWriteError(
+                e.errno,
+                f"could not write {what} ({path}) in run directory {self.path}: {e.strerror or e}",
+            ) from e
 
-    # ---- reading --------------------------------------------------------------------------------------
+    # ---- reading ---------------------------------------------------------------------------------
     def config_paths(self) -> list[Path]:
-        """The config of every attempt, first to last: config.yaml, then config.attempt-2.yaml, ..."""
-        attempts = sorted((int(m.group(1)), p) for p in self.path.glob("config.attempt-*.yaml")
-                          if (m := _ATTEMPT.match(p.name)))
+        """The config of every attempt, first to last: config.yaml, then config.attempt-2.yaml,
+        ..."""
+        attempts = sorted(
+            (int(m.group(1)), p)
+            for p in self.path.glob("config.attempt-*.yaml")
+            if (m := _ATTEMPT.match(p.name))
+        )
         return ([self.config_path] if self.config_path.exists() else []) + [p for _, p in attempts]
 
     def config(self) -> RunConfig | None:
@@ -128,14 +140,17 @@ class RunDir:
         return RunConfig.from_yaml(paths[-1]) if paths else None
 
     def summary(self) -> Summary:
-        """summary.json (a new run's defaults before it is written); DamagedFileError, a ValueError naming the
-        file, when it is there but isn't a JSON object: never a status it doesn't say."""
+        """summary.json (a new run's defaults before it is written); DamagedFileError, a ValueError
+        naming the file, when it is there but isn't a JSON object: never a status it doesn't say."""
         try:
             return Summary.from_dict(read_json_checked(self.summary_path))
         except DamagedFileError as e:
-            raise DamagedFileError(e.path, f"{e.problem}. The run summary is only ever replaced whole, so something "
-                                           "else changed it: restore it from a copy, or delete it (resuming the run "
-                                           "writes a new one)") from None
+            raise DamagedFileError(
+                e.path,
+                f"{e.problem}. The run summary is only ever replaced whole, so something "
+                "else changed it: restore it from a copy, or delete it (resuming the run "
+                "writes a new one)",
+            ) from None
 
     def metrics(self) -> list[dict[str, Any]]:
         """The rows of metrics.jsonl as plain dicts, as written."""
@@ -146,9 +161,10 @@ class RunDir:
         return next((row for row in self.tail_rows(limit=None) if "loss" in row), None)
 
     def tail_rows(self, limit: int | None = TAIL_BYTES) -> Iterator[dict[str, Any]]:
-        """The rows of metrics.jsonl from the newest back, those of its last `limit` bytes (None: as far back as
-        they are asked for), read from the file's end and parsed as they are asked for: a repr, `workbench status`
-        or a table of 2,000 runs costs the rows it shows, not each run's whole history."""
+        """The rows of metrics.jsonl from the newest back, those of its last `limit` bytes (None: as
+        far back as they are asked for), read from the file's end and parsed as they are asked for:
+        a repr, `workbench status` or a table of 2,000 runs costs the rows it shows, not each run's
+        whole history."""
         return tail_jsonl(self.metrics_path, TAIL_BYTES, limit)
 
     def metrics_rows(self) -> list[MetricsRow]:
@@ -161,8 +177,11 @@ class RunDir:
 
     def profile_traces(self) -> list[Path]:
         """The profile traces written so far (profile_steps), in rank order."""
-        found = [(int(m.group(1)), p) for p in self.profile_path.glob("rank_*.json")
-                 if (m := re.fullmatch(r"rank_(\d+)\.json", p.name))]
+        found = [
+            (int(m.group(1)), p)
+            for p in self.profile_path.glob("rank_*.json")
+            if (m := re.fullmatch(r"rank_(\d+)\.json", p.name))
+        ]
         return [p for _, p in sorted(found)]
 
     def lock_owner(self) -> dict[str, Any] | None:
@@ -170,29 +189,34 @@ class RunDir:
         return lock.owner(self)
 
     def observe(self, settle: bool = False) -> Observation:
-        """Whether the run's processes are still there (heartbeats, recorded pids, its Slurm job). `settle`: a
-        one-shot reader (`workbench status`) may re-read heartbeats for a few seconds before judging them."""
+        """Whether the run's processes are still there (heartbeats, recorded pids, its Slurm job).
+        `settle`: a one-shot reader (`workbench status`) may re-read heartbeats for a few seconds
+        before judging them."""
         from workbench.rundir.liveness import observe
 
         return observe(self, settle=settle)
 
     def observed_status(self, settle: bool = False) -> tuple[Status, str]:
-        """The status, corrected for a run whose processes are all gone without recording an ending; with why,
-        or with what is in doubt for a run still starting or running (its Slurm controller can't be asked, its
-        heartbeats can't be judged yet). Never 'failed' from a doubt: only from processes seen gone."""
+        """The status, corrected for a run whose processes are all gone without recording an ending;
+        with why, or with what is in doubt for a run still starting or running (its Slurm controller
+        can't be asked, its heartbeats can't be judged yet). Never 'failed' from a doubt: only from
+        processes seen gone."""
         status = self.summary().status
         if status in (Status.STARTING, Status.RUNNING):
             seen = self.observe(settle)
             if seen.alive is False:
-                return Status.FAILED, (f"status says {status.value}, but {seen.reason} (last heartbeat at step "
-                                       f"{seen.last_step}); resume it from its newest checkpoint")
+                return Status.FAILED, (
+                    f"status says {status.value}, but {seen.reason} (last heartbeat at step "
+                    f"{seen.last_step}); resume it from its newest checkpoint"
+                )
             if seen.doubt:
                 return status, f"unknown: {seen.doubt}"
         return status, ""
 
-    # ---- writing --------------------------------------------------------------------------------------
+    # ---- writing ---------------------------------------------------------------------------------
     def write_config(self, cfg: RunConfig) -> Path:
-        """Store the config of a new attempt; earlier attempts' configs are kept, never overwritten."""
+        """Store the config of a new attempt; earlier attempts' configs are kept, never
+        overwritten."""
         n = len(self.config_paths()) + 1
         path = self.config_path if n == 1 else self.path / f"config.attempt-{n}.yaml"
         with self.writing(path, "the run's config"):
@@ -202,8 +226,9 @@ class RunDir:
     def set_status(self, status: Status | str, **fields: Any) -> Summary:
         """Change the run's status (and any other summary fields): the one writer of summary.json.
 
-        Fields not given keep their values; a status other than 'failed' clears an old error, and other than
-        'preempted'/'diverged' an old ending (a resumed run). wall_time_s runs from started_at to now unless given.
+        Fields not given keep their values; a status other than 'failed' clears an old error, and
+        other than 'preempted'/'diverged' an old ending (a resumed run). wall_time_s runs from
+        started_at to now unless given.
         """
         status = Status(status)
         current = self.summary()
@@ -221,29 +246,40 @@ class RunDir:
         return updated
 
     def end_preempted(self, signal_name: str, why: str, **extra: Any) -> None:
-        """Record 'preempted' for a run whose ranks could not end it themselves (they never started training, or
-        the signal reached them first): resumable from its newest checkpoint. `extra` non-empty values join the
-        ending."""
+        """Record 'preempted' for a run whose ranks could not end it themselves (they never started
+        training, or the signal reached them first): resumable from its newest checkpoint. `extra`
+        non-empty values join the ending."""
         found = self.checkpoints()
         step, ckpt = found[-1] if found else (0, None)
-        resume = f"it resumes from {ckpt}" if ckpt else "it has no checkpoint: a resume starts it over"
+        resume = (
+            f"it resumes from {ckpt}" if ckpt else "it has no checkpoint: a resume starts it over"
+        )
         at, where = self._ranks_at()
-        ending = {"step": step, "checkpoint": str(ckpt) if ckpt else None, "signal": signal_name,
-                  "message": f"{signal_name} {why}{where}; {resume}", **({"ranks_at_step": at} if where else {}),
-                  **{k: v for k, v in extra.items() if v}}
+        ending = {
+            "step": step,
+            "checkpoint": str(ckpt) if ckpt else None,
+            "signal": signal_name,
+            "message": f"{signal_name} {why}{where}; {resume}",
+            **({"ranks_at_step": at} if where else {}),
+            **{k: v for k, v in extra.items() if v},
+        }
         self.set_status(Status.PREEMPTED, ending=ending)
         self.event(Status.PREEMPTED.value, **ending)
 
     def _ranks_at(self) -> tuple[int | None, str]:
-        """From the ranks' heartbeats: the steps they had completed, and '; the ranks had completed N step(s), last
-        seen in PHASE' for a preemption's message once they had started training ('' before)."""
-        beats = [b for p in self.ranks_path.glob("rank_*.json") if isinstance(b := read_json(p), dict)]
+        """From the ranks' heartbeats: the steps they had completed, and '; the ranks had completed
+        N step(s), last seen in PHASE' for a preemption's message once they had started training (''
+        before)."""
+        beats = [
+            b for p in self.ranks_path.glob("rank_*.json") if isinstance(b := read_json(p), dict)
+        ]
         steps = [b["step"] for b in beats if isinstance(b.get("step"), int)]
         phases = sorted({str(b.get("phase")) for b in beats} - {"starting", "ended", "None"})
         if not steps or not (max(steps) or phases):
             return None, ""
         return max(steps), f"; the ranks had completed {max(steps)} step(s)" + (
-            f", last seen in {', '.join(map(repr, phases))}" if phases else "")
+            f", last seen in {', '.join(map(repr, phases))}" if phases else ""
+        )
 
     def append_metrics(self, row: MetricsRow) -> None:
         if not isinstance(row, MetricsRow):
@@ -266,9 +302,11 @@ class RunDir:
             write_json(path, {"rank": rank, "time": time.time(), **beat})
 
     def set_aside_metrics_after(self, step: int) -> Path | None:
-        """On resume from `step`: move later rows (the lost session's) to metrics.after-step-<step>.jsonl.
+        """On resume from `step`: move later rows (the lost session's) to
+        metrics.after-step-<step>.jsonl.
 
-        The resumed run logs those steps again; keeping both in metrics.jsonl would draw two curves in one.
+        The resumed run logs those steps again; keeping both in metrics.jsonl would draw two curves
+        in one.
         """
         rows = self.metrics_rows()
         later = [r.to_dict() for r in rows if r.step > step]
@@ -280,10 +318,11 @@ class RunDir:
             write_jsonl(self.metrics_path, [r.to_dict() for r in rows if r.step <= step])
         return aside
 
-    # ---- checkpoints ----------------------------------------------------------------------------------
+    # ---- checkpoints -----------------------------------------------------------------------------
     def checkpoints(self, complete: bool = True) -> list[tuple[int, Path]]:
-        """Complete checkpoints (with their manifest), oldest first; resume still verifies their contents.
-        complete=False: every step_<N> directory, a damaged one without its manifest too."""
+        """Complete checkpoints (with their manifest), oldest first; resume still verifies their
+        contents. complete=False: every step_<N> directory, a damaged one without its manifest
+        too."""
         found = []
         for p in self.checkpoints_path.glob("step_*"):
             m = _STEP_DIR.match(p.name)
@@ -295,7 +334,7 @@ class RunDir:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
-    # ---- stop requests --------------------------------------------------------------------------------
+    # ---- stop requests ---------------------------------------------------------------------------
     def request_stop(self) -> None:
         with self.writing(self.stop_path, "the stop request"):
             atomic_write_text(self.stop_path, f"{time.time()}\n")
@@ -306,9 +345,11 @@ class RunDir:
     def clear_stop(self) -> None:
         self.stop_path.unlink(missing_ok=True)
 
-    # ---- rank errors ----------------------------------------------------------------------------------
+    # ---- rank errors -----------------------------------------------------------------------------
     def write_rank_error(self, rank: int, error: dict[str, Any]) -> None:
-        write_json(self.errors_path / f"rank_{rank}.json", {"rank": rank, "time": time.time(), **error})
+        write_json(
+            self.errors_path / f"rank_{rank}.json", {"rank": rank, "time": time.time(), **error}
+        )
 
     def has_rank_error(self, rank: int) -> bool:
         return (self.errors_path / f"rank_{rank}.json").exists()
@@ -318,8 +359,13 @@ class RunDir:
             old.unlink()
 
     def rank_errors(self) -> list[dict[str, Any]]:
-        """Errors of failed ranks, the likely cause first: real errors before fallout, then earliest first."""
-        errors = [e for p in self.errors_path.glob("rank_*.json") if isinstance(e := read_json(p), dict) and e]
+        """Errors of failed ranks, the likely cause first: real errors before fallout, then earliest
+        first."""
+        errors = [
+            e
+            for p in self.errors_path.glob("rank_*.json")
+            if isinstance(e := read_json(p), dict) and e
+        ]
         return sorted(errors, key=lambda e: (is_fallout(e), e.get("time", 0)))
 
 
@@ -330,18 +376,31 @@ def _typed_row(row: dict[str, Any], number: int, path: Path) -> MetricsRow:
         raise ValueError(f"{path}, row {number}: {e}") from None
 
 
-_FALLOUT = ("connection reset by peer", "connection closed by peer", "broken pipe", "nccl communicator was aborted",
-            "processgroupnccl", "got signal: 15", "timed out", "timeout", "pair closure",
-            "removed as another rank's write failed")
+_FALLOUT = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "nccl communicator was aborted",
+    "processgroupnccl",
+    "got signal: 15",
+    "timed out",
+    "timeout",
+    "pair closure",
+    "removed as another rank's write failed",
+)
 
 
 def is_fallout(error: dict[str, Any]) -> bool:
-    """An error caused by another rank's death or hang: a collective that lost its peer or timed out, the
-    launcher's SIGTERM, or a checkpoint another rank's failed write removed (training.checkpoint.SWEPT)."""
+    """An error caused by another rank's death or hang: a collective that lost its peer or timed
+    out, the launcher's SIGTERM, or a checkpoint another rank's failed write removed
+    (training.checkpoint.SWEPT)."""
     message = error.get("message", "").lower()
     return error.get("type") == "SignalException" or any(s in message for s in _FALLOUT)
 
 
 def new_run_name(cfg: RunConfig) -> str:
-    task = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rpartition(":")[2] or cfg.task).strip("-._") or "run"
+    task = (
+        re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rpartition(":")[2] or cfg.task).strip("-._")
+        or "run"
+    )
     return f"{task}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"

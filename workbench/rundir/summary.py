@@ -1,4 +1,5 @@
-"""summary.json: one schema (versioned) for how a run stands, and the statuses a run goes through."""
+"""summary.json: one schema (versioned) for how a run stands, and the statuses a run goes
+through."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from enum import Enum
 from typing import Any
 
 SCHEMA_VERSION = 1
-"""Bumped when a key changes meaning or type; readers accept older versions (missing keys are None)."""
+"""Bumped when a key changes meaning or type; readers accept older versions (missing keys are
+None)."""
 
 
 class Status(str, Enum):
@@ -32,18 +34,22 @@ class Status(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    # Equal to its string, so hash like it too ('completed' in ENDED), whatever Enum's default on this Python.
+    # Equal to its string, so hash like it too ('completed' in ENDED), whatever Enum's default on
+    # this Python.
     __hash__ = str.__hash__
 
 
-ENDED = frozenset({Status.COMPLETED, Status.STOPPED, Status.PREEMPTED, Status.DIVERGED, Status.FAILED})
+ENDED = frozenset(
+    {Status.COMPLETED, Status.STOPPED, Status.PREEMPTED, Status.DIVERGED, Status.FAILED}
+)
 RESUMABLE = frozenset({Status.STOPPED, Status.PREEMPTED, Status.FAILED})
 """Endings a run can continue from (its newest complete checkpoint)."""
 
 
 @dataclass(kw_only=True)
 class Summary:
-    """The content of summary.json. Rank 0 fills the launch and result fields; the launcher fills `error`."""
+    """The content of summary.json. Rank 0 fills the launch and result fields; the launcher fills
+    `error`."""
 
     schema_version: int = SCHEMA_VERSION
     """Version of this schema the file was written with."""
@@ -95,11 +101,11 @@ class Summary:
     mfu: float | None = None
     """Model FLOPs utilisation (GPUs with a known peak)."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank: pid, device, compute dtype, threads, peak memory, bytes held for parameters, gradients and
-    optimizer state, weights sha256 (replicated modes)."""
+    """Per rank: pid, device, compute dtype, threads, peak memory, bytes held for parameters,
+    gradients and optimizer state, weights sha256 (replicated modes)."""
     compile: dict[str, Any] | None = None
-    """compile on: mode, backend, the first step's seconds (compiling), graphs, graph breaks by reason,
-    recompilations and inductor's cache folder (rank 0's)."""
+    """compile on: mode, backend, the first step's seconds (compiling), graphs, graph breaks by
+    reason, recompilations and inductor's cache folder (rank 0's)."""
     checkpoints: dict[str, Any] | None = None
     """This session's checkpoints: whether written in the background (checkpoint_async) and why,
     and per checkpoint the seconds the training loop was blocked by it (stall_s)."""
@@ -110,9 +116,11 @@ class Summary:
     error: dict[str, Any] | None = None
     """When failed: rank, type, message, traceback (and other_ranks)."""
     ending: dict[str, Any] | None = None
-    """When preempted or diverged: the step, the signal or the non-finite value, the last good checkpoint."""
+    """When preempted or diverged: the step, the signal or the non-finite value, the last good
+    checkpoint."""
     attempt: int | None = None
-    """Which launch of this run directory wrote the summary (1, then 2 after a resume or restart, ...)."""
+    """Which launch of this run directory wrote the summary (1, then 2 after a resume or restart,
+    ...)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys this version doesn't know (written by a newer workbench), kept on rewrite."""
 

@@ -1,4 +1,5 @@
-"""Tasks: what to train. `Task` is the base class, `TaskOption` declares an option; built-in: `digits`, `char-gpt`."""
+"""Tasks: what to train. `Task` is the base class, `TaskOption` declares an option; built-in:
+`digits`, `char-gpt`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """char-gpt: a GPT-style character model (causal self-attention via scaled_dot_product_attention).
 
-Sizes go from a CPU smoke run ('tiny') to GPT-2 small ('gpt2-small', 124M-class with a char vocabulary);
-any of n_layer, n_head, n_embd, block_size given in task_options overrides the preset's value for that size
-alone, whichever preset is chosen; left out (None), the preset's value is used.
+Sizes go from a CPU smoke run ('tiny') to GPT-2 small ('gpt2-small', 124M-class with a char
+vocabulary); any of n_layer, n_head, n_embd, block_size given in task_options overrides the preset's
+value for that size alone, whichever preset is chosen; left out (None), the preset's value is used.
 """
 
 from __future__ import annotations
@@ -36,35 +36,73 @@ _FROM_PRESET = "the preset's value"
 def _size(name: str, what: str, high: int) -> TaskOption:
     """A size the preset sets unless given: None (blank in the panel) takes the preset's value."""
     by_preset = ", ".join(f"{preset} {sizes[name]}" for preset, sizes in PRESETS.items())
-    return TaskOption(name, int, None, f"{what}; overrides the preset's ({by_preset})", min=1, max=high,
-                      unset=_FROM_PRESET)
+    return TaskOption(
+        name,
+        int,
+        None,
+        f"{what}; overrides the preset's ({by_preset})",
+        min=1,
+        max=high,
+        unset=_FROM_PRESET,
+    )
 
 
 OPTIONS: tuple[TaskOption, ...] = (
-    TaskOption("preset", str, "tiny", "model size: " + "; ".join(
-        f"{p} {s['n_layer']} layers x {s['n_embd']} wide, {s['block_size']} tokens" for p, s in PRESETS.items())
+    TaskOption(
+        "preset",
+        str,
+        "tiny",
+        "model size: "
+        + "; ".join(
+            f"{p} {s['n_layer']} layers x {s['n_embd']} wide, {s['block_size']} tokens"
+            for p, s in PRESETS.items()
+        )
         + ". n_layer, n_head, n_embd and block_size, when given, override its values one by one",
-        choices=tuple(PRESETS)),
+        choices=tuple(PRESETS),
+    ),
     _size("n_layer", "transformer blocks", 96),
-    _size("n_head", "attention heads; n_embd must be a multiple of it, and it a multiple of tp", 128),
+    _size(
+        "n_head", "attention heads; n_embd must be a multiple of it, and it a multiple of tp", 128
+    ),
     _size("n_embd", "embedding width, a multiple of n_head", 16384),
     _size("block_size", "context length in characters (tokens per sample)", 32768),
-    TaskOption("dropout", float, 0.0, "dropout on embeddings, attention and MLP outputs", min=0.0, max=1.0,
-               max_exclusive=True),
+    TaskOption(
+        "dropout",
+        float,
+        0.0,
+        "dropout on embeddings, attention and MLP outputs",
+        min=0.0,
+        max=1.0,
+        max_exclusive=True,
+    ),
     TaskOption("bias", bool, False, "biases in the Linear and LayerNorm layers, as GPT-2 has them"),
     TaskOption("dataset", str, "tinyshakespeare", "data-manifests dataset of the text to train on"),
-    TaskOption("eval_fraction", float, 0.1, "share of the text, from its end, held out for evaluation", min=0.0,
-               max=1.0, min_exclusive=True, max_exclusive=True),
-    TaskOption("train_stride", int, 1, "characters between the starts of training windows (1: every position)",
-               min=1),
+    TaskOption(
+        "eval_fraction",
+        float,
+        0.1,
+        "share of the text, from its end, held out for evaluation",
+        min=0.0,
+        max=1.0,
+        min_exclusive=True,
+        max_exclusive=True,
+    ),
+    TaskOption(
+        "train_stride",
+        int,
+        1,
+        "characters between the starts of training windows (1: every position)",
+        min=1,
+    ),
 )
 """char-gpt's options; the sizes are None by default so an explicit one wins over any preset."""
 
 
 class CausalSelfAttention(nn.Module):
-    """q, k and v are separate Linears (not one fused qkv) so tensor parallelism can give each rank its heads
-    of all three; -1 in the head views is the local head count (n_head / tp under TP). The same seed draws the
-    same weights as the fused layout did, and fused `qkv` checkpoints still load (split by a pre-hook)."""
+    """q, k and v are separate Linears (not one fused qkv) so tensor parallelism can give each rank
+    its heads of all three; -1 in the head views is the local head count (n_head / tp under TP). The
+    same seed draws the same weights as the fused layout did, and fused `qkv` checkpoints still load
+    (split by a pre-hook)."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
         super().__init__()
@@ -78,13 +116,18 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(b, t, -1)))
 
 
 def _split_fused_qkv(state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-    """A checkpoint of the fused layout (`attn.qkv.weight` [3C, C]) loads as q, k, v: its thirds in order."""
+    """A checkpoint of the fused layout (`attn.qkv.weight` [3C, C]) loads as q, k, v: its thirds in
+    order."""
     for kind in ("weight", "bias"):
         key = f"{prefix}qkv.{kind}"
         if key in state_dict:
@@ -98,8 +141,12 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd, bias=bias),
+            nn.GELU(),
+            nn.Linear(4 * n_embd, n_embd, bias=bias),
+            nn.Dropout(dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -107,8 +154,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int,
-                 dropout: float = 0.0, bias: bool = False) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        block_size: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok = nn.Embedding(vocab_size, n_embd)
@@ -118,8 +173,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # weight tying, as in GPT-2
-        # The positions a forward embeds, as a buffer context parallel can shard like the batch: a rank of a CP
-        # group holds non-adjacent slices of each sequence (load balancing), so arange(t) would be wrong there.
+        # The positions a forward embeds, as a buffer context parallel can shard like the batch: a
+        # rank of a CP group holds non-adjacent slices of each sequence (load balancing), so
+        # arange(t) would be wrong there.
         self.register_buffer("positions", torch.arange(block_size), persistent=False)
         self.apply(self._init)
         for name, p in self.named_parameters():
@@ -134,36 +190,40 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.tok(idx) + self.pos(self.positions[:idx.shape[1]]))
+        x = self.drop(self.tok(idx) + self.pos(self.positions[: idx.shape[1]]))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
 
 
 class GPTStage(nn.Module):
-    """Pipeline stage: consecutive blocks of a GPT under the full model's attribute names (a ModuleDict keyed by
-    the block's index), with the embeddings on the first stage and ln_f + head on the last."""
+    """Pipeline stage: consecutive blocks of a GPT under the full model's attribute names (a
+    ModuleDict keyed by the block's index), with the embeddings on the first stage and ln_f + head
+    on the last."""
 
     def __init__(self, gpt: GPT, block_ids: list[int], first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
         if first:
             self.tok, self.pos, self.drop = gpt.tok, gpt.pos, gpt.drop
-            self.register_buffer("positions", gpt.positions, persistent=False)  # sharded under cp, as GPT's
+            self.register_buffer(
+                "positions", gpt.positions, persistent=False
+            )  # sharded under cp, as GPT's
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in block_ids})
         if last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.drop(self.tok(x) + self.pos(self.positions[:x.shape[1]]))
+            x = self.drop(self.tok(x) + self.pos(self.positions[: x.shape[1]]))
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x
 
 
 class CharWindows(Dataset):
-    """Every window of block_size + 1 characters starting at a multiple of `stride`: (input, next-char target)."""
+    """Every window of block_size + 1 characters starting at a multiple of `stride`: (input,
+    next-char target)."""
 
     def __init__(self, ids: torch.Tensor, block_size: int, stride: int) -> None:
         self.ids, self.block_size, self.stride = ids, block_size, stride
@@ -174,7 +234,7 @@ class CharWindows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.stride
-        chunk = self.ids[start:start + self.block_size + 1].long()
+        chunk = self.ids[start : start + self.block_size + 1].long()
         return chunk[:-1], chunk[1:]
 
 
@@ -194,7 +254,9 @@ class _Corpus:
         if not text:
             return cls(dataset, path, vocab, torch.zeros(0, dtype=dtype))
         points = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32).long()
-        index = torch.zeros(ord(vocab[-1]) + 1, dtype=torch.int16)  # code point -> its place in the vocabulary
+        index = torch.zeros(
+            ord(vocab[-1]) + 1, dtype=torch.int16
+        )  # code point -> its place in the vocabulary
         index[[ord(c) for c in vocab]] = torch.arange(len(vocab), dtype=torch.int16)
         return cls(dataset, path, vocab, index[points].to(dtype))
 
@@ -216,19 +278,22 @@ class CharGPTTask(Task):
         return {**self.options(cfg), **self.model_options(cfg)}
 
     def _read(self, cfg: RunConfig) -> _Corpus:
-        """The dataset's text, vocabulary and ids, encoded once per process for the file the dataset resolves to:
-        the caller's checks read it before the ranks fork, and forked ranks inherit it (encoding 1 M characters
-        took each rank 0.1 s a launch)."""
+        """The dataset's text, vocabulary and ids, encoded once per process for the file the dataset
+        resolves to: the caller's checks read it before the ranks fork, and forked ranks inherit it
+        (encoding 1 M characters took each rank 0.1 s a launch)."""
         global _LAST
         from workbench import data
 
         dataset = self.options(cfg)["dataset"]
         path = next(iter(data.resolve(dataset, progress=False).files.values()))
         if _LAST is None or (_LAST.dataset, _LAST.path) != (dataset, path):
-            # on the CPU whatever device context the caller is in: the panel counts parameters by building the
-            # model under torch.device("meta"), and a corpus made there would be kept on meta for every later use
+            # on the CPU whatever device context the caller is in: the panel counts parameters by
+            # building the model under torch.device("meta"), and a corpus made there would be kept
+            # on meta for every later use
             with torch.device("cpu"):
-                _LAST = _Corpus.of(dataset, path, path.read_text(encoding="utf-8"))  # one kept: it can be large
+                _LAST = _Corpus.of(
+                    dataset, path, path.read_text(encoding="utf-8")
+                )  # one kept: it can be large
         return _LAST
 
     def datasets(self, cfg: RunConfig) -> list[str]:
@@ -244,24 +309,33 @@ class CharGPTTask(Task):
         ids = self._read(cfg).ids
         o, block = self.options(cfg), self.model_options(cfg)["block_size"]
         split = int(len(ids) * (1 - o["eval_fraction"]))
-        return (CharWindows(ids[:split], block, o["train_stride"]),
-                CharWindows(ids[split:], block, block))
+        return (
+            CharWindows(ids[:split], block, o["train_stride"]),
+            CharWindows(ids[split:], block, block),
+        )
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         x, y = batch
         logits = model(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
 
-    def context_parallel_buffers(self, model: nn.Module, batch: Any) -> list[tuple[torch.Tensor, int]]:
-        """Inputs and targets along dimension 1, and the model's positions along 0: sharded together, each rank's
-        tokens keep their own positions. Under a pipeline `model` is the rank's stages and the batch holds what
-        the rank's stages take (inputs on the first, targets on the last, None elsewhere)."""
+    def context_parallel_buffers(
+        self, model: nn.Module, batch: Any
+    ) -> list[tuple[torch.Tensor, int]]:
+        """Inputs and targets along dimension 1, and the model's positions along 0: sharded
+        together, each rank's tokens keep their own positions. Under a pipeline `model` is the
+        rank's stages and the batch holds what the rank's stages take (inputs on the first, targets
+        on the last, None elsewhere)."""
         x, y = batch
-        positions = [b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] == "positions"]
+        positions = [
+            b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] == "positions"
+        ]
         if x is not None and positions and x.shape[1] != len(positions[0]):
             # the buffer is sharded whole: a shorter window would get wrong positions
-            raise ValueError(f"cp: char-gpt windows of {x.shape[1]} characters, block_size={len(positions[0])}; "
-                             "context parallel needs full windows")
+            raise ValueError(
+                f"cp: char-gpt windows of {x.shape[1]} characters, block_size={len(positions[0])}; "
+                "context parallel needs full windows"
+            )
         return [(t, 1) for t in (x, y) if t is not None] + [(b, 0) for b in positions]
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
@@ -272,13 +346,16 @@ class CharGPTTask(Task):
         m = self.model_options(cfg)
         n_params = sum(p.numel() for p in model.parameters()) - m["block_size"] * m["n_embd"]
         t = m["block_size"]
-        per_token = 6 * n_params + 12 * m["n_layer"] * m["n_head"] * (m["n_embd"] // m["n_head"]) * t
+        per_token = (
+            6 * n_params + 12 * m["n_layer"] * m["n_head"] * (m["n_embd"] // m["n_head"]) * t
+        )
         return float(per_token * t)
 
     def tensor_parallel_plan(self, model: nn.Module, cfg: RunConfig) -> dict[str, Any]:
-        """Megatron's split per block: q, k, v and the MLP's up projection column-wise (each rank its heads and
-        its slice of the hidden units), the attention and MLP output projections row-wise (partial sums
-        all-reduced). Embeddings, layer norms and the tied head stay replicated, which keeps the tie as it is."""
+        """Megatron's split per block: q, k, v and the MLP's up projection column-wise (each rank
+        its heads and its slice of the hidden units), the attention and MLP output projections
+        row-wise (partial sums all-reduced). Embeddings, layer norms and the tied head stay
+        replicated, which keeps the tie as it is."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         plan: dict[str, Any] = {}
@@ -289,9 +366,11 @@ class CharGPTTask(Task):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel()
         return plan
 
-    def pipeline_stages(self, model: nn.Module, cfg: RunConfig, stage: int, stages: int) -> nn.Module:
-        """Blocks balanced by parameter count over the stages (embeddings on the first, ln_f and the tied head on
-        the last); each stage keeps the full model's parameter names."""
+    def pipeline_stages(
+        self, model: nn.Module, cfg: RunConfig, stage: int, stages: int
+    ) -> nn.Module:
+        """Blocks balanced by parameter count over the stages (embeddings on the first, ln_f and the
+        tied head on the last); each stage keeps the full model's parameter names."""
         from workbench.tasks.stages import balanced_split
 
         assert isinstance(model, GPT)
@@ -300,18 +379,33 @@ class CharGPTTask(Task):
         return GPTStage(model, parts[stage], first=stage == 0, last=stage == stages - 1)
 
     def check_options(self, cfg: RunConfig) -> None:
-        super().check_options(cfg)  # types and ranges, from OPTIONS; what follows relates options to each other
+        super().check_options(
+            cfg
+        )  # types and ranges, from OPTIONS; what follows relates options to each other
         m = self.model_options(cfg)
         if m["n_embd"] % m["n_head"]:
-            raise ValueError(f"task_options.n_embd={m['n_embd']} is not divisible by n_head={m['n_head']}; "
-                             f"use a multiple, e.g. n_embd={m['n_head'] * 64}")
+            raise ValueError(
+                f"task_options.n_embd={m['n_embd']} is not divisible by n_head={m['n_head']}; "
+                f"use a multiple, e.g. n_embd={m['n_head'] * 64}"
+            )
         if m["n_head"] % cfg.tp:
-            ok = [d for d in range(1, m["n_head"] + 1) if m["n_head"] % d == 0 and cfg.num_processes % d == 0]
-            raise ValueError(f"tp={cfg.tp}: task 'char-gpt' has n_head={m['n_head']} attention heads, which tensor "
-                             f"parallelism can't split over {cfg.tp} ranks; use tp={' or '.join(map(str, ok))}, or "
-                             f"task_options.n_head={cfg.tp * max(1, m['n_head'] // cfg.tp)} (a multiple of tp)")
+            ok = [
+                d
+                for d in range(1, m["n_head"] + 1)
+                if m["n_head"] % d == 0 and cfg.num_processes % d == 0
+            ]
+            raise ValueError(
+                f"tp={cfg.tp}: task 'char-gpt' has n_head={m['n_head']} attention heads, which "
+                f"tensor parallelism can't split over {cfg.tp} ranks; use "
+                f"tp={' or '.join(map(str, ok))}, or "
+                f"task_options.n_head={cfg.tp * max(1, m['n_head'] // cfg.tp)} (a multiple of tp)"
+            )
         stages = cfg.pp * virtual_stages(cfg) if cfg.pp > 1 else 1
         if stages > m["n_layer"]:
-            what = f"pp={cfg.pp}" + (f" x {stages // cfg.pp} chunks per rank" if stages > cfg.pp else "")
-            raise ValueError(f"{what}: task 'char-gpt' has n_layer={m['n_layer']} blocks, fewer than the {stages} "
-                             f"pipeline stages; use fewer stages, or task_options.n_layer={stages}")
+            what = f"pp={cfg.pp}" + (
+                f" x {stages // cfg.pp} chunks per rank" if stages > cfg.pp else ""
+            )
+            raise ValueError(
+                f"{what}: task 'char-gpt' has n_layer={m['n_layer']} blocks, fewer than the "
+                f"{stages} pipeline stages; use fewer stages, or task_options.n_layer={stages}"
+            )

@@ -1,4 +1,5 @@
-"""digits: an MLP classifier on scikit-learn's bundled 8x8 handwritten digits (1,797 images, offline)."""
+"""digits: an MLP classifier on scikit-learn's bundled 8x8 handwritten digits (1,797 images,
+offline)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ _SPLIT_SEED = 1234
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(images scaled to [0, 1] as float32 of shape (n, 64), labels as int64), via the digits manifest."""
+    """(images scaled to [0, 1] as float32 of shape (n, 64), labels as int64), via the digits
+    manifest."""
     from workbench import data
 
     resolved = data.resolve("digits", progress=False)
@@ -35,8 +37,8 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _parsed_table(path: Path, sha256: str) -> np.ndarray:
-    """The CSV as a float32 table, kept beside it as .npy under its digest: parsing takes 18 ms, which every
-    rank of every launch would pay again (loading the .npy: under 1 ms)."""
+    """The CSV as a float32 table, kept beside it as .npy under its digest: parsing takes 18 ms,
+    which every rank of every launch would pay again (loading the .npy: under 1 ms)."""
     parsed = path.with_name(f".{path.name}.{sha256[:16]}.npy")
     if sha256:
         with contextlib.suppress(OSError, ValueError):  # not there yet, or cut short: parsed again
@@ -55,9 +57,25 @@ class DigitsTask(Task):
     name = "digits"
     option_specs = (
         TaskOption("hidden", int, 128, "width of the MLP's two hidden layers", min=1, max=65536),
-        TaskOption("dropout", float, 0.1, "dropout after each hidden layer", min=0.0, max=1.0, max_exclusive=True),
-        TaskOption("eval_fraction", float, 0.2, "share of the 1,797 images held out for evaluation (the same "
-                   "split for every seed)", min=0.0, max=1.0, min_exclusive=True, max_exclusive=True),
+        TaskOption(
+            "dropout",
+            float,
+            0.1,
+            "dropout after each hidden layer",
+            min=0.0,
+            max=1.0,
+            max_exclusive=True,
+        ),
+        TaskOption(
+            "eval_fraction",
+            float,
+            0.2,
+            "share of the 1,797 images held out for evaluation (the same split for every seed)",
+            min=0.0,
+            max=1.0,
+            min_exclusive=True,
+            max_exclusive=True,
+        ),
     )
 
     def datasets(self, cfg: RunConfig) -> list[str]:
@@ -66,8 +84,12 @@ class DigitsTask(Task):
     def build_model(self, cfg: RunConfig) -> nn.Module:
         o = self.options(cfg)
         return nn.Sequential(
-            nn.Linear(64, o["hidden"]), nn.GELU(), nn.Dropout(o["dropout"]),
-            nn.Linear(o["hidden"], o["hidden"]), nn.GELU(), nn.Dropout(o["dropout"]),
+            nn.Linear(64, o["hidden"]),
+            nn.GELU(),
+            nn.Dropout(o["dropout"]),
+            nn.Linear(o["hidden"], o["hidden"]),
+            nn.GELU(),
+            nn.Dropout(o["dropout"]),
             nn.Linear(o["hidden"], 10),
         )
 
@@ -76,8 +98,10 @@ class DigitsTask(Task):
         order = np.random.default_rng(_SPLIT_SEED).permutation(len(y))
         n_eval = int(len(y) * self.options(cfg)["eval_fraction"])
         ev, tr = order[:n_eval], order[n_eval:]
-        return (TensorDataset(torch.from_numpy(x[tr]), torch.from_numpy(y[tr])),
-                TensorDataset(torch.from_numpy(x[ev]), torch.from_numpy(y[ev])))
+        return (
+            TensorDataset(torch.from_numpy(x[tr]), torch.from_numpy(y[tr])),
+            TensorDataset(torch.from_numpy(x[ev]), torch.from_numpy(y[ev])),
+        )
 
     def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x, y = batch

@@ -1,4 +1,5 @@
-"""Task names: the built-in tasks, the ones users register, and 'package.module:ClassName' import paths."""
+"""Task names: the built-in tasks, the ones users register, and 'package.module:ClassName' import
+paths."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ BUILTIN: dict[str, str] = {
     "digits": "workbench.tasks.digits:DigitsTask",
     "char-gpt": "workbench.tasks.char_gpt:CharGPTTask",
 }
-"""Built-in tasks by import path: imported when first asked for, so `import workbench` stays light."""
+"""Built-in tasks by import path: imported when first asked for, so `import workbench` stays
+light."""
 
 _REGISTRY: dict[str, type[Task] | Task] = {}
 
@@ -21,7 +23,9 @@ def register_task(cls_or_obj: Any) -> Any:
     """Register a Task subclass (or instance) under its `name`; usable as a decorator."""
     name = getattr(cls_or_obj, "name", None)
     if not isinstance(name, str) or not name or name == Task.name:
-        raise ValueError(f"register_task: {cls_or_obj!r} needs a class attribute `name`, e.g. name = 'my-task'")
+        raise ValueError(
+            f"register_task: {cls_or_obj!r} needs a class attribute `name`, e.g. name = 'my-task'"
+        )
     _REGISTRY[name] = cls_or_obj
     return cls_or_obj
 
@@ -35,7 +39,9 @@ def _import(path: str, name: str) -> Task:
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"task={name!r}: cannot import it ({e}); check the module path and class name") from e
+        raise ValueError(
+            f"task={name!r}: cannot import it ({e}); check the module path and class name"
+        ) from e
     task = obj() if isinstance(obj, type) else obj
     if not isinstance(task, Task):
         raise ValueError(f"task={name!r}: {attr} is not a workbench.Task subclass")
@@ -43,7 +49,8 @@ def _import(path: str, name: str) -> Task:
 
 
 def get_task(name: str) -> Task:
-    """A fresh Task for a registered name, a built-in one, or an import path 'package.module:ClassName'."""
+    """A fresh Task for a registered name, a built-in one, or an import path
+    'package.module:ClassName'."""
     if name in _REGISTRY:
         entry = _REGISTRY[name]
         return entry() if isinstance(entry, type) else entry
@@ -51,6 +58,8 @@ def get_task(name: str) -> Task:
         return _import(BUILTIN[name], name)
     if ":" in name:
         return _import(name, name)
-    raise ValueError(f"task={name!r}: unknown task{did_you_mean(name, available())}. Known tasks: "
-                     f"{', '.join(available())}; or pass task=YourTask() to launch(), or register it with "
-                     "@wb.register_task")
+    raise ValueError(
+        f"task={name!r}: unknown task{did_you_mean(name, available())}. Known tasks: "
+        f"{', '.join(available())}; or pass task=YourTask() to launch(), or register it with "
+        "@wb.register_task"
+    )

@@ -1,4 +1,5 @@
-"""The default learning-rate schedule: linear warm-up, then cosine decay (a leaf module: tasks use it too)."""
+"""The default learning-rate schedule: linear warm-up, then cosine decay (a leaf module: tasks use
+it too)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ if TYPE_CHECKING:
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine down to lr*min_lr_ratio."""
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then cosine down to
+    lr*min_lr_ratio."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     decay_steps = cfg.max_steps - cfg.warmup_steps - 1

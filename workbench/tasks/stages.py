@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def balanced_split(costs: Sequence[float], stages: int, first_extra: float = 0.0,
-                   last_extra: float = 0.0) -> list[list[int]]:
-    """Contiguous split of blocks (with these costs, e.g. parameter counts) into `stages` parts minimising the
-    largest part; the first part also pays `first_extra` (embeddings), the last `last_extra` (the head).
-    Exact dynamic programme, O(stages x blocks^2). A part may be empty when there are fewer blocks than stages."""
+def balanced_split(
+    costs: Sequence[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[list[int]]:
+    """Contiguous split of blocks (with these costs, e.g. parameter counts) into `stages` parts
+    minimising the largest part; the first part also pays `first_extra` (embeddings), the last
+    `last_extra` (the head). Exact dynamic programme, O(stages x blocks^2). A part may be empty when
+    there are fewer blocks than stages."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:

@@ -1,18 +1,18 @@
-"""Where each rank's step time goes, measured: waiting for data, forward+backward compute, exposed communication,
-the optimizer, and the rest of the loop (logging, the per-step agreement, progress).
+"""Where each rank's step time goes, measured: waiting for data, forward+backward compute, exposed
+communication, the optimizer, and the rest of the loop (logging, the per-step agreement, progress).
 
-The trainer marks phase changes (the same points it reports to the hang watchdog); every instant of a training
-step belongs to exactly one phase, so the phases add up to the step. Eval and checkpoints are not step time and
-are not counted (the metrics window leaves them out too). On CPU a mark is one perf_counter() call; on a GPU it
-records a CUDA event on the current stream instead, so the phases are GPU time; the events are kept
-and their times read once per logging window (reading one sooner would make the host wait for the
-device).
+The trainer marks phase changes (the same points it reports to the hang watchdog); every instant of
+a training step belongs to exactly one phase, so the phases add up to the step. Eval and checkpoints
+are not step time and are not counted (the metrics window leaves them out too). On CPU a mark is one
+perf_counter() call; on a GPU it records a CUDA event on the current stream instead, so the phases
+are GPU time; the events are kept and their times read once per logging window (reading one sooner
+would make the host wait for the device).
 
-Exposed communication is the part of the gradient all-reduce that compute did not hide: the time from the
-moment backward's last gradients were ready to the end of the last all-reduce, which DDP measures in C++
-(DDPCommStats); once a window it is carved out of the compute phase. Modes whose collectives run inside
-forward/backward where no timer sees them (FSDP2, tensor and pipeline parallel) report them as compute
-(`comm_measured` False).
+Exposed communication is the part of the gradient all-reduce that compute did not hide: the time
+from the moment backward's last gradients were ready to the end of the last all-reduce, which DDP
+measures in C++ (DDPCommStats); once a window it is carved out of the compute phase. Modes whose
+collectives run inside forward/backward where no timer sees them (FSDP2, tensor and pipeline
+parallel) report them as compute (`comm_measured` False).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ FOLD_AFTER = 512
 
 
 def phase_of(where: str) -> str | None:
-    """The breakdown phase of a point the trainer reports to its watchdog (`at(...)`): 'data', 'forward/backward
-    ...', 'pipeline schedule ...', 'optimizer'; None for what is not step time (eval, checkpoints)."""
+    """The breakdown phase of a point the trainer reports to its watchdog (`at(...)`): 'data',
+    'forward/backward ...', 'pipeline schedule ...', 'optimizer'; None for what is not step time
+    (eval, checkpoints)."""
     if where.startswith(NOT_STEP_TIME):
         return None
     if where.startswith("data"):
@@ -43,11 +44,12 @@ def phase_of(where: str) -> str | None:
 
 
 class DDPCommStats:
-    """Exposed communication as DDP measures it itself: with runtime stats sampled every iteration, DDP's C++
-    reducer notes when backward's compute ended and when its last all-reduce did (CPU clocks, or CUDA events on
-    GPUs) and keeps their running means. No Python runs in the backward for it: a Python comm hook, called once
-    per bucket, cost more than the budget for all the measuring. DDP records an iteration's times when the next
-    one starts, so a window's figures lag it by one step."""
+    """Exposed communication as DDP measures it itself: with runtime stats sampled every iteration,
+    DDP's C++ reducer notes when backward's compute ended and when its last all-reduce did (CPU
+    clocks, or CUDA events on GPUs) and keeps their running means. No Python runs in the backward
+    for it: a Python comm hook, called once per bucket, cost more than the budget for all the
+    measuring. DDP records an iteration's times when the next one starts, so a window's figures lag
+    it by one step."""
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         self.ddp = ddp
@@ -58,20 +60,25 @@ class DDPCommStats:
         """(iterations recorded, their exposed communication in seconds, summed)."""
         data = self.ddp._get_ddp_logging_data()
         n = int(data.get("iteration", 0))
-        # Means over n iterations; exposed = all-reduce time minus its overlap with backward's compute.
-        exposed_ns = (data.get("avg_backward_comm_time", 0) - data.get("avg_backward_compute_comm_overlap_time", 0))
+        # Means over n iterations; exposed = all-reduce time minus its overlap with backward's
+        # compute.
+        exposed_ns = data.get("avg_backward_comm_time", 0) - data.get(
+            "avg_backward_compute_comm_overlap_time", 0
+        )
         return n, max(0.0, exposed_ns) * n / 1e9
 
     def exposed_s(self) -> tuple[int, float]:
-        """Backward passes that all-reduced since the last call, and their exposed communication (seconds)."""
+        """Backward passes that all-reduced since the last call, and their exposed communication
+        (seconds)."""
         now = self._totals()
         (n0, s0), self._seen = self._seen, now
         return now[0] - n0, max(0.0, now[1] - s0)
 
     @property
     def syncs(self) -> int:
-        """Forward passes that prepared a gradient all-reduce so far (outside no_sync). DDP records the count
-        at each such forward, of those before it, from its second on: one run of a single step reads 0."""
+        """Forward passes that prepared a gradient all-reduce so far (outside no_sync). DDP records
+        the count at each such forward, of those before it, from its second on: one run of a single
+        step reads 0."""
         n = self._totals()[0]
         return n + 1 if n else 0
 
@@ -86,7 +93,8 @@ def stamp(cuda: bool) -> Any:
 
 
 def elapsed(start: Any, end: Any, cuda: bool) -> float:
-    """Seconds from `start` to `end`; on CUDA it waits for `end` to be reached (read points only)."""
+    """Seconds from `start` to `end`; on CUDA it waits for `end` to be reached (read points
+    only)."""
     if cuda:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
@@ -127,8 +135,8 @@ class StepBreakdown:
         self.mark("other")
 
     def restart(self) -> None:
-        """The window starts now: time since the last mark (logging, eval, a checkpoint) is dropped, as the metrics
-        window drops it."""
+        """The window starts now: time since the last mark (logging, eval, a checkpoint) is dropped,
+        as the metrics window drops it."""
         self.phase, self.since = "other", stamp(self.cuda)  # the loop is back in step time
         if self.comm is not None:
             self.comm.exposed_s()
@@ -145,7 +153,8 @@ class StepBreakdown:
         self.mark(self.phase)
         self._fold(wait=True)
         if self.comm is not None:
-            # DDP's figures lag one step behind the window: its mean per all-reduce, times the window's steps.
+            # DDP's figures lag one step behind the window: its mean per all-reduce, times the
+            # window's steps.
             syncs, seconds = self.comm.exposed_s()
             exposed = min(seconds / syncs * self.steps if syncs else 0.0, self.totals["compute"])
             self.totals["compute"] -= exposed

@@ -39,11 +39,15 @@ def writes_async(cfg: RunConfig, device: torch.device) -> tuple[bool, str]:
     if cfg.checkpoint_async != "auto":
         return cfg.checkpoint_async == "on", f"checkpoint_async={cfg.checkpoint_async!r}"
     if device.type == "cuda":
-        return True, ("checkpoint_async='auto' on GPUs: the state is copied to pinned host memory "
-                      "and written while the GPUs train")
-    return False, ("checkpoint_async='auto' on CPU: a background write would keep a copy of the "
-                   "state in the memory training uses and take the cores the ranks train on; 'on' "
-                   "writes in the background anyway")
+        return True, (
+            "checkpoint_async='auto' on GPUs: the state is copied to pinned host memory "
+            "and written while the GPUs train"
+        )
+    return False, (
+        "checkpoint_async='auto' on CPU: a background write would keep a copy of the "
+        "state in the memory training uses and take the cores the ranks train on; 'on' "
+        "writes in the background anyway"
+    )
 
 
 class Pending:
@@ -52,8 +56,9 @@ class Pending:
     def __init__(self, step: int, finish: Callable[[], None]) -> None:
         self.step, self.error = step, None
         # A daemon: a rank that fails while a write is in flight must still be able to exit.
-        self._thread = threading.Thread(target=self._run, args=(finish,), daemon=True,
-                                        name=f"checkpoint-step-{step}")
+        self._thread = threading.Thread(
+            target=self._run, args=(finish,), daemon=True, name=f"checkpoint-step-{step}"
+        )
         self._thread.start()
 
     def _run(self, finish: Callable[[], None]) -> None:
@@ -82,8 +87,12 @@ class BackgroundWriter:
             self.groups = {part: dist.new_group(backend="gloo", timeout=timeout) for part in PARTS}
         # The copy is the stall: blocking, into buffers kept from one checkpoint to the next (pinned
         # on a GPU, so it runs at full PCIe speed); the write thread then reads only those.
-        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                 use_async_staging=False, use_non_blocking_copy=cuda)
+        options = StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
         self.stagers = {part: DefaultStager(options) for part in PARTS}
 
     def start(self, strategy: Strategy, path: Path) -> list[Future]:
@@ -96,9 +105,13 @@ class BackgroundWriter:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         futures = []
         for key, state in parts.items():
-            result = dcp.async_save({key: state}, checkpoint_id=str(path / key), no_dist=alone,
-                                    process_group=self.groups.get(key),
-                                    async_stager=self.stagers[key])
+            result = dcp.async_save(
+                {key: state},
+                checkpoint_id=str(path / key),
+                no_dist=alone,
+                process_group=self.groups.get(key),
+                async_stager=self.stagers[key],
+            )
             futures.append(getattr(result, "upload_completion", result))
         return futures
 

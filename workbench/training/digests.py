@@ -1,4 +1,5 @@
-"""Weights digests: equal digests mean bit-identical tensors (the replica check, exported weights, benches)."""
+"""Weights digests: equal digests mean bit-identical tensors (the replica check, exported weights,
+benches)."""
 
 from __future__ import annotations
 

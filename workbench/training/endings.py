@@ -33,9 +33,12 @@ def diverged(t: Trainer, found: Divergence) -> Status:
     state.tokens -= spoilt * t.global_batch * (t.tokens_per_sample or 0)
     ckpt = t.run.latest_checkpoint()
     where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint was saved before it"
-    t.ending = {"step": found.step, "reason": found.reason,
-                "last_checkpoint": str(ckpt) if ckpt else None,
-                "message": f"diverged at step {found.step}: {found.reason}; {where}"}
+    t.ending = {
+        "step": found.step,
+        "reason": found.reason,
+        "last_checkpoint": str(ckpt) if ckpt else None,
+        "message": f"diverged at step {found.step}: {found.reason}; {where}",
+    }
     if t.main:
         t.run.event("diverged", **t.ending)
     return Status.DIVERGED

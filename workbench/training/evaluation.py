@@ -23,30 +23,44 @@ def split_loss(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """Task.loss returns a scalar tensor or (scalar tensor, {metric: value})."""
     loss, extras = out if isinstance(out, tuple) else (out, {})
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"Task.loss must return a scalar tensor (or (tensor, dict)), got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        raise TypeError(
+            f"Task.loss must return a scalar tensor (or (tensor, dict)), got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
     return loss, extras
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, accelerator: Accelerator,
-             collate_fn: Any, forward_context: Callable[[], AbstractContextManager[Any]],
-             shard: tuple[int, int] | None = None,
-             eval_loss: Callable[[Any], tuple[torch.Tensor, dict[str, Any]] | None] | None = None,
-             batch_context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, float]:
-    """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}. `shard` is
-    (data-parallel rank, size) when it differs from the process's (tensor parallel: a TP group evaluates
-    the same batches, and counts them once per rank in both the sums and the count). `eval_loss` replaces
-    the task's loss on the whole model (pipeline parallel: only the last stage has a loss; the others get None
-    and count nothing). `batch_context` is the strategy's (context parallel: each rank evaluates its slice of the
-    sequences, and the slices' means average to the whole's)."""
+def evaluate(
+    model: torch.nn.Module,
+    task: Task,
+    dataset: Any,
+    cfg: RunConfig,
+    accelerator: Accelerator,
+    collate_fn: Any,
+    forward_context: Callable[[], AbstractContextManager[Any]],
+    shard: tuple[int, int] | None = None,
+    eval_loss: Callable[[Any], tuple[torch.Tensor, dict[str, Any]] | None] | None = None,
+    batch_context: Callable[[Any], AbstractContextManager[Any]] | None = None,
+) -> dict[str, float]:
+    """Mean loss (and task metrics) over the eval set: {'eval_loss': ..., 'eval_<metric>': ...}.
+    `shard` is (data-parallel rank, size) when it differs from the process's (tensor parallel: a TP
+    group evaluates the same batches, and counts them once per rank in both the sums and the count).
+    `eval_loss` replaces the task's loss on the whole model (pipeline parallel: only the last stage
+    has a loss; the others get None and count nothing). `batch_context` is the strategy's (context
+    parallel: each rank evaluates its slice of the sequences, and the slices' means average to the
+    whole's)."""
     device = accelerator.device
     rank, world = shard or (accelerator.process_index, accelerator.num_processes)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+    loader = DataLoader(
+        dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn
+    )
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    keys: list[str] | None = None  # the metric keys of the first batch, that every batch must return
+    keys: list[str] | None = (
+        None  # the metric keys of the first batch, that every batch must return
+    )
     count = torch.zeros((), device=device, dtype=torch.float64)
     for i, batch in enumerate(loader):
         if cfg.eval_batches and i >= cfg.eval_batches:
@@ -62,19 +76,24 @@ def evaluate(model: torch.nn.Module, task: Task, dataset: Any, cfg: RunConfig, a
                 loss, extras = split_loss(task.loss(model, batch))
         check_metrics(task, extras)  # a few isinstance checks per batch: nothing beside its forward
         if keys is not None and sorted(extras) != keys:
-            raise ValueError(f"{type(task).__name__}.loss returned metrics {keys} on one eval batch and "
-                             f"{sorted(extras)} on another; return the same keys on every call (0.0 where there is "
-                             "nothing to report), as evaluation averages each over every batch")
+            raise ValueError(
+                f"{type(task).__name__}.loss returned metrics {keys} on one eval batch and "
+                f"{sorted(extras)} on another; return the same keys on every call (0.0 where there "
+                "is nothing to report), as evaluation averages each over every batch"
+            )
         keys = sorted(extras)
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
         for name, value in {"loss": loss, **extras}.items():
             value = torch.as_tensor(value, device=device, dtype=torch.float64)
-            totals[name] = totals.get(name, torch.zeros((), device=device, dtype=torch.float64)) + value * n
+            totals[name] = (
+                totals.get(name, torch.zeros((), device=device, dtype=torch.float64)) + value * n
+            )
         count += n
     model.train()
     names = sorted(totals)
-    # The ranks reduce their sums by position: they must hold the same names, or the reduction mixes metrics up
-    # (or waits forever for a tensor of another size). One small gather per evaluation agrees them first.
+    # The ranks reduce their sums by position: they must hold the same names, or the reduction mixes
+    # metrics up (or waits forever for a tensor of another size). One small gather per evaluation
+    # agrees them first.
     parts = gather_object([names]) if accelerator.num_processes > 1 else [names]
     if eval_loss is not None:  # ranks without a loss must still reduce the same metrics, as zeros
         names = sorted({name for part in parts for name in part})

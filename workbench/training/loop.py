@@ -1,9 +1,10 @@
-"""The per-rank training loop. Every rank runs `Trainer.fit()`; `Trainer.__init__` builds what a run needs,
-in order, and the loop only sequences a step (micro-batches with gradient sync held back until the last one,
-clipping, the stop vote, the update; then logging, evaluation and checkpoints when due). How the model is
-parallel (parallel/), the stop vote (stop_vote.py), the rank's watch (rank_watch.py), metrics rows
-(logger.py), checkpoints (checkpoint.py), the summary (session_summary.py), the endings (endings.py) and
-the first step's checks of the task (first_step.py) live in their own modules."""
+"""The per-rank training loop. Every rank runs `Trainer.fit()`; `Trainer.__init__` builds what a run
+needs, in order, and the loop only sequences a step (micro-batches with gradient sync held back
+until the last one, clipping, the stop vote, the update; then logging, evaluation and checkpoints
+when due). How the model is parallel (parallel/), the stop vote (stop_vote.py), the rank's watch
+(rank_watch.py), metrics rows (logger.py), checkpoints (checkpoint.py), the summary
+(session_summary.py), the endings (endings.py) and the first step's checks of the task
+(first_step.py) live in their own modules."""
 
 from __future__ import annotations
 
@@ -68,15 +69,18 @@ class _RankLog(logging.LoggerAdapter):
 class Trainer:
     """One rank's run. Construct on every rank inside the launched process, then call `fit()`."""
 
-    def __init__(self, cfg: RunConfig, task: Task, run_dir: Path, *, progress: bool = False) -> None:
+    def __init__(
+        self, cfg: RunConfig, task: Task, run_dir: Path, *, progress: bool = False
+    ) -> None:
         self.cfg, self.task, self.run, self.progress = cfg, task, RunDir(run_dir), progress
         # The process group, and where this rank sits in the mesh.
         self.accelerator = build_accelerator(cfg, self.run.path)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.main, self.device = self.accelerator.is_main_process, self.accelerator.device
         self.log = _RankLog(_log, {"rank": self.rank})
-        # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share batches and seed,
-        # and so do the stages of one pipeline (pp outermost, so the coordinate wraps every dp_size x tp ranks).
+        # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share
+        # batches and seed, and so do the stages of one pipeline (pp outermost, so the coordinate
+        # wraps every dp_size x tp ranks).
         self.dims = ParallelDims.of(cfg, self.world)
         self.dp_world, self.dp_rank = self.dims.dp, self.dims.dp_rank(self.rank)
         # What this session counts (a resumed run's counters come from its checkpoint, in fit()).
@@ -84,52 +88,80 @@ class Trainer:
         self.step_times: list[float] = []
         self.prior_time = 0.0  # training time of earlier sessions of a resumed run
         self.eval_row: dict[str, float] | None = None
-        self.tracked_memory: dict[str, Any] | None = None  # track_memory: one step's bytes by category, its method
+        self.tracked_memory: dict[str, Any] | None = (
+            None  # track_memory: one step's bytes by category, its method
+        )
         self.ending: dict[str, Any] | None = None  # how a preempted, stopped or diverged run ended
         self.consecutive_skips = 0
         self.lr = 0.0  # the learning rate the last step used (the first param group's)
-        # Preemption signals, heartbeat, hang watchdog (collective: if any rank was preempted before it got
-        # here, every rank leaves now); then the run directory's lock.
+        # Preemption signals, heartbeat, hang watchdog (collective: if any rank was preempted before
+        # it got here, every rank leaves now); then the run directory's lock.
         self.rank_watch = RankWatch(self.run, self.rank, cfg).start()
         self.lock_token = self._hold_lock()
-        # The model (one seed on every rank), the data, then the model made parallel with its optimizer.
-        data.reset_used_datasets()  # a forked rank inherits the kernel's list; record only this run's data
+        # The model (one seed on every rank), the data, then the model made parallel with its
+        # optimizer. a forked rank inherits the kernel's list; record only this run's data
+        data.reset_used_datasets()
         model = self._build_model()
         train_ds, self.eval_ds = dataset_pair(task, task.build_datasets(cfg))
         self.collate_fn = task.collate_fn(cfg)
-        self.compiled = CompileWatch(cfg, compiled_module(cfg, model))  # named before FSDP renames its class
-        self.parallel = parallelize(cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task))
+        self.compiled = CompileWatch(
+            cfg, compiled_module(cfg, model)
+        )  # named before FSDP renames its class
+        self.parallel = parallelize(
+            cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task)
+        )
         if self.parallel.pipelined:  # the probe in what this rank runs, not stage 0's part
-            self.compute_dtype = first_leaf_dtype(self.parallel.module, compiled=cfg.compile != "off")
+            self.compute_dtype = first_leaf_dtype(
+                self.parallel.module, compiled=cfg.compile != "off"
+            )
         self.model = self.parallel.model
-        # The batch (probed when "auto"), over all ranks of all machines: cfg.global_batch_size counts this
-        # machine's num_processes only; then this rank's share of the data.
+        # The batch (probed when "auto"), over all ranks of all machines: cfg.global_batch_size
+        # counts this machine's num_processes only; then this rank's share of the data.
         if cfg.micro_batch_size == "auto":
-            self.cfg = cfg = autobatch.choose(cfg, self.parallel, task, train_ds, self.run, self.dims, self.collate_fn)
+            self.cfg = cfg = autobatch.choose(
+                cfg, self.parallel, task, train_ds, self.run, self.dims, self.collate_fn
+            )
         self.global_batch = self.dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps)
-        self.batches = ShardedBatches(train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type)
-        # Dropout masks should differ between data-parallel ranks, yet be reproducible; the ranks of one TP group
-        # must draw the same ones (their replicated parameters would drift apart otherwise).
+        self.batches = ShardedBatches(
+            train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type
+        )
+        # Dropout masks should differ between data-parallel ranks, yet be reproducible; the ranks of
+        # one TP group must draw the same ones (their replicated parameters would drift apart
+        # otherwise).
         torch.manual_seed(cfg.seed + 1000 * (self.dp_rank + 1))
-        # What a step needs: checkpoints, the stop vote, the non-finite flags, the first step's checks.
+        # What a step needs: checkpoints, the stop vote, the non-finite flags, the first step's
+        # checks.
         self.checkpoints = Checkpointer(self.accelerator, self.run, cfg, self.parallel)
-        self.stop_vote = StopVote(self.accelerator, self.run, self.rank_watch, timeout_s=cfg.dist_timeout_s)
+        self.stop_vote = StopVote(
+            self.accelerator, self.run, self.rank_watch, timeout_s=cfg.dist_timeout_s
+        )
         self.nonfinite = NonFiniteWatch(self.device)
         self.first_step: FirstStep | None = FirstStep(task, self.parallel, self.accelerator, cfg)
-        # What reports on the steps. The breakdown is started by fit() and stopped by close(): model building
-        # and data loading are not idle training time.
+        # What reports on the steps. The breakdown is started by fit() and stopped by close(): model
+        # building and data loading are not idle training time.
         self.breakdown = StepBreakdown(self.device, self.parallel.comm_stats)
-        self.monitor = monitor.for_rank(cfg, self.device, self.rank, self.run.event, self.rank_watch.current_step)
+        self.monitor = monitor.for_rank(
+            cfg, self.device, self.rank, self.run.event, self.rank_watch.current_step
+        )
         self.trackers = RunTrackers(self.accelerator, self.run)
         self.profiler = StepProfiler(cfg, self.run, self.rank, self.device)
-        self.metrics = MetricsLogger(self.accelerator, self.run, cfg, global_batch=self.global_batch,
-                                     tokens_per_sample=self.tokens_per_sample, flops=self.flops,
-                                     batches=self.batches, parallel=self.parallel, monitor=self.monitor,
-                                     trackers=self.trackers, breakdown=self.breakdown,
-                                     loss_ranks=self.parallel.loss_ranks,
-                                     watch=self.nonfinite)
+        self.metrics = MetricsLogger(
+            self.accelerator,
+            self.run,
+            cfg,
+            global_batch=self.global_batch,
+            tokens_per_sample=self.tokens_per_sample,
+            flops=self.flops,
+            batches=self.batches,
+            parallel=self.parallel,
+            monitor=self.monitor,
+            trackers=self.trackers,
+            breakdown=self.breakdown,
+            loss_ranks=self.parallel.loss_ranks,
+            watch=self.nonfinite,
+        )
 
-    # ---- the run --------------------------------------------------------------------------------------
+    # ---- the run ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         resumed_from = self._resume() if self.cfg.resume else None
         self._announce(resumed_from)
@@ -141,8 +173,8 @@ class Trainer:
         return self._finish(status, *start)
 
     def close(self) -> None:
-        """Whatever happened: stop the heartbeat and the device monitor, restore signal handlers, close the trackers,
-        give back a lock rank 0 took."""
+        """Whatever happened: stop the heartbeat and the device monitor, restore signal handlers,
+        close the trackers, give back a lock rank 0 took."""
         if self.monitor is not None:
             self.monitor.stop()
         self.rank_watch.close()
@@ -154,15 +186,27 @@ class Trainer:
         if not self.main:
             return
         cfg = self.cfg
-        self.run.event("resumed" if resumed_from else "started", step=self.state.step, world_size=self.world,
-                       device=str(self.device), checkpoint=resumed_from)
+        self.run.event(
+            "resumed" if resumed_from else "started",
+            step=self.state.step,
+            world_size=self.world,
+            device=str(self.device),
+            checkpoint=resumed_from,
+        )
         self.run.set_status(Status.RUNNING, **running_fields(self))
-        self.log.info("training %s: %d ranks on %s, %s, global batch %d, %d params", cfg.task, self.world,
-                      self.device.type, cfg.precision, self.global_batch, self.n_params)
+        self.log.info(
+            "training %s: %d ranks on %s, %s, global batch %d, %d params",
+            cfg.task,
+            self.world,
+            self.device.type,
+            cfg.precision,
+            self.global_batch,
+            self.n_params,
+        )
 
     def _train(self) -> Status:
-        """Steps until max_steps or an agreed ending; step time runs from one step's start to the next, so
-        logging, eval and checkpoints count too."""
+        """Steps until max_steps or an agreed ending; step time runs from one step's start to the
+        next, so logging, eval and checkpoints count too."""
         batches = self.batches.iterate(self.state.micro_batches)
         self.model.train()
         bar = self._progress_bar()
@@ -171,13 +215,20 @@ class Trainer:
             self.run.event("compiling", step=self.state.step + 1, **self.compiled.what())
             if bar is not None:
                 bar.set_postfix_str(f"compiling ({self.cfg.compile}, {self.cfg.compile_backend})…")
-        self.metrics.restart_clock()  # the first window starts with the first step, not when the logger was made
+        # the first window starts with the first step, not when the logger was made
+        self.metrics.restart_clock()
         step_start = time.perf_counter()
         try:
             while self.state.step < self.cfg.max_steps:
-                with self.profiler.step(self.state.step + 1), self.compiled.step(self.state.step + 1):
-                    grad_norm, verdict = self._tracked_step(batches) if self._track_this_step() else \
-                        self._step(batches)
+                with (
+                    self.profiler.step(self.state.step + 1),
+                    self.compiled.step(self.state.step + 1),
+                ):
+                    grad_norm, verdict = (
+                        self._tracked_step(batches)
+                        if self._track_this_step()
+                        else self._step(batches)
+                    )
                 self.breakdown.step_done()
                 if self.ending is not None:  # fp16 scaling skipped too many steps in a row
                     return Status.DIVERGED
@@ -193,7 +244,8 @@ class Trainer:
                     return status
             return Status.COMPLETED
         finally:
-            self.profiler.close()  # a run that ends inside profile_steps keeps the steps it recorded
+            # a run that ends inside profile_steps keeps the steps it recorded
+            self.profiler.close()
             if bar is not None:
                 bar.close()
 
@@ -203,8 +255,8 @@ class Trainer:
         self.breakdown.mark(phase_of(where))
 
     def _tracked_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor | None, VoteResult]:
-        """track_memory's step: fetched outside the tracker, as a batch sliced from an in-memory dataset would be
-        counted with the whole dataset's storage."""
+        """track_memory's step: fetched outside the tracker, as a batch sliced from an in-memory
+        dataset would be counted with the whole dataset's storage."""
         self.breakdown.mark("data")
         micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
         if self.parallel.split_backward:
@@ -222,8 +274,15 @@ class Trainer:
         cfg, parallel, step = self.cfg, self.parallel, self.state.step
         self.lr = set_lr(parallel.optimizer, self.task.lr_scale(step, cfg))
         first, self.first_step = self.first_step, None  # its checks, once per session
-        step_loss = accumulate(parallel, first.task if first else self.task, batches, cfg.grad_accum_steps, self.device,
-                               at=lambda where: self._at(step, where), before_last_backward=self.stop_vote.start)
+        step_loss = accumulate(
+            parallel,
+            first.task if first else self.task,
+            batches,
+            cfg.grad_accum_steps,
+            self.device,
+            at=lambda where: self._at(step, where),
+            before_last_backward=self.stop_vote.start,
+        )
         self._at(step, "optimizer")
         grad_norm = None
         if cfg.grad_clip > 0 or parallel.scaler is None:
@@ -236,11 +295,15 @@ class Trainer:
         if first is not None:
             first.check()
         if parallel.step():
-            self.state.skipped_steps += 1  # fp16 overflow: the scaler skipped the update and lowered the scale
+            self.state.skipped_steps += (
+                1  # fp16 overflow: the scaler skipped the update and lowered the scale
+            )
             self.consecutive_skips += 1
             if self.consecutive_skips >= cfg.max_skipped_steps:
-                why = (f"fp16 loss scaling skipped {self.consecutive_skips} steps in a row "
-                       f"(max_skipped_steps={cfg.max_skipped_steps})")
+                why = (
+                    f"fp16 loss scaling skipped {self.consecutive_skips} steps in a row "
+                    f"(max_skipped_steps={cfg.max_skipped_steps})"
+                )
                 diverged(self, Divergence(step + 1, why))
                 return grad_norm, verdict
         else:
@@ -252,15 +315,20 @@ class Trainer:
         self.metrics.step_done(step_loss)
         return grad_norm, verdict
 
-    def _after_step(self, grad_norm: torch.Tensor | None, verdict: VoteResult, bar: Any) -> Status | None:
+    def _after_step(
+        self, grad_norm: torch.Tensor | None, verdict: VoteResult, bar: Any
+    ) -> Status | None:
         """Log, evaluate and checkpoint when due, each after a read of the non-finite flags
         (nonfinite.py), so a diverged state is never logged, evaluated or saved; the status the run
         ends with, if it ends now."""
         cfg, step = self.cfg, self.state.step
         final = step == cfg.max_steps
         # A preempted rank has a grace period to save its state: no eval then.
-        evaluate_now = self.eval_ds is not None and not verdict.signal and bool(
-            final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0))
+        evaluate_now = (
+            self.eval_ds is not None
+            and not verdict.signal
+            and bool(final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0))
+        )
         checkpoint_now = self.checkpoints.due(step, final, verdict.ends)
         if self.metrics.due(step, final) or verdict.ends:
             row = self.metrics.log(self.state, grad_norm, self.elapsed_s(), self.lr)
@@ -274,10 +342,18 @@ class Trainer:
                 return diverged(self, found)
         if evaluate_now:
             self._at(step, "evaluation")
-            self.eval_row = evaluate(self.model, self.task, self.eval_ds, cfg, self.accelerator, self.collate_fn,
-                                     self.parallel.forward_context, shard=(self.dp_rank, self.dp_world),
-                                     eval_loss=self.parallel.eval_loss,
-                                     batch_context=self.parallel.batch_context)
+            self.eval_row = evaluate(
+                self.model,
+                self.task,
+                self.eval_ds,
+                cfg,
+                self.accelerator,
+                self.collate_fn,
+                self.parallel.forward_context,
+                shard=(self.dp_rank, self.dp_world),
+                eval_loss=self.parallel.eval_loss,
+                batch_context=self.parallel.batch_context,
+            )
             self.metrics.write(MetricsRow.for_eval(step, self.eval_row))
             self.metrics.restart_clock()
         if checkpoint_now:
@@ -286,9 +362,13 @@ class Trainer:
             self.checkpoints.save(self.state)
             self.metrics.restart_clock()
         if verdict.signal:
-            return ended(self, Status.PREEMPTED, signal=signal.Signals(verdict.signal).name,
-                         message=f"{signal.Signals(verdict.signal).name} at step {step}: the ranks "
-                                 "checkpointed and exited")
+            return ended(
+                self,
+                Status.PREEMPTED,
+                signal=signal.Signals(verdict.signal).name,
+                message=f"{signal.Signals(verdict.signal).name} at step {step}: the ranks "
+                "checkpointed and exited",
+            )
         if verdict.stop:
             return ended(self, Status.STOPPED)
         return Status.COMPLETED if final else None
@@ -297,9 +377,12 @@ class Trainer:
         self._at(self.state.step, "finishing")
         session_time = sum(self.step_times) or 1e-9
         tokens = self.state.tokens - tokens0
-        fields = summary_fields(self, samples_per_s=(self.state.samples - samples0) / session_time,
-                                tokens_per_s=tokens / session_time if tokens else None,
-                                steps_run=self.state.step - steps0)
+        fields = summary_fields(
+            self,
+            samples_per_s=(self.state.samples - samples0) / session_time,
+            tokens_per_s=tokens / session_time if tokens else None,
+            steps_run=self.state.step - steps0,
+        )
         if status is not Status.DIVERGED:
             check_replicas(self, fields)
             fields["weights_sha256"] = export_weights(self)
@@ -317,17 +400,22 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         return fields
 
-    # ---- pieces ---------------------------------------------------------------------------------------
+    # ---- pieces ----------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
         """The task's model, identical on every rank (one seed), and what it tells about itself."""
         cfg, task = self.cfg, self.task
         set_seed(cfg.seed)
         model = task.build_model(cfg)
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a torch.nn.Module")
+            raise TypeError(
+                f"{type(task).__name__}.build_model returned {type(model).__name__}, not a "
+                "torch.nn.Module"
+            )
         check_trainable(task, model)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.flops = ModelFlops.of(task, cfg, model, self.device, self.world)  # before the dtype probe's hook
+        self.flops = ModelFlops.of(
+            task, cfg, model, self.device, self.world
+        )  # before the dtype probe's hook
         self.tokens_per_sample = task.tokens_per_sample(cfg)
         if cfg.pp == 1:  # a pipeline rank probes its own chunks once they exist (__init__)
             self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
@@ -347,12 +435,18 @@ class Trainer:
     def _progress_bar(self) -> Any:
         if not (self.progress and self.main):
             return None
-        # Plain text, not tqdm.auto: a rank is a forked process and can't drive the kernel's widgets; its
-        # stderr still reaches the notebook through the kernel's captured file descriptors.
+        # Plain text, not tqdm.auto: a rank is a forked process and can't drive the kernel's
+        # widgets; its stderr still reaches the notebook through the kernel's captured file
+        # descriptors.
         from tqdm import tqdm
 
-        return tqdm(total=self.cfg.max_steps, initial=self.state.step, desc=f"{self.cfg.task} x{self.world}",
-                    unit="step", dynamic_ncols=True)
+        return tqdm(
+            total=self.cfg.max_steps,
+            initial=self.state.step,
+            desc=f"{self.cfg.task} x{self.world}",
+            unit="step",
+            dynamic_ncols=True,
+        )
 
     def _hold_lock(self) -> str | None:
         """A run launched by workbench is locked by its launcher; one started by hand (multi-node,

@@ -21,8 +21,9 @@ class ModelFlops:
     world: int
 
     @classmethod
-    def of(cls, task: Task, cfg: RunConfig, model: torch.nn.Module, device: torch.device,
-           world: int) -> ModelFlops:
+    def of(
+        cls, task: Task, cfg: RunConfig, model: torch.nn.Module, device: torch.device, world: int
+    ) -> ModelFlops:
         from workbench.utils.hardware import detect
 
         peak = None

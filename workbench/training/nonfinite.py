@@ -71,6 +71,9 @@ def judge(gathered: torch.Tensor) -> Divergence | None:
     if math.isinf(step):
         return None
     ranks = [r for r, first_loss in enumerate(gathered[:, 0].tolist()) if first_loss == step]
-    reason = (f"the loss was not finite (NaN or inf) on rank {ranks[-1]}" if ranks
-              else "the gradient norm was not finite (NaN or inf)")
+    reason = (
+        f"the loss was not finite (NaN or inf) on rank {ranks[-1]}"
+        if ranks
+        else "the gradient norm was not finite (NaN or inf)"
+    )
     return Divergence(step=int(step), reason=reason)

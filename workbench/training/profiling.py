@@ -1,5 +1,6 @@
-"""profile_steps: a torch.profiler trace of optimizer steps [first, last] on every rank, written as a Chrome trace
-to <run>/profile/rank_<r>.json (chrome://tracing, ui.perfetto.dev, or TensorBoard's profile plugin)."""
+"""profile_steps: a torch.profiler trace of optimizer steps [first, last] on every rank, written as
+a Chrome trace to <run>/profile/rank_<r>.json (chrome://tracing, ui.perfetto.dev, or TensorBoard's
+profile plugin)."""
 
 from __future__ import annotations
 
@@ -19,17 +20,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("workbench")
 
 STEP_LABEL = "workbench step {}"
-"""Each profiled step is one record_function range with this name, so the trace shows where steps begin."""
+"""Each profiled step is one record_function range with this name, so the trace shows where steps
+begin."""
 
 
 class StepProfiler:
-    """Starts the profiler at the first profiled step, labels each step, stops and writes the trace after the
-    last (or when the run ends inside the range: a stopped or diverged run keeps what was recorded)."""
+    """Starts the profiler at the first profiled step, labels each step, stops and writes the trace
+    after the last (or when the run ends inside the range: a stopped or diverged run keeps what was
+    recorded)."""
 
     def __init__(self, cfg: RunConfig, run: RunDir, rank: int, device: torch.device) -> None:
         self.first, self.last = cfg.profile_steps or (0, -1)
         self.run, self.rank = run, rank
-        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if device.type == "cuda" else []
+        )
         self.profiler: Any = None
         self.steps: list[int] = []
         self.trace: Path | None = None

@@ -1,15 +1,19 @@
 """A rank's watch: the preemption flag, the heartbeat, and the watchdog that names a hung rank.
 
 - SIGTERM, SIGHUP and the configured preempt_signal (utils/preemption.py) only set a flag here; the
-  loop's stop vote (stop_vote.py) makes every rank stop on the same step, checkpoint and exit ('preempted').
-- Before the watch exists, utils/preemption.py keeps such a signal (`early`). The watch takes it over, and
+  loop's stop vote (stop_vote.py) makes every rank stop on the same step, checkpoint and exit
+  ('preempted').
+- Before the watch exists, utils/preemption.py keeps such a signal (`early`). The watch takes it
+  over, and
   the ranks agree as it starts: if any got one, every rank leaves before training with nothing to
   checkpoint (PreemptedBeforeTraining), and rank 0 records 'preempted'.
-- A background thread rewrites ranks/rank_<r>.json every few seconds (pid, host, step, phase), so readers
+- A background thread rewrites ranks/rank_<r>.json every few seconds (pid, host, step, phase), so
+  readers
   can tell a live run from one whose processes are gone.
 - After a signal, a rank that doesn't finish within preempt_grace_s is stuck (in user code, or in a
-  collective whose peer is stuck): it dumps every thread's Python stack to stacks/rank_<r>.txt, records a
-  'Hung' error naming where it was, and ends. That is how a hang is told from the timeouts it causes.
+  collective whose peer is stuck): it dumps every thread's Python stack to stacks/rank_<r>.txt,
+  records a 'Hung' error naming where it was, and ends. That is how a hang is told from the timeouts
+  it causes.
 """
 
 from __future__ import annotations
@@ -35,16 +39,20 @@ EXIT_HUNG = 3
 
 
 class PreemptedBeforeTraining(Exception):
-    """Every rank leaves before training: a preemption signal reached a rank before its watch started."""
+    """Every rank leaves before training: a preemption signal reached a rank before its watch
+    started."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(f"{signal.Signals(signum).name} before training started")
 
     def record(self, run: RunDir) -> None:
-        """Rank 0: the run ends 'preempted', resumable from its newest checkpoint (none of this session)."""
-        run.end_preempted(signal.Signals(self.signum).name,
-                          "before training started: the ranks exited with nothing to save")
+        """Rank 0: the run ends 'preempted', resumable from its newest checkpoint (none of this
+        session)."""
+        run.end_preempted(
+            signal.Signals(self.signum).name,
+            "before training started: the ranks exited with nothing to save",
+        )
 
 
 def _stacks() -> str:
@@ -53,8 +61,11 @@ def _stacks() -> str:
     main = threading.main_thread().ident
     names = {t.ident: t.name for t in threading.enumerate()}
     order = sorted(frames, key=lambda ident: ident != main)
-    return "\n".join(f"Thread {names.get(ident, ident)} (most recent call last):\n"
-                     + "".join(traceback.format_stack(frames[ident])) for ident in order)
+    return "\n".join(
+        f"Thread {names.get(ident, ident)} (most recent call last):\n"
+        + "".join(traceback.format_stack(frames[ident]))
+        for ident in order
+    )
 
 
 class RankWatch:
@@ -71,14 +82,16 @@ class RankWatch:
         self._write_failed = False
 
     def start(self) -> RankWatch:
-        """Collective (every rank, as it starts): raises PreemptedBeforeTraining on every rank if any got a
-        preemption signal before its watch was there."""
+        """Collective (every rank, as it starts): raises PreemptedBeforeTraining on every rank if
+        any got a preemption signal before its watch was there."""
         self._previous = preemption.install(self._on_signal, self.cfg, leave_ignored=False)
         kept = preemption.early.take()
         if kept:
             self._on_signal(kept, None)
         self.beat()
-        threading.Thread(target=self._beat_forever, name=f"wb-heartbeat-{self.rank}", daemon=True).start()
+        threading.Thread(
+            target=self._beat_forever, name=f"wb-heartbeat-{self.rank}", daemon=True
+        ).start()
         agreed = self._any_rank_signalled()
         if agreed:
             self.signal = self.signal or agreed
@@ -87,15 +100,20 @@ class RankWatch:
         return self
 
     def _any_rank_signalled(self) -> int:
-        """The largest preemption signal any rank has got so far (0: none), over the process group if there is
-        one: every rank starts its watch at the same point, so this is where they can all agree to leave."""
+        """The largest preemption signal any rank has got so far (0: none), over the process group
+        if there is one: every rank starts its watch at the same point, so this is where they can
+        all agree to leave."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.signal
         import torch
 
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else "cpu"
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in str(dist.get_backend())
+            else "cpu"
+        )
         flag = torch.tensor([float(self.signal)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
@@ -111,13 +129,24 @@ class RankWatch:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.signal:
             self.signal = signum
-            threading.Thread(target=self._watch, name=f"wb-watchdog-{self.rank}", daemon=True).start()
+            threading.Thread(
+                target=self._watch, name=f"wb-watchdog-{self.rank}", daemon=True
+            ).start()
 
     def beat(self) -> None:
         try:
-            self.run.write_heartbeat(self.rank, {**self.identity, "step": self.step, "phase": self.phase,
-                                                 "signal": signal.Signals(self.signal).name if self.signal else None})
-        except OSError as e:  # a full disk must not kill the rank from a side thread; the loop reports it
+            self.run.write_heartbeat(
+                self.rank,
+                {
+                    **self.identity,
+                    "step": self.step,
+                    "phase": self.phase,
+                    "signal": signal.Signals(self.signal).name if self.signal else None,
+                },
+            )
+        except (
+            OSError
+        ) as e:  # a full disk must not kill the rank from a side thread; the loop reports it
             if not self._write_failed:
                 log.warning("[rank %d] heartbeat: %s", self.rank, e)
             self._write_failed = True
@@ -135,11 +164,18 @@ class RankWatch:
         path = self.run.stacks_path / f"rank_{self.rank}.txt"
         stack = _stacks()
         path.write_text(stack)
-        self.run.write_rank_error(self.rank, {
-            "type": "Hung", "pid": os.getpid(), "traceback": stack,
-            "message": f"rank {self.rank} hung: still in {self.phase!r} of step {self.step + 1} "
-                       f"{time.time() - started:.0f} s after {name} (preempt_grace_s={self.cfg.preempt_grace_s:g}); "
-                       f"its stack is in {path}"})
+        self.run.write_rank_error(
+            self.rank,
+            {
+                "type": "Hung",
+                "pid": os.getpid(),
+                "traceback": stack,
+                "message": f"rank {self.rank} hung: still in {self.phase!r} of step "
+                f"{self.step + 1} {time.time() - started:.0f} s after {name} "
+                f"(preempt_grace_s={self.cfg.preempt_grace_s:g}); its stack is in "
+                f"{path}",
+            },
+        )
         os._exit(EXIT_HUNG)
 
     def close(self) -> None:

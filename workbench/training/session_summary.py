@@ -1,5 +1,5 @@
-"""The run's summary as the ranks build it at the end of a session: its fields, each rank's account of what
-really ran, the replica check, and the exported weights."""
+"""The run's summary as the ranks build it at the end of a session: its fields, each rank's account
+of what really ran, the replica check, and the exported weights."""
 
 from __future__ import annotations
 
@@ -25,13 +25,18 @@ if TYPE_CHECKING:
 def first_leaf_dtype(model: torch.nn.Module, *, compiled: bool = False) -> dict[str, str]:
     """Record the dtype the first Linear/Conv actually computes in: proof that autocast is on.
 
-    Returns a dict that a forward hook fills with 'dtype' on the first forward pass. Under torch.compile the
-    probe is the last Linear/Conv (a head, outside the compiled blocks), and the hook does nothing while dynamo
-    traces: a side effect there would break the graph, or keep a checkpointed block from compiling at all. A
-    probe inside a compiled region records nothing (the dtype stays unknown rather than guessed).
+    Returns a dict that a forward hook fills with 'dtype' on the first forward pass. Under
+    torch.compile the probe is the last Linear/Conv (a head, outside the compiled blocks), and the
+    hook does nothing while dynamo traces: a side effect there would break the graph, or keep a
+    checkpointed block from compiling at all. A probe inside a compiled region records nothing (the
+    dtype stays unknown rather than guessed).
     """
     seen: dict[str, str] = {}
-    leaves = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d))]
+    leaves = [
+        m
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d))
+    ]
     if not leaves:
         return seen
     leaf = leaves[-1] if compiled else leaves[0]
@@ -51,36 +56,57 @@ def running_fields(t: Trainer) -> dict[str, Any]:
     """Summary fields known once the ranks are up: what runs where."""
     hw = detect()
     cuda = t.device.type == "cuda"
-    return {"run_name": t.cfg.run_name, "task": t.cfg.task, "world_size": t.world,
-            "parallelism": t.cfg.parallelism, "tp": t.cfg.tp, "mesh": t.dims.sizes, "precision": t.cfg.precision,
-            "device": hw.describe(t.device.type),
-            "device_class": hw.device_class if cuda else "cpu", "global_batch_size": t.global_batch,
-            "micro_batch_size": t.cfg.micro_batch_size, "grad_accum_steps": t.cfg.grad_accum_steps,
-            "n_params": t.n_params, "data": data.used_datasets()}
+    return {
+        "run_name": t.cfg.run_name,
+        "task": t.cfg.task,
+        "world_size": t.world,
+        "parallelism": t.cfg.parallelism,
+        "tp": t.cfg.tp,
+        "mesh": t.dims.sizes,
+        "precision": t.cfg.precision,
+        "device": hw.describe(t.device.type),
+        "device_class": hw.device_class if cuda else "cpu",
+        "global_batch_size": t.global_batch,
+        "micro_batch_size": t.cfg.micro_batch_size,
+        "grad_accum_steps": t.cfg.grad_accum_steps,
+        "n_params": t.n_params,
+        "data": data.used_datasets(),
+    }
 
 
 def rank_info(t: Trainer) -> list[dict[str, Any]]:
-    """Every rank's pid, device, compute dtype, threads, peak memory and weights digest, in rank order."""
-    mine = {"rank": t.rank, "pid": os.getpid(), "device": str(t.device),
-            "compute_dtype": t.compute_dtype.get("dtype"),
-            "mixed_precision": t.accelerator.mixed_precision,
-            "distributed_type": str(t.accelerator.distributed_type).split(".")[-1],
-            "world_size": t.world, "torch_threads": torch.get_num_threads(),
-            "peak_memory_bytes": peak_memory_bytes(t.device),
-            "parallelism": t.parallel.name, "sharded": t.parallel.sharded, **t.parallel.facts(),
-            **float8_facts(t.parallel.module, t.parallel.float8),
-            # fp16: the loss scale the run ended with (it halves at each overflow the scaler skipped)
-            "loss_scale": t.parallel.scaler.get_scale() if t.parallel.scaler is not None else None,
-            "agreement_votes": t.stop_vote.votes,
-            "fused_optimizer": bool(t.parallel.local_optimizer().defaults.get("fused")),
-            "tf32": t.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest",
-            **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
-            "weights_sha256": t.parallel.weights_digest(), "tracked_memory": t.tracked_memory,
-            "profile_trace": str(t.profiler.trace) if t.profiler.trace else None}
+    """Every rank's pid, device, compute dtype, threads, peak memory and weights digest, in rank
+    order."""
+    mine = {
+        "rank": t.rank,
+        "pid": os.getpid(),
+        "device": str(t.device),
+        "compute_dtype": t.compute_dtype.get("dtype"),
+        "mixed_precision": t.accelerator.mixed_precision,
+        "distributed_type": str(t.accelerator.distributed_type).split(".")[-1],
+        "world_size": t.world,
+        "torch_threads": torch.get_num_threads(),
+        "peak_memory_bytes": peak_memory_bytes(t.device),
+        "parallelism": t.parallel.name,
+        "sharded": t.parallel.sharded,
+        **t.parallel.facts(),
+        **float8_facts(t.parallel.module, t.parallel.float8),
+        # fp16: the loss scale the run ended with (it halves at each overflow the scaler skipped)
+        "loss_scale": t.parallel.scaler.get_scale() if t.parallel.scaler is not None else None,
+        "agreement_votes": t.stop_vote.votes,
+        "fused_optimizer": bool(t.parallel.local_optimizer().defaults.get("fused")),
+        "tf32": t.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest",
+        **{f"{kind}_bytes": n for kind, n in t.parallel.held_bytes.items()},
+        "weights_sha256": t.parallel.weights_digest(),
+        "tracked_memory": t.tracked_memory,
+        "profile_trace": str(t.profiler.trace) if t.profiler.trace else None,
+    }
     return gather_object([mine]) if t.world > 1 else [mine]
 
 
-def summary_fields(t: Trainer, *, samples_per_s: float, tokens_per_s: float | None, steps_run: int) -> dict[str, Any]:
+def summary_fields(
+    t: Trainer, *, samples_per_s: float, tokens_per_s: float | None, steps_run: int
+) -> dict[str, Any]:
     """Summary fields at the end of a session (collective: every rank calls it)."""
     ranks = rank_info(t)
     last_row = t.metrics.last_row
@@ -102,12 +128,18 @@ def summary_fields(t: Trainer, *, samples_per_s: float, tokens_per_s: float | No
 
 
 def check_replicas(t: Trainer, fields: dict[str, Any]) -> None:
-    """Collective, at the end: the replicas of a replicated layout (every rank holds the whole model) end with the
-    same parameters, or every rank raises UnsyncedReplicas, rank 0 first recording what the ranks reported (their
-    digests and gradient syncs). Buffers are left out: DDP broadcasts them at each forward, and a last forward in
-    training mode updates each rank's running statistics from its own batch."""
-    if t.world == 1 or t.parallel.sharded or len({r["weights_sha256"] for r in fields["ranks"]}) == 1:
-        return  # the whole states are equal (their digests are taken anyway): nothing more to compare
+    """Collective, at the end: the replicas of a replicated layout (every rank holds the whole
+    model) end with the same parameters, or every rank raises UnsyncedReplicas, rank 0 first
+    recording what the ranks reported (their digests and gradient syncs). Buffers are left out: DDP
+    broadcasts them at each forward, and a last forward in training mode updates each rank's running
+    statistics from its own batch."""
+    if (
+        t.world == 1
+        or t.parallel.sharded
+        or len({r["weights_sha256"] for r in fields["ranks"]}) == 1
+    ):
+        # the whole states are equal (their digests are taken anyway): nothing more to compare
+        return
     digests = gather_object([state_digest(dict(t.parallel.module.named_parameters()))])
     if len(set(digests)) == 1:
         return
@@ -115,15 +147,18 @@ def check_replicas(t: Trainer, fields: dict[str, Any]) -> None:
         t.run.set_status(Status.RUNNING, **running_fields(t), **fields)
     syncs = [r.get("gradient_syncs") for r in fields["ranks"]]
     raise UnsyncedReplicas(
-        f"the replicas' parameters differ at the end of training (parallelism={t.cfg.parallelism!r}; sha256 "
-        + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)) + f"; gradient syncs per rank: {syncs}): "
-        f"there is no one trained model, and model.safetensors was not written. {BYPASS_FIX[0].upper()}"
-        f"{BYPASS_FIX[1:]}; or code changed parameters on some ranks only (an in-place edit under torch.no_grad())")
+        "the replicas' parameters differ at the end of training "
+        f"(parallelism={t.cfg.parallelism!r}; sha256 "
+        + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+        + f"; gradient syncs per rank: {syncs}): there is no one trained model, and "
+        f"model.safetensors was not written. {BYPASS_FIX[0].upper()}{BYPASS_FIX[1:]}; or code "
+        "changed parameters on some ranks only (an in-place edit under torch.no_grad())"
+    )
 
 
 def export_weights(t: Trainer) -> str | None:
-    """Write the full weights once, as model.safetensors (loadable without torch.distributed), whatever the
-    parallelism; returns their sha256 on rank 0. Collective: every rank calls it."""
+    """Write the full weights once, as model.safetensors (loadable without torch.distributed),
+    whatever the parallelism; returns their sha256 on rank 0. Collective: every rank calls it."""
     from safetensors.torch import save
 
     full = t.parallel.full_weights()
@@ -133,10 +168,15 @@ def export_weights(t: Trainer) -> str | None:
     tensors = {}
     for name, tensor in full.items():
         tensor = tensor.detach().cpu().contiguous()
-        # safetensors refuses tensors that share memory (tied weights): the copy keeps each name loadable.
+        # safetensors refuses tensors that share memory (tied weights): the copy keeps each name
+        # loadable.
         tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
         seen.add(tensor.data_ptr())
-    metadata = {"task": str(t.cfg.task), "step": str(t.state.step), "parallelism": t.cfg.parallelism,
-                "world_size": str(t.world)}
+    metadata = {
+        "task": str(t.cfg.task),
+        "step": str(t.state.step),
+        "parallelism": t.cfg.parallelism,
+        "world_size": str(t.world),
+    }
     atomic_write_bytes(t.run.weights_path, save(tensors, metadata=metadata))
     return state_digest(tensors)

@@ -1,15 +1,17 @@
-"""track_memory where PyTorch's MemTracker can't follow the pipeline schedule: the zero-bubble schedule.
+"""track_memory where PyTorch's MemTracker can't follow the pipeline schedule: the zero-bubble
+schedule.
 
-It splits each backward into torch.autograd.grad over the stage's inputs, then over its weights, and the module
-hooks MemTracker relies on fail there (PyTorch 2.13: "A leaf node was passed to _will_engine_execute_node but we
-are currently running autograd.grad(). This is currently not supported."). Instead this rank's live tensors are
-measured by category at each point the schedule hands over: after every forward of a chunk and after every
-backward (input or weight), and after the update. Parameters, gradients and optimizer state are read from the
-model and the optimizer, the receive buffers from the stages, activations are the tensors autograd saved for
-backward that are still alive (saved_tensors_hooks sees each as it is saved; FSDP's gathered parameters are among
-them under zero2). Each storage counts once. The peak is the largest sample: what lives between operations, so
-an operation's own temporaries are missed; on CUDA `allocator_peak` adds torch.cuda.max_memory_allocated over the
-step, which includes them.
+It splits each backward into torch.autograd.grad over the stage's inputs, then over its weights, and
+the module hooks MemTracker relies on fail there (PyTorch 2.13: "A leaf node was passed to
+_will_engine_execute_node but we are currently running autograd.grad(). This is currently not
+supported."). Instead this rank's live tensors are measured by category at each point the schedule
+hands over: after every forward of a chunk and after every backward (input or weight), and after the
+update. Parameters, gradients and optimizer state are read from the model and the optimizer, the
+receive buffers from the stages, activations are the tensors autograd saved for backward that are
+still alive (saved_tensors_hooks sees each as it is saved; FSDP's gathered parameters are among them
+under zero2). Each storage counts once. The peak is the largest sample: what lives between
+operations, so an operation's own temporaries are missed; on CUDA `allocator_peak` adds
+torch.cuda.max_memory_allocated over the step, which includes them.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ if TYPE_CHECKING:
     from workbench.training.parallel import Strategy
 
 T = TypeVar("T")
-METHOD = ("live tensors by category sampled after each forward and backward of the stage (MemTracker can't "
-          "follow the zero-bubble schedule's split backward)")
+METHOD = (
+    "live tensors by category sampled after each forward and backward of the stage (MemTracker "
+    "can't follow the zero-bubble schedule's split backward)"
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -59,11 +63,18 @@ class LiveTensors:
         s, opt = self.strategy, self.strategy.local_optimizer()
         params = list(s.module.parameters())
         seen: set[int] = set()
-        groups = {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                  "optimizer": [v for state in opt.state.values() for v in state.values()
-                                if isinstance(v, torch.Tensor)],
-                  "buffers": s.receive_buffers(),
-                  "activations": [t for ref in self.saved if (t := ref()) is not None]}
+        groups = {
+            "params": params,
+            "grads": [p.grad for p in params if p.grad is not None],
+            "optimizer": [
+                v
+                for state in opt.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            ],
+            "buffers": s.receive_buffers(),
+            "activations": [t for ref in self.saved if (t := ref()) is not None],
+        }
         now = {name: _bytes(tensors, seen) for name, tensors in groups.items()}
         now["peak"] = sum(now.values())
         if now["peak"] > self.peak.get("peak", -1):
@@ -82,8 +93,8 @@ def _bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
 
 
 def live_tracked(strategy: Strategy, step: Callable[[], T]) -> tuple[T, dict[str, Any]]:
-    """Run `step` sampling the live tensors (see the module docstring); its result and the categories at the
-    largest sample, in memory.tracked's keys (temporaries: not seen, 0)."""
+    """Run `step` sampling the live tensors (see the module docstring); its result and the
+    categories at the largest sample, in memory.tracked's keys (temporaries: not seen, 0)."""
     from workbench.training.memory import watching
 
     device = strategy.device

@@ -1,5 +1,5 @@
-"""The micro-batches of one optimizer step, shared by the trainer and the estimator's trace, so the estimate
-runs exactly the step the trainer runs."""
+"""The micro-batches of one optimizer step, shared by the trainer and the estimator's trace, so the
+estimate runs exactly the step the trainer runs."""
 
 from __future__ import annotations
 
@@ -19,12 +19,18 @@ if TYPE_CHECKING:
     from workbench.training.parallel import Strategy
 
 
-def accumulate(strategy: Strategy, task: Task | CheckedTask, batches: Iterator[Any], accum: int, device: torch.device,
-               at: Callable[[str], None] | None = None,
-               before_last_backward: Callable[[], None] | None = None) -> torch.Tensor:
-    """Forward and backward over `accum` micro-batches, gradient sync held back until the last; returns the
-    step's mean loss, on the device (nothing here reads it). `at` is told the phase (for a hang
-    report); `before_last_backward` is called before the last backward, so the trainer's vote
+def accumulate(
+    strategy: Strategy,
+    task: Task | CheckedTask,
+    batches: Iterator[Any],
+    accum: int,
+    device: torch.device,
+    at: Callable[[str], None] | None = None,
+    before_last_backward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Forward and backward over `accum` micro-batches, gradient sync held back until the last;
+    returns the step's mean loss, on the device (nothing here reads it). `at` is told the phase (for
+    a hang report); `before_last_backward` is called before the last backward, so the trainer's vote
     (agreement.py) runs while backward does."""
     if strategy.pipelined:  # the pipeline schedule runs the micro-batches itself
         return strategy.pipeline_step(batches, accum, at, before_last_backward)
@@ -34,8 +40,8 @@ def accumulate(strategy: Strategy, task: Task | CheckedTask, batches: Iterator[A
             last = micro == accum - 1
             if at is not None:
                 at("data")
-            # Asynchronous from pinned batches (pin_memory): the copy overlaps the previous work; the stream still
-            # orders it before the forward that reads it.
+            # Asynchronous from pinned batches (pin_memory): the copy overlaps the previous work;
+            # the stream still orders it before the forward that reads it.
             batch = send_to_device(next(batches), device, non_blocking=True)
             if at is not None:
                 at("forward/backward (Task.loss)")

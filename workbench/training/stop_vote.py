@@ -1,5 +1,5 @@
-"""The stop vote: do all ranks go on? Rank 0's stop request and any rank's preemption signal must end
-the run on the same step everywhere.
+"""The stop vote: do all ranks go on? Rank 0's stop request and any rank's preemption signal must
+end the run on the same step everywhere.
 
 They wait for a vote every few steps, about every VOTE_EVERY_S seconds (the interval is rank 0's,
 carried in the vote so every rank counts the same steps): a per-step collective, even a tiny
@@ -9,6 +9,7 @@ started before the last backward and waited for before the update: reading its r
 for the device. It is a sum: each rank writes only its own slots, so a sum tells every rank's signal
 apart. Divergence is not voted on: the device carries it to the next read point (nonfinite.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -53,10 +54,12 @@ def vote_group(world: int, timeout_s: float) -> Any:
 
 
 class StopVote:
-    """Every rank votes every few steps: rank 0 its stop request, each rank its watch's preemption signal."""
+    """Every rank votes every few steps: rank 0 its stop request, each rank its watch's preemption
+    signal."""
 
-    def __init__(self, accelerator: Accelerator, run: RunDir, watch: RankWatch, *,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, accelerator: Accelerator, run: RunDir, watch: RankWatch, *, timeout_s: float
+    ) -> None:
         self.accelerator, self.run, self.watch = accelerator, run, watch
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.group = vote_group(self.world, timeout_s)
@@ -79,8 +82,9 @@ class StopVote:
         self.flags = torch.tensor(self._votes())
         self._voting, self.votes = True, self.votes + 1
         if self.world > 1:
-            self._pending = dist.all_reduce(self.flags, op=dist.ReduceOp.SUM, group=self.group,
-                                            async_op=True)
+            self._pending = dist.all_reduce(
+                self.flags, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
 
     def _votes(self) -> list[float]:
         votes = [0.0] * len(self.flags)

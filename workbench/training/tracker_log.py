@@ -1,11 +1,12 @@
-"""Experiment trackers on the rank side: accelerate's TensorBoard and MLflow integrations, fed the config as
-hyperparameters and every metrics row that goes to metrics.jsonl. accelerate runs its trackers on the main
-process only, so rank 0 writes them, into the run directory (see workbench/tracking.py for the layout).
+"""Experiment trackers on the rank side: accelerate's TensorBoard and MLflow integrations, fed the
+config as hyperparameters and every metrics row that goes to metrics.jsonl. accelerate runs its
+trackers on the main process only, so rank 0 writes them, into the run directory (see
+workbench/tracking.py for the layout).
 
-TensorBoard's rows are written by a thread of rank 0's own: SummaryWriter.add_scalar costs ~0.13 ms a value
-(a row of two ranks holds ~45), and accelerate flushes after every row; in the training thread that held the
-logging step up 5-13 ms on a 2-core box, and every other rank with it at the next collective. MLflow stays in
-the training thread: its active run is thread-local."""
+TensorBoard's rows are written by a thread of rank 0's own: SummaryWriter.add_scalar costs ~0.13 ms
+a value (a row of two ranks holds ~45), and accelerate flushes after every row; in the training
+thread that held the logging step up 5-13 ms on a 2-core box, and every other rank with it at the
+next collective. MLflow stays in the training thread: its active run is thread-local."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ HParam = str | int | float | bool
 
 
 def hyperparameters(cfg: RunConfig, **derived: Any) -> dict[str, HParam]:
-    """The config as flat name -> value pairs TensorBoard's hparams and MLflow's params accept: task_options
-    spread into 'task_options.<name>', and what they can't hold (None, lists) written as JSON text."""
+    """The config as flat name -> value pairs TensorBoard's hparams and MLflow's params accept:
+    task_options spread into 'task_options.<name>', and what they can't hold (None, lists) written
+    as JSON text."""
     flat: dict[str, HParam] = {}
     for name, value in {**cfg.to_dict(), **derived}.items():
         if name == "task_options":
@@ -58,14 +60,16 @@ def scalars(row: dict[str, Any]) -> dict[str, float | int]:
             continue
         if isinstance(value, (int, float)):
             out[name] = value
-        elif isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        elif isinstance(value, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
             out.update({f"{name}/rank_{i}": v for i, v in enumerate(value)})
     return out
 
 
 class RunTrackers:
-    """The run's trackers, started once the config is final (micro_batch_size='auto' chosen), fed every metrics
-    row, and finished however the run ends."""
+    """The run's trackers, started once the config is final (micro_batch_size='auto' chosen), fed
+    every metrics row, and finished however the run ends."""
 
     def __init__(self, accelerator: Accelerator, run: RunDir) -> None:
         self.accelerator, self.run = accelerator, run
@@ -84,14 +88,20 @@ class RunTrackers:
         if "mlflow" in self.names:
             import mlflow
 
-            # This rank's process only: the caller's environment and MLflow settings stay as they are.
+            # This rank's process only: the caller's environment and MLflow settings stay as they
+            # are.
             os.environ.update(MLFLOW_ENV)
             mlflow.set_tracking_uri(mlflow_uri(self.run.path))
-        self.accelerator.init_trackers(self.run.name, config=hyperparameters(cfg, **derived),
-                                       init_kwargs={"mlflow": {"run_name": self.run.name}})
+        self.accelerator.init_trackers(
+            self.run.name,
+            config=hyperparameters(cfg, **derived),
+            init_kwargs={"mlflow": {"run_name": self.run.name}},
+        )
         self.active = True
         if any(t.name == "tensorboard" for t in self.accelerator.trackers):
-            self._writer = threading.Thread(target=self._write_rows, name="wb-tensorboard", daemon=True)
+            self._writer = threading.Thread(
+                target=self._write_rows, name="wb-tensorboard", daemon=True
+            )
             self._writer.start()
         log.info("trackers: %s, in %s", ", ".join(self.names), self.run.path)
 
@@ -100,7 +110,8 @@ class RunTrackers:
             tracker, values, step = item
             try:
                 tracker.log(values, step=step)
-            except BaseException as e:  # noqa: BLE001  (raised in the training thread, at its next row)
+            except BaseException as e:  # noqa: BLE001
+                # raised in the training thread, at its next row
                 self._error = e
                 return
 
@@ -118,8 +129,9 @@ class RunTrackers:
                 tracker.log(values, step=step)
 
     def end(self) -> None:
-        """Flush and close each tracker. Not accelerator.end_training(): that also destroys the process group,
-        and this runs on failure paths too, where other ranks may still be in a collective."""
+        """Flush and close each tracker. Not accelerator.end_training(): that also destroys the
+        process group, and this runs on failure paths too, where other ranks may still be in a
+        collective."""
         if not self.active:
             return
         self.active = False
@@ -131,5 +143,6 @@ class RunTrackers:
         for tracker in self.accelerator.trackers:
             try:
                 tracker.finish()
-            except Exception as e:  # noqa: BLE001  (a tracker that can't close must not hide the run's own error)
+            except Exception as e:  # noqa: BLE001
+                # a tracker that can't close must not hide the run's own error
                 log.warning("could not close the %s tracker: %s", tracker.name, e)

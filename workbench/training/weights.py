@@ -1,9 +1,10 @@
-"""The trained model back in the caller's process: weights from a run directory, whatever trained them.
+"""The trained model back in the caller's process: weights from a run directory, whatever trained
+them.
 
-The final weights are model.safetensors (written once by rank 0 from the full state, for every mode), and a
-chosen step's are the model part of its DCP checkpoint, resharded on load into one process. Neither path
-unpickles anything from the run directory but DCP's own metadata; rank values are read with
-`torch.load(weights_only=True)`.
+The final weights are model.safetensors (written once by rank 0 from the full state, for every
+mode), and a chosen step's are the model part of its DCP checkpoint, resharded on load into one
+process. Neither path unpickles anything from the run directory but DCP's own metadata; rank values
+are read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("workbench")
 
 
-def load_model(run: RunDir, cfg: RunConfig, task: Task, *, step: int | None = None,
-               device: str | torch.device = "cpu") -> torch.nn.Module:
-    """`task`'s model with the run's final weights (step=None) or those of the checkpoint at `step`, on
-    `device`, in eval mode."""
+def load_model(
+    run: RunDir,
+    cfg: RunConfig,
+    task: Task,
+    *,
+    step: int | None = None,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """`task`'s model with the run's final weights (step=None) or those of the checkpoint at `step`,
+    on `device`, in eval mode."""
     model = task.build_model(cfg)
     state = model.state_dict()
     if step is None and run.weights_path.exists():
@@ -55,12 +62,15 @@ def _load_final(run: RunDir, state: dict[str, torch.Tensor]) -> None:
     saved = load_file(str(run.weights_path))
     differences = model_differences(shapes_of(saved), shapes_of(state))
     if differences:
-        raise ModelMismatchError(f"{run.weights_path} doesn't match the task's model: {differences}. "
-                                 f"{_CHANGED_CODE}")
+        raise ModelMismatchError(
+            f"{run.weights_path} doesn't match the task's model: {differences}. {_CHANGED_CODE}"
+        )
     want = run.summary().to_dict().get("weights_sha256")
     if want and state_digest(saved) != want:
-        raise ValueError(f"{run.weights_path} does not match the sha256 in summary.json (damaged or replaced); "
-                         "load a checkpoint instead: load_model(step=N)")
+        raise ValueError(
+            f"{run.weights_path} does not match the sha256 in summary.json (damaged or replaced); "
+            "load a checkpoint instead: load_model(step=N)"
+        )
     with torch.no_grad():
         for name, tensor in state.items():
             tensor.copy_(saved[name])
@@ -74,28 +84,39 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
         raise FileNotFoundError(_no_weights_yet(run, step))
     if step is None:
         step = max(found)
-        log.warning("%s has no %s; loading the newest checkpoint (step %d)", run.name, run.weights_path.name, step)
+        log.warning(
+            "%s has no %s; loading the newest checkpoint (step %d)",
+            run.name,
+            run.weights_path.name,
+            step,
+        )
     if step not in found:
-        raise ValueError(f"step={step}: {_not_complete(run, step)}{run.name} has complete "
-                         f"checkpoints at steps {sorted(found)} only (keep_checkpoints keeps the "
-                         "newest few)")
+        raise ValueError(
+            f"step={step}: {_not_complete(run, step)}{run.name} has complete "
+            f"checkpoints at steps {sorted(found)} only (keep_checkpoints keeps the "
+            "newest few)"
+        )
     verify_part(found[step], "model")  # as a resume would: a damaged shard must not load as weights
-    # Checked first: DCP would load a model that lost a layer without a word, and report a changed one as a
-    # CheckpointException (a BaseException, past `except Exception`) without the parameter's name.
+    # Checked first: DCP would load a model that lost a layer without a word, and report a changed
+    # one as a CheckpointException (a BaseException, past `except Exception`) without the
+    # parameter's name.
     differences = model_differences(saved_model_shapes(found[step] / "model"), shapes_of(state))
     if differences:
-        raise ModelMismatchError(f"checkpoint {found[step]} doesn't match the task's model: {differences}. "
-                                 f"{_CHANGED_CODE}")
-    # DCP loads in place into the tensors of `state` (the model's own), resharding whatever layout saved them;
-    # without a process group it loads in this one process, which is what is meant here.
+        raise ModelMismatchError(
+            f"checkpoint {found[step]} doesn't match the task's model: {differences}. "
+            f"{_CHANGED_CODE}"
+        )
+    # DCP loads in place into the tensors of `state` (the model's own), resharding whatever layout
+    # saved them; without a process group it loads in this one process, which is what is meant here.
     try:
         with single_process_dcp():
             dcp.load({"model": state}, checkpoint_id=str(found[step] / "model"))
     except BaseException as e:
         if not is_checkpoint_exception(e):
             raise
-        raise CheckpointLoadError(f"checkpoint {found[step]}: the model could not be loaded: "
-                                  f"{failure_summary(e)}") from e
+        raise CheckpointLoadError(
+            f"checkpoint {found[step]}: the model could not be loaded: {failure_summary(e)}"
+        ) from e
 
 
 def _not_complete(run: RunDir, step: int) -> str:
@@ -105,17 +126,21 @@ def _not_complete(run: RunDir, step: int) -> str:
 
     partial = run.checkpoints_path / f".tmp-step_{step}"
     if partial.is_dir():
-        return (f"the checkpoint at step {step} is incomplete ({partial}: its write never "
-                "finished, the run stopped while writing it) and is never loaded; ")
+        return (
+            f"the checkpoint at step {step} is incomplete ({partial}: its write never "
+            "finished, the run stopped while writing it) and is never loaded; "
+        )
     named = run.checkpoints_path / f"step_{step}"
     if named.is_dir():
         return f"{named} has no {COMPLETE_MARKER} (incomplete or damaged) and is never loaded; "
     return ""
 
 
-_CHANGED_CODE = ("The task's code changed since the run saved it (the config is the run's own): load it with the "
-                 "task as it was (wb.RunResult(run_dir, task=TheTaskAsItWas())), or build the model yourself and "
-                 "load what matches")
+_CHANGED_CODE = (
+    "The task's code changed since the run saved it (the config is the run's own): load it with "
+    "the task as it was (wb.RunResult(run_dir, task=TheTaskAsItWas())), or build the model "
+    "yourself and load what matches"
+)
 
 
 def _no_weights_yet(run: RunDir, step: int | None) -> str:
@@ -131,27 +156,42 @@ def _no_weights_yet(run: RunDir, step: int | None) -> str:
         at = f" (at step {row['step']})" if row and row.get("step") is not None else ""
         cfg = run.config()
         every = cfg.checkpoint_every if cfg is not None else 0
-        when = (f"its first checkpoint comes at step {every}" if every else
-                "with checkpoint_every=0 it saves only at the end (or when stopped)")
-        return (f"{run.name} is still {status.value}{at} and has saved no checkpoint yet: {when}. Wait for it, then "
-                "call load_model() again, or load_model(step=N) with a step it has saved by then")
-    ended = f"the run ended ({status.value}) before saving any weights" if status else "no weights were saved"
+        when = (
+            f"its first checkpoint comes at step {every}"
+            if every
+            else "with checkpoint_every=0 it saves only at the end (or when stopped)"
+        )
+        return (
+            f"{run.name} is still {status.value}{at} and has saved no checkpoint yet: {when}. Wait "
+            "for it, then call load_model() again, or load_model(step=N) with a step it has saved "
+            "by then"
+        )
+    ended = (
+        f"the run ended ({status.value}) before saving any weights"
+        if status
+        else "no weights were saved"
+    )
     return f"{run.path} has neither {run.weights_path.name} nor a complete checkpoint: {ended}"
 
 
 def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
-    """Store what a rank's Task.rank_value returned, refusing what the caller couldn't load safely."""
+    """Store what a rank's Task.rank_value returned, refusing what the caller couldn't load
+    safely."""
     from workbench.utils.files import atomic_write_bytes
 
     buffer = io.BytesIO()
     try:
-        torch.save(value, buffer)  # may already fail: pickle can't store everything (bound hooks, lambdas)
+        torch.save(
+            value, buffer
+        )  # may already fail: pickle can't store everything (bound hooks, lambdas)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:  # noqa: BLE001  (pickle's errors vary by what it met)
-        raise TypeError(f"rank_value returned a {type(value).__name__} that can't be loaded safely "
-                        f"(saved and read back with torch.load(weights_only=True): {str(e).splitlines()[0]}); "
-                        "return tensors, numbers, "
-                        "strings, and lists/tuples/dicts of them") from e
+        raise TypeError(
+            f"rank_value returned a {type(value).__name__} that can't be loaded safely "
+            f"(saved and read back with torch.load(weights_only=True): {str(e).splitlines()[0]}); "
+            "return tensors, numbers, "
+            "strings, and lists/tuples/dicts of them"
+        ) from e
     atomic_write_bytes(run.rank_values_path / f"rank_{rank}.pt", buffer.getvalue())
 
 

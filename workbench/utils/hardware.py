@@ -1,7 +1,8 @@
 """What this machine can run, found without initialising CUDA.
 
-Forking ranks (notebook_launcher) breaks once the parent has a CUDA context, so nothing here may call
-into the CUDA runtime: GPUs are described by `nvidia-smi`, the way accelerate's own `get_gpu_info` does.
+Forking ranks (notebook_launcher) breaks once the parent has a CUDA context, so nothing here may
+call into the CUDA runtime: GPUs are described by `nvidia-smi`, the way accelerate's own
+`get_gpu_info` does.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Hardware:
 
     @property
     def where(self) -> str:
-        """Who has these devices, for messages: 'this machine', or 'the target 8 x H100-SXM-80GB'."""
+        """Who has these devices, for messages: 'this machine', or 'the target 8 x
+        H100-SXM-80GB'."""
         return f"the target {self.planned}" if self.planned else "this machine"
 
     @property
@@ -59,9 +61,11 @@ class Hardware:
 
     @property
     def device_class(self) -> str:
-        """'cpu' or 'cuda-<model>' (e.g. 'cuda-H100', 'cuda-RTX4090'), the key baselines are stored under.
+        """'cpu' or 'cuda-<model>' (e.g. 'cuda-H100', 'cuda-RTX4090'), the key baselines are stored
+        under.
 
-        WORKBENCH_DEVICE_CLASS overrides it, e.g. to give a CI fleet's CPU runners their own baselines.
+        WORKBENCH_DEVICE_CLASS overrides it, e.g. to give a CI fleet's CPU runners their own
+        baselines.
         """
         override = os.environ.get("WORKBENCH_DEVICE_CLASS")
         if override:
@@ -71,8 +75,9 @@ class Hardware:
         return "cuda-" + gpu_model(self.gpus[0].name)
 
     def threads_per_rank(self, local_ranks: int) -> int:
-        """CPU threads each of `local_ranks` ranks on this machine should use: OMP_NUM_THREADS when the
-        user set it, else an equal share of the cores (forked ranks otherwise inherit the whole pool)."""
+        """CPU threads each of `local_ranks` ranks on this machine should use: OMP_NUM_THREADS when
+        the user set it, else an equal share of the cores (forked ranks otherwise inherit the whole
+        pool)."""
         return int(os.environ.get("OMP_NUM_THREADS") or max(1, self.cpu_count // local_ranks))
 
     def max_processes(self, device: str) -> int:
@@ -86,14 +91,18 @@ class Hardware:
         if precision == "fp8":
             cc = [g.compute_capability for g in self.gpus]
             if device != "cuda" or not cc or min(cc) < (8, 9):
-                return ("fp8 needs a CUDA GPU of compute capability 8.9+ (H100/L40/4090): its "
-                        "matmuls run on their fp8 tensor cores (torch._scaled_mm); use bf16")
+                return (
+                    "fp8 needs a CUDA GPU of compute capability 8.9+ (H100/L40/4090): its "
+                    "matmuls run on their fp8 tensor cores (torch._scaled_mm); use bf16"
+                )
             # A planned target is priced, not run here: torchao is needed where the run will train.
             return None if self.planned else torchao_problem()
         if device == "cpu":
             if precision == "fp16":
-                return ("fp16 needs a CUDA GPU: on CPU, accelerate runs fp16 as fp32 without telling you; "
-                        "use bf16 (CPU autocast) or fp32")
+                return (
+                    "fp16 needs a CUDA GPU: on CPU, accelerate runs fp16 as fp32 without telling "
+                    "you; use bf16 (CPU autocast) or fp32"
+                )
             return None
         if precision == "bf16" and any(g.compute_capability < (8, 0) for g in self.gpus):
             return "bf16 needs compute capability 8.0+ (A100 and newer); use fp16 or fp32"
@@ -108,8 +117,9 @@ class Hardware:
 
 
 def gpu_model(name: str) -> str:
-    """A GPU's model from its marketing name: 'NVIDIA A100-SXM4-80GB' -> 'A100', 'NVIDIA GeForce RTX 4090'
-    -> 'RTX4090', 'Tesla V100-SXM2-16GB' -> 'V100'. Memory size and form factor don't make a new class."""
+    """A GPU's model from its marketing name: 'NVIDIA A100-SXM4-80GB' -> 'A100', 'NVIDIA GeForce RTX
+    4090' -> 'RTX4090', 'Tesla V100-SXM2-16GB' -> 'V100'. Memory size and form factor don't make a
+    new class."""
     words = [w for w in re.split(r"[\s_]+", name) if w and w.upper() not in _VENDOR_WORDS]
     if not words:
         return "gpu"
@@ -133,8 +143,15 @@ def _query_gpus() -> tuple[GPU, ...]:
         return ()
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
+            [
+                "nvidia-smi",
+                "--query-gpu=name,compute_cap,memory.total",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return ()
@@ -143,7 +160,13 @@ def _query_gpus() -> tuple[GPU, ...]:
     for line in out.strip().splitlines():
         name, cap, mem = (p.strip() for p in line.split(","))
         major, _, minor = cap.partition(".")
-        gpus.append(GPU(name=name, compute_capability=(int(major), int(minor or 0)), memory_bytes=int(mem) * MiB))
+        gpus.append(
+            GPU(
+                name=name,
+                compute_capability=(int(major), int(minor or 0)),
+                memory_bytes=int(mem) * MiB,
+            )
+        )
     if visible is not None:
         ids = [int(i) for i in visible.split(",") if i.strip().isdigit()]
         gpus = [gpus[i] for i in ids if i < len(gpus)]

@@ -7,11 +7,13 @@ from collections.abc import Iterable, Sequence
 
 
 def did_you_mean(word: object, choices: Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the closest choice (a prefix match counts), or '' when none is close."""
+    """' (did you mean 'x'?)' for the closest choice (a prefix match counts), or '' when none is
+    close."""
     text, options = str(word), list(choices)
-    close = difflib.get_close_matches(text, options, n=1) or \
-        sorted((c for c in options if text and (text.startswith(c) or c.startswith(text))),
-               key=lambda c: abs(len(c) - len(text)))
+    close = difflib.get_close_matches(text, options, n=1) or sorted(
+        (c for c in options if text and (text.startswith(c) or c.startswith(text))),
+        key=lambda c: abs(len(c) - len(text)),
+    )
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -20,9 +22,13 @@ def unknown_keys(keys: Iterable[object], allowed: Sequence[str]) -> list[str]:
     return [f"{k!r}{did_you_mean(k, allowed)}" for k in keys if k not in allowed]
 
 
-def reject_unknown(keys: Iterable[object], allowed: Sequence[str], where: str, what: str = "key") -> None:
+def reject_unknown(
+    keys: Iterable[object], allowed: Sequence[str], where: str, what: str = "key"
+) -> None:
     """ValueError naming every unknown key (with suggestions) and the allowed ones."""
     unknown = unknown_keys(keys, allowed)
     if unknown:
         plural = what if len(unknown) == 1 else f"{what}s"
-        raise ValueError(f"{where}: unknown {plural} {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+        raise ValueError(
+            f"{where}: unknown {plural} {', '.join(unknown)}; allowed: {', '.join(allowed)}"
+        )

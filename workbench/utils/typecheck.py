@@ -1,5 +1,5 @@
-"""Checking a value against a type hint, the way RunConfig's fields are declared: Literal choices, unions,
-lists, bool that is not an int. Errors name the field and the value."""
+"""Checking a value against a type hint, the way RunConfig's fields are declared: Literal choices,
+unions, lists, bool that is not an int. Errors name the field and the value."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def type_ok(value: Any, tp: Any) -> bool:
 
 
 def finite_problem(value: Any) -> str | None:
-    """None when `value`, meant as a float, is a finite number (or no number at all: that is a type error),
-    else why not ('' when the value, nan or inf, says it). Text counts: YAML 1.1 reads 'nan' and '1e400' as
-    strings, and float('1e400') is inf; so does an int past a float's range."""
+    """None when `value`, meant as a float, is a finite number (or no number at all: that is a type
+    error), else why not ('' when the value, nan or inf, says it). Text counts: YAML 1.1 reads 'nan'
+    and '1e400' as strings, and float('1e400') is inf; so does an int past a float's range."""
     overflow = "it overflows a float, whose largest value is about 1.8e308"
     if isinstance(value, bool):
         return None
@@ -62,11 +62,15 @@ def finite_problem(value: Any) -> str | None:
 
 
 def check_type(name: str, value: Any, tp: Any, example: Any = None) -> None:
-    """ValueError naming the field and the value when `value` isn't of type `tp` (for a float field, when
-    it isn't finite either); `example` is a value that would work, for the message."""
+    """ValueError naming the field and the value when `value` isn't of type `tp` (for a float field,
+    when it isn't finite either); `example` is a value that would work, for the message."""
     problem = finite_problem(value) if tp is float else None
     if problem is not None:
-        shown = (value if len(value) <= 40 else f"{value[:40]}...") if isinstance(value, str) else short_repr(value)
+        shown = (
+            (value if len(value) <= 40 else f"{value[:40]}...")
+            if isinstance(value, str)
+            else short_repr(value)
+        )
         like = f"; use a value like {example!r}" if example is not None else ""
         why = f" ({problem})" if problem else ""
         raise ValueError(f"{name}={shown}: must be a finite number{why}{like}")
@@ -77,17 +81,24 @@ def check_type(name: str, value: Any, tp: Any, example: Any = None) -> None:
         raise ValueError(f"{name}={value!r}: choose one of {type_name(tp)}")
     if origin in (typing.Union, types.UnionType):
         if all(typing.get_origin(a) is Literal or a is type(None) for a in get_args(tp)) or (
-                any(typing.get_origin(a) is Literal for a in get_args(tp))):
+            any(typing.get_origin(a) is Literal for a in get_args(tp))
+        ):
             choices = " | ".join(type_name(a) for a in get_args(tp))
             raise ValueError(f"{name}={value!r}: choose one of {choices}")
         tp = next(a for a in get_args(tp) if a is not type(None))
-    raise ValueError(f"{name}={short_repr(value)}: expected {type_name(tp)}, got {type(value).__name__}")
+    raise ValueError(
+        f"{name}={short_repr(value)}: expected {type_name(tp)}, got {type(value).__name__}"
+    )
 
 
 def short_repr(value: Any) -> str:
-    """repr(value), but a huge int as its size: repr of one past 4300 digits raises ValueError itself."""
+    """repr(value), but a huge int as its size: repr of one past 4300 digits raises ValueError
+    itself."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
-        return f"{'-' if value < 0 else ''}(a {int(value.bit_length() * math.log10(2)) + 1}-digit integer)"
+        return (
+            f"{'-' if value < 0 else ''}(a {int(value.bit_length() * math.log10(2)) + 1}-digit "
+            "integer)"
+        )
     return repr(value)
 
 

@@ -39,7 +39,8 @@ def fmt_duration(seconds: float | None) -> str:
 
 
 def fmt_span(seconds: float | None) -> str:
-    """A span of any length without rounding short ones away: '0.3 s' (not '0 s'), '12.4 s', '3 min 05 s'."""
+    """A span of any length without rounding short ones away: '0.3 s' (not '0 s'), '12.4 s', '3 min
+    05 s'."""
     if seconds is None:
         return "?"
     if seconds < 0.1:
@@ -48,7 +49,8 @@ def fmt_span(seconds: float | None) -> str:
 
 
 def fmt_money(dollars: float | None) -> str:
-    """'$1,234.50'; a cost under a cent reads '< $0.01', not '$0.00' (which reads as free); '?' for None."""
+    """'$1,234.50'; a cost under a cent reads '< $0.01', not '$0.00' (which reads as free); '?' for
+    None."""
     if dollars is None:
         return "?"
     if 0 < dollars < 0.01:

@@ -1,20 +1,24 @@
-"""`workbench bench big-run`: what reading a run of 200,000 logged steps costs, for each way a user looks at one.
+"""`workbench bench big-run`: what reading a run of 200,000 logged steps costs, for each way a user
+looks at one.
 
-A synthetic run directory is written first: a completed digits run on 2 ranks whose metrics.jsonl holds `rows`
-training rows shaped as a real run's (the keys, value types and sizes of a digits run's rows: per-rank memory and
-step-time breakdown, the verdicts, ~1.1 KB a row) and an eval row every `eval_every` steps. Then each reader is
-timed on it, each in a fresh fork of this process (so one's memory or caches never help the next), with the peak
-memory it added (the resident high-water mark, reset at its start):
+A synthetic run directory is written first: a completed digits run on 2 ranks whose metrics.jsonl
+holds `rows` training rows shaped as a real run's (the keys, value types and sizes of a digits run's
+rows: per-rank memory and step-time breakdown, the verdicts, ~1.1 KB a row) and an eval row every
+`eval_every` steps. Then each reader is timed on it, each in a fresh fork of this process (so one's
+memory or caches never help the next), with the peak memory it added (the resident high-water mark,
+reset at its start):
 
-- `workbench status RUN_DIR`, a subprocess of its own: start-up and imports included, as a user runs it;
+- `workbench status RUN_DIR`, a subprocess of its own: start-up and imports included, as a user runs
+  it;
 - RunDir.last_train_row(), what a repr and `workbench status` read;
 - RunResult.metrics, first access and second (parsed once, then kept);
 - RunResult.plot() and its PNG, what a notebook cell shows;
-- the Dashboard's first view (built, numbers and figure), its imports (matplotlib, ipywidgets) done before, as in a
+- the Dashboard's first view (built, numbers and figure), its imports (matplotlib, ipywidgets) done
+  before, as in a
   kernel that shows dashboards.
 
-Targets (issue 35): status and the dashboard's first view within 1 s, RunResult.metrics within 3 s, its memory
-within 3x the file's size.
+Targets (issue 35): status and the dashboard's first view within 1 s, RunResult.metrics within 3 s,
+its memory within 3x the file's size.
 """
 
 from __future__ import annotations
@@ -40,14 +44,18 @@ TARGET_S = {"status": 1.0, "dashboard_first_view": 1.0, "metrics_first": 3.0}
 """The most seconds each may take on a 200k-row run (issue 35)."""
 MEMORY_TARGET = 3.0
 """RunResult.metrics may add at most this many times the file's size in memory."""
-VERDICT = ("communication-bound: 62% of the step in gradient all-reduce not hidden by compute; try gradient "
-           "accumulation (fewer all-reduces per sample), bf16 compression (grad_compression) or zero2")
+VERDICT = (
+    "communication-bound: 62% of the step in gradient all-reduce not hidden by compute; try "
+    "gradient accumulation (fewer all-reduces per sample), bf16 compression (grad_compression) or "
+    "zero2"
+)
 """The verdict a 2-rank CPU digits run logs on most rows (copied from one)."""
 
 
 def write_big_run(run_dir: Path, rows: int = ROWS, eval_every: int = EVAL_EVERY) -> Path:
-    """A completed 2-rank digits run in `run_dir` whose metrics.jsonl holds `rows` training rows shaped as a real
-    run's, and an eval row every `eval_every` steps; returns metrics.jsonl's path."""
+    """A completed 2-rank digits run in `run_dir` whose metrics.jsonl holds `rows` training rows
+    shaped as a real run's, and an eval row every `eval_every` steps; returns metrics.jsonl's
+    path."""
     from workbench.config import RunConfig
     from workbench.rundir import RunDir, Status
     from workbench.rundir.metrics_row import MetricsRow
@@ -55,36 +63,77 @@ def write_big_run(run_dir: Path, rows: int = ROWS, eval_every: int = EVAL_EVERY)
 
     run = RunDir(run_dir)
     run.path.mkdir(parents=True, exist_ok=True)
-    run.write_config(RunConfig(task="digits", num_processes=2, max_steps=rows, log_every=1, seed=0,
-                               runs_dir=str(run.path.parent), run_name=run.name))
+    run.write_config(
+        RunConfig(
+            task="digits",
+            num_processes=2,
+            max_steps=rows,
+            log_every=1,
+            seed=0,
+            runs_dir=str(run.path.parent),
+            run_name=run.name,
+        )
+    )
     rnd, elapsed, lines = random.Random(0), 0.0, []
     for step in range(1, rows + 1):
         step_s = 0.009 * (1 + 0.2 * rnd.random())
         ms = [1000 * step_s, 1000 * step_s * (1 + 0.05 * rnd.random())]
-        row = {"step": step, "epoch": step // 14, "loss": 2.3 * 0.9999 ** step + 0.05 * rnd.random(),
-               "lr": 1e-3 * (1 - step / (rows + 1)), "step_time_s": step_s, "samples_per_s": 128 / step_s,
-               "peak_memory_bytes": 301_379_584 + rnd.randrange(1 << 20),
-               "peak_memory_bytes_per_rank": [301_379_584 + rnd.randrange(1 << 20), 295_436_288],
-               "skipped_steps": 0, "params_bytes_per_rank": [104_488, 104_488],
-               "grads_bytes_per_rank": [104_488, 104_488], "optimizer_bytes_per_rank": [209_000, 209_000],
-               "samples": 128 * step, "elapsed_s": elapsed, "eta_s": step_s * (rows - step),
-               "step_time_ms_per_rank": ms, "data_ms_per_rank": [rnd.random(), rnd.random()],
-               "compute_ms_per_rank": [1.3 + rnd.random(), 1.2 + rnd.random()],
-               "comm_ms_per_rank": [5.3 + rnd.random(), 5.1 + rnd.random()],
-               "optimizer_ms_per_rank": [1.1 + rnd.random() / 10, 0.9 + rnd.random() / 10],
-               "other_ms_per_rank": [0.17, 0.12], "comm_measured": True, "verdicts": [VERDICT],
-               "rss_bytes_per_rank": [283_652_096, 277_905_408], "grad_norm": 0.2 + rnd.random() / 10,
-               "schema_version": 1}
+        row = {
+            "step": step,
+            "epoch": step // 14,
+            "loss": 2.3 * 0.9999**step + 0.05 * rnd.random(),
+            "lr": 1e-3 * (1 - step / (rows + 1)),
+            "step_time_s": step_s,
+            "samples_per_s": 128 / step_s,
+            "peak_memory_bytes": 301_379_584 + rnd.randrange(1 << 20),
+            "peak_memory_bytes_per_rank": [301_379_584 + rnd.randrange(1 << 20), 295_436_288],
+            "skipped_steps": 0,
+            "params_bytes_per_rank": [104_488, 104_488],
+            "grads_bytes_per_rank": [104_488, 104_488],
+            "optimizer_bytes_per_rank": [209_000, 209_000],
+            "samples": 128 * step,
+            "elapsed_s": elapsed,
+            "eta_s": step_s * (rows - step),
+            "step_time_ms_per_rank": ms,
+            "data_ms_per_rank": [rnd.random(), rnd.random()],
+            "compute_ms_per_rank": [1.3 + rnd.random(), 1.2 + rnd.random()],
+            "comm_ms_per_rank": [5.3 + rnd.random(), 5.1 + rnd.random()],
+            "optimizer_ms_per_rank": [1.1 + rnd.random() / 10, 0.9 + rnd.random() / 10],
+            "other_ms_per_rank": [0.17, 0.12],
+            "comm_measured": True,
+            "verdicts": [VERDICT],
+            "rss_bytes_per_rank": [283_652_096, 277_905_408],
+            "grad_norm": 0.2 + rnd.random() / 10,
+            "schema_version": 1,
+        }
         elapsed += step_s
         lines.append(json.dumps(row))
         if step % eval_every == 0 or step == rows:
-            lines.append(json.dumps({"step": step, "eval_loss": 2.3 * 0.9999 ** step + 0.01,
-                                     "eval_accuracy": min(1.0, step / rows), "schema_version": 1}))
-    assert MetricsRow.from_dict(json.loads(lines[0])).to_dict() == json.loads(lines[0]), "a row of the schema"
+            lines.append(
+                json.dumps(
+                    {
+                        "step": step,
+                        "eval_loss": 2.3 * 0.9999**step + 0.01,
+                        "eval_accuracy": min(1.0, step / rows),
+                        "schema_version": 1,
+                    }
+                )
+            )
+    assert MetricsRow.from_dict(json.loads(lines[0])).to_dict() == json.loads(lines[0]), (
+        "a row of the schema"
+    )
     run.metrics_path.write_text("\n".join(lines) + "\n")
     run.event("started", step=0)
-    run.set_status(Status.COMPLETED, world_size=2, parallelism="ddp", precision="fp32", steps=rows,
-                   final_loss=json.loads(lines[-2])["loss"], global_batch_size=128, samples_per_s=12_000.0)
+    run.set_status(
+        Status.COMPLETED,
+        world_size=2,
+        parallelism="ddp",
+        precision="fp32",
+        steps=rows,
+        final_loss=json.loads(lines[-2])["loss"],
+        global_batch_size=128,
+        samples_per_s=12_000.0,
+    )
     run.event("completed", step=rows)
     write_json(run.path / "timings.json", {"step_time_s": []})
     return run.metrics_path
@@ -127,16 +176,27 @@ class BigRunReport:
         return all(self.verdicts.values())
 
     def table(self) -> str:
-        lines = [f"workbench bench big-run: a run of {self.rows:,} rows ({self.file_bytes / 2**20:,.0f} MiB file)",
-                 f"  {'reader':28} {'seconds':>8} {'peak added':>11}  target"]
+        lines = [
+            f"workbench bench big-run: a run of {self.rows:,} rows ({self.file_bytes / 2**20:,.0f} "
+            "MiB file)",
+            f"  {'reader':28} {'seconds':>8} {'peak added':>11}  target",
+        ]
         for m in self.measured:
             target = f"<= {TARGET_S[m.name]:g} s" if m.name in TARGET_S else ""
             peak = "–" if m.peak_added_bytes is None else f"{m.peak_added_bytes / 2**20:,.0f} MiB"
-            lines.append(f"  {m.name:28} {m.seconds:8.3f} {peak:>11}  {target}{'  ' + m.note if m.note else ''}")
+            lines.append(
+                f"  {m.name:28} {m.seconds:8.3f} {peak:>11}  "
+                f"{target}{'  ' + m.note if m.note else ''}"
+            )
         ratio = self.memory_ratio
-        lines.append(f"  RunResult.metrics memory: {'–' if ratio is None else f'{ratio:.2f}'}x the file "
-                     f"(target <= {MEMORY_TARGET:g}x)")
-        lines.append("  verdict: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in self.verdicts.items()))
+        lines.append(
+            f"  RunResult.metrics memory: {'–' if ratio is None else f'{ratio:.2f}'}x the file "
+            f"(target <= {MEMORY_TARGET:g}x)"
+        )
+        lines.append(
+            "  verdict: "
+            + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in self.verdicts.items())
+        )
         return "\n".join(lines)
 
 
@@ -162,7 +222,9 @@ def _in_a_fork(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
             before = _status_line("VmRSS")
             out = work()
             peak = _status_line("VmHWM")
-            out["peak_added_bytes"] = None if before is None or peak is None else max(0, peak - before)
+            out["peak_added_bytes"] = (
+                None if before is None or peak is None else max(0, peak - before)
+            )
         except BaseException as e:  # noqa: BLE001  (reported to the parent)
             out, code = {"error": f"{type(e).__name__}: {e}"}, 1
         with os.fdopen(write_fd, "w") as pipe:
@@ -188,25 +250,48 @@ _TIME_IT = """import os, subprocess, sys, time
 start = time.perf_counter()
 proc = subprocess.Popen(sys.argv[1:])
 _, status, usage = os.wait4(proc.pid, 0)
-print(time.perf_counter() - start, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), file=sys.stderr)
+code = os.waitstatus_to_exitcode(status)
+print(time.perf_counter() - start, usage.ru_maxrss * 1024, code, file=sys.stderr)
 """
-"""Runs a command and says its seconds, peak resident bytes and exit code. A small process of its own starts it:
-a process forked from this one (matplotlib loaded, a run's rows read) would count this one's memory as its own
-until it execs, and the kernel's peak for it would be ours."""
+"""Runs a command and says its seconds, peak resident bytes and exit code. A small process of its
+own starts it: a process forked from this one (matplotlib loaded, a run's rows read) would count
+this one's memory as its own until it execs, and the kernel's peak for it would be ours."""
 
 
 def _status(run_dir: Path) -> Measured:
     """`workbench status RUN_DIR` as a user runs it: a process of its own, imports included."""
-    done = subprocess.run([sys.executable, "-c", _TIME_IT, sys.executable, "-m", "workbench.cli", "status",
-                           str(run_dir)], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _TIME_IT,
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "status",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     try:
         seconds, peak, code = done.stderr.strip().splitlines()[-1].split()
     except (IndexError, ValueError):
-        raise RuntimeError(f"bench big-run: timing workbench status failed: {done.stderr}") from None
+        raise RuntimeError(
+            f"bench big-run: timing workbench status failed: {done.stderr}"
+        ) from None
     if int(code) != 0:
-        raise RuntimeError(f"bench big-run: workbench status {run_dir} exited {code}: {done.stdout}{done.stderr}")
-    return Measured("status", float(seconds), int(peak),
-                    "its whole process (interpreter and imports included); " + done.stdout.splitlines()[1].strip())
+        raise RuntimeError(
+            f"bench big-run: workbench status {run_dir} exited {code}: {done.stdout}{done.stderr}"
+        )
+    return Measured(
+        "status",
+        float(seconds),
+        int(peak),
+        "its whole process (interpreter and imports included); "
+        + done.stdout.splitlines()[1].strip(),
+    )
 
 
 def _last_row(run_dir: Path) -> dict[str, Any]:
@@ -228,7 +313,11 @@ def _plot(run_dir: Path) -> dict[str, Any]:
 
     from workbench.launcher.result import RunResult
 
-    return {"seconds": _timed(lambda: RunResult.load(run_dir).plot().savefig(io.BytesIO(), format="png"))}
+    return {
+        "seconds": _timed(
+            lambda: RunResult.load(run_dir).plot().savefig(io.BytesIO(), format="png")
+        )
+    }
 
 
 def _dashboard(run_dir: Path) -> dict[str, Any]:
@@ -239,13 +328,18 @@ def _dashboard(run_dir: Path) -> dict[str, Any]:
     return {"seconds": seconds, "rows": len(made[0].rows), "figures": made[0].figures_drawn}
 
 
-def big_run(rows: int = ROWS, eval_every: int = EVAL_EVERY, json_path: Path | None = None,
-            keep: Path | None = None) -> BigRunReport:
-    """Write a `rows`-row run, then time each reader on it (module docstring). `keep`: write the run there and leave
-    it (default: a temporary folder, removed after)."""
+def big_run(
+    rows: int = ROWS,
+    eval_every: int = EVAL_EVERY,
+    json_path: Path | None = None,
+    keep: Path | None = None,
+) -> BigRunReport:
+    """Write a `rows`-row run, then time each reader on it (module docstring). `keep`: write the run
+    there and leave it (default: a temporary folder, removed after)."""
     if rows < 2:
         raise ValueError(f"rows={rows}: at least 2 (the benchmark's own run has {ROWS:,})")
-    # Loaded here once, as a kernel showing dashboards has them: the forks measure reading, not importing.
+    # Loaded here once, as a kernel showing dashboards has them: the forks measure reading, not
+    # importing.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,7 +348,9 @@ def big_run(rows: int = ROWS, eval_every: int = EVAL_EVERY, json_path: Path | No
     import workbench.notebook.plots  # noqa: F401
 
     with contextlib.ExitStack() as stack:
-        folder = keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wb-bench-big-run-")))
+        folder = keep or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="wb-bench-big-run-"))
+        )
         run_dir = folder / "big-run"
         path = write_big_run(run_dir, rows, eval_every)
         report = BigRunReport(rows=rows, file_bytes=path.stat().st_size)
@@ -262,15 +358,33 @@ def big_run(rows: int = ROWS, eval_every: int = EVAL_EVERY, json_path: Path | No
         row = _in_a_fork(lambda: _last_row(run_dir))
         report.measured.append(Measured("last_train_row", row["seconds"], row["peak_added_bytes"]))
         got = _in_a_fork(lambda: _metrics(run_dir))
-        report.measured += [Measured("metrics_first", got["seconds"], got["peak_added_bytes"], f"{got['rows']:,} rows"),
-                            Measured("metrics_second", got["second"], None, "the same object again")]
+        report.measured += [
+            Measured(
+                "metrics_first", got["seconds"], got["peak_added_bytes"], f"{got['rows']:,} rows"
+            ),
+            Measured("metrics_second", got["second"], None, "the same object again"),
+        ]
         drawn = _in_a_fork(lambda: _plot(run_dir))
         report.measured.append(Measured("plot_png", drawn["seconds"], drawn["peak_added_bytes"]))
         dash = _in_a_fork(lambda: _dashboard(run_dir))
-        report.measured.append(Measured("dashboard_first_view", dash["seconds"], dash["peak_added_bytes"],
-                                        f"{dash['rows']:,} rows read, {dash['figures']} figure"))
+        report.measured.append(
+            Measured(
+                "dashboard_first_view",
+                dash["seconds"],
+                dash["peak_added_bytes"],
+                f"{dash['rows']:,} rows read, {dash['figures']} figure",
+            )
+        )
     if json_path is not None:
-        write_result(json_path, {**asdict(report), "memory_ratio": report.memory_ratio,
-                                 "targets_s": TARGET_S, "memory_target": MEMORY_TARGET,
-                                 "verdicts": report.verdicts, "passed": report.passed})
+        write_result(
+            json_path,
+            {
+                **asdict(report),
+                "memory_ratio": report.memory_ratio,
+                "targets_s": TARGET_S,
+                "memory_target": MEMORY_TARGET,
+                "verdicts": report.verdicts,
+                "passed": report.passed,
+            },
+        )
     return report

@@ -1,12 +1,14 @@
-"""The most any compiler could speed a step up: the step's matrix-multiply FLOPs on one rank, at the best rate
-this device multiplies matrices, is a time no compiled step goes below (compiling fuses the other ops; it doesn't
-remove FLOPs). `workbench bench compile` reports it per layout beside the measured speed-up.
+"""The most any compiler could speed a step up: the step's matrix-multiply FLOPs on one rank, at the
+best rate this device multiplies matrices, is a time no compiled step goes below (compiling fuses
+the other ops; it doesn't remove FLOPs). `workbench bench compile` reports it per layout beside the
+measured speed-up.
 
-FLOPs are counted by PyTorch's FlopCounterMode over one forward and backward of a micro-batch, the CPU attention
-kernels with the estimator's formulas, halved when causal (the kernels skip the masked blocks), spread over the
-ranks as the layout spreads the global batch. The rate: on a GPU, the catalog's dense peak for the precision; on
-a CPU, the best of a few large square matmuls timed here with the threads a rank gets (one when forked, its share
-of the cores when spawned), while no rank runs.
+FLOPs are counted by PyTorch's FlopCounterMode over one forward and backward of a micro-batch, the
+CPU attention kernels with the estimator's formulas, halved when causal (the kernels skip the masked
+blocks), spread over the ranks as the layout spreads the global batch. The rate: on a GPU, the
+catalog's dense peak for the precision; on a CPU, the best of a few large square matmuls timed here
+with the threads a rank gets (one when forked, its share of the cores when spawned), while no rank
+runs.
 """
 
 from __future__ import annotations
@@ -24,26 +26,31 @@ from workbench.tasks import get_task
 from workbench.utils.hardware import detect, resolve_device
 
 _SIZE, _REPEATS = 2048, 5
-_IS_CAUSAL_AT = {"_scaled_dot_product_flash_attention_for_cpu": 4,
-                 "_scaled_dot_product_flash_attention_for_cpu_backward": 7}
+_IS_CAUSAL_AT = {
+    "_scaled_dot_product_flash_attention_for_cpu": 4,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+}
 """Where is_causal sits among each CPU attention kernel's arguments (the tensors counted)."""
 
 
 @dataclass(frozen=True)
 class Floor:
     flops_per_sample: float
-    """Matrix-multiply FLOPs of one sample's forward and backward, as FlopCounterMode counts them."""
+    """Matrix-multiply FLOPs of one sample's forward and backward, as FlopCounterMode counts
+    them."""
     rate: float
     """FLOP/s one rank reaches at best: measured (CPU) or the datasheet's (GPU)."""
     rate_source: str
 
     def step_ms(self, global_batch: int, ranks: int) -> float:
-        """The step's matmul time on one rank if every multiply ran at `rate` (the global batch spread evenly)."""
+        """The step's matmul time on one rank if every multiply ran at `rate` (the global batch
+        spread evenly)."""
         return 1e3 * self.flops_per_sample * global_batch / ranks / self.rate
 
 
 def matmul_floor(cfg: RunConfig, threads: int = 1) -> Floor:
-    """The floor of `cfg`'s step on a rank multiplying matrices with `threads` CPU threads (ignored on a GPU)."""
+    """The floor of `cfg`'s step on a rank multiplying matrices with `threads` CPU threads (ignored
+    on a GPU)."""
     return Floor(_flops_per_sample(cfg), *_rate(cfg, threads))
 
 
@@ -68,8 +75,10 @@ def _attention_formulas() -> dict[object, object]:
 
         return count
 
-    return {op: causal_half(formula, _IS_CAUSAL_AT[op.__name__.split(".")[0]])
-            for op, formula in EXTRA_FLOP_FORMULAS.items()}
+    return {
+        op: causal_half(formula, _IS_CAUSAL_AT[op.__name__.split(".")[0]])
+        for op, formula in EXTRA_FLOP_FORMULAS.items()
+    }
 
 
 def _rate(cfg: RunConfig, threads: int) -> tuple[float, str]:

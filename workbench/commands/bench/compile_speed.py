@@ -1,11 +1,12 @@
 """`workbench bench compile`: eager against torch.compile, side by side in one run, per layout.
 
-Per layout (ddp, zero3, tp, pp over the config's ranks; one: a single process on every core): an eager run, then
-the same run compiled twice with the inductor cache emptied before the first ('cold': every kernel generated) and
-kept for the second ('warm': a relaunch). Reported: the median step time after warm-up of eager and of the warm
-compiled run and their ratio, the step's matmul floor (compile_ceiling.py), the first step of each compiled run
-(compiling, cold and warm), graphs and graph breaks, and the largest relative difference of the logged losses from
-eager's. Runs go eager, cold, warm in that order, each layout in turn.
+Per layout (ddp, zero3, tp, pp over the config's ranks; one: a single process on every core): an
+eager run, then the same run compiled twice with the inductor cache emptied before the first
+('cold': every kernel generated) and kept for the second ('warm': a relaunch). Reported: the median
+step time after warm-up of eager and of the warm compiled run and their ratio, the step's matmul
+floor (compile_ceiling.py), the first step of each compiled run (compiling, cold and warm), graphs
+and graph breaks, and the largest relative difference of the logged losses from eager's. Runs go
+eager, cold, warm in that order, each layout in turn.
 """
 
 from __future__ import annotations
@@ -29,14 +30,29 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ddp": {"parallelism": "ddp"},
     "zero3": {"parallelism": "zero3"},
     "tp": {"parallelism": "zero3", "tp": 2},
-    "pp": {"parallelism": "ddp", "pp": 2, "pp_schedule": "1f1b", "grad_accum_steps": 2},  # 1F1B: micro-batches >= pp
-    # The issue's first row: one process on every core (spawned: a forked rank keeps one OpenMP thread), micro-batch 16.
+    "pp": {
+        "parallelism": "ddp",
+        "pp": 2,
+        "pp_schedule": "1f1b",
+        "grad_accum_steps": 2,
+    },  # 1F1B: micro-batches >= pp
+    # The issue's first row: one process on every core (spawned: a forked rank keeps one OpenMP
+    # thread), micro-batch 16.
     "one": {"num_processes": 1, "micro_batch_size": 16, "start_method": "spawn"},
 }
-COMPILE_BENCH = RunConfig(task="char-gpt", num_processes=2, micro_batch_size=8, max_steps=20, lr=1e-3, log_every=1,
-                          eval_batches=1, compile="blocks",
-                          task_options={"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128})
-"""The issue's model: char-gpt 4 blocks x 256 wide, context 128, 20 steps logged every step (fp32)."""
+COMPILE_BENCH = RunConfig(
+    task="char-gpt",
+    num_processes=2,
+    micro_batch_size=8,
+    max_steps=20,
+    lr=1e-3,
+    log_every=1,
+    eval_batches=1,
+    compile="blocks",
+    task_options={"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128},
+)
+"""The issue's model: char-gpt 4 blocks x 256 wide, context 128, 20 steps logged every step
+(fp32)."""
 
 
 @dataclass
@@ -72,19 +88,30 @@ class CompileReport:
 
     def table(self) -> str:
         cfg = self.config
-        head = (f"compile={cfg['compile']} ({cfg['compile_backend']}) against eager: {cfg['task']} "
-                f"{cfg['task_options']}, {cfg['num_processes']} ranks, micro-batch {cfg['micro_batch_size']} (but "
-                f"where the layout says), {cfg['max_steps']} steps, {cfg['precision']}")
-        lines = [head, "| layout | ranks x threads | eager ms/step | compiled ms/step | speed-up | "
-                       "matmul floor ms/step (ceiling) | first step: eager / compiling cold / warm (s) | "
-                       "graphs, breaks | losses: max rel diff |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r.layout} | {r.ranks} x {r.threads} | {r.eager_ms:.0f} | {r.compiled_ms:.0f} | "
-                  f"{r.speedup:.2f}x | {r.matmul_floor_ms:.0f} ({r.ceiling:.2f}x) | "
-                  f"{r.eager_first_step_s:.1f} / {r.first_step_cold_s:.1f} / {r.first_step_warm_s:.1f} | "
-                  f"{r.graphs}, {r.graph_breaks} | {r.max_loss_rel_diff:.1e} |" for r in self.rows]
-        lines.append(f"matmul floor: the step's matmul FLOPs per rank at {self.matmul_rate}; the ceiling is eager over "
-                     "it, the most any compiler could give")
+        head = (
+            f"compile={cfg['compile']} ({cfg['compile_backend']}) against eager: {cfg['task']} "
+            f"{cfg['task_options']}, {cfg['num_processes']} ranks, micro-batch "
+            f"{cfg['micro_batch_size']} (but where the layout says), {cfg['max_steps']} steps, "
+            f"{cfg['precision']}"
+        )
+        lines = [
+            head,
+            "| layout | ranks x threads | eager ms/step | compiled ms/step | speed-up | "
+            "matmul floor ms/step (ceiling) | first step: eager / compiling cold / warm (s) | "
+            "graphs, breaks | losses: max rel diff |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {r.layout} | {r.ranks} x {r.threads} | {r.eager_ms:.0f} | {r.compiled_ms:.0f} | "
+            f"{r.speedup:.2f}x | {r.matmul_floor_ms:.0f} ({r.ceiling:.2f}x) | "
+            f"{r.eager_first_step_s:.1f} / {r.first_step_cold_s:.1f} / {r.first_step_warm_s:.1f} | "
+            f"{r.graphs}, {r.graph_breaks} | {r.max_loss_rel_diff:.1e} |"
+            for r in self.rows
+        ]
+        lines.append(
+            f"matmul floor: the step's matmul FLOPs per rank at {self.matmul_rate}; the ceiling is "
+            "eager over it, the most any compiler could give"
+        )
         return "\n".join(lines)
 
 
@@ -98,8 +125,12 @@ def _losses(metrics: list[dict[str, Any]]) -> list[float]:
     return [m["loss"] for m in metrics if "loss" in m]
 
 
-def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tuple(LAYOUTS), *,
-                  json_path: Path | None = None) -> CompileReport:
+def compile_bench(
+    cfg: RunConfig = COMPILE_BENCH,
+    layouts: tuple[str, ...] = tuple(LAYOUTS),
+    *,
+    json_path: Path | None = None,
+) -> CompileReport:
     """Each layout eager, compiled cold and compiled warm, in this process's ranks (forked)."""
     rows: list[CompileRow] = []
     floors: dict[int, Floor] = {}
@@ -123,19 +154,33 @@ def compile_bench(cfg: RunConfig = COMPILE_BENCH, layouts: tuple[str, ...] = tup
                 cold = launch(base.replace(run_name=f"{layout}-cold"))
                 warm = launch(base.replace(run_name=f"{layout}-warm"))
                 report = warm.summary.get("compile") or {}
-                diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(_losses(warm.metrics), _losses(eager.metrics),
-                                                                        strict=True)]
-                (eager_first, eager_ms), (warm_first, compiled_ms) = (_step_times(eager.run_dir),
-                                                                      _step_times(warm.run_dir))
-                rows.append(CompileRow(layout=layout, eager_ms=eager_ms, compiled_ms=compiled_ms,
-                                       speedup=eager_ms / compiled_ms, first_step_cold_s=_step_times(cold.run_dir)[0],
-                                       first_step_warm_s=warm_first, eager_first_step_s=eager_first,
-                                       graphs=int(report.get("graphs", 0)),
-                                       graph_breaks=sum((report.get("graph_breaks") or {}).values()),
-                                       max_loss_rel_diff=max(diffs, default=0.0),
-                                       matmul_floor_ms=floors[threads].step_ms(eager.summary["global_batch_size"],
-                                                                     base.num_processes),
-                                       ranks=base.num_processes, threads=threads))
+                diffs = [
+                    abs(a - b) / max(abs(b), 1e-12)
+                    for a, b in zip(_losses(warm.metrics), _losses(eager.metrics), strict=True)
+                ]
+                (eager_first, eager_ms), (warm_first, compiled_ms) = (
+                    _step_times(eager.run_dir),
+                    _step_times(warm.run_dir),
+                )
+                rows.append(
+                    CompileRow(
+                        layout=layout,
+                        eager_ms=eager_ms,
+                        compiled_ms=compiled_ms,
+                        speedup=eager_ms / compiled_ms,
+                        first_step_cold_s=_step_times(cold.run_dir)[0],
+                        first_step_warm_s=warm_first,
+                        eager_first_step_s=eager_first,
+                        graphs=int(report.get("graphs", 0)),
+                        graph_breaks=sum((report.get("graph_breaks") or {}).values()),
+                        max_loss_rel_diff=max(diffs, default=0.0),
+                        matmul_floor_ms=floors[threads].step_ms(
+                            eager.summary["global_batch_size"], base.num_processes
+                        ),
+                        ranks=base.num_processes,
+                        threads=threads,
+                    )
+                )
         finally:
             for key, value in saved.items():
                 if value is None:

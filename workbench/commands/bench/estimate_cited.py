@@ -48,13 +48,25 @@ class CitedRow:
 
 def standin(m: Measurement) -> RunConfig:
     """The published run as a char-gpt run of the same shape, layout, batch and precision."""
-    fields: dict[str, Any] = {"parallelism": m.parallelism, "precision": m.precision,
-                              "activation_checkpointing": m.activation_checkpointing}
-    return RunConfig(task="char-gpt", micro_batch_size=m.micro_batch, grad_accum_steps=m.grad_accum,
-                     compile="blocks" if m.compile else "off", **fields,
-                     task_options={"preset": "small", "n_layer": m.shape["n_layer"],
-                                   "n_embd": m.shape["n_embd"], "n_head": m.shape["n_head"],
-                                   "block_size": m.shape["seq_len"]})
+    fields: dict[str, Any] = {
+        "parallelism": m.parallelism,
+        "precision": m.precision,
+        "activation_checkpointing": m.activation_checkpointing,
+    }
+    return RunConfig(
+        task="char-gpt",
+        micro_batch_size=m.micro_batch,
+        grad_accum_steps=m.grad_accum,
+        compile="blocks" if m.compile else "off",
+        **fields,
+        task_options={
+            "preset": "small",
+            "n_layer": m.shape["n_layer"],
+            "n_embd": m.shape["n_embd"],
+            "n_head": m.shape["n_head"],
+            "block_size": m.shape["seq_len"],
+        },
+    )
 
 
 def cited_row(m: Measurement, catalog: str | Path | None, runs_dir: Path) -> CitedRow:
@@ -66,10 +78,15 @@ def cited_row(m: Measurement, catalog: str | Path | None, runs_dir: Path) -> Cit
     accelerators = load_catalog(catalog)
     cfg, target = standin(m), accelerators[m.accelerator]
     peak = target.peak(matmul_precision(cfg, target)) or 0.0
-    sets = ", ".join(name for name, a in accelerators.items()
-                     if any(m.id in e.cites and not e.derived_from for e in a.efficiency))
-    where = (f"{m.gpus * m.nodes} x {m.accelerator}, {m.parallelism}, {m.precision}, "
-             f"{m.micro_batch} x {m.shape['seq_len']} tokens x {m.grad_accum}")
+    sets = ", ".join(
+        name
+        for name, a in accelerators.items()
+        if any(m.id in e.cites and not e.derived_from for e in a.efficiency)
+    )
+    where = (
+        f"{m.gpus * m.nodes} x {m.accelerator}, {m.parallelism}, {m.precision}, "
+        f"{m.micro_batch} x {m.shape['seq_len']} tokens x {m.grad_accum}"
+    )
     row = CitedRow(m.id, m.model, where, m.tokens_per_s_per_gpu, m.mfu_at(peak), sets=sets)
     try:
         est = estimate(cfg, m.accelerator, m.gpus, m.nodes, catalog=catalog, runs_dir=runs_dir)
@@ -90,27 +107,35 @@ def cited_rows(catalog: str | Path | None = None, ids: list[str] | None = None) 
     measured = load_measurements(catalog)
     unknown = sorted(set(ids or []) - set(measured))
     if unknown:
-        raise ValueError(f"ids={unknown}: not among the catalog's measurements "
-                         f"({', '.join(sorted(measured))})")
+        raise ValueError(
+            f"ids={unknown}: not among the catalog's measurements ({', '.join(sorted(measured))})"
+        )
     with tempfile.TemporaryDirectory(prefix="workbench-cited-") as tmp:
         return [cited_row(measured[i], catalog, Path(tmp)) for i in (ids or list(measured))]
 
 
 def cited_table(rows: list[CitedRow]) -> list[str]:
     """The cited section's lines."""
-    lines = ["published runs the catalog cites (accelerators.yaml) against the estimate of a "
-             "char-gpt model of their shape, layout and batch (nothing learnt); tokens/s per GPU; "
-             "MFU against the same peak",
-             f"  {'measurement':36} {'model':13} {'where':58} {'published':>10} {'estimated':>10} "
-             f"{'MFU':>6} {'est.':>6} {'error':>7}  sets"]
+    lines = [
+        "published runs the catalog cites (accelerators.yaml) against the estimate of a "
+        "char-gpt model of their shape, layout and batch (nothing learnt); tokens/s per GPU; "
+        "MFU against the same peak",
+        f"  {'measurement':36} {'model':13} {'where':58} {'published':>10} {'estimated':>10} "
+        f"{'MFU':>6} {'est.':>6} {'error':>7}  sets",
+    ]
     for r in rows:
-        est = (f"{r.estimated_tokens_per_s:10,.0f}" if r.estimated_tokens_per_s is not None
-               else f"{'-':>10}")
+        est = (
+            f"{r.estimated_tokens_per_s:10,.0f}"
+            if r.estimated_tokens_per_s is not None
+            else f"{'-':>10}"
+        )
         mfu = f"{r.estimated_mfu:6.1%}" if r.estimated_mfu is not None else f"{'-':>6}"
         error = f"{r.error:+7.1%}" if r.error is not None else f"{'-':>7}"
         note = f"  ({r.note})" if r.note else ""
-        lines.append(f"  {r.id:36} {r.model:13} {r.where:58} {r.cited_tokens_per_s:10,.0f} {est} "
-                     f"{r.cited_mfu:6.1%} {mfu} {error}  {r.sets or 'check only'}{note}")
+        lines.append(
+            f"  {r.id:36} {r.model:13} {r.where:58} {r.cited_tokens_per_s:10,.0f} {est} "
+            f"{r.cited_mfu:6.1%} {mfu} {error}  {r.sets or 'check only'}{note}"
+        )
     return lines
 
 

@@ -1,20 +1,21 @@
 """The hand-written loops `workbench bench overhead` holds the trainer against, one per layout.
 
-Each is the loop a careful user would write: no run directory, no metrics, no stop checks, no per-step vote,
-no hang watchdog. Each mirrors the trainer's numerics exactly (init seed, data order, dropout seed, LR schedule,
-clipping, AdamW, the layout's own reductions), so its final weights can be compared with the trainer's bit for bit:
+Each is the loop a careful user would write: no run directory, no metrics, no stop checks, no
+per-step vote, no hang watchdog. Each mirrors the trainer's numerics exactly (init seed, data order,
+dropout seed, LR schedule, clipping, AdamW, the layout's own reductions), so its final weights can
+be compared with the trainer's bit for bit:
 
-    ddp    Accelerate: prepare (DDP), its backward and clip_grad_norm_
-    zero3  FSDP2: fully_shard on each repeated block, then the root (reshard after forward); clip_grad_norm_
-           on the sharded DTensor gradients
-    tp     parallelize_module with the task's plan over all ranks; every rank sees the same batches
-    pp     one PipelineStage per rank, Schedule1F1B over grad_accum_steps micro-batches; a tied parameter's
-           gradients summed between the stages holding it, the norm summed over the stages
+    ddp    Accelerate: prepare (DDP), its backward and clip_grad_norm_ zero3  FSDP2: fully_shard on
+    each repeated block, then the root (reshard after forward); clip_grad_norm_ on the sharded
+    DTensor gradients tp     parallelize_module with the task's plan over all ranks; every rank sees
+    the same batches pp     one PipelineStage per rank, Schedule1F1B over grad_accum_steps
+    micro-batches; a tied parameter's gradients summed between the stages holding it, the norm
+    summed over the stages
 
-What a loop takes from workbench is what a user would take from a library: the task (model, data, loss, TP
-plan, stages, LR schedule), the optimizer factory, the data-parallel mesh, and for TP the two helpers no
-built-in replaces (foreach kernels and clip_grad_norm_ refuse DTensors mixed with plain tensors; pp sums its
-stages' squared norms with the same one).
+What a loop takes from workbench is what a user would take from a library: the task (model, data,
+loss, TP plan, stages, LR schedule), the optimizer factory, the data-parallel mesh, and for TP the
+two helpers no built-in replaces (foreach kernels and clip_grad_norm_ refuse DTensors mixed with
+plain tensors; pp sums its stages' squared norms with the same one).
 """
 
 from __future__ import annotations
@@ -51,27 +52,36 @@ HAND_RESULT, HAND_WEIGHTS = "hand.json", "hand-weights.pt"
 
 @dataclass
 class HandRun:
-    """One rank's loop, set up: the optimizer, what a step does before the update, where its batches come from,
-    and how its full weights are gathered."""
+    """One rank's loop, set up: the optimizer, what a step does before the update, where its batches
+    come from, and how its full weights are gathered."""
 
     optimizer: torch.optim.Optimizer
     step: Callable[[Iterator[Any]], None]
-    """Forward, backward and clipping of one optimizer step (its micro-batches from the iterator)."""
+    """Forward, backward and clipping of one optimizer step (its micro-batches from the
+    iterator)."""
     full_weights: Callable[[], dict[str, torch.Tensor]]
     """The full weights on CPU on rank 0 (collective; what other ranks get is not used)."""
     data_rank: int = 0
     data_world: int = 1
-    """The data-parallel coordinate and size: which batches this rank sees (a TP group or a pipeline shares them)."""
+    """The data-parallel coordinate and size: which batches this rank sees (a TP group or a pipeline
+    shares them)."""
 
 
 def _loss(task: Task, model: Any, batch: Any) -> torch.Tensor:
     return split_loss(task.loss(model, batch))[0]
 
 
-def _accumulate(cfg: RunConfig, task: Task, model: torch.nn.Module, batches: Iterator[Any], device: torch.device,
-                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
-                no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
-    """Forward and backward over the step's micro-batches, each loss / grad_accum_steps, sync held back to the last."""
+def _accumulate(
+    cfg: RunConfig,
+    task: Task,
+    model: torch.nn.Module,
+    batches: Iterator[Any],
+    device: torch.device,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> None:
+    """Forward and backward over the step's micro-batches, each loss / grad_accum_steps, sync held
+    back to the last."""
     from accelerate.utils import send_to_device
 
     accum = cfg.grad_accum_steps
@@ -99,7 +109,9 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Sharded or split parameters made whole on rank 0 (DCP's full state dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def _zero3(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module) -> HandRun:
@@ -113,7 +125,9 @@ def _zero3(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module)
     for block in shard_units(model, task):
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    optimizer = build_optimizer(model, cfg, task)  # after sharding: over the sharded DTensor parameters
+    optimizer = build_optimizer(
+        model, cfg, task
+    )  # after sharding: over the sharded DTensor parameters
 
     def step(batches: Iterator[Any]) -> None:
         _accumulate(cfg, task, model, batches, acc.device)
@@ -141,13 +155,17 @@ def _tp(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module) ->
         if cfg.grad_clip > 0:
             clip_mixed_grad_norm_(params, cfg.grad_clip)
 
-    return HandRun(optimizer, step, lambda: _gathered(model))  # one TP group: every rank sees the same batches
+    return HandRun(
+        optimizer, step, lambda: _gathered(model)
+    )  # one TP group: every rank sees the same batches
 
 
-def _tied_copies(model: torch.nn.Module, stage: torch.nn.Module) -> list[tuple[Any, torch.nn.Parameter, bool]]:
-    """Per parameter the full model ties (char-gpt's embedding and head) that several stages hold: the group of
-    those stages, this stage's copy, and whether this stage counts it in the gradient norm (the first holder
-    does). Collective: every rank joins every group."""
+def _tied_copies(
+    model: torch.nn.Module, stage: torch.nn.Module
+) -> list[tuple[Any, torch.nn.Parameter, bool]]:
+    """Per parameter the full model ties (char-gpt's embedding and head) that several stages hold:
+    the group of those stages, this stage's copy, and whether this stage counts it in the gradient
+    norm (the first holder does). Collective: every rank joins every group."""
     import torch.distributed as dist
 
     from workbench.training.parallel.pipeline import tied_names
@@ -166,16 +184,22 @@ def _tied_copies(model: torch.nn.Module, stage: torch.nn.Module) -> list[tuple[A
     return copies
 
 
-def _clip_stages(stage: torch.nn.Module, tied: list[tuple[Any, torch.nn.Parameter, bool]], max_norm: float) -> None:
+def _clip_stages(
+    stage: torch.nn.Module, tied: list[tuple[Any, torch.nn.Parameter, bool]], max_norm: float
+) -> None:
     """Clip to the norm over every stage's gradients, a tied parameter counted once."""
     import torch.distributed as dist
 
     from workbench.training.parallel.tensor import scale_gradients_, squared_norm
 
     skip = {id(p) for _, p, counts in tied if not counts}
-    squares = squared_norm([p.grad for p in stage.parameters() if p.grad is not None and id(p) not in skip])
+    squares = squared_norm(
+        [p.grad for p in stage.parameters() if p.grad is not None and id(p) not in skip]
+    )
     dist.all_reduce(squares)
-    scale_gradients_([p.grad for p in stage.parameters() if p.grad is not None], squares.sqrt(), max_norm)
+    scale_gradients_(
+        [p.grad for p in stage.parameters() if p.grad is not None], squares.sqrt(), max_norm
+    )
 
 
 def _stages_gathered(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -184,7 +208,11 @@ def _stages_gathered(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     first = dist.get_rank() == 0
     parts: list[Any] = [None] * dist.get_world_size() if first else []
-    dist.gather_object({k: v.detach().cpu() for k, v in stage.state_dict().items()}, parts if first else None, dst=0)
+    dist.gather_object(
+        {k: v.detach().cpu() for k, v in stage.state_dict().items()},
+        parts if first else None,
+        dst=0,
+    )
     return {name: tensor for part in parts for name, tensor in part.items()}
 
 
@@ -196,8 +224,12 @@ def _pp(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module) ->
     rank, stages = acc.process_index, acc.num_processes
     stage = task.pipeline_stages(model, cfg, rank, stages).to(acc.device)
     tied = _tied_copies(model, stage)
-    schedule = Schedule1F1B(PipelineStage(stage, rank, stages, acc.device), n_microbatches=cfg.grad_accum_steps,
-                            loss_fn=lambda out, target: _loss(task, lambda *_: out, (None, target)), scale_grads=True)
+    schedule = Schedule1F1B(
+        PipelineStage(stage, rank, stages, acc.device),
+        n_microbatches=cfg.grad_accum_steps,
+        loss_fn=lambda out, target: _loss(task, lambda *_: out, (None, target)),
+        scale_grads=True,
+    )
     optimizer = build_optimizer(stage, cfg, task)
 
     def step(batches: Iterator[Any]) -> None:
@@ -213,19 +245,30 @@ def _pp(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module) ->
         if cfg.grad_clip > 0:
             _clip_stages(stage, tied, cfg.grad_clip)
 
-    return HandRun(optimizer, step, lambda: _stages_gathered(stage))  # the stages of one pipeline share batches
+    return HandRun(
+        optimizer, step, lambda: _stages_gathered(stage)
+    )  # the stages of one pipeline share batches
 
 
 def _batches(cfg: RunConfig, dataset: Any, rank: int, world: int, collate_fn: Any) -> Iterator[Any]:
-    """This rank's micro-batches, epoch after epoch, in the trainer's order (DistributedSampler, seed + epoch)."""
+    """This rank's micro-batches, epoch after epoch, in the trainer's order (DistributedSampler,
+    seed + epoch)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
     epoch = 0
     while True:
         sampler.set_epoch(epoch)
-        yield from DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, drop_last=True,
-                              collate_fn=collate_fn, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        yield from DataLoader(
+            dataset,
+            batch_size=cfg.micro_batch_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=collate_fn,
+            generator=torch.Generator().manual_seed(cfg.seed + epoch),
+        )
         epoch += 1
 
 
@@ -246,12 +289,16 @@ def _train(cfg: RunConfig, task: Task, run: HandRun, batches: Iterator[Any]) -> 
 
 
 SETUPS: dict[str, Callable[[RunConfig, Task, Accelerator, torch.nn.Module], HandRun]] = {
-    "ddp": _ddp, "zero3": _zero3, "tp": _tp, "pp": _pp}
+    "ddp": _ddp,
+    "zero3": _zero3,
+    "tp": _tp,
+    "pp": _pp,
+}
 
 
 def hand_loop(cfg: RunConfig, task: Task, out_dir: str, mode: str) -> None:
-    """One rank of the hand-written loop of `mode` (started by notebook_launcher); rank 0 writes the step times,
-    the full weights and their sha256 into out_dir."""
+    """One rank of the hand-written loop of `mode` (started by notebook_launcher); rank 0 writes the
+    step times, the full weights and their sha256 into out_dir."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -259,8 +306,9 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str, mode: str) -> None:
 
     if resolve_device(cfg) == "cpu":  # the same thread share the trainer gives each rank
         torch.set_num_threads(detect().threads_per_rank(cfg.num_processes))
-    acc = Accelerator(cpu=resolve_device(cfg) == "cpu",
-                      mixed_precision=accelerate_mixed_precision(cfg.precision))
+    acc = Accelerator(
+        cpu=resolve_device(cfg) == "cpu", mixed_precision=accelerate_mixed_precision(cfg.precision)
+    )
     if acc.device.type == "cuda":  # the trainer's TF32 setting, or fp32 steps would differ
         set_cuda_numerics(cfg)
     set_seed(cfg.seed)
@@ -274,7 +322,9 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str, mode: str) -> None:
     full = run.full_weights()
     if acc.is_main_process:
         torch.save(full, Path(out_dir, HAND_WEIGHTS))
-        Path(out_dir, HAND_RESULT).write_text(json.dumps({"step_time_s": times, "weights_sha256": state_digest(full)}))
+        Path(out_dir, HAND_RESULT).write_text(
+            json.dumps({"step_time_s": times, "weights_sha256": state_digest(full)})
+        )
     acc.wait_for_everyone()
 
 
@@ -282,19 +332,29 @@ def _notebook_launch(cfg: RunConfig, out_dir: str, mode: str) -> None:
     from accelerate import notebook_launcher
 
     with contextlib.redirect_stdout(io.StringIO()):  # accelerate says "2 CUDAs" even on a CPU box
-        notebook_launcher(hand_loop, args=(cfg, get_task(cfg.task), out_dir, mode),
-                          num_processes=cfg.num_processes, use_port=str(free_port()))
+        notebook_launcher(
+            hand_loop,
+            args=(cfg, get_task(cfg.task), out_dir, mode),
+            num_processes=cfg.num_processes,
+            use_port=str(free_port()),
+        )
 
 
 def run_hand_loop(cfg: RunConfig, out_dir: str, mode: str) -> dict[str, Any]:
-    """The hand-written loop on cfg.num_processes forked ranks; {'step_time_s', 'weights_sha256', 'weights'
-    (the path of rank 0's full weights, torch.save'd)}."""
-    # On CUDA through a fresh interpreter: the process running the bench may have asked for the GPUs already
-    # (torch.cuda.is_available()), and notebook_launcher's ranks forked from it could not use them.
+    """The hand-written loop on cfg.num_processes forked ranks; {'step_time_s', 'weights_sha256',
+    'weights' (the path of rank 0's full weights, torch.save'd)}."""
+    # On CUDA through a fresh interpreter: the process running the bench may have asked for the GPUs
+    # already (torch.cuda.is_available()), and notebook_launcher's ranks forked from it could not
+    # use them.
     method = "spawn" if resolve_device(cfg) == "cuda" else "fork"
-    proc = multiprocessing.get_context(method).Process(target=_notebook_launch, args=(cfg, out_dir, mode))
+    proc = multiprocessing.get_context(method).Process(
+        target=_notebook_launch, args=(cfg, out_dir, mode)
+    )
     proc.start()
     proc.join()
     if proc.exitcode != 0:
         raise RuntimeError(f"hand-written {mode} loop failed (exit code {proc.exitcode})")
-    return {**json.loads(Path(out_dir, HAND_RESULT).read_text()), "weights": str(Path(out_dir, HAND_WEIGHTS))}
+    return {
+        **json.loads(Path(out_dir, HAND_RESULT).read_text()),
+        "weights": str(Path(out_dir, HAND_WEIGHTS)),
+    }

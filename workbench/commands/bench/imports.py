@@ -1,10 +1,11 @@
 """`workbench bench imports`: what importing the rank side costs on top of torch and accelerate.
 
-Every rank of every spawned or multi-node start runs `python -m workbench.worker`, so whatever the worker
-imports is paid once per rank. The worker loads the trainer only when its rank starts to train, and the
-trainer only the parallel strategy its layout uses. Each pair starts two fresh interpreters back to back,
-one importing torch and accelerate, the other those and then the worker, alternating which goes first so
-a warming page cache favours neither; the verdict is on the median of the pairs' differences.
+Every rank of every spawned or multi-node start runs `python -m workbench.worker`, so whatever the
+worker imports is paid once per rank. The worker loads the trainer only when its rank starts to
+train, and the trainer only the parallel strategy its layout uses. Each pair starts two fresh
+interpreters back to back, one importing torch and accelerate, the other those and then the worker,
+alternating which goes first so a warming page cache favours neither; the verdict is on the median
+of the pairs' differences.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from workbench.commands.bench.results import write_result
 
 BASELINE = "import torch, accelerate"
 RANK_SIDE = "import torch, accelerate, workbench.worker"
-"""The worker on top of what every rank imports anyway, so the difference is workbench's own cost."""
+"""The worker on top of what every rank imports anyway, so the difference is workbench's own
+cost."""
 BUDGET_S = 0.2
 """How much the rank side may add to `import torch, accelerate` (issue 19's bound)."""
 
@@ -48,18 +50,25 @@ class ImportReport:
     def table(self) -> str:
         base, rank = statistics.median(self.baseline_s), statistics.median(self.rank_side_s)
         verdict = "PASS" if self.passed else "FAIL"
-        return "\n".join([
-            f"workbench bench imports: {len(self.differences)} pairs of fresh interpreters",
-            f"  {BASELINE:50} median {base:6.3f} s",
-            f"  {RANK_SIDE:50} median {rank:6.3f} s",
-            f"  added by the rank side: {self.added_s:+.3f} s (median of the pairs; budget "
-            f"{self.budget_s:.1f} s): {verdict}",
-        ])
+        return "\n".join(
+            [
+                f"workbench bench imports: {len(self.differences)} pairs of fresh interpreters",
+                f"  {BASELINE:50} median {base:6.3f} s",
+                f"  {RANK_SIDE:50} median {rank:6.3f} s",
+                f"  added by the rank side: {self.added_s:+.3f} s (median of the pairs; budget "
+                f"{self.budget_s:.1f} s): {verdict}",
+            ]
+        )
 
 
 def _time(statement: str) -> float:
-    out = subprocess.run([sys.executable, "-c", _TIMER.format(statement=statement)], capture_output=True,
-                         text=True, check=True, timeout=300).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _TIMER.format(statement=statement)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
     return float(out.strip().splitlines()[-1])
 
 

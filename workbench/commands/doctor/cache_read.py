@@ -1,8 +1,9 @@
-"""Data cache read speed: MB/s reading the cache directory's files, or a temporary file written there when the
-cache holds too little, bounded in bytes and seconds.
+"""Data cache read speed: MB/s reading the cache directory's files, or a temporary file written
+there when the cache holds too little, bounded in bytes and seconds.
 
-Files are dropped from the page cache first where the OS allows it (posix_fadvise DONTNEED, no root needed for
-clean pages), so the number is the storage's, not RAM's; where it can't, the report says the reads were warm.
+Files are dropped from the page cache first where the OS allows it (posix_fadvise DONTNEED, no root
+needed for clean pages), so the number is the storage's, not RAM's; where it can't, the report says
+the reads were warm.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from workbench.data import cache_dir
 from workbench.utils.units import MiB
 
 _CHUNK = 4 * MiB
-_TMP_PREFIX = ".wb-tmp-doctor-"  # the data cache's temp prefix: leftovers of a killed process are recognised
+_TMP_PREFIX = (
+    ".wb-tmp-doctor-"  # the data cache's temp prefix: leftovers of a killed process are recognised
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ def _drop_from_page_cache(fd: int) -> bool:
 
 
 def read_files(paths: list[Path], max_bytes: int, max_seconds: float) -> tuple[int, float, bool]:
-    """(bytes read, seconds, all dropped from the page cache first) reading `paths` in order, within bounds."""
+    """(bytes read, seconds, all dropped from the page cache first) reading `paths` in order, within
+    bounds."""
     total, cold, elapsed = 0, True, 0.0
     for path in paths:
         with open(path, "rb", buffering=0) as f:
@@ -64,13 +68,19 @@ def read_files(paths: list[Path], max_bytes: int, max_seconds: float) -> tuple[i
 
 
 def cache_files(root: Path) -> list[Path]:
-    """Regular files in the cache, largest first (big sequential reads are what a loader does at start)."""
-    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and not p.name.startswith(".")]
+    """Regular files in the cache, largest first (big sequential reads are what a loader does at
+    start)."""
+    files = [
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink() and not p.name.startswith(".")
+    ]
     return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
 
 
 def measure(root: Path, *, max_bytes: int, max_seconds: float, min_bytes: int) -> ReadSpeed:
-    """Read the cache's files; when they hold fewer than `min_bytes`, write and read a temporary file there."""
+    """Read the cache's files; when they hold fewer than `min_bytes`, write and read a temporary
+    file there."""
     root.mkdir(parents=True, exist_ok=True)  # what the first `workbench data fetch` would do
     files = cache_files(root)
     if sum(p.stat().st_size for p in files) >= min_bytes:
@@ -92,15 +102,34 @@ def measure(root: Path, *, max_bytes: int, max_seconds: float, min_bytes: int) -
 
 def build_cache_read(section: Section, quick: bool) -> None:
     root = cache_dir()
-    speed = measure(root, max_bytes=(64 if quick else 512) * MiB, max_seconds=1.0 if quick else 3.0,
-                    min_bytes=(8 if quick else 64) * MiB)
-    section.data.update(cache_dir=str(root), bytes_read=speed.bytes_read, seconds=speed.seconds,
-                        mb_per_s=speed.mb_per_s, source=speed.source, files=speed.files, cold=speed.cold)
+    speed = measure(
+        root,
+        max_bytes=(64 if quick else 512) * MiB,
+        max_seconds=1.0 if quick else 3.0,
+        min_bytes=(8 if quick else 64) * MiB,
+    )
+    section.data.update(
+        cache_dir=str(root),
+        bytes_read=speed.bytes_read,
+        seconds=speed.seconds,
+        mb_per_s=speed.mb_per_s,
+        source=speed.source,
+        files=speed.files,
+        cold=speed.cold,
+    )
     section.lines.append(f"cache: {root}")
-    section.lines.append(f"read {speed.bytes_read / 1e6:.1f} MB from {speed.files} {speed.source} in "
-                         f"{speed.seconds * 1e3:.0f} ms: {speed.mb_per_s:,.0f} MB/s "
-                         f"({'page cache dropped first' if speed.cold else 'warm: may be RAM, not the disk'})")
+    section.lines.append(
+        f"read {speed.bytes_read / 1e6:.1f} MB from {speed.files} {speed.source} in "
+        f"{speed.seconds * 1e3:.0f} ms: {speed.mb_per_s:,.0f} MB/s "
+        f"({'page cache dropped first' if speed.cold else 'warm: may be RAM, not the disk'})"
+    )
     if speed.mb_per_s < 100:
-        section.findings.append(Finding(
-            "warn", f"the data cache reads at {speed.mb_per_s:.0f} MB/s ({root}): a network or throttled disk",
-            "point WORKBENCH_DATA_DIR at local disk (e.g. NVMe scratch) and fetch the datasets there"))
+        section.findings.append(
+            Finding(
+                "warn",
+                f"the data cache reads at {speed.mb_per_s:.0f} MB/s ({root}): a network or "
+                "throttled disk",
+                "point WORKBENCH_DATA_DIR at local disk (e.g. NVMe scratch) and fetch the "
+                "datasets there",
+            )
+        )

@@ -1,5 +1,5 @@
-"""`workbench doctor`: runs every section (each on its own: one failing never stops the others), then assembles
-the "what to fix" list from their findings; as text or JSON."""
+"""`workbench doctor`: runs every section (each on its own: one failing never stops the others),
+then assembles the "what to fix" list from their findings; as text or JSON."""
 
 from __future__ import annotations
 
@@ -52,8 +52,11 @@ class DoctorReport:
         return sorted(seen.values(), key=lambda f: _ORDER[f.level])
 
     def to_json(self) -> dict[str, Any]:
-        return {"quick": self.quick, "sections": {s.key: s.to_json() for s in self.sections},
-                "fixes": [{"level": f.level, "text": f.text, "fix": f.fix} for f in self.fixes()]}
+        return {
+            "quick": self.quick,
+            "sections": {s.key: s.to_json() for s in self.sections},
+            "fixes": [{"level": f.level, "text": f.text, "fix": f.fix} for f in self.fixes()],
+        }
 
     def json(self) -> str:
         """Strict JSON: a non-finite number (a rate over zero seconds) becomes null."""
@@ -69,7 +72,10 @@ class DoctorReport:
             out += [f"  {f.line()}" for f in s.findings]
         out.append("\n== What to fix ==")
         fixes = self.fixes()
-        out += [f"  {i}. {f.text}" + (f"\n     fix: {f.fix}" if f.fix else "") for i, f in enumerate(fixes, 1)]
+        out += [
+            f"  {i}. {f.text}" + (f"\n     fix: {f.fix}" if f.fix else "")
+            for i, f in enumerate(fixes, 1)
+        ]
         if not fixes:
             out.append("  nothing: no known problems found")
         return "\n".join(out)
@@ -90,15 +96,23 @@ def default_ranks(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else 2
 
 
-def run_doctor(cfg: RunConfig | None = None, *, quick: bool = False, ranks: int | None = None,
-               deadline_s: float = 120.0, skip: tuple[str, ...] = (), env: Mapping[str, str] | None = None,
-               topo_text: str | None = None) -> DoctorReport:
+def run_doctor(
+    cfg: RunConfig | None = None,
+    *,
+    quick: bool = False,
+    ranks: int | None = None,
+    deadline_s: float = 120.0,
+    skip: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
+    topo_text: str | None = None,
+) -> DoctorReport:
     """Check this machine for distributed training.
 
-    cfg: the run whose task, micro_batch_size and num_workers the input-pipeline section measures (default:
-    digits with RunConfig's defaults). ranks: all-reduce ranks (default: every GPU, or 2 on CPU). deadline_s:
-    the most the all-reduce sweep may take before its ranks are killed. skip: section keys to leave out.
-    env / topo_text: stand-ins for os.environ and `nvidia-smi topo -m` (tests).
+    cfg: the run whose task, micro_batch_size and num_workers the input-pipeline section measures
+    (default: digits with RunConfig's defaults). ranks: all-reduce ranks (default: every GPU, or 2
+    on CPU). deadline_s: the most the all-reduce sweep may take before its ranks are killed. skip:
+    section keys to leave out. env / topo_text: stand-ins for os.environ and `nvidia-smi topo -m`
+    (tests).
     """
     cfg = cfg or RunConfig(task="digits")
     env = os.environ if env is None else env
@@ -116,12 +130,29 @@ def run_doctor(cfg: RunConfig | None = None, *, quick: bool = False, ranks: int 
     devices = add("devices", lambda s: build_devices(s, topo_text))
     add("versions", build_versions)
     gpus = len(devices.data.get("gpus", [])) if devices else torch.cuda.device_count()
-    add("environment", lambda s: build_environment(
-        s, env, cpus=cpu_counts()[0], cpu_ranks=ranks if device == "cpu" else 0, visible_gpus=gpus,
-        physical_gpus=devices.data.get("physical_gpus") if devices else None))
-    nvlink = bool(devices and any(v.startswith("NV") for v in devices.data.get("links", {}).values()))
-    add("allreduce", lambda s: build_allreduce(s, ranks=ranks, device=device, quick=quick, deadline_s=deadline_s,
-                                               nvlink=nvlink))
-    add("input_pipeline", lambda s: build_input_pipeline(s, cfg, quick, ranks if device == "cpu" else 1))
+    add(
+        "environment",
+        lambda s: build_environment(
+            s,
+            env,
+            cpus=cpu_counts()[0],
+            cpu_ranks=ranks if device == "cpu" else 0,
+            visible_gpus=gpus,
+            physical_gpus=devices.data.get("physical_gpus") if devices else None,
+        ),
+    )
+    nvlink = bool(
+        devices and any(v.startswith("NV") for v in devices.data.get("links", {}).values())
+    )
+    add(
+        "allreduce",
+        lambda s: build_allreduce(
+            s, ranks=ranks, device=device, quick=quick, deadline_s=deadline_s, nvlink=nvlink
+        ),
+    )
+    add(
+        "input_pipeline",
+        lambda s: build_input_pipeline(s, cfg, quick, ranks if device == "cpu" else 1),
+    )
     add("cache_read", lambda s: build_cache_read(s, quick))
     return report

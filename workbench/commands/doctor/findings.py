@@ -1,4 +1,5 @@
-"""What every doctor section returns: the lines to show, the numbers behind them, and findings with their fix."""
+"""What every doctor section returns: the lines to show, the numbers behind them, and findings with
+their fix."""
 
 from __future__ import annotations
 
@@ -43,19 +44,26 @@ class Section:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"title": self.title, "lines": self.lines, "data": self.data,
-                "findings": [asdict(f) for f in self.findings], "error": self.error,
-                "seconds": round(self.seconds, 3)}
+        return {
+            "title": self.title,
+            "lines": self.lines,
+            "data": self.data,
+            "findings": [asdict(f) for f in self.findings],
+            "error": self.error,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def guarded(key: str, title: str, build: Callable[[Section], None]) -> Section:
-    """Run one section's `build` on a fresh Section; an exception becomes the section's error line, so one
-    failing section never stops the others (the traceback goes to the debug log, not the report)."""
+    """Run one section's `build` on a fresh Section; an exception becomes the section's error line,
+    so one failing section never stops the others (the traceback goes to the debug log, not the
+    report)."""
     section = Section(key, title)
     start = time.perf_counter()
     try:
         build(section)
-    except Exception as e:  # noqa: BLE001  (whatever went wrong is reported as this section's error)
+    except Exception as e:  # noqa: BLE001
+        # whatever went wrong is reported as this section's error
         log.debug("doctor: section %s failed\n%s", key, traceback.format_exc())
         section.error = f"{type(e).__name__}: {e}".splitlines()[0]
         section.findings.append(Finding("error", f"{title}: could not run ({section.error})"))

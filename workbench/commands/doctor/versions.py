@@ -1,4 +1,5 @@
-"""Versions: python, torch and what it was built with (CUDA, cuDNN, NCCL), accelerate, the NVIDIA driver."""
+"""Versions: python, torch and what it was built with (CUDA, cuDNN, NCCL), accelerate, the NVIDIA
+driver."""
 
 from __future__ import annotations
 
@@ -51,9 +52,13 @@ def build_versions(section: Section) -> None:
     section.data.update(v)
     section.lines.append(f"python {v['python']} ({v['python_executable']})")
     if v["torch_cuda"]:
-        section.lines.append(f"torch {v['torch']}, built with CUDA {v['torch_cuda']}, cuDNN {v['cudnn'] or '-'}, "
-                             f"NCCL {v['nccl'] or '-'}")
+        section.lines.append(
+            f"torch {v['torch']}, built with CUDA {v['torch_cuda']}, cuDNN {v['cudnn'] or '-'}, "
+            f"NCCL {v['nccl'] or '-'}"
+        )
     else:
         section.lines.append(f"torch {v['torch']} (CPU build: no CUDA, no NCCL; gloo only)")
     section.lines.append(f"accelerate {v['accelerate'] or 'not installed'}")
-    section.lines.append(f"NVIDIA driver {v['driver']}" if v["driver"] else "NVIDIA driver: none (no nvidia-smi)")
+    section.lines.append(
+        f"NVIDIA driver {v['driver']}" if v["driver"] else "NVIDIA driver: none (no nvidia-smi)"
+    )

@@ -1,7 +1,8 @@
-"""wb.Panel: pick a run's settings in widgets, see what they imply, launch, stop, and watch it train.
+"""wb.Panel: pick a run's settings in widgets, see what they imply, launch, stop, and watch it
+train.
 
-panel.py (Panel: layout, actions, the one view of the state), state.py (PanelState), controls.py (the
-widgets for RunConfig fields and their labels).
+panel.py (Panel: layout, actions, the one view of the state), state.py (PanelState), controls.py
+(the widgets for RunConfig fields and their labels).
 """
 
 from __future__ import annotations

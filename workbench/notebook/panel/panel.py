@@ -1,8 +1,10 @@
-"""wb.Panel: pick a run's settings in widgets, see what they imply, launch, stop, and watch it train.
+"""wb.Panel: pick a run's settings in widgets, see what they imply, launch, stop, and watch it
+train.
 
-State lives in a traitlets model (`PanelState`); one observer re-derives every widget from it, so the
-view can't drift from the state whichever way it changed: a control, a button, a method call, or the
-thread that waits for the run. The logic needs no browser: tests drive the widgets' values and methods.
+State lives in a traitlets model (`PanelState`); one observer re-derives every widget from it, so
+the view can't drift from the state whichever way it changed: a control, a button, a method call, or
+the thread that waits for the run. The logic needs no browser: tests drive the widgets' values and
+methods.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from workbench.launcher.launch import Run
 from workbench.launcher.processes import describe_launch
 from workbench.launcher.result import RunResult
 from workbench.notebook.dashboard import Dashboard
-from workbench.notebook.panel.controls import build_controls, precision_options, read_micro_batch, task_options
+from workbench.notebook.panel.controls import (
+    build_controls,
+    precision_options,
+    read_micro_batch,
+    task_options,
+)
 from workbench.notebook.panel.estimates import EstimateBox
 from workbench.notebook.panel.mesh_view import layout_html
 from workbench.notebook.panel.panel_state import ACTIVE, PanelState
@@ -39,6 +46,7 @@ from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.kernel import in_kernel
 
 log = logging.getLogger("workbench")
+
 
 def _html(css_class: str, value: str = "") -> widgets.HTML:
     box = widgets.HTML(value)
@@ -55,23 +63,39 @@ def _button(description: str, css_class: str, **kwargs: Any) -> widgets.Button:
 class Panel(RunActions):
     """Controls for a RunConfig, what they imply, Launch/Stop, and the live dashboard of the run.
 
-    `Panel(cfg)` fills the controls from `cfg`; fields without a control keep cfg's values. Pass your own
-    Task object as `task=` to offer it beside the built-in tasks; `target=` plans for catalog GPUs;
-    `cluster=wb.Slurm(...)` starts with "where" on that Slurm cluster (Launch submits). In a notebook the panel
-    displays itself.
+    `Panel(cfg)` fills the controls from `cfg`; fields without a control keep cfg's values. Pass
+    your own Task object as `task=` to offer it beside the built-in tasks; `target=` plans for
+    catalog GPUs; `cluster=wb.Slurm(...)` starts with "where" on that Slurm cluster (Launch
+    submits). In a notebook the panel displays itself.
     """
 
     poll_interval = 1.0
     """Seconds between dashboard reads of the run directory."""
 
-    def __init__(self, cfg: RunConfig | None = None, *, task: Task | None = None, target: Target | str | None = None,
-                 cluster: Slurm | None = None, display: bool = True, estimate: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig | None = None,
+        *,
+        task: Task | None = None,
+        target: Target | str | None = None,
+        cluster: Slurm | None = None,
+        display: bool = True,
+        estimate: bool = True,
+    ) -> None:
         if task is not None and not isinstance(task, Task):
-            raise TypeError(f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()")
+            raise TypeError(
+                f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()"
+            )
         if cluster is not None and not isinstance(cluster, Slurm):
-            raise TypeError(f"cluster={cluster!r}: pass a workbench.Slurm, e.g. cluster=wb.Slurm(partition='gpu')")
+            raise TypeError(
+                f"cluster={cluster!r}: pass a workbench.Slurm, e.g. "
+                "cluster=wb.Slurm(partition='gpu')"
+            )
         if cfg is not None and not isinstance(cfg, RunConfig):
-            raise TypeError(f"cfg={cfg!r}: pass a workbench.RunConfig, e.g. wb.Panel(wb.RunConfig(task='digits'))")
+            raise TypeError(
+                f"cfg={cfg!r}: pass a workbench.RunConfig, e.g. "
+                "wb.Panel(wb.RunConfig(task='digits'))"
+            )
         self.user_task = task
         base = cfg or (RunConfig(task=task.name) if task else RunConfig())
         if task is not None and base.task != task.name:
@@ -86,11 +110,15 @@ class Panel(RunActions):
         self._final_shown = False
         self._filling = False
         self._processes_here: int | None = None
-        """The processes box's value on this machine while the target is elsewhere (restored on return)."""
+        """The processes box's value on this machine while the target is elsewhere (restored on
+        return)."""
         self._lock = threading.RLock()  # the waiting thread and the kernel both change status
         self.live_estimate = estimate
-        """Estimate memory, time and cost as the controls change (it traces a step in this process)."""
-        self._build_widgets(base, Target(gpu=target) if isinstance(target, str) else target, cluster)
+        """Estimate memory, time and cost as the controls change (it traces a step in this
+        process)."""
+        self._build_widgets(
+            base, Target(gpu=target) if isinstance(target, str) else target, cluster
+        )
         self.state.observe(self._render)
         self._fill(base)
         self._displayed_in: int | None = None
@@ -102,18 +130,22 @@ class Panel(RunActions):
 
             from workbench.regress.recording import headless
 
-            if estimate and headless():  # the saved output is all its reader gets: with the estimate, then
+            if (
+                estimate and headless()
+            ):  # the saved output is all its reader gets: with the estimate, then
                 with contextlib.suppress(TimeoutError):
                     self.estimate_box.wait(timeout=60)
             self._display = show(self._repr_mimebundle_(), raw=True, display_id=True)
             self._displayed_in = get_ipython().execution_count
 
-    # ---- widgets ------------------------------------------------------------------------------------
+    # ---- widgets ---------------------------------------------------------------------------------
     def _build_widgets(self, base: RunConfig, target: Target | None, cluster: Slurm | None) -> None:
         self.target_controls = TargetControls(target, cluster, base)
         self.target_controls.on_change(self._on_target)
         self.device = resolve_device(base, detect())
-        self.controls, self.precision_reasons = build_controls(self.device, self._task_options(base.task))
+        self.controls, self.precision_reasons = build_controls(
+            self.device, self._task_options(base.task)
+        )
         for control in self.controls.values():
             control.observe(self._on_control, names="value")
         self.task_controls = TaskControls(self._task_object(base.task), base.task_options)
@@ -126,41 +158,102 @@ class Panel(RunActions):
         self.estimate_box = EstimateBox()
         self.problem_box = _html("wb-problem")
         self.launch_button = _button("Launch", "wb-launch", button_style="success", icon="play")
-        self.stop_button = _button("Stop", "wb-stop", button_style="warning", icon="stop",
-                                   tooltip="Ranks agree on a step, save a checkpoint and exit")
-        self.yaml_path = widgets.Text(value="run.yaml", description="YAML file",
-                                      layout=widgets.Layout(width="260px"))
-        self.save_button = _button("Save as YAML", "wb-save", icon="save",
-                                   tooltip="Write the config for `workbench train FILE`")
-        self.resume_button = _button("Resume", "wb-resume", icon="forward",
-                                     tooltip="Continue the last run from its newest checkpoint, with these settings")
-        for button, action in ((self.launch_button, self.launch), (self.stop_button, self.stop),
-                               (self.resume_button, self.resume), (self.save_button, self.save_yaml)):
+        self.stop_button = _button(
+            "Stop",
+            "wb-stop",
+            button_style="warning",
+            icon="stop",
+            tooltip="Ranks agree on a step, save a checkpoint and exit",
+        )
+        self.yaml_path = widgets.Text(
+            value="run.yaml", description="YAML file", layout=widgets.Layout(width="260px")
+        )
+        self.save_button = _button(
+            "Save as YAML",
+            "wb-save",
+            icon="save",
+            tooltip="Write the config for `workbench train FILE`",
+        )
+        self.resume_button = _button(
+            "Resume",
+            "wb-resume",
+            icon="forward",
+            tooltip="Continue the last run from its newest checkpoint, with these settings",
+        )
+        for button, action in (
+            (self.launch_button, self.launch),
+            (self.stop_button, self.stop),
+            (self.resume_button, self.resume),
+            (self.save_button, self.save_yaml),
+        ):
             button.on_click(self._on_click(action))
         self.status_box = _html("wb-status-line")
         self.error_box = _html("wb-error")
         self.dashboard_box = widgets.VBox([])
         c = self.controls
-        left = widgets.VBox([c["task"], self.task_controls.widget, self.target_controls.widget,
-                             widgets.HBox([c["num_processes"], self.limit]), c["oversubscribe"], c["parallelism"],
-                             self.mode_info, c["dp_shard"], c["tp"], c["cp"], c["pp"], c["pp_schedule"],
-                             c["pp_virtual_stages"],
-                             c["activation_checkpointing"], c["compile"], c["precision"], c["micro_batch_size"],
-                             c["grad_accum_steps"], c["max_steps"], c["lr"], c["run_name"]],
-                            layout=widgets.Layout(flex="0 0 auto"))  # the controls keep their width
+        left = widgets.VBox(
+            [
+                c["task"],
+                self.task_controls.widget,
+                self.target_controls.widget,
+                widgets.HBox([c["num_processes"], self.limit]),
+                c["oversubscribe"],
+                c["parallelism"],
+                self.mode_info,
+                c["dp_shard"],
+                c["tp"],
+                c["cp"],
+                c["pp"],
+                c["pp_schedule"],
+                c["pp_virtual_stages"],
+                c["activation_checkpointing"],
+                c["compile"],
+                c["precision"],
+                c["micro_batch_size"],
+                c["grad_accum_steps"],
+                c["max_steps"],
+                c["lr"],
+                c["run_name"],
+            ],
+            layout=widgets.Layout(flex="0 0 auto"),
+        )  # the controls keep their width
         self.layout_box = _html("wb-layout-box")
-        # what the settings imply takes the room left, and goes below the controls when there is too little
-        right = widgets.VBox([widgets.HTML("<b>What this implies</b>"), self.batch_info, self.launch_info,
-                              self.layout_box, self.estimate_box.widget],
-                             layout=widgets.Layout(margin="0 0 0 1.5em", flex="1 1 320px", min_width="300px",
-                                                   max_width="560px"))
-        self.widget = widgets.VBox([
-            widgets.HTML("<h3 style='margin:0.2em 0'>workbench: configure a run</h3>"),
-            widgets.HBox([left, right], layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start")),
-            self.problem_box,
-            widgets.HBox([self.launch_button, self.stop_button, self.resume_button, self.yaml_path, self.save_button]),
-            self.status_box, self.error_box, self.dashboard_box,
-        ])
+        # what the settings imply takes the room left, and goes below the controls when there is too
+        # little
+        right = widgets.VBox(
+            [
+                widgets.HTML("<b>What this implies</b>"),
+                self.batch_info,
+                self.launch_info,
+                self.layout_box,
+                self.estimate_box.widget,
+            ],
+            layout=widgets.Layout(
+                margin="0 0 0 1.5em", flex="1 1 320px", min_width="300px", max_width="560px"
+            ),
+        )
+        self.widget = widgets.VBox(
+            [
+                widgets.HTML("<h3 style='margin:0.2em 0'>workbench: configure a run</h3>"),
+                widgets.HBox(
+                    [left, right],
+                    layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start"),
+                ),
+                self.problem_box,
+                widgets.HBox(
+                    [
+                        self.launch_button,
+                        self.stop_button,
+                        self.resume_button,
+                        self.yaml_path,
+                        self.save_button,
+                    ]
+                ),
+                self.status_box,
+                self.error_box,
+                self.dashboard_box,
+            ]
+        )
         self.widget.add_class("wb-panel")
 
     def _task_options(self, selected: str) -> list[tuple[str, str]]:
@@ -168,20 +261,25 @@ class Panel(RunActions):
 
     @property
     def estimates(self) -> widgets.HTML:
-        """The estimate box's HTML: memory per rank against the target, time and cost, what to change."""
+        """The estimate box's HTML: memory per rank against the target, time and cost, what to
+        change."""
         return self.estimate_box.html
 
     def _request_estimate(self) -> None:
-        # While a run goes, its ranks have the cores; the box shows the estimate it was launched with.
+        # While a run goes, its ranks have the cores; the box shows the estimate it was launched
+        # with.
         if self.live_estimate and self.state.status not in ACTIVE:
-            if self.state.problem:  # a plan that can't run gets no figures and no verdict: its reason is above
+            if (
+                self.state.problem
+            ):  # a plan that can't run gets no figures and no verdict: its reason is above
                 self.estimate_box.withhold("none while the plan can't run")
                 return
-            # A plan for hardware elsewhere can't launch here but is a plan to estimate, on its target.
+            # A plan for hardware elsewhere can't launch here but is a plan to estimate, on its
+            # target.
             cfg = self.state.config
             self.estimate_box.request(cfg, self.task_for(cfg.task) if cfg else None, self.target)
 
-    # ---- controls <-> RunConfig ---------------------------------------------------------------------
+    # ---- controls <-> RunConfig ------------------------------------------------------------------
     def _control_values(self) -> dict[str, Any]:
         values = {name: control.value for name, control in self.controls.items()}
         values["run_name"] = values["run_name"].strip() or None
@@ -191,8 +289,9 @@ class Panel(RunActions):
 
     @property
     def config(self) -> RunConfig:
-        """The RunConfig as the controls stand; ValueError (RunConfig's message) when they don't form one. A
-        config made for this machine's CPU (device='cpu') planned for GPUs elsewhere runs on their devices."""
+        """The RunConfig as the controls stand; ValueError (RunConfig's message) when they don't
+        form one. A config made for this machine's CPU (device='cpu') planned for GPUs elsewhere
+        runs on their devices."""
         values = self._control_values()
         if self._base.device == "cpu" and not self.target.cpu_nodes:
             values["device"] = "auto"
@@ -206,7 +305,9 @@ class Panel(RunActions):
     @config.setter
     def config(self, cfg: RunConfig) -> None:
         if self.state.status in ACTIVE:
-            raise RuntimeError("the settings are frozen while a run is going: stop it or wait for it first")
+            raise RuntimeError(
+                "the settings are frozen while a run is going: stop it or wait for it first"
+            )
         self._base = cfg
         self._fill(cfg)
 
@@ -218,29 +319,36 @@ class Panel(RunActions):
             self._relabel_precisions(shown=cfg.precision)
             for name, control in c.items():
                 value = getattr(cfg, name)
-                control.value = "" if value is None else str(value) if name == "micro_batch_size" else value
+                control.value = (
+                    "" if value is None else str(value) if name == "micro_batch_size" else value
+                )
             self._follow_target(cfg)
         self._derive()
 
     def _follow_target(self, cfg: RunConfig) -> None:
-        """A target elsewhere decides the world size: processes become its GPUs x nodes, and the panel says so
-        when the config had another count (restored when the target is this machine again)."""
+        """A target elsewhere decides the world size: processes become its GPUs x nodes, and the
+        panel says so when the config had another count (restored when the target is this machine
+        again)."""
         world = self.target_controls.world
         if world is None or self.target_controls.problem() or world == cfg.num_processes:
             return
         self._processes_here = cfg.num_processes
         self.controls["num_processes"].value = world
-        self.state.message = (f"processes set to {world} for the target's {self.target.describe(cfg)} (the config "
-                              f"had num_processes={cfg.num_processes})")
+        self.state.message = (
+            f"processes set to {world} for the target's {self.target.describe(cfg)} (the config "
+            f"had num_processes={cfg.num_processes})"
+        )
 
     @contextlib.contextmanager
     def _quietly(self) -> Iterator[None]:
-        """Set controls from code without each change re-deriving the panel (the caller derives once)."""
+        """Set controls from code without each change re-deriving the panel (the caller derives
+        once)."""
         before, self._filling = self._filling, True
         try:
             yield
         finally:
-            self._filling = before  # nested (a fill that relabels the precisions): still filling after the inner
+            # nested (a fill that relabels the precisions): still filling after the inner
+            self._filling = before
 
     def _on_control(self, change: dict[str, Any]) -> None:
         if self._filling:
@@ -254,8 +362,11 @@ class Panel(RunActions):
                 self.target_controls.follow_processes(change["new"])
         if change["owner"] is c["parallelism"]:
             with self._quietly():  # the shard group is hsdp's alone: a valid size on, 0 off
-                c["dp_shard"].value = (default_shard_group(c["num_processes"].value, c["tp"].value)
-                                       if change["new"] == "hsdp" else 0)
+                c["dp_shard"].value = (
+                    default_shard_group(c["num_processes"].value, c["tp"].value)
+                    if change["new"] == "hsdp"
+                    else 0
+                )
         self._derive()
 
     def _on_target(self) -> None:
@@ -265,16 +376,21 @@ class Panel(RunActions):
         self._relabel_precisions()
         world, processes = self.target_controls.world, self.controls["num_processes"]
         with self._quietly():
-            if world is None and self._processes_here is not None:  # back on this machine: its own count
+            if (
+                world is None and self._processes_here is not None
+            ):  # back on this machine: its own count
                 processes.value, self._processes_here = self._processes_here, None
-            elif world is not None and not self.target_controls.problem():  # it follows GPUs x nodes
+            elif (
+                world is not None and not self.target_controls.problem()
+            ):  # it follows GPUs x nodes
                 if self._processes_here is None:
                     self._processes_here = processes.value
                 processes.value = world
         self._derive()
 
     def _task_object(self, name: str) -> Task | None:
-        """The task named `name` (the user's or the registry's), or None when no task has that name."""
+        """The task named `name` (the user's or the registry's), or None when no task has that
+        name."""
         try:
             return self.task_for(name) or get_task(name)
         except ValueError:
@@ -282,15 +398,19 @@ class Panel(RunActions):
 
     def task_for(self, name: str) -> Task | None:
         """The user's Task object when `name` is its name; None means the registry resolves it."""
-        return self.user_task if self.user_task is not None and name == self.user_task.name else None
+        return (
+            self.user_task if self.user_task is not None and name == self.user_task.name else None
+        )
 
     def _derive(self) -> None:
-        # first, before anything that takes time: what the panel shows is for the settings before this change
+        # first, before anything that takes time: what the panel shows is for the settings before
+        # this change
         self.estimate_box.mark_stale()
         cfg: RunConfig | None = None
         try:
             cfg = self.config
-            # where the run goes comes first: a plan for a cluster that can't be read says that, not a size
+            # where the run goes comes first: a plan for a cluster that can't be read says that, not
+            # a size
             problem = self.target_controls.problem()
             if not problem:
                 check_plan(cfg, self.target, self.task_for(cfg.task))
@@ -304,7 +424,7 @@ class Panel(RunActions):
         self._render()
         self._request_estimate()
 
-    # ---- the one view of the state ------------------------------------------------------------------
+    # ---- the one view of the state ---------------------------------------------------------------
     def _render(self, change: Any = None) -> None:
         with self._lock:
             s = self.state
@@ -327,17 +447,24 @@ class Panel(RunActions):
             self.limit.value = self.target_controls.limit_html(cfg)
             self._show_fields(cfg)
             self.layout_box.value = layout_html(cfg, s.problem)
-            self.problem_box.value = ("" if not s.problem else
-                                      "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
-                                      f"{html.escape(s.problem)}</div>")
+            self.problem_box.value = (
+                ""
+                if not s.problem
+                else "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
+                f"{html.escape(s.problem)}</div>"
+            )
             # the problem line says why a plan can't run; the status line only points at it
-            self.status_box.value = status_html(s, self.run.run_dir.name if self.run else "",
-                                                resumable=self._resumable(),
-                                                blocked="see the problem above" if s.problem else blocked)
+            self.status_box.value = status_html(
+                s,
+                self.run.run_dir.name if self.run else "",
+                resumable=self._resumable(),
+                blocked="see the problem above" if s.problem else blocked,
+            )
             self.error_box.value = error_html(s.error)
 
     def _launch_html(self, cfg: RunConfig | None, problem: str) -> str:
-        """How Launch starts the run: its processes here, the Slurm job it submits, or only a plan."""
+        """How Launch starts the run: its processes here, the Slurm job it submits, or only a
+        plan."""
         target = self.target
         if cfg is None:
             return ""
@@ -350,8 +477,8 @@ class Panel(RunActions):
         return f"planned for {html.escape(target.describe(cfg))}"
 
     def _relabel_precisions(self, shown: str | None = None) -> None:
-        """Precisions are marked unavailable for the target's devices, not this machine's. `shown`: the value
-        to show (a config's own), offered even where workbench doesn't train it."""
+        """Precisions are marked unavailable for the target's devices, not this machine's. `shown`:
+        the value to show (a config's own), offered even where workbench doesn't train it."""
         target = self.target
         hw = target.hardware(self._base)
         device = self.device if target.local else "cpu" if target.cpu_nodes else "cuda"
@@ -369,27 +496,35 @@ class Panel(RunActions):
         c["dp_shard"].layout.display = None if parallelism == "hsdp" else "none"
         piped = (cfg.pp if cfg else c["pp"].value) > 1
         c["pp_schedule"].layout.display = None if piped else "none"
-        c["pp_virtual_stages"].layout.display = None if piped and c["pp_schedule"].value in INTERLEAVED else "none"
+        c["pp_virtual_stages"].layout.display = (
+            None if piped and c["pp_schedule"].value in INTERLEAVED else "none"
+        )
         cpu_here = self.target.local and not detect().has_cuda
         c["oversubscribe"].layout.display = None if cpu_here else "none"
-        self.mode_info.value = f"<small>{html.escape(PARALLELISM_MODES.get(parallelism, ''))}</small>"
+        self.mode_info.value = (
+            f"<small>{html.escape(PARALLELISM_MODES.get(parallelism, ''))}</small>"
+        )
 
-    # ---- display ------------------------------------------------------------------------------------
+    # ---- display ---------------------------------------------------------------------------------
     def _ipython_display_(self) -> None:
         from IPython import get_ipython
         from IPython.display import display
 
         shell = get_ipython()
-        # The constructor already showed the panel in this cell; `wb.Panel(cfg)` as a cell's last line
-        # would otherwise show it twice.
+        # The constructor already showed the panel in this cell; `wb.Panel(cfg)` as a cell's last
+        # line would otherwise show it twice.
         if shell is None or shell.execution_count != self._displayed_in:
             self._display = display(self._repr_mimebundle_(), raw=True, display_id=True)
 
     def __repr__(self) -> str:
-        return f"<workbench.Panel status={self.state.status!r} run={self.run.run_dir.name if self.run else None!r}>"
+        return (
+            f"<workbench.Panel status={self.state.status!r} "
+            f"run={self.run.run_dir.name if self.run else None!r}>"
+        )
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        """The live widget, plus a static snapshot for frontends without a kernel (papermill output, nbconvert)."""
+        """The live widget, plus a static snapshot for frontends without a kernel (papermill output,
+        nbconvert)."""
         from workbench.notebook.snapshot import panel_html
 
         bundle = self.widget._repr_mimebundle_(**kwargs)

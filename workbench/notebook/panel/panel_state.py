@@ -19,12 +19,15 @@ class PanelState(traitlets.HasTraits):
     problem = traitlets.Unicode("")
     """Why the controls can't launch: RunConfig's own ValueError message; '' when they can."""
     status = traitlets.Unicode("ready")
-    """ready | launching | stopping, or the run's own Status (running, completed, stopped, failed)."""
+    """ready | launching | stopping, or the run's own Status (running, completed, stopped,
+    failed)."""
     error = traitlets.Unicode("")
-    """The last failure: a rank's RunFailedError text, or an exception raised by a button's action."""
+    """The last failure: a rank's RunFailedError text, or an exception raised by a button's
+    action."""
     message = traitlets.Unicode("")
     """A note for the user, e.g. where the YAML went."""
     job = traitlets.Unicode("")
-    """A submitted run's Slurm job as Slurm tells it: 'Slurm job 42 PENDING (Resources)'; '' for a local run."""
+    """A submitted run's Slurm job as Slurm tells it: 'Slurm job 42 PENDING (Resources)'; '' for a
+    local run."""
     busy = traitlets.Bool(False)
     """A button's action is running: every button is off until it returns."""

@@ -1,6 +1,7 @@
-"""The panel's "where": this machine (run here, or plan for catalog GPUs to rent), or a Slurm cluster (a partition
-`sinfo` lists; Launch submits). The target is the hardware a run is planned for; its world size is the run's:
-the processes box and GPUs (or ranks) per node x nodes are one number, kept equal whichever the user changes."""
+"""The panel's "where": this machine (run here, or plan for catalog GPUs to rent), or a Slurm
+cluster (a partition `sinfo` lists; Launch submits). The target is the hardware a run is planned
+for; its world size is the run's: the processes box and GPUs (or ranks) per node x nodes are one
+number, kept equal whichever the user changes."""
 
 from __future__ import annotations
 
@@ -22,39 +23,78 @@ HERE, SLURM = "here", "slurm"
 
 
 class TargetControls:
-    """Where the run goes (this machine or a Slurm cluster), the device it is planned for, GPUs (ranks) per node
-    and nodes, and the line that says what the target has. `on_change` callbacks run once per change."""
+    """Where the run goes (this machine or a Slurm cluster), the device it is planned for, GPUs
+    (ranks) per node and nodes, and the line that says what the target has. `on_change` callbacks
+    run once per change."""
 
-    def __init__(self, target: Target | None = None, cluster: Slurm | None = None,
-                 cfg: RunConfig | None = None) -> None:
+    def __init__(
+        self,
+        target: Target | None = None,
+        cluster: Slurm | None = None,
+        cfg: RunConfig | None = None,
+    ) -> None:
         target = target or Target()
         self.catalog = target.catalog
         self.names = sorted(load_catalog(target.catalog))
-        self.where = widgets.ToggleButtons(options=[("this machine", HERE), ("Slurm cluster", SLURM)],
-                                           value=SLURM if cluster else HERE, description="where", style=STYLE,
-                                           tooltips=["run here, or plan for GPUs to rent",
-                                                     "submit to a Slurm cluster's partition (sinfo's)"])
-        self.gpu = widgets.Dropdown(options=self._gpu_options(), value=target.gpu, description="target",
-                                    style=STYLE, layout=widgets.Layout(width="380px"),
-                                    tooltip="the hardware the run is planned for: checks, rank layout and "
-                                            "estimate are for it")
+        self.where = widgets.ToggleButtons(
+            options=[("this machine", HERE), ("Slurm cluster", SLURM)],
+            value=SLURM if cluster else HERE,
+            description="where",
+            style=STYLE,
+            tooltips=[
+                "run here, or plan for GPUs to rent",
+                "submit to a Slurm cluster's partition (sinfo's)",
+            ],
+        )
+        self.gpu = widgets.Dropdown(
+            options=self._gpu_options(),
+            value=target.gpu,
+            description="target",
+            style=STYLE,
+            layout=widgets.Layout(width="380px"),
+            tooltip="the hardware the run is planned for: checks, rank layout and "
+            "estimate are for it",
+        )
         per_node = cluster.per_node(cfg or RunConfig()) if cluster else None
-        # one under the other, labelled like every control: side by side they overflowed a narrow notebook
-        self.gpus_per_node = widgets.BoundedIntText(value=per_node or target.gpus_per_node or 8, min=1, max=1024,
-                                                    description="GPUs per node", style=STYLE,
-                                                    layout=widgets.Layout(width="220px"))
-        self.nodes = widgets.BoundedIntText(value=cluster.nodes if cluster else target.nodes, min=1, max=4096,
-                                            description="nodes", style=STYLE, layout=widgets.Layout(width="220px"))
-        for control, css in ((self.where, "wb-where"), (self.gpu, "wb-target"), (self.gpus_per_node, "wb-target-gpus"),
-                             (self.nodes, "wb-target-nodes")):
+        # one under the other, labelled like every control: side by side they overflowed a narrow
+        # notebook
+        self.gpus_per_node = widgets.BoundedIntText(
+            value=per_node or target.gpus_per_node or 8,
+            min=1,
+            max=1024,
+            description="GPUs per node",
+            style=STYLE,
+            layout=widgets.Layout(width="220px"),
+        )
+        self.nodes = widgets.BoundedIntText(
+            value=cluster.nodes if cluster else target.nodes,
+            min=1,
+            max=4096,
+            description="nodes",
+            style=STYLE,
+            layout=widgets.Layout(width="220px"),
+        )
+        for control, css in (
+            (self.where, "wb-where"),
+            (self.gpu, "wb-target"),
+            (self.gpus_per_node, "wb-target-gpus"),
+            (self.nodes, "wb-target-nodes"),
+        ):
             control.add_class(css)
         self.slurm = SlurmControls(cluster)
         self.size_box = widgets.VBox([self.gpus_per_node, self.nodes])
         self.widget = widgets.VBox([self.where, self.slurm.widget, self.gpu, self.size_box])
         self._callbacks: list[Callable[[], None]] = []
         self._refreshing = False
-        for control in (self.where, self.gpu, self.gpus_per_node, self.nodes, self.slurm.partition,
-                        self.slurm.time, self.slurm.options):
+        for control in (
+            self.where,
+            self.gpu,
+            self.gpus_per_node,
+            self.nodes,
+            self.slurm.partition,
+            self.slurm.time,
+            self.slurm.options,
+        ):
             control.observe(self._changed, names="value")
         self.slurm.on_read(self._changed)
         if cluster is not None:
@@ -67,8 +107,12 @@ class TargetControls:
     def _changed(self, change: Any = None) -> None:
         if self._refreshing:
             return
-        if change is not None and change.get("owner") is self.where and change["new"] == SLURM \
-                and not self.slurm.found:
+        if (
+            change is not None
+            and change.get("owner") is self.where
+            and change["new"] == SLURM
+            and not self.slurm.found
+        ):
             self.slurm.read()  # calls back here once the partitions are in
             return
         self.refresh()
@@ -87,13 +131,22 @@ class TargetControls:
     def target(self) -> Target:
         if self.on_slurm:
             part = self.slurm.part or {"gpus": 0, "cpus": 0}
-            return Target(gpu=self.gpu.value if part["gpus"] else THIS_MACHINE, gpus_per_node=self.gpus_per_node.value,
-                          nodes=self.nodes.value, catalog=self.catalog, partition=self.slurm.partition.value or "?",
-                          cpus_per_node=0 if part["gpus"] else part["cpus"])
+            return Target(
+                gpu=self.gpu.value if part["gpus"] else THIS_MACHINE,
+                gpus_per_node=self.gpus_per_node.value,
+                nodes=self.nodes.value,
+                catalog=self.catalog,
+                partition=self.slurm.partition.value or "?",
+                cpus_per_node=0 if part["gpus"] else part["cpus"],
+            )
         if self.local:
             return Target(catalog=self.catalog)
-        return Target(gpu=self.gpu.value, gpus_per_node=self.gpus_per_node.value, nodes=self.nodes.value,
-                      catalog=self.catalog)
+        return Target(
+            gpu=self.gpu.value,
+            gpus_per_node=self.gpus_per_node.value,
+            nodes=self.nodes.value,
+            catalog=self.catalog,
+        )
 
     def cluster(self) -> Slurm | None:
         """The Slurm job Launch submits, or None when the run goes to this machine."""
@@ -114,7 +167,8 @@ class TargetControls:
         return [("this machine", THIS_MACHINE)] * with_this_machine + [(n, n) for n in self.names]
 
     def refresh(self) -> None:
-        """Show what the choice needs: Slurm's box, the GPU model for a GPU partition, the sizes, their bounds."""
+        """Show what the choice needs: Slurm's box, the GPU model for a GPU partition, the sizes,
+        their bounds."""
         self._refreshing = True
         try:
             self.slurm.widget.layout.display = None if self.on_slurm else "none"
@@ -131,10 +185,14 @@ class TargetControls:
                 self.gpu.options = options  # back on this machine, the plan is for it again
                 self.gpu.value = keep if self.on_slurm else THIS_MACHINE
             if gpus and part is not None and part["gpu_type"]:
-                self.gpu.value = by_model(part["gpu_type"], load_catalog(self.catalog)) or self.gpu.value
+                self.gpu.value = (
+                    by_model(part["gpu_type"], load_catalog(self.catalog)) or self.gpu.value
+                )
             self.gpu.description = "GPU model" if self.on_slurm else "target"
             self.gpu.layout.display = None if not self.on_slurm or gpus else "none"
-            self.gpus_per_node.description = "GPUs per node" if not self.on_slurm or gpus else "ranks per node"
+            self.gpus_per_node.description = (
+                "GPUs per node" if not self.on_slurm or gpus else "ranks per node"
+            )
             self.size_box.layout.display = "none" if self.local else None
         finally:
             self._refreshing = False
@@ -149,8 +207,8 @@ class TargetControls:
         self.gpus_per_node.value = min(self.gpus_per_node.value, per_node)
 
     def follow_processes(self, processes: int) -> bool:
-        """The processes box changed: make GPUs per node follow it when the nodes divide it. False when they
-        don't (the plan's check then says what would work)."""
+        """The processes box changed: make GPUs per node follow it when the nodes divide it. False
+        when they don't (the plan's check then says what would work)."""
         if self.local or processes < 1 or processes % self.nodes.value:
             return False
         if processes // self.nodes.value > self.gpus_per_node.max:
@@ -172,6 +230,7 @@ class TargetControls:
             part = self.slurm.part if self.on_slurm else None
             unit = "GPU" if not self.on_slurm or (part and part["gpus"]) else "rank"
             per_node = self.gpus_per_node.value
-            text = (f"= {per_node} {unit}{'s' * (per_node != 1)} × {self.nodes.value} node"
-                    + "s" * (self.nodes.value > 1))
+            text = f"= {per_node} {unit}{'s' * (per_node != 1)} × {self.nodes.value} node" + "s" * (
+                self.nodes.value > 1
+            )
         return f"<small style='white-space:nowrap'>{html.escape(text)}</small>"

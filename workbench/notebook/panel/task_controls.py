@@ -1,4 +1,5 @@
-"""The task's options in the panel: a control per option the task declares, and the model's parameter count."""
+"""The task's options in the panel: a control per option the task declares, and the model's
+parameter count."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ _WIDE = {"width": "380px"}
 
 
 def param_count(task: Task, cfg: RunConfig) -> int:
-    """Parameters of the model `task` builds for `cfg`, made on the meta device: no memory, no initialisation,
-    so GPT-2-sized models count at once. ValueError (the task's own words) when the options don't form a model;
-    whatever else the build raises passes through."""
+    """Parameters of the model `task` builds for `cfg`, made on the meta device: no memory, no
+    initialisation, so GPT-2-sized models count at once. ValueError (the task's own words) when the
+    options don't form a model; whatever else the build raises passes through."""
     task.check_options(cfg)
-    task.check_datasets(cfg)  # char-gpt reads its text for the vocabulary: never fetch data from a widget's event
+    task.check_datasets(
+        cfg
+    )  # char-gpt reads its text for the vocabulary: never fetch data from a widget's event
     with torch.device("meta"):
         model = task.build_model(cfg)
-    # parameters() yields a shared tensor once: char-gpt's head is its token embedding (GPT-2's weight tying).
+    # parameters() yields a shared tensor once: char-gpt's head is its token embedding (GPT-2's
+    # weight tying).
     return sum(p.numel() for p in model.parameters())
 
 
@@ -51,8 +55,9 @@ def _text_of(value: Any) -> str:
 
 
 def _parse(spec: TaskOption, text: str) -> Any:
-    """A text box's value as task_options takes it: blank is None, numbers and true/false/lists are parsed as in
-    YAML (as `--set task_options.x=...` does), what doesn't parse stays text for the task's check to refuse."""
+    """A text box's value as task_options takes it: blank is None, numbers and true/false/lists are
+    parsed as in YAML (as `--set task_options.x=...` does), what doesn't parse stays text for the
+    task's check to refuse."""
     text = text.strip() if spec.type is not str else text
     if spec.type is str:
         return None if text == "" and spec.unset else text
@@ -71,16 +76,25 @@ def _parse(spec: TaskOption, text: str) -> Any:
 def _fits_number(spec: TaskOption, value: Any) -> bool:
     if isinstance(value, bool) or spec.unset:
         return False  # an option that may be None needs a box that can be blank: Text
-    return isinstance(value, int) if spec.type is int else spec.type is float and isinstance(value, (int, float))
+    return (
+        isinstance(value, int)
+        if spec.type is int
+        else spec.type is float and isinstance(value, (int, float))
+    )
 
 
 def make_control(spec: TaskOption, value: Any) -> widgets.ValueWidget:
-    """The control for one option, holding `value`: Dropdown for choices, Checkbox for bool, IntText/FloatText
-    for numbers, Text for the rest, for options that may be blank (None), and for a value the typed control
-    can't hold (shown as it is, so the check names it). Number boxes are unbounded: a bounded one would clamp
-    what the user typed without a word, where the task's check says what would work."""
-    common = {"description": spec.name, "tooltip": spec.tooltip, "style": STYLE,
-              "layout": widgets.Layout(**_WIDE)}
+    """The control for one option, holding `value`: Dropdown for choices, Checkbox for bool,
+    IntText/FloatText for numbers, Text for the rest, for options that may be blank (None), and for
+    a value the typed control can't hold (shown as it is, so the check names it). Number boxes are
+    unbounded: a bounded one would clamp what the user typed without a word, where the task's check
+    says what would work."""
+    common = {
+        "description": spec.name,
+        "tooltip": spec.tooltip,
+        "style": STYLE,
+        "layout": widgets.Layout(**_WIDE),
+    }
     if spec.choices:
         options = [(c, c) for c in spec.choices]
         if value not in spec.choices:
@@ -93,7 +107,9 @@ def make_control(spec: TaskOption, value: Any) -> widgets.ValueWidget:
         control = box(value=value, **common)
     else:
         placeholder = spec.unset or ("" if spec.type is str else "blank: None")
-        control = widgets.Text(value=_text_of(value), placeholder=placeholder, continuous_update=False, **common)
+        control = widgets.Text(
+            value=_text_of(value), placeholder=placeholder, continuous_update=False, **common
+        )
     control.add_class(f"wb-task-option-{spec.name.replace('_', '-')}")
     return control
 
@@ -113,12 +129,13 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class TaskControls:
-    """The panel's controls for a task's options (Task.declared_options), and a line with the model's
-    parameter count, built on the meta device for the options as they stand.
+    """The panel's controls for a task's options (Task.declared_options), and a line with the
+    model's parameter count, built on the meta device for the options as they stand.
 
-    `widget` is the box to place; `values()` the task_options for RunConfig (what differs from the defaults,
-    so a saved YAML stays minimal); `set(task, options)` shows another task's options; `on_change(callback)`
-    calls callback(values()) after each edit. Works without a browser: set a control's `.value` in tests.
+    `widget` is the box to place; `values()` the task_options for RunConfig (what differs from the
+    defaults, so a saved YAML stays minimal); `set(task, options)` shows another task's options;
+    `on_change(callback)` calls callback(values()) after each edit. Works without a browser: set a
+    control's `.value` in tests.
     """
 
     def __init__(self, task: Task | None, options: Mapping[str, Any] | None = None) -> None:
@@ -128,7 +145,8 @@ class TaskControls:
         self.widget = widgets.VBox([])
         self.widget.add_class("wb-task-options")
         self.parameters: int | None = None
-        """The last parameter count; None when the options don't form a model (count_box says why)."""
+        """The last parameter count; None when the options don't form a model (count_box says
+        why)."""
         self.problem = ""
         """Why there is no count, in words; '' when there is one."""
         self.controls: dict[str, widgets.ValueWidget] = {}
@@ -138,32 +156,45 @@ class TaskControls:
         self.set(task, options)
 
     def set(self, task: Task | None, options: Mapping[str, Any] | None = None) -> None:
-        """Show `task`'s options set to `options` (a RunConfig's task_options; the rest at their defaults).
-        Keys the task doesn't take stay in values(), so the task's check refuses them by name rather than the
-        panel dropping them; None for a task shows no controls and keeps `options` as they are."""
+        """Show `task`'s options set to `options` (a RunConfig's task_options; the rest at their
+        defaults). Keys the task doesn't take stay in values(), so the task's check refuses them by
+        name rather than the panel dropping them; None for a task shows no controls and keeps
+        `options` as they are."""
         options = dict(options or {})
         for old in self.controls.values():
-            old.unobserve(self._on_edit, names="value")  # a stale reference edited later must not count
+            old.unobserve(
+                self._on_edit, names="value"
+            )  # a stale reference edited later must not count
         self.task = task
         self.specs = task.declared_options() if task is not None else {}
         self._extra = {k: v for k, v in options.items() if k not in self.specs}
         self.controls = {
-            name: make_control(spec, options.get(name, spec.default)) for name, spec in self.specs.items()}
+            name: make_control(spec, options.get(name, spec.default))
+            for name, spec in self.specs.items()
+        }
         for control in self.controls.values():
             control.disabled = self._disabled
             control.observe(self._on_edit, names="value")
         name = html.escape(task.name) if task is not None else "?"
-        self.title.value = (f"<b>task options</b> <small>({name})</small>" if self.specs else
-                            f"<small>task {name} takes no options</small>" if task is not None else "")
-        self.extra_box.value = ("" if task is None or not self._extra else
-                                "<small style='color:#b00020'>not options of this task: "
-                                f"{html.escape(', '.join(map(repr, self._extra)))}</small>")
+        self.title.value = (
+            f"<b>task options</b> <small>({name})</small>"
+            if self.specs
+            else f"<small>task {name} takes no options</small>"
+            if task is not None
+            else ""
+        )
+        self.extra_box.value = (
+            ""
+            if task is None or not self._extra
+            else "<small style='color:#b00020'>not options of this task: "
+            f"{html.escape(', '.join(map(repr, self._extra)))}</small>"
+        )
         self.widget.children = [self.title, *self.controls.values(), self.extra_box, self.count_box]
         self._refresh()
 
     def values(self) -> dict[str, Any]:
-        """task_options as the controls stand: the options that differ from their defaults, and any keys the
-        task doesn't take."""
+        """task_options as the controls stand: the options that differ from their defaults, and any
+        keys the task doesn't take."""
         out = {}
         for name, control in self.controls.items():
             value = read_control(self.specs[name], control)
@@ -193,7 +224,8 @@ class TaskControls:
             callback(values)
 
     def _refresh(self) -> None:
-        """Placeholders from what blank stands for now (the preset's sizes), and the parameter count."""
+        """Placeholders from what blank stands for now (the preset's sizes), and the parameter
+        count."""
         if self.task is None:
             self.parameters, self.problem, self.count_box.value = None, "", ""
             return
@@ -203,21 +235,27 @@ class TaskControls:
             self.parameters, self.problem = param_count(self.task, cfg), ""
         except ValueError as e:
             self.parameters, self.problem = None, str(e)
-        except Exception as e:  # noqa: BLE001  (a user's build_model: said in words, never a traceback here)
+        except Exception as e:  # noqa: BLE001
+            # a user's build_model: said in words, never a traceback here
             self.parameters = None
             self.problem = f"the model can't be built on the meta device ({type(e).__name__}: {e})"
         if self.parameters is not None:
-            self.count_box.value = (f"<span title='{self.parameters:,} parameters'>model: "
-                                    f"<b>{count_text(self.parameters)}</b></span>")
+            self.count_box.value = (
+                f"<span title='{self.parameters:,} parameters'>model: "
+                f"<b>{count_text(self.parameters)}</b></span>"
+            )
         else:
-            self.count_box.value = ("<small style='color:#b00020'>no parameter count: "
-                                    f"{html.escape(self.problem)}</small>")
+            self.count_box.value = (
+                "<small style='color:#b00020'>no parameter count: "
+                f"{html.escape(self.problem)}</small>"
+            )
 
     def _placeholders(self, cfg: RunConfig) -> None:
         assert self.task is not None
         try:
             resolved = self.task.resolved_options(cfg)
-        except Exception:  # noqa: BLE001  (options that don't resolve, e.g. a preset that doesn't exist)
+        except Exception:  # noqa: BLE001
+            # options that don't resolve, e.g. a preset that doesn't exist
             resolved = {}
         for name, control in self.controls.items():
             spec = self.specs[name]

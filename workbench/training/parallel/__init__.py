@@ -1,13 +1,13 @@
 """Where the model is made parallel: the one place a parallelism mode changes the training step.
 
-Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the strategy to
-hold back gradient sync on all but the last micro-batch, to run backward, to clip and to step, and never
-looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2', 'zero3'/'fsdp', 'hsdp'
-(FSDP2); tensor.py: tp > 1, alone or with data parallelism (FSDP, HSDP or DDP x TP, laid out by
-layout.py); context.py: cp > 1 (sequences split over a CP group, FSDP over dp_shard x cp, with or
-without TP); pipeline.py: pp > 1 (stage chunks per rank, each with the other dimensions inside:
-pipeline_parts.py, pipeline_state.py); strategy.py: what every strategy shares (precision, checkpoints
-through DCP, the bytes each rank holds).
+Following torchtitan, "parallelize the model" is kept apart from the loop: the loop asks the
+strategy to hold back gradient sync on all but the last micro-batch, to run backward, to clip and to
+step, and never looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2',
+'zero3'/'fsdp', 'hsdp' (FSDP2); tensor.py: tp > 1, alone or with data parallelism (FSDP, HSDP or DDP
+x TP, laid out by layout.py); context.py: cp > 1 (sequences split over a CP group, FSDP over
+dp_shard x cp, with or without TP); pipeline.py: pp > 1 (stage chunks per rank, each with the other
+dimensions inside: pipeline_parts.py, pipeline_state.py); strategy.py: what every strategy shares
+(precision, checkpoints through DCP, the bytes each rank holds).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ __all__ = ["Placement", "Strategy", "parallelize", "strategy_module"]
 
 
 def ensure_process_group(accelerator: Placement) -> None:
-    """One process runs without a process group, but sharding (a zero3 checkpoint resumed on one rank, say)
-    needs one: a group of one, in memory."""
+    """One process runs without a process group, but sharding (a zero3 checkpoint resumed on one
+    rank, say) needs one: a group of one, in memory."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -43,7 +43,8 @@ def ensure_process_group(accelerator: Placement) -> None:
 
 
 def strategy_module(cfg: RunConfig) -> str:
-    """The module of the strategy `cfg` trains with (a fork-mode supervisor imports it before forking)."""
+    """The module of the strategy `cfg` trains with (a fork-mode supervisor imports it before
+    forking)."""
     if cfg.pp > 1:
         return "workbench.training.parallel.pipeline"
     if cfg.cp > 1:
@@ -55,10 +56,16 @@ def strategy_module(cfg: RunConfig) -> str:
     return "workbench.training.parallel.replicated"
 
 
-def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
-                make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
-    """Make `model` parallel as cfg.parallelism asks, with activation checkpointing and compile per shard unit
-    (compile='model': the parallel model); the loop then trains through the returned strategy."""
+def parallelize(
+    cfg: RunConfig,
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    task: Task,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+) -> Strategy:
+    """Make `model` parallel as cfg.parallelism asks, with activation checkpointing and compile per
+    shard unit (compile='model': the parallel model); the loop then trains through the returned
+    strategy."""
     where = Placement.of(accelerator)
     swap = None
     # First, before TP, AC, compile and FSDP2 wrap the Linears; a traced estimate prices fp8 only.
@@ -73,10 +80,15 @@ def parallelize(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module
     return strategy
 
 
-def _parallel(cfg: RunConfig, accelerator: Placement, model: torch.nn.Module, task: Task,
-              make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Strategy:
-    # Each strategy's module is imported only when its mode runs: torch's pipelining, tensor-parallel and
-    # FSDP modules cost a rank a second of start-up between them.
+def _parallel(
+    cfg: RunConfig,
+    accelerator: Placement,
+    model: torch.nn.Module,
+    task: Task,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+) -> Strategy:
+    # Each strategy's module is imported only when its mode runs: torch's pipelining,
+    # tensor-parallel and FSDP modules cost a rank a second of start-up between them.
     if cfg.pp > 1:  # each rank keeps its stage of the model
         from workbench.training.parallel.pipeline import PipelineParallel
 
@@ -87,7 +99,9 @@ def _parallel(cfg: RunConfig, accelerator: Placement, model: torch.nn.Module, ta
 
         ensure_process_group(accelerator)
         return ContextParallel(cfg, accelerator, model, task, make_optimizer)
-    if cfg.tp > 1:  # the plan names submodules as the task built them: TP before checkpoint wrappers
+    if (
+        cfg.tp > 1
+    ):  # the plan names submodules as the task built them: TP before checkpoint wrappers
         from workbench.training.parallel.tensor import TensorParallel
 
         ensure_process_group(accelerator)

@@ -73,10 +73,13 @@ def check_device(device: torch.device, emulate: bool) -> None:
         return
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if capability is None or capability < (8, 9):
-        where = f"a GPU of compute capability {capability[0]}.{capability[1]}" if capability \
-            else "CPU"
-        raise ValueError(f"precision='fp8' on {where}: fp8 matmuls need a CUDA GPU of compute "
-                         "capability 8.9+ (H100/L40/4090, fp8 tensor cores); use precision='bf16'")
+        where = (
+            f"a GPU of compute capability {capability[0]}.{capability[1]}" if capability else "CPU"
+        )
+        raise ValueError(
+            f"precision='fp8' on {where}: fp8 matmuls need a CUDA GPU of compute "
+            "capability 8.9+ (H100/L40/4090, fp8 tensor cores); use precision='bf16'"
+        )
 
 
 def float8_config(cfg: RunConfig, emulate: bool) -> Any:
@@ -84,8 +87,10 @@ def float8_config(cfg: RunConfig, emulate: bool) -> Any:
     try:
         from torchao.float8 import Float8LinearConfig
     except ImportError as e:
-        raise ImportError(f"precision='fp8' trains with torchao's Float8, which doesn't import "
-                          f"here ({e}); `{FP8_INSTALL}`") from e
+        raise ImportError(
+            f"precision='fp8' trains with torchao's Float8, which doesn't import "
+            f"here ({e}); `{FP8_INSTALL}`"
+        ) from e
     base = Float8LinearConfig.from_recipe_name(cfg.fp8_recipe)
     all_gather = cfg.fp8_recipe == "tensorwise" and cfg.parallelism in SHARDED
     return replace(base, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
@@ -99,8 +104,11 @@ def fp8_shaped(module: torch.nn.Module) -> bool:
 def fp8_linears(model: torch.nn.Module, task: Task) -> list[str]:
     """The names of the Linear layers the swap takes: inside the model's blocks, and fp8-shaped."""
     inside = {id(m) for unit in shard_units(model, task) for m in unit.modules()}
-    return [name for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and id(m) in inside and fp8_shaped(m)]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and id(m) in inside and fp8_shaped(m)
+    ]
 
 
 def check_task(cfg: RunConfig, task: Task) -> None:
@@ -116,13 +124,16 @@ def check_task(cfg: RunConfig, task: Task) -> None:
 
 def _nothing_to_swap(model: torch.nn.Module, task: Task) -> str:
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    return (f"precision='fp8': task {task.name!r} has no Linear layer fp8 can train (those inside "
-            "the model's repeated blocks, Task.shard_units, with input and output features "
-            f"multiples of 16); its Linear layers: {linears or 'none'}; use precision='bf16'")
+    return (
+        f"precision='fp8': task {task.name!r} has no Linear layer fp8 can train (those inside "
+        "the model's repeated blocks, Task.shard_units, with input and output features "
+        f"multiples of 16); its Linear layers: {linears or 'none'}; use precision='bf16'"
+    )
 
 
-def swap_linears(cfg: RunConfig, model: torch.nn.Module, task: Task,
-                 device: torch.device) -> Float8Swap:
+def swap_linears(
+    cfg: RunConfig, model: torch.nn.Module, task: Task, device: torch.device
+) -> Float8Swap:
     """Swap the Linear layers fp8_linears names to torchao's Float8Linear, in place."""
     emulate = emulating()
     check_device(device, emulate)
@@ -134,14 +145,19 @@ def swap_linears(cfg: RunConfig, model: torch.nn.Module, task: Task,
         raise ValueError(_nothing_to_swap(model, task))
     before = dict(model.named_modules())
     chosen = set(names)
-    convert_to_float8_training(model, module_filter_fn=lambda _m, name: name in chosen,
-                               config=config)
+    convert_to_float8_training(
+        model, module_filter_fn=lambda _m, name: name in chosen, config=config
+    )
     for name in names:
         _adopt_hooks(model.get_submodule(name), before[name])
-    kept = [n for n, m in before.items()
-            if isinstance(m, torch.nn.Linear) and n not in chosen]
-    log.info("fp8 (%s%s): %d Linear layers swapped to Float8Linear; kept in bf16: %s",
-             cfg.fp8_recipe, ", emulated" if emulate else "", len(names), ", ".join(kept) or "none")
+    kept = [n for n, m in before.items() if isinstance(m, torch.nn.Linear) and n not in chosen]
+    log.info(
+        "fp8 (%s%s): %d Linear layers swapped to Float8Linear; kept in bf16: %s",
+        cfg.fp8_recipe,
+        ", emulated" if emulate else "",
+        len(names),
+        ", ".join(kept) or "none",
+    )
     return Float8Swap(names, cfg.fp8_recipe, config.enable_fsdp_float8_all_gather, emulate)
 
 
@@ -163,8 +179,16 @@ def facts(module: torch.nn.Module, swap: Float8Swap | None) -> dict[str, Any]:
 
     held = [m for m in module.modules() if isinstance(m, Float8Linear)]
     # torchao's weight subclass inside FSDP2's sharded DTensor is what all-gathers in fp8.
-    gathered = sum(isinstance(m.weight, DTensor)
-                   and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
-                   for m in held)
-    return {"fp8": {"float8_linears": len(held), "fp8_all_gather_weights": gathered,
-                    "recipe": swap.recipe, "emulated": swap.emulated}}
+    gathered = sum(
+        isinstance(m.weight, DTensor)
+        and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+        for m in held
+    )
+    return {
+        "fp8": {
+            "float8_linears": len(held),
+            "fp8_all_gather_weights": gathered,
+            "recipe": swap.recipe,
+            "emulated": swap.emulated,
+        }
+    }

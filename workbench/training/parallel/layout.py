@@ -45,9 +45,15 @@ def data_dims(mesh: DeviceMesh | None) -> tuple[str, ...]:
     return tuple(name for name in DATA_DIMS if name in names)
 
 
-def apply_layout(module: torch.nn.Module, mesh: DeviceMesh | None, cfg: RunConfig,
-                 plan: dict[str, Any] | None,
-                 units: list[torch.nn.Module], *, tracing: bool = False) -> list[torch.nn.Module]:
+def apply_layout(
+    module: torch.nn.Module,
+    mesh: DeviceMesh | None,
+    cfg: RunConfig,
+    plan: dict[str, Any] | None,
+    units: list[torch.nn.Module],
+    *,
+    tracing: bool = False,
+) -> list[torch.nn.Module]:
     """Make `module` parallel over `mesh` in place, in torchtitan's order: `plan`
     (Task.tensor_parallel_plan, names relative to `module`) over 'tp', activation checkpointing and
     compile='blocks' on `units` (the module's repeated blocks, as the task built them), then
@@ -75,8 +81,9 @@ def apply_tp(module: torch.nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) ->
     parallelize_module(module, mesh["tp"], plan)
 
 
-def apply_ac(module: torch.nn.Module, units: list[torch.nn.Module],
-             cfg: RunConfig) -> list[torch.nn.Module]:
+def apply_ac(
+    module: torch.nn.Module, units: list[torch.nn.Module], cfg: RunConfig
+) -> list[torch.nn.Module]:
     """Activation checkpointing per unit: the units as wrapped (after TP, whose plan names the
     submodules the wrappers rename)."""
     return checkpoint_units(module, units, cfg.activation_checkpointing)
@@ -90,31 +97,45 @@ def precision_policy(cfg: RunConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
 
 
-def apply_fsdp(module: torch.nn.Module, units: list[torch.nn.Module], mesh: DeviceMesh,
-               cfg: RunConfig) -> None:
+def apply_fsdp(
+    module: torch.nn.Module, units: list[torch.nn.Module], mesh: DeviceMesh, cfg: RunConfig
+) -> None:
     """fully_shard each unit, then the root, over the mesh's sharding dimensions, with cfg's
     precision and cpu_offload."""
     # FSDP's modules are imported only where a mode shards: they cost a rank start-up time.
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    # Pinned host memory is what makes the copies to and from a GPU asynchronous; a CPU mesh has nothing to pin.
-    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    # Pinned host memory is what makes the copies to and from a GPU asynchronous; a CPU mesh has
+    # nothing to pin.
+    offload = (
+        CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+        if cfg.cpu_offload
+        else OffloadPolicy()
+    )
     dp_mesh = _shard_mesh(mesh, data_dims(mesh))
     for unit in [*units, module]:
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=cfg.parallelism != "zero2",
-                    mp_policy=precision_policy(cfg), offload_policy=offload)
+        fully_shard(
+            unit,
+            mesh=dp_mesh,
+            reshard_after_forward=cfg.parallelism != "zero2",
+            mp_policy=precision_policy(cfg),
+            offload_policy=offload,
+        )
 
 
-def apply_replicate(module: torch.nn.Module, units: list[torch.nn.Module], mesh: DeviceMesh,
-                    cfg: RunConfig) -> None:
+def apply_replicate(
+    module: torch.nn.Module, units: list[torch.nn.Module], mesh: DeviceMesh, cfg: RunConfig
+) -> None:
     """PyTorch's FSDP2-based replicate over 'dp_replicate' on each unit and the root (DDP x TP)."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError as e:  # PyTorch's DDP for DTensors is recent; DDP refuses them
-        raise ValueError(f"parallelism='ddp' with tp={cfg.tp}: torch {torch.__version__} has no "
-                         "FSDP2-based replicate (torch.distributed._composable."
-                         "replicate_with_fsdp) to replicate a TP'd model with; use "
-                         "parallelism='zero2', or a newer torch") from e
+        raise ValueError(
+            f"parallelism='ddp' with tp={cfg.tp}: torch {torch.__version__} has no "
+            "FSDP2-based replicate (torch.distributed._composable."
+            "replicate_with_fsdp) to replicate a TP'd model with; use "
+            "parallelism='zero2', or a newer torch"
+        ) from e
     for unit in [*units, module]:
         replicate(unit, mesh=mesh["dp_replicate"], mp_policy=precision_policy(cfg))
 
@@ -127,9 +148,14 @@ def _shard_mesh(mesh: DeviceMesh, data: tuple[str, ...]) -> DeviceMesh:
 
     shard = tuple(name for name in data if name != "dp_replicate")
     if len(shard) > 1:
-        # Kept as _flatten returns it: slicing a flattened dimension back out of the root mesh is deprecated.
+        # Kept as _flatten returns it: slicing a flattened dimension back out of the root mesh is
+        # deprecated.
         flat = mesh[shard]._flatten("dp_shard_cp")
-        return DeviceMesh._concatenate([mesh["dp_replicate"], flat]) if "dp_replicate" in data else flat
+        return (
+            DeviceMesh._concatenate([mesh["dp_replicate"], flat])
+            if "dp_replicate" in data
+            else flat
+        )
     if tuple(mesh.mesh_dim_names or ()) == data:  # a sharded mode's own mesh: nothing to slice
         return mesh
     return mesh[data] if len(data) > 1 else mesh[data[0]]

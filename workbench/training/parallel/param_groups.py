@@ -31,8 +31,9 @@ def split_groups_by_mesh(optimizer: torch.optim.Optimizer) -> list[int]:
     return origin
 
 
-def merge_split_groups(groups: list[dict[str, Any]],
-                       origin: list[int] | None) -> list[dict[str, Any]]:
+def merge_split_groups(
+    groups: list[dict[str, Any]], origin: list[int] | None
+) -> list[dict[str, Any]]:
     """Param groups split by mesh (split_groups_by_mesh) merged back to the task's grouping;
     `origin[i]` is the task's group that split group i came from (None: not split)."""
     if origin is None:
@@ -46,16 +47,20 @@ def merge_split_groups(groups: list[dict[str, Any]],
     return [merged[i] for i in sorted(merged)]
 
 
-def resplit_groups(split: list[dict[str, Any]], loaded: list[dict[str, Any]],
-                   origin: list[int] | None,
-                   name: Callable[[str], str] = str) -> list[dict[str, Any]]:
+def resplit_groups(
+    split: list[dict[str, Any]],
+    loaded: list[dict[str, Any]],
+    origin: list[int] | None,
+    name: Callable[[str], str] = str,
+) -> list[dict[str, Any]]:
     """This optimizer's own (split) groups with the hyperparameters of the loaded groups that hold
     their parameters (`name`: a parameter's name as the loaded groups spell it)."""
     groups = []
     for index, group in enumerate(split):
         first = name(group["params"][0]) if group["params"] else None
-        home = next((g for g in loaded if first in g["params"]),
-                    loaded[origin[index] if origin else index])
+        home = next(
+            (g for g in loaded if first in g["params"]), loaded[origin[index] if origin else index]
+        )
         hyper = {k: v for k, v in home.items() if k != "params"}
         groups.append({**hyper, "params": group["params"]})
     return groups

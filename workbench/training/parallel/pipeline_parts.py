@@ -1,11 +1,11 @@
-"""The pieces of a pipeline rank: its mesh, its model chunks (virtual stages), each made parallel inside its stage
-in torchtitan's order (tensor parallel, then activation checkpointing and compilation per block, then FSDP), and
-the parameters tied across stages.
+"""The pieces of a pipeline rank: its mesh, its model chunks (virtual stages), each made parallel
+inside its stage in torchtitan's order (tensor parallel, then activation checkpointing and
+compilation per block, then FSDP), and the parameters tied across stages.
 
-A rank holds chunks r, r + pp, r + 2 pp, ... of the pp x virtual_stages stages the task cuts (PyTorch's loop
-placement, which ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble expect). The chunks sit in one
-nn.ModuleList, so one optimizer steps them all; `full_name` turns the list's parameter names back into the
-full model's, which checkpoints use, so any layout loads them.
+A rank holds chunks r, r + pp, r + 2 pp, ... of the pp x virtual_stages stages the task cuts
+(PyTorch's loop placement, which ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble expect).
+The chunks sit in one nn.ModuleList, so one optimizer steps them all; `full_name` turns the list's
+parameter names back into the full model's, which checkpoints use, so any layout loads them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def dim_size(mesh: DeviceMesh, name: str) -> int:
-    """The size of mesh dimension `name`, 1 where the mesh has none (a traced estimate's 2-D mesh)."""
+    """The size of mesh dimension `name`, 1 where the mesh has none (a traced estimate's 2-D
+    mesh)."""
     names = mesh.mesh_dim_names or ()
     return mesh.size(names.index(name)) if name in names else 1
 
@@ -43,8 +44,8 @@ def local_rank(mesh: DeviceMesh, name: str) -> int:
 
 
 def full_name(name: str) -> str:
-    """A chunk list's parameter name as the full model has it: '1.blocks.3._checkpoint_wrapped_module.attn.q.weight'
-    is 'blocks.3.attn.q.weight'."""
+    """A chunk list's parameter name as the full model has it:
+    '1.blocks.3._checkpoint_wrapped_module.attn.q.weight' is 'blocks.3.attn.q.weight'."""
     name = name.split(".", 1)[1]
     for wrapper in _WRAPPERS:
         name = name.replace(wrapper, "")
@@ -52,7 +53,8 @@ def full_name(name: str) -> str:
 
 
 def tied_names(model: torch.nn.Module) -> list[list[str]]:
-    """Groups of names that share one parameter in the full model (e.g. ['tok.weight', 'head.weight'])."""
+    """Groups of names that share one parameter in the full model (e.g. ['tok.weight',
+    'head.weight'])."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
@@ -60,7 +62,8 @@ def tied_names(model: torch.nn.Module) -> list[list[str]]:
 
 
 def held_prefixes(chunks: torch.nn.Module) -> list[str]:
-    """What a rank holds, by module: 'blocks.3' for a repeated block, 'tok' for a top-level module."""
+    """What a rank holds, by module: 'blocks.3' for a repeated block, 'tok' for a top-level
+    module."""
     held = set()
     for name, _ in chunks.named_parameters():
         parts = full_name(name).split(".")
@@ -68,8 +71,15 @@ def held_prefixes(chunks: torch.nn.Module) -> list[str]:
     return sorted(held, key=lambda s: (s.split(".")[0], int(s.split(".")[1]) if "." in s else -1))
 
 
-def make_chunks(cfg: RunConfig, task: Task, model: torch.nn.Module, stage_ids: list[int], total: int,
-                mesh: DeviceMesh, where: Placement) -> torch.nn.ModuleList:
+def make_chunks(
+    cfg: RunConfig,
+    task: Task,
+    model: torch.nn.Module,
+    stage_ids: list[int],
+    total: int,
+    mesh: DeviceMesh,
+    where: Placement,
+) -> torch.nn.ModuleList:
     """This rank's stages of `model`, each made parallel over the mesh's other dimensions."""
     chunks = []
     for stage in stage_ids:
@@ -82,17 +92,27 @@ def make_chunks(cfg: RunConfig, task: Task, model: torch.nn.Module, stage_ids: l
 
 
 def _refuse_shared(chunks: list[torch.nn.Module], stage_ids: list[int]) -> None:
-    """Two chunks of one rank holding one parameter would step it twice (and FSDP can't own it twice)."""
+    """Two chunks of one rank holding one parameter would step it twice (and FSDP can't own it
+    twice)."""
     seen: dict[int, int] = {}
     for chunk, stage in zip(chunks, stage_ids):
         for p in chunk.parameters():
             if seen.setdefault(id(p), stage) != stage:
-                raise ValueError(f"pipeline stages {seen[id(p)]} and {stage} sit on one rank and share a parameter "
-                                 "(tied weights); use fewer virtual stages (pp_virtual_stages) or more stages (pp)")
+                raise ValueError(
+                    f"pipeline stages {seen[id(p)]} and {stage} sit on one rank and share a "
+                    "parameter (tied weights); use fewer virtual stages (pp_virtual_stages) or "
+                    "more stages (pp)"
+                )
 
 
-def _parallel_chunk(cfg: RunConfig, task: Task, model: torch.nn.Module, chunk: torch.nn.Module, mesh: DeviceMesh,
-                    where: Placement) -> torch.nn.Module:
+def _parallel_chunk(
+    cfg: RunConfig,
+    task: Task,
+    model: torch.nn.Module,
+    chunk: torch.nn.Module,
+    mesh: DeviceMesh,
+    where: Placement,
+) -> torch.nn.Module:
     """layout.apply_layout on the stage's own dimensions, as every other mode runs it: tensor
     parallel over 'tp', activation checkpointing and compilation per block, then FSDP2 over the
     data-parallel dimensions for the sharded modes (HSDP: 'dp_replicate' x 'dp_shard'; with cp,
@@ -101,15 +121,24 @@ def _parallel_chunk(cfg: RunConfig, task: Task, model: torch.nn.Module, chunk: t
     tracing = where.tracing
     if not cfg.cpu_offload:
         chunk = on_device(chunk, where)
-    names = [*(("dp_replicate",) * (cfg.parallelism == "hsdp")), *(("dp_shard",) * shards(cfg.parallelism)),
-             *(("cp",) * (dim_size(mesh, "cp") > 1)), *(("tp",) * (dim_size(mesh, "tp") > 1))]
+    names = [
+        *(("dp_replicate",) * (cfg.parallelism == "hsdp")),
+        *(("dp_shard",) * shards(cfg.parallelism)),
+        *(("cp",) * (dim_size(mesh, "cp") > 1)),
+        *(("tp",) * (dim_size(mesh, "tp") > 1)),
+    ]
     held = {id(m) for m in chunk.modules()}
     units = [u for u in shard_units(model, task) if id(u) in held]
-    if not units and cfg.activation_checkpointing != "none":  # a stage without blocks: nothing to checkpoint
+    if (
+        not units and cfg.activation_checkpointing != "none"
+    ):  # a stage without blocks: nothing to checkpoint
         cfg = cfg.replace(activation_checkpointing="none")
     modules = {name for name, _ in chunk.named_modules()}
-    plan = {k: v for k, v in (task.tensor_parallel_plan(model, cfg) or {}).items() if k in modules} \
-        if "tp" in names else None
+    plan = (
+        {k: v for k, v in (task.tensor_parallel_plan(model, cfg) or {}).items() if k in modules}
+        if "tp" in names
+        else None
+    )
     stage_mesh = (mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]) if names else None
     apply_layout(chunk, stage_mesh, cfg, plan, units, tracing=tracing)
     compile_model(cfg, chunk, tracing=tracing)
@@ -124,27 +153,41 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 
 class TiedCopies:
-    """Parameters the full model ties (char-gpt's embedding and head) held by several stages: one copy per stage,
-    their gradients summed between the ranks holding them in one pipeline column (same data-parallel and
-    tensor-parallel coordinates: their shards line up), so the copies stay equal and train as the tied one."""
+    """Parameters the full model ties (char-gpt's embedding and head) held by several stages: one
+    copy per stage, their gradients summed between the ranks holding them in one pipeline column
+    (same data-parallel and tensor-parallel coordinates: their shards line up), so the copies stay
+    equal and train as the tied one."""
 
-    def __init__(self, chunks: torch.nn.Module, tied: list[list[str]], column: int, columns: int,
-                 stage_params: list[set[str]] | None, stages_of_rank: Any) -> None:
+    def __init__(
+        self,
+        chunks: torch.nn.Module,
+        tied: list[list[str]],
+        column: int,
+        columns: int,
+        stage_params: list[set[str]] | None,
+        stages_of_rank: Any,
+    ) -> None:
         params = {full_name(n): p for n, p in chunks.named_parameters()}
         mine = [[n for n in names if n in params] for names in tied]
-        everyone = _holdings(tied, (column, [bool(m) for m in mine]), stage_params, stages_of_rank, columns)
+        everyone = _holdings(
+            tied, (column, [bool(m) for m in mine]), stage_params, stages_of_rank, columns
+        )
         self.groups: list[tuple[Any, torch.nn.Parameter | None, bool]] = []
-        """(process group of the holders, this rank's copy or None, whether this copy counts: in the gradient
-        norm and in checkpoints, the first holder's)."""
+        """(process group of the holders, this rank's copy or None, whether this copy counts: in the
+        gradient norm and in checkpoints, the first holder's)."""
         for i, names in enumerate(mine):
             for col in range(columns):
                 ranks = [r for r, (c, held) in enumerate(everyone) if c == col and held[i]]
                 if len(ranks) < 2:
                     continue
-                group = dist.new_group(ranks)  # collective: every rank makes every group, in one order
+                group = dist.new_group(
+                    ranks
+                )  # collective: every rank makes every group, in one order
                 if col == column:
                     rank = dist.get_rank()
-                    self.groups.append((group, params[names[0]] if names else None, rank == ranks[0]))
+                    self.groups.append(
+                        (group, params[names[0]] if names else None, rank == ranks[0])
+                    )
 
     def sum_gradients(self) -> None:
         for group, param, _ in self.groups:
@@ -153,18 +196,33 @@ class TiedCopies:
                 dist.all_reduce(grad, group=group)
 
     def uncounted(self) -> set[int]:
-        """ids of the copies the gradient norm and the checkpoint leave out (counted once, elsewhere)."""
+        """ids of the copies the gradient norm and the checkpoint leave out (counted once,
+        elsewhere)."""
         return {id(p) for _, p, counts in self.groups if p is not None and not counts}
 
 
-def _holdings(tied: list[list[str]], mine: tuple[int, list[bool]], stage_params: list[set[str]] | None,
-              stages_of_rank: Any, columns: int) -> list[tuple[int, list[bool]]]:
-    """Every rank's (column, which tied parameters it holds), gathered; a traced estimate, whose fake process group
-    can't gather, names every stage's parameters instead (its Placement's stage_params)."""
+def _holdings(
+    tied: list[list[str]],
+    mine: tuple[int, list[bool]],
+    stage_params: list[set[str]] | None,
+    stages_of_rank: Any,
+    columns: int,
+) -> list[tuple[int, list[bool]]]:
+    """Every rank's (column, which tied parameters it holds), gathered; a traced estimate, whose
+    fake process group can't gather, names every stage's parameters instead (its Placement's
+    stage_params)."""
     if stage_params is None:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return everyone
     world = len(stage_params) // len(stages_of_rank(0)) * columns
-    return [(rank % columns, [any(n in stage_params[s] for s in stages_of_rank(rank) for n in names) for names in tied])
-            for rank in range(world)]
+    return [
+        (
+            rank % columns,
+            [
+                any(n in stage_params[s] for s in stages_of_rank(rank) for n in names)
+                for names in tied
+            ],
+        )
+        for rank in range(world)
+    ]

@@ -1,9 +1,10 @@
-"""What every parallelism strategy does the same way: precision, backward, clipping, the update, the bytes
-each rank holds, and checkpoints through torch.distributed.checkpoint (DCP).
+"""What every parallelism strategy does the same way: precision, backward, clipping, the update, the
+bytes each rank holds, and checkpoints through torch.distributed.checkpoint (DCP).
 
-A checkpoint holds the model and optimizer state keyed by parameter name, in DCP's format: a run can resume
-with another number of ranks or another mode (saved by zero3 on 2 ranks, resumed by ddp on 1), and DCP
-reshards. The portable copy at the end of a run is one safetensors file of the full weights.
+A checkpoint holds the model and optimizer state keyed by parameter name, in DCP's format: a run can
+resume with another number of ranks or another mode (saved by zero3 on 2 ranks, resumed by ddp on
+1), and DCP reshards. The portable copy at the end of a run is one safetensors file of the full
+weights.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def on_device(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
-    """The model on the rank's device; a traced estimate's model already has (fake) storage there."""
+    """The model on the rank's device; a traced estimate's model already has (fake) storage
+    there."""
     return model if where.tracing else model.to(where.device)
 
 
@@ -55,7 +57,9 @@ def local_bytes(t: torch.Tensor) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return sum(
+        local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
 
 
 class Strategy:
@@ -90,24 +94,29 @@ class Strategy:
         if self.mesh is None:
             self.mesh = build_mesh(cfg, self.device.type, self.accelerator.num_processes)
         self.model: torch.nn.Module
-        self.module: torch.nn.Module  # the model without a DDP wrapper (FSDP2 modules are their own)
+        self.module: (
+            torch.nn.Module
+        )  # the model without a DDP wrapper (FSDP2 modules are their own)
         self.optimizer: torch.optim.Optimizer
         self.scaler: Any = None
         self.held_bytes: dict[str, int] = {}
-        """Parameter, gradient and optimizer-state bytes this rank holds, measured at the first update."""
+        """Parameter, gradient and optimizer-state bytes this rank holds, measured at the first
+        update."""
         self.comm_stats: DDPCommStats | None = None
         """The gradient all-reduce not hidden by compute, where DDP measures it."""
         self.float8: Float8Swap | None = None
         """precision='fp8': the Linears swapped to Float8Linear (float8.py), run after updates."""
 
-    # ---- the step -------------------------------------------------------------------------------------
+    # ---- the step --------------------------------------------------------------------------------
     def forward_context(self) -> AbstractContextManager[Any]:
-        """Autocast for replicated modes; sharded modes cast parameters instead (MixedPrecisionPolicy)."""
+        """Autocast for replicated modes; sharded modes cast parameters instead
+        (MixedPrecisionPolicy)."""
         return nullcontext()
 
     def batch_context(self, batch: Any) -> AbstractContextManager[Any]:
-        """What the forward and the backward of `batch` run in together, around forward_context: context parallel
-        shards the batch's sequences over its group there (ring attention's backward needs it too)."""
+        """What the forward and the backward of `batch` run in together, around forward_context:
+        context parallel shards the batch's sequences over its group there (ring attention's
+        backward needs it too)."""
         return nullcontext()
 
     def sync_gradients(self, last_micro_batch: bool) -> AbstractContextManager[Any]:
@@ -123,7 +132,8 @@ class Strategy:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def step(self) -> bool:
-        """Apply the update and clear the gradients; True when fp16 loss scaling skipped it (overflow)."""
+        """Apply the update and clear the gradients; True when fp16 loss scaling skipped it
+        (overflow)."""
         skipped = False
         if self.scaler is not None:
             scale = self.scaler.get_scale()
@@ -139,9 +149,13 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
         return skipped
 
-    def pipeline_step(self, batches: Iterator[Any], accum: int,
-                      at: Callable[[str], None] | None = None,
-                      before_last_backward: Callable[[], None] | None = None) -> torch.Tensor:
+    def pipeline_step(
+        self,
+        batches: Iterator[Any],
+        accum: int,
+        at: Callable[[str], None] | None = None,
+        before_last_backward: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """A pipelined strategy's step over `accum` micro-batches (step.accumulate runs the
         others')."""
         raise NotImplementedError(f"{self.name}: not pipelined (Strategy.pipelined is False)")
@@ -151,7 +165,7 @@ class Strategy:
         nothing else
         keeps shapes."""
 
-    # ---- what this rank holds -------------------------------------------------------------------------
+    # ---- what this rank holds --------------------------------------------------------------------
     def receive_buffers(self) -> list[torch.Tensor]:
         """Communication buffers the strategy keeps across steps (a pipeline's), for the memory
         tracker."""
@@ -167,15 +181,17 @@ class Strategy:
 
     def measure_held_bytes(self) -> dict[str, int]:
         params = list(self.module.parameters())
-        return {"params": sum(local_bytes(p) for p in params),
-                "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-                "optimizer": optimizer_state_bytes(self.local_optimizer())}
+        return {
+            "params": sum(local_bytes(p) for p in params),
+            "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": optimizer_state_bytes(self.local_optimizer()),
+        }
 
     def weights_digest(self) -> str | None:
         """sha256 of this rank's full weights (replicated modes); None where ranks hold shards."""
         return None if self.sharded else state_digest(self.module.state_dict())
 
-    # ---- checkpoints (collective: every rank calls) ---------------------------------------------------
+    # ---- checkpoints (collective: every rank calls) ----------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """{'model': ..., 'optim': ...} keyed by parameter name, as DCP saves and loads it (DCP's
         state-dict
@@ -192,7 +208,8 @@ class Strategy:
         return self.state_dict(), False
 
     def save(self, path: Path) -> None:
-        """The model into path/model and the optimizer into path/optim (DCP, sharded as the ranks hold it)."""
+        """The model into path/model and the optimizer into path/optim (DCP, sharded as the ranks
+        hold it)."""
         parts, alone = self.checkpoint_parts()
         with single_process_dcp(alone=alone):
             for key, state in parts.items():

@@ -1,18 +1,20 @@
-"""Tensor parallelism (Megatron style, torch.distributed.tensor.parallel), alone or with data parallelism.
+"""Tensor parallelism (Megatron style, torch.distributed.tensor.parallel), alone or with data
+parallelism.
 
-The task's plan (Task.tensor_parallel_plan) splits its matrices over the 'tp' dimension of the mesh: each rank
-of a TP group holds a slice of every planned Linear (a DTensor), the rest stays replicated. With a data-parallel
-size above 1 the TP'd model is then made data parallel over the mesh's other dimensions (layout.py, torchtitan's
-order): FSDP x TP ('dp_shard', 'tp'), HSDP x TP ('dp_replicate', 'dp_shard', 'tp') or DDP x TP ('dp_replicate',
-'tp', PyTorch's FSDP2-based replicate). The ranks of one TP group see the same batches and draw the same dropout
-masks (the loop seeds by the data-parallel coordinate).
+The task's plan (Task.tensor_parallel_plan) splits its matrices over the 'tp' dimension of the mesh:
+each rank of a TP group holds a slice of every planned Linear (a DTensor), the rest stays
+replicated. With a data-parallel size above 1 the TP'd model is then made data parallel over the
+mesh's other dimensions (layout.py, torchtitan's order): FSDP x TP ('dp_shard', 'tp'), HSDP x TP
+('dp_replicate', 'dp_shard', 'tp') or DDP x TP ('dp_replicate', 'tp', PyTorch's FSDP2-based
+replicate). The ranks of one TP group see the same batches and draw the same dropout masks (the loop
+seeds by the data-parallel coordinate).
 
-Three things the built-ins don't do with a mix of DTensor and plain parameters, or DTensors on different meshes:
-foreach/fused optimizer kernels (so each param group is split by mesh), clip_grad_norm_ (so the norm is summed
-here, one full_tensor() per DTensor gradient) and fp16's loss scaler (so it unscales each rank's local shards).
-Checkpoints go through Strategy's DCP state-dict path like every other mode (the param groups split
-by mesh are
-merged back to the task's grouping there: param_groups.py), so any layout can load them.
+Three things the built-ins don't do with a mix of DTensor and plain parameters, or DTensors on
+different meshes: foreach/fused optimizer kernels (so each param group is split by mesh),
+clip_grad_norm_ (so the norm is summed here, one full_tensor() per DTensor gradient) and fp16's loss
+scaler (so it unscales each rank's local shards). Checkpoints go through Strategy's DCP state-dict
+path like every other mode (the param groups split by mesh are merged back to the task's grouping
+there: param_groups.py), so any layout can load them.
 """
 
 from __future__ import annotations
@@ -39,24 +41,36 @@ if TYPE_CHECKING:
     from workbench.tasks import Task
 
 
-def placement_facts(mesh: DeviceMesh, named_parameters: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """({'mesh': sizes, 'coordinates': this rank's}, per DTensor parameter: placements, local and global shape,
-    mesh dimensions): what a rank shows of how it is laid out."""
+def placement_facts(
+    mesh: DeviceMesh, named_parameters: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({'mesh': sizes, 'coordinates': this rank's}, per DTensor parameter: placements, local and
+    global shape, mesh dimensions): what a rank shows of how it is laid out."""
     names = mesh.mesh_dim_names or ()
     coords = mesh.get_coordinate() or []
-    split = {name: {"placements": [repr(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
-                    "global_shape": list(p.shape), "mesh": list(p.device_mesh.mesh_dim_names or ())}
-             for name, p in named_parameters if isinstance(p, DTensor)}
-    return {"mesh": dict(zip(names, mesh.mesh.shape)), "coordinates": dict(zip(names, coords))}, split
+    split = {
+        name: {
+            "placements": [repr(pl) for pl in p.placements],
+            "local_shape": list(p.to_local().shape),
+            "global_shape": list(p.shape),
+            "mesh": list(p.device_mesh.mesh_dim_names or ()),
+        }
+        for name, p in named_parameters
+        if isinstance(p, DTensor)
+    }
+    return {
+        "mesh": dict(zip(names, mesh.mesh.shape)),
+        "coordinates": dict(zip(names, coords)),
+    }, split
 
 
 @torch.no_grad()
 def squared_norm(grads: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """The squared 2-norm of plain and DTensor gradients on any meshes, as if each DTensor were whole. Each rank
-    sums the squares of its local shards per (mesh, placements); an all-reduce per such group and split dimension
-    makes the sum whole (not a DTensor reduction per gradient), and a replicated gradient counts once. The sums
-    are taken on `device` (default: the first gradient's): offloaded shards sit on the CPU, and NCCL reduces GPU
-    tensors only."""
+    """The squared 2-norm of plain and DTensor gradients on any meshes, as if each DTensor were
+    whole. Each rank sums the squares of its local shards per (mesh, placements); an all-reduce per
+    such group and split dimension makes the sum whole (not a DTensor reduction per gradient), and a
+    replicated gradient counts once. The sums are taken on `device` (default: the first gradient's):
+    offloaded shards sit on the CPU, and NCCL reduces GPU tensors only."""
     device = device or (grads[0].device if grads else None)
     sums: dict[Any, torch.Tensor] = {}
     for g in grads:
@@ -68,8 +82,9 @@ def squared_norm(grads: list[torch.Tensor], device: torch.device | None = None) 
     for key, square in sums.items():
         if key is not None:
             mesh, placements = key
-            # Summed along every mesh dimension the values are split on: all but Replicate (FSDP x TP's
-            # _StridedShard included); plain all-reduces, as a DTensor redistribution costs more on a scalar.
+            # Summed along every mesh dimension the values are split on: all but Replicate (FSDP x
+            # TP's _StridedShard included); plain all-reduces, as a DTensor redistribution costs
+            # more on a scalar.
             for dim, placement in enumerate(placements):
                 if not placement.is_replicate():
                     dist.all_reduce(square, group=mesh.get_group(dim))
@@ -86,9 +101,11 @@ def scale_gradients_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: f
         local.mul_(coef.to(local.device, local.dtype))
 
 
-def clip_mixed_grad_norm_(params: list[torch.Tensor], max_norm: float,
-                          device: torch.device | None = None) -> torch.Tensor:
-    """clip_grad_norm_ over plain and DTensor gradients on any meshes (the built-in refuses a mix)."""
+def clip_mixed_grad_norm_(
+    params: list[torch.Tensor], max_norm: float, device: torch.device | None = None
+) -> torch.Tensor:
+    """clip_grad_norm_ over plain and DTensor gradients on any meshes (the built-in refuses a
+    mix)."""
     grads = [p.grad for p in params if p.grad is not None]
     total = squared_norm(grads, device).sqrt()
     scale_gradients_(grads, total, max_norm)
@@ -96,13 +113,19 @@ def clip_mixed_grad_norm_(params: list[torch.Tensor], max_norm: float,
 
 
 class LocalShardGradScaler(ShardedGradScaler):
-    """fp16 loss scaling for DTensor gradients: each rank checks and unscales the shards it holds, and
-    ShardedGradScaler's all-reduce of the overflow flag makes every rank skip the same steps. PyTorch's own unscale
-    takes DTensors only in a list of nothing else, and pure TP mixes them with plain gradients (embeddings, norms):
-    'aten._amp_foreach_non_finite_check_and_unscale_: got mixed torch.Tensor and DTensor'."""
+    """fp16 loss scaling for DTensor gradients: each rank checks and unscales the shards it holds,
+    and ShardedGradScaler's all-reduce of the overflow flag makes every rank skip the same steps.
+    PyTorch's own unscale takes DTensors only in a list of nothing else, and pure TP mixes them with
+    plain gradients (embeddings, norms): 'aten._amp_foreach_non_finite_check_and_unscale_: got mixed
+    torch.Tensor and DTensor'."""
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
         grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -112,21 +135,32 @@ class LocalShardGradScaler(ShardedGradScaler):
                         if not allow_fp16 and local.dtype == torch.float16:
                             raise ValueError("Attempting to unscale FP16 gradients.")
                         grads[local.device, local.dtype].append(local)
-            found = {found_inf.device: found_inf}  # a flag per device (offloaded shards are on the CPU)
+            found = {
+                found_inf.device: found_inf
+            }  # a flag per device (offloaded shards are on the CPU)
             for (device, _), local_grads in grads.items():
                 if device not in found:
                     found[device] = found_inf.to(device, copy=True)
-                torch._amp_foreach_non_finite_check_and_unscale_(local_grads, found[device], inv_scale.to(device))
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    local_grads, found[device], inv_scale.to(device)
+                )
         return found
 
 
 class TensorParallel(Strategy):
-    """The task's plan over 'tp', then data parallelism over the mesh's other dimensions (layout.py)."""
+    """The task's plan over 'tp', then data parallelism over the mesh's other dimensions
+    (layout.py)."""
 
     sharded = True
 
-    def __init__(self, cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module, task: Task,
-                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        task: Task,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    ) -> None:
         super().__init__(cfg, accelerator)
         world = accelerator.num_processes
         self.name = f"tp{cfg.tp}" if world == cfg.tp else f"{cfg.parallelism} x tp{cfg.tp}"
@@ -135,8 +169,9 @@ class TensorParallel(Strategy):
         plan = task.tensor_parallel_plan(model, cfg) if cfg.tp > 1 else None
         if plan is None and cfg.tp > 1:
             raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan")
-        apply_layout(model, self.mesh, cfg, plan, shard_units(model, task),
-                     tracing=self.accelerator.tracing)
+        apply_layout(
+            model, self.mesh, cfg, plan, shard_units(model, task), tracing=self.accelerator.tracing
+        )
         self.data_parallel = data_dims(self.mesh)
         self.model = self.module = model
         self.optimizer = make_optimizer(model)
@@ -153,18 +188,22 @@ class TensorParallel(Strategy):
         return torch.autocast(self.device.type, dtype=dtype)
 
     def sync_gradients(self, last_micro_batch: bool) -> Any:
-        """DDP x TP all-reduces gradients on the micro-batch that ends the step only, as DDP's no_sync does;
-        FSDP2's sharded layouts reduce-scatter every micro-batch (held back, each rank would keep full gradients)."""
+        """DDP x TP all-reduces gradients on the micro-batch that ends the step only, as DDP's
+        no_sync does; FSDP2's sharded layouts reduce-scatter every micro-batch (held back, each rank
+        would keep full gradients)."""
         if self.data_parallel == ("dp_replicate",):
             self.module.set_requires_gradient_sync(last_micro_batch)  # type: ignore[operator]
         return super().sync_gradients(last_micro_batch)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        if self.scaler is not None:  # the norm and the clipping are of the true gradients, not the scaled ones
+        if (
+            self.scaler is not None
+        ):  # the norm and the clipping are of the true gradients, not the scaled ones
             self.scaler.unscale_(self.optimizer)
         return clip_mixed_grad_norm_(list(self.module.parameters()), max_norm, self.device)
 
     def facts(self) -> dict[str, Any]:
-        """The mesh, this rank's place in it, and how each split parameter is placed and what it holds here."""
+        """The mesh, this rank's place in it, and how each split parameter is placed and what it
+        holds here."""
         where, split = placement_facts(self.mesh, self.module.named_parameters())
         return {**where, "tp_params": split}
