@@ -73,7 +73,7 @@ def fake_run(tmp_path: Path, steps: int, head: bytes = b"") -> tuple[Path, list[
     return run_dir, write_rows(run_dir / rundir.METRICS, steps, head)
 
 
-# ---- the last row ---------------------------------------------------------------------------------------------
+# ---- the last row --------------------------------------------------------------------------------
 def test_status_reads_the_last_row_from_the_end_of_the_file(tmp_path: Path) -> None:
     # The head is 2,000 rows no reader could type ("step" a string): only a reader that parses them fails.
     head = b"".join(
@@ -112,7 +112,7 @@ def test_tail_rows_are_the_newest_first_within_the_limit(tmp_path: Path, limit: 
         assert list(jsonl.tail_jsonl(path, block=50, limit=on_a_line)) == rows[-5:][::-1]
 
 
-# ---- RunResult.metrics ------------------------------------------------------------------------------------------
+# ---- RunResult.metrics ---------------------------------------------------------------------------
 def test_metrics_are_parsed_once_then_only_the_appended_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,7 +171,7 @@ def test_metrics_keep_read_jsonl_rules(
     assert files.read_jsonl(path) == [*good, train_row(6)]
 
 
-# ---- the dashboard's first view and plot() --------------------------------------------------------------------
+# ---- the dashboard's first view and plot() -------------------------------------------------------
 def test_the_dashboards_first_view_of_a_long_run_reads_a_sample(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -276,7 +276,7 @@ def test_a_failed_write_fails_the_run_naming_the_checkpoint(runs_dir: Path, mode
     assert not list(run.checkpoints_path.glob(".tmp-step_*"))
 
 
-# ---- killed mid-write ---------------------------------------------------------------------------
+# ---- killed mid-write ----------------------------------------------------------------------------
 def test_a_run_killed_during_a_background_write_resumes_from_the_one_before(runs_dir: Path) -> None:
     cfg = cfg_for(
         runs_dir,
@@ -326,7 +326,7 @@ def test_a_run_killed_during_a_background_write_resumes_from_the_one_before(runs
     assert [s for s, _ in run.checkpoints()] == [2, 4, 6]
 
 
-# ---- the setting --------------------------------------------------------------------------------
+# ---- the setting ---------------------------------------------------------------------------------
 def test_checkpoint_async_names_its_choices_and_auto_writes_in_the_background_on_gpus() -> None:
     with pytest.raises(
         ValueError, match=r"checkpoint_async='yes': choose one of 'auto' \| 'on' \| 'off'"
@@ -341,7 +341,7 @@ def test_checkpoint_async_names_its_choices_and_auto_writes_in_the_background_on
     assert writes_async(auto.replace(checkpoint_async="on"), torch.device("cpu"))[0] is True
 
 
-# ---- the bench ---------------------------------------------------------------------------------------
+# ---- the bench -----------------------------------------------------------------------------------
 def test_bench_checkpoint_measures_each_checkpoints_stall_both_ways(tmp_path: Path) -> None:
     from workbench.commands.bench.checkpoint_stall import CHECKPOINT_BENCH, checkpoint_stall
 

@@ -19,9 +19,11 @@ import workbench as wb
 import workbench.notebook.dashboard as dashboard_mod
 import workbench.regress.recording as rec
 from workbench import rundir
+from workbench.notebook.axis_format import sci
 from workbench.notebook.dashboard import Dashboard
-from workbench.notebook.plots import LIVE_POINTS, LiveFigure, draw, ema, sci
-from workbench.notebook.reading import Reading, RowTail, eta_s, lower_thread_priority, run_average
+from workbench.notebook.pace import eta_s, run_average
+from workbench.notebook.plots import LIVE_POINTS, LiveFigure, draw, ema
+from workbench.notebook.reading import Reading, RowTail, lower_thread_priority
 from workbench.rundir import MetricsRow
 from workbench.utils import files
 from workbench.utils.units import fmt_duration
@@ -76,7 +78,7 @@ def fake_run(
     return run_dir
 
 
-# ---- live numbers ---------------------------------------------------------------------------------------------
+# ---- live numbers --------------------------------------------------------------------------------
 def test_run_average_counts_the_samples_of_the_timed_steps(tmp_path: Path) -> None:
     times = [0.5] + [0.1] * 9 + [0.3] * 10  # a slow first step, then two speeds
     dash = Dashboard(fake_run(tmp_path, trainer_rows(times, log_every=5)))
@@ -133,7 +135,7 @@ def test_the_progress_line_shows_the_eta_at_the_smoothed_pace(tmp_path: Path) ->
     assert f"ETA {fmt_duration(eta)}" in dash.progress_text.value
 
 
-# ---- the figure -----------------------------------------------------------------------------------------------
+# ---- the figure ----------------------------------------------------------------------------------
 def _rows_with_wobble() -> list[dict[str, Any]]:
     return [
         {
@@ -356,7 +358,7 @@ def test_a_failed_run_ends_with_one_figure_and_one_error(
     )
 
 
-# ---- static snapshot in the display bundle --------------------------------------------------------------------
+# ---- static snapshot in the display bundle -------------------------------------------------------
 def test_dashboard_bundle_has_the_widget_and_a_static_snapshot(tmp_path: Path) -> None:
     dash = Dashboard(fake_run(tmp_path, trainer_rows([0.1] * 20, log_every=5)))
     data, _ = DisplayFormatter().format(dash)  # as IPython formats it for a notebook output
@@ -411,7 +413,7 @@ def test_panel_bundle_has_the_widget_and_a_static_snapshot(tmp_path: Path, runs_
     assert "boom" not in page  # the panel's own error box says it; the dashboard's copy is left out
 
 
-# ---- recorded names -------------------------------------------------------------------------------------------
+# ---- recorded names ------------------------------------------------------------------------------
 class _Shell:
     kernel = object()
 
@@ -531,7 +533,7 @@ def test_the_mark_and_the_verdict_name_the_same_rank_or_none(tmp_path: Path) -> 
     )
 
 
-# ---- reading a poll at a time ---------------------------------------------------------------------------------
+# ---- reading a poll at a time --------------------------------------------------------------------
 def test_metrics_are_read_a_poll_at_a_time(tmp_path: Path) -> None:
     path = tmp_path / rundir.METRICS
     tail = RowTail(path)

@@ -38,7 +38,7 @@ def _assert_no_rank_left() -> None:
     assert mp.active_children() == []
 
 
-# ---- topology -------------------------------------------------------------------------------------------------
+# ---- topology ------------------------------------------------------------------------------------
 def test_topology_parses_a_4_gpu_nvlink_matrix() -> None:
     topo = parse_topo_matrix(FIXTURE.read_text())
     assert topo.gpus == ["GPU0", "GPU1", "GPU2", "GPU3"]
@@ -76,7 +76,7 @@ def test_a_pcie_only_topology_says_so() -> None:
     assert parse_topo_matrix("No devices were found").gpus == []
 
 
-# ---- environment ----------------------------------------------------------------------------------------------
+# ---- environment ---------------------------------------------------------------------------------
 def test_env_pitfalls_are_found_in_the_environment_with_their_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -139,7 +139,7 @@ def test_env_pitfalls_are_found_in_the_environment_with_their_fix(
     assert omp.text == "OMP_NUM_THREADS=8 x 4 CPU ranks = 32 threads on 8 cores: oversubscribed"
 
 
-# ---- all-reduce -----------------------------------------------------------------------------------------------
+# ---- all-reduce ----------------------------------------------------------------------------------
 def test_bus_bandwidth_follows_nccl_tests() -> None:
     r = allreduce.row(1 << 20, 1e-3, 4, iters=20)
     assert r["algbw_GBps"] == pytest.approx(1.048576)  # bytes / time, in GB/s (1e9)
@@ -194,7 +194,7 @@ def test_a_rank_that_dies_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_no_rank_left()
 
 
-# ---- the whole report -----------------------------------------------------------------------------------------
+# ---- the whole report ----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cli_doctor_json_quick_has_every_section(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--json", "--quick"]) == 0

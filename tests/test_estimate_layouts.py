@@ -101,7 +101,7 @@ def test_model_state_per_rank_is_what_the_strategy_holds(
         assert len(set(stages.values())) == 2, stages
 
 
-# ---- a pipeline's peak against the real schedule --------------------------------------------------------------
+# ---- a pipeline's peak against the real schedule -------------------------------------------------
 def _schedule_worker(rank: int, world: int, port: int, fields: dict[str, Any], out: Any) -> None:
     """The trainer's PipelineParallel on a gloo rank: one step to build the optimizer state, then one under the
     trainer's memory tracker, with the stage's receive buffers (made in the first step, before the tracker
@@ -215,7 +215,7 @@ def test_each_stages_peak_is_the_real_schedules(
         )
 
 
-# ---- cheaper: what the layouts change in the estimate ---------------------------------------------------------
+# ---- cheaper: what the layouts change in the estimate --------------------------------------------
 def test_gpipe_holds_more_micro_batches_in_flight_than_1f1b(
     needs_mirror: Path, tmp_path: Path
 ) -> None:

@@ -16,17 +16,11 @@ import workbench as wb
 from workbench.estimator import machine_cache
 from workbench.estimator.catalog import lookup
 from workbench.estimator.efficiency import matmul_efficiency
+from workbench.estimator.gpu_time import GPU_LAUNCH_S, GPU_STEP_S, gpu_step
 from workbench.estimator.machine import MachineProfile
-from workbench.estimator.machine_probe import COLLECTIVES, KINDS, op_kind
-from workbench.estimator.op_time import (
-    GPU_LAUNCH_S,
-    GPU_STEP_S,
-    cpu_step,
-    dtensor_op_cost,
-    gpu_step,
-    layout_factor,
-    slowdown,
-)
+from workbench.estimator.machine_probe import COLLECTIVES, KINDS
+from workbench.estimator.op_kinds import op_kind
+from workbench.estimator.op_time import cpu_step, dtensor_op_cost, layout_factor, slowdown
 from workbench.estimator.trace import StepTrace
 
 
@@ -87,7 +81,7 @@ def collective(count: int, wire_bytes: float) -> dict[str, Any]:
 CFG = wb.RunConfig(task="digits", num_processes=2, micro_batch_size=8, grad_accum_steps=1)
 
 
-# ---- the machine, measured -------------------------------------------------------------------------------------
+# ---- the machine, measured -----------------------------------------------------------------------
 def test_the_profile_is_measured_once_then_read_from_its_file_and_a_damaged_file_is_measured_again(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -163,7 +157,7 @@ def test_a_profile_measured_on_a_busy_machine_gives_way_to_a_quieter_one(
     assert machine_cache.machine_profile(2, 1) == quiet and answers == [busy], "a quiet one is kept"
 
 
-# ---- the model -------------------------------------------------------------------------------------------------
+# ---- the model -----------------------------------------------------------------------------------
 def test_ops_are_priced_by_kind_and_views_write_nothing() -> None:
     assert [
         op_kind(n)
@@ -403,7 +397,7 @@ def test_a_gpu_target_is_priced_from_its_datasheet_not_this_machine(
     )
 
 
-# ---- learning from completed runs -------------------------------------------------------------------------------
+# ---- learning from completed runs ----------------------------------------------------------------
 def test_a_completed_run_corrects_the_estimate_and_the_estimate_says_which(
     learning_cache: Path, tmp_path: Path
 ) -> None:

@@ -21,7 +21,8 @@ from workbench.estimator.catalog import BUILTIN
 from workbench.estimator.model import GRADS_LEGEND
 from workbench.estimator.target import Target
 from workbench.estimator.trace import allow_traces
-from workbench.notebook.panel.estimates import EstimateBox, EstimateState, render
+from workbench.notebook.panel.estimate_html import EstimateState, render
+from workbench.notebook.panel.estimates import EstimateBox
 from workbench.tasks import get_task
 from workbench.utils.files import read_yaml
 from workbench.utils.units import GiB, MiB
@@ -96,7 +97,7 @@ def digits_on_h100() -> Estimate:
     return estimate(cfg_of(), H100, 8, task=get_task("digits"))
 
 
-# ---- the estimate itself --------------------------------------------------------------------------------
+# ---- the estimate itself -------------------------------------------------------------------------
 def test_the_repr_is_one_line_with_the_verdict_peak_time_and_cost(digits_on_h100: Estimate) -> None:
     text = repr(digits_on_h100)
     assert "\n" not in text and len(text) < 200, text
@@ -193,7 +194,7 @@ def test_the_bars_of_a_tiny_model_show_and_the_usable_memory_stays_marked(
     assert sum(bar_widths(big)) < 100
 
 
-# ---- the panel's box ------------------------------------------------------------------------------------
+# ---- the panel's box -----------------------------------------------------------------------------
 @pytest.fixture
 def gated(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The box's estimate replaced by made_up(), held back while gate['open'] is cleared."""
@@ -282,7 +283,7 @@ def test_a_request_waiting_out_its_debounce_ends_at_once_on_cancel(
     assert not thread.is_alive() and box.state.status == "idle" and box.state.result is None
 
 
-# ---- answers from the trace already made ----------------------------------------------------------------
+# ---- answers from the trace already made ---------------------------------------------------------
 def test_a_change_that_keeps_the_traced_step_is_answered_without_a_new_trace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

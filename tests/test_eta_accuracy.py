@@ -12,7 +12,8 @@ import pytest
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
-from workbench.notebook.reading import ETA_HORIZON_S, Reading, eta_s, smoothed_step_time
+from workbench.notebook.pace import ETA_HORIZON_S, eta_s, smoothed_step_time
+from workbench.notebook.reading import Reading
 from workbench.rundir import MetricsRow
 from workbench.utils.files import read_json
 
@@ -54,7 +55,7 @@ def worst(errors: list[tuple[int, float]]) -> tuple[int, float]:
     return max(errors, key=lambda e: abs(e[1]))
 
 
-# ---- synthetic row streams ------------------------------------------------------------------------------------
+# ---- synthetic row streams -----------------------------------------------------------------------
 def test_steady_steps_after_a_slow_first_step_give_the_exact_time_left() -> None:
     times = [2.0] + [0.01] * 4999  # the first step pays for start-up: 200 steps' worth
     errors = relative_errors(times, log_every=5)
@@ -121,7 +122,7 @@ def test_without_a_window_between_rows_the_first_rows_own_time_is_used() -> None
     assert eta_s(Reading(rows=[]), 100, 0) is None
 
 
-# ---- a real run with a known step time ------------------------------------------------------------------------
+# ---- a real run with a known step time -----------------------------------------------------------
 def test_a_run_of_sleeping_steps_gets_an_eta_within_20_percent(runs_dir: Path) -> None:
     # Each step sleeps 50 ms in the task's loss: a known pace that a loaded machine stretches little (sleeping
     # needs no CPU, and the step's own work is a few ms). The ETA is what the dashboard computes from the rows as they were when written; the time

@@ -99,7 +99,7 @@ def wait_for_steps(run: RunDir, n: int, proc: subprocess.Popen, timeout: float =
         time.sleep(0.1)
 
 
-# ---- preemption -------------------------------------------------------------------------------------------
+# ---- preemption ----------------------------------------------------------------------------------
 def test_sigterm_to_workbench_train_preempts_and_resume_auto_continues_the_curve(
     tmp_path: Path,
 ) -> None:
@@ -206,7 +206,7 @@ def test_sigterm_before_training_starts_is_a_preemption(tmp_path: Path, target: 
         )
 
 
-# ---- restarts ---------------------------------------------------------------------------------------------
+# ---- restarts ------------------------------------------------------------------------------------
 def test_sigterm_during_the_restart_backoff_ends_the_run_preempted_without_restarting(
     tmp_path: Path,
 ) -> None:
@@ -272,7 +272,7 @@ def test_max_restarts_recovers_a_crash_and_continues_the_same_curve(
     assert losses(result.dir) == pytest.approx(losses(straight.dir), rel=1e-6)
 
 
-# ---- damaged checkpoints ----------------------------------------------------------------------------------
+# ---- damaged checkpoints -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "damage", ["truncated weights", "empty optimizer file", "broken trainer state"]
 )
@@ -320,7 +320,7 @@ def test_every_damaged_checkpoint_means_a_loud_failure_not_a_fresh_start(runs_di
         )
 
 
-# ---- divergence -------------------------------------------------------------------------------------------
+# ---- divergence ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "grad_clip,every_step",
     [(1.0, False), (0.0, False), (1.0, True)],
@@ -360,7 +360,7 @@ def test_nan_at_step_k_stops_the_run_at_step_k_as_diverged(
         assert votes[0] == votes[1] < 7, votes
 
 
-# ---- hangs ------------------------------------------------------------------------------------------------
+# ---- hangs ---------------------------------------------------------------------------------------
 def test_a_rank_stuck_in_its_step_is_named_with_its_stack(runs_dir: Path) -> None:
     cfg = cfg_for(
         runs_dir,
@@ -421,7 +421,7 @@ def test_an_exception_that_ends_the_blocking_launch_kills_the_run(runs_dir: Path
     assert wb.RunResult.load(run.path).status == "failed"
 
 
-# ---- resume safety ----------------------------------------------------------------------------------------
+# ---- resume safety -------------------------------------------------------------------------------
 def test_a_resume_that_changes_the_trajectory_is_refused_with_the_differences(
     runs_dir: Path,
 ) -> None:
@@ -473,7 +473,7 @@ def test_a_resume_that_changes_the_trajectory_is_refused_with_the_differences(
     assert again.dir.config().num_processes == 1
 
 
-# ---- one writer -------------------------------------------------------------------------------------------
+# ---- one writer ----------------------------------------------------------------------------------
 def test_a_second_launch_into_a_running_run_is_refused_naming_the_holder(runs_dir: Path) -> None:
     run = wb.start(
         cfg_for(
@@ -551,7 +551,7 @@ def test_a_run_whose_processes_are_gone_never_reads_as_running(runs_dir: Path) -
     assert main(["status", str(run.path)]) == 1
 
 
-# ---- I/O errors -------------------------------------------------------------------------------------------
+# ---- I/O errors ----------------------------------------------------------------------------------
 def test_a_disk_that_fills_up_names_the_run_directory_and_the_file(tmp_path: Path) -> None:
     import resource
 

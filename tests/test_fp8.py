@@ -101,7 +101,7 @@ def worst_relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-# ---- the swap ----------------------------------------------------------------------------------
+# ---- the swap ------------------------------------------------------------------------------------
 def test_the_swap_takes_each_blocks_linear_and_leaves_the_head(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -178,7 +178,7 @@ def test_a_model_with_no_linear_to_swap_is_refused_before_launch(runs_dir: Path)
         preflight(cfg, hardware=H100x1)
 
 
-# ---- refusals and settings (no torchao needed) -------------------------------------------------
+# ---- refusals and settings (no torchao needed) ---------------------------------------------------
 @pytest.mark.parametrize(
     "hardware,where",
     [(Hardware(cpu_count=2), r"CPU \(2 cores\)"), (A100x1, r"1 x NVIDIA A100-SXM4-80GB")],
@@ -278,7 +278,7 @@ def test_the_estimate_prices_fp8_matmuls_at_the_catalogs_fp8_peak() -> None:
     assert fp8 < 0.8 * bf16, (fp8, bf16)
 
 
-# ---- training on 2 gloo ranks, emulated --------------------------------------------------------
+# ---- training on 2 gloo ranks, emulated ----------------------------------------------------------
 RUNS: dict[str, dict[str, Any]] = {
     "bf16-ddp": {"precision": "bf16"},
     "fp8-ddp": {"precision": "fp8"},
@@ -373,7 +373,7 @@ def test_an_fp8_zero3_checkpoint_resumes_where_the_run_was(
     assert max(abs(a - b) / b for a, b in zip(after, before)) < 1e-4, (after, before)
 
 
-# ---- on fp8 tensor cores -----------------------------------------------------------------------
+# ---- on fp8 tensor cores -------------------------------------------------------------------------
 def _fp8_gpu() -> bool:
     gpus = detect().gpus  # nvidia-smi: no CUDA context in this process, the ranks can still fork
     return bool(gpus) and min(g.compute_capability for g in gpus) >= (8, 9)

@@ -61,7 +61,7 @@ def _slurm_stand_in(folder: Path, squeue: str, scontrol: str) -> dict[str, str]:
     return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
 
 
-# ---- the scheduler: only a definite answer is GONE --------------------------------------------------------------
+# ---- the scheduler: only a definite answer is GONE -----------------------------------------------
 @pytest.mark.parametrize(
     ("said", "state"),
     [
@@ -171,7 +171,7 @@ def test_a_run_whose_job_cant_be_asked_keeps_its_lock_while_its_heartbeats_are_f
     ), text
 
 
-# ---- heartbeats, on the reader's own clock ------------------------------------------------------------------------
+# ---- heartbeats, on the reader's own clock -------------------------------------------------------
 class ReaderClock:
     """The reader's clocks: its wall clock `ahead_s` ahead of the writer's, and a stopwatch the test can move on."""
 

@@ -22,7 +22,8 @@ import workbench.training.monitor as monitor_mod
 from workbench import rundir
 from workbench.notebook.dashboard import Dashboard
 from workbench.notebook.plots import draw
-from workbench.training.monitor import FIELDS, DeviceMonitor, nvml_target, row_fields
+from workbench.training.device_samplers import nvml_target
+from workbench.training.monitor import FIELDS, DeviceMonitor, row_fields
 from workbench.utils import files
 
 MB = 2**20
@@ -80,7 +81,7 @@ def wait_for_samples(done: list[float], seconds: float, after: int = 0) -> None:
     )
 
 
-# ---- sampling against the fake NVML --------------------------------------------------------------------------
+# ---- sampling against the fake NVML --------------------------------------------------------------
 def test_scripted_nvml_readings_land_in_the_window_mean_for_rates_max_for_levels(
     monitors: list,
 ) -> None:
@@ -157,7 +158,7 @@ def test_without_pynvml_a_gpu_rank_warns_once_and_records_torch_memory(
     assert math.isnan(window["gpu_util_pct"])  # so no idle warning either
 
 
-# ---- the idle warning ---------------------------------------------------------------------------------------------
+# ---- the idle warning ----------------------------------------------------------------------------
 def test_idle_gpu_warns_once_per_episode_and_rearms(
     monitors: list, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -236,7 +237,7 @@ def test_for_rank_writes_gpu_idle_to_events_jsonl(
     )
 
 
-# ---- rows, config -------------------------------------------------------------------------------------------------
+# ---- rows, config --------------------------------------------------------------------------------
 def test_row_fields_are_per_rank_lists_with_none_for_unmeasured() -> None:
     nan = float("nan")
     gathered = torch.tensor(
@@ -280,7 +281,7 @@ def test_monitor_settings_are_validated(fields: dict, message: str) -> None:
     assert wb.RunConfig(monitor_interval_s=0, idle_after_s=0).monitor_interval_s == 0
 
 
-# ---- the dashboard --------------------------------------------------------------------------------------------
+# ---- the dashboard -------------------------------------------------------------------------------
 def monitored_rows(kind: str) -> list[dict[str, Any]]:
     rows = []
     for step in range(5, 45, 5):
@@ -396,7 +397,7 @@ def test_overlaid_runs_show_each_runs_busiest_rank_in_the_runs_own_style() -> No
         assert (line.get_color(), line.get_linestyle()) == (twin.get_color(), twin.get_linestyle())
 
 
-# ---- for real -------------------------------------------------------------------------------------------------
+# ---- for real ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_cpu_run_records_process_cpu_and_rss_per_rank(runs_dir: Path) -> None:
     # 100 steps: longer than one sampling interval (50 ms) even on a fast machine, so CPU % has a reading.

@@ -54,7 +54,7 @@ def expected_error(make: Callable[[], Any]) -> str:
     return str(info.value)
 
 
-# ---- controls <-> RunConfig ---------------------------------------------------------------------------
+# ---- controls <-> RunConfig ----------------------------------------------------------------------
 def test_controls_round_trip_keeps_fields_without_a_control(runs_dir: Path) -> None:
     cfg = tiny(
         runs_dir,
@@ -238,7 +238,7 @@ def test_button_exception_is_shown_and_buttons_come_back(runs_dir: Path) -> None
     assert not any(c.disabled for c in panel.controls.values())
 
 
-# ---- dashboard from a run directory -------------------------------------------------------------------
+# ---- dashboard from a run directory --------------------------------------------------------------
 def _row(step: int, **extra: Any) -> dict[str, Any]:
     return {
         "step": step,
@@ -331,7 +331,7 @@ def test_dashboard_polls_in_a_thread_until_the_run_ends(tmp_path: Path) -> None:
         dash.stop()
 
 
-# ---- real runs: launch, relaunch, stop, fail ----------------------------------------------------------
+# ---- real runs: launch, relaunch, stop, fail -----------------------------------------------------
 class FailsOnRank1(DigitsTask):
     """Digits, except rank 1 raises on its third micro-batch."""
 

@@ -67,7 +67,7 @@ def junit_cases(path: Path) -> dict[str, ET.Element]:
     return {tc.get("name"): tc for tc in ET.parse(path).getroot().iter("testcase")}
 
 
-# ---- comparison rules -----------------------------------------------------------------------------------------
+# ---- comparison rules ----------------------------------------------------------------------------
 def test_throughput_fails_only_on_a_drop_beyond_tolerance() -> None:
     rule = Rule("higher_is_better", rel=0.5)
     assert rule.check(40.0, 100.0) == ("fail", "drop 60 (-60.0%) > allowed 50")
@@ -224,7 +224,7 @@ def test_invalid_tolerances_are_rejected(spec: Any, direction: str | None, messa
         parse_rule(spec, direction)
 
 
-# ---- suites and parameters ------------------------------------------------------------------------------------
+# ---- suites and parameters -----------------------------------------------------------------------
 def test_suite_cases_merge_defaults_and_resolve_paths(tmp_path: Path) -> None:
     suite = write_suite(
         tmp_path,
@@ -402,7 +402,7 @@ def test_shipped_smoke_suite_is_valid() -> None:
         ), case.id
 
 
-# ---- recording ------------------------------------------------------------------------------------------------
+# ---- recording -----------------------------------------------------------------------------------
 class _FakeKernelShell:
     kernel = object()
 
@@ -517,7 +517,7 @@ def test_record_rejects_bad_arguments(
         workbench.record(*args, **kwargs)
 
 
-# ---- executing notebooks (a real kernel each) -----------------------------------------------------------------
+# ---- executing notebooks (a real kernel each) ----------------------------------------------------
 @pytest.mark.slow
 def test_metric_past_tolerance_fails_the_suite_and_one_inside_passes(tmp_path: Path) -> None:
     nb = fixture("records_metric", tmp_path)

@@ -227,7 +227,7 @@ def test_written_files_honour_the_umask(runs_dir: Path) -> None:
                 {"task": "digits", "micro_batch_size": 5000},
                 r"micro_batch_size=5000 x num_processes=2 is more than the 1,438 training samples of task 'digits': "
                 r"use micro_batch_size=719 or fewer",
-            ),
+            )
         ]
     ),
 )
@@ -280,7 +280,7 @@ def test_ranks_forked_after_the_caller_used_openmp_do_not_hang(runs_dir: Path) -
     assert result.status == wb.Status.COMPLETED
 
 
-# ---- the task's code changed since the run ----------------------------------------------------------------------
+# ---- the task's code changed since the run -------------------------------------------------------
 class Widened(TinyRegression):
     """tiny-regression after its hidden layer was widened from 32 to 48."""
 

@@ -77,7 +77,7 @@ def copy_of(saved: RunDir, runs_dir: Path, name: str, step: int = 4) -> RunDir:
     return target
 
 
-# ---- a resume's allowed changes ---------------------------------------------------------------------------
+# ---- a resume's allowed changes ------------------------------------------------------------------
 def test_an_allowed_lr_and_weight_decay_change_on_resume_is_applied(
     saved: RunDir, runs_dir: Path
 ) -> None:
@@ -164,7 +164,7 @@ def test_resuming_on_another_rank_count_with_dropout_says_the_curve_differs(
     )
 
 
-# ---- damaged checkpoints ----------------------------------------------------------------------------------
+# ---- damaged checkpoints -------------------------------------------------------------------------
 def flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -219,7 +219,7 @@ def test_a_checkpoint_that_lost_its_manifest_is_named_when_resume_skips_it(
     assert resumed["step"] == 2, resumed
 
 
-# ---- gradients that are not finite ------------------------------------------------------------------------
+# ---- gradients that are not finite ---------------------------------------------------------------
 class InfBackward(torch.autograd.Function):
     """Identity forward; an infinite gradient backward: a loss that is finite over gradients that are not."""
 
@@ -257,7 +257,7 @@ def test_without_clipping_an_inf_gradient_on_one_rank_is_never_applied(runs_dir:
     assert all(math.isfinite(v) for v in losses(run).values())
 
 
-# ---- a full disk ------------------------------------------------------------------------------------------
+# ---- a full disk ---------------------------------------------------------------------------------
 def test_a_disk_filled_by_a_checkpoint_reports_the_checkpoint_and_records_the_failure(
     runs_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -47,7 +47,7 @@ def test_summary_round_trips_with_eval_keys_flat_and_unknown_keys_kept() -> None
     assert Summary.from_dict(out) == summary
 
 
-# ---- metrics rows ------------------------------------------------------------------------------
+# ---- metrics rows --------------------------------------------------------------------------------
 def test_a_metrics_row_round_trips_flat_through_metrics_jsonl(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "r")
     run.path.mkdir()

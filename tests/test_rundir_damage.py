@@ -27,7 +27,7 @@ def run(tmp_path: Path) -> RunDir:
     return run
 
 
-# ---- torn last lines ---------------------------------------------------------------------------------------
+# ---- torn last lines -----------------------------------------------------------------------------
 def test_a_row_appended_after_a_crash_mid_line_is_read_back(
     run: RunDir, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -66,7 +66,7 @@ def test_a_damaged_line_is_skipped_with_a_warning_naming_file_and_line(
     )
 
 
-# ---- summary.json ----------------------------------------------------------------------------------------
+# ---- summary.json --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "content,problem",
     [
@@ -127,7 +127,7 @@ def test_damaged_heartbeats_and_rank_errors_are_passed_over(run: RunDir) -> None
     assert run.rank_errors() == []
 
 
-# ---- status output ---------------------------------------------------------------------------------------
+# ---- status output -------------------------------------------------------------------------------
 def test_status_prints_a_stopped_runs_ending_as_text(run: RunDir) -> None:
     ckpt = run.checkpoints_path / "step_12"
     run.set_status(Status.STOPPED, ending={"step": 12, "checkpoint": str(ckpt)})
@@ -177,7 +177,7 @@ def test_an_ending_of_another_shape_still_prints(run: RunDir) -> None:
     assert "  ending: loss was nan" in describe_run(run.path)[0]
 
 
-# ---- a damaged LOCK --------------------------------------------------------------------------------------
+# ---- a damaged LOCK ------------------------------------------------------------------------------
 def _age(path: Path, seconds: float) -> None:
     then = time.time() - seconds
     os.utime(path, (then, then))

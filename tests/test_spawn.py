@@ -123,7 +123,7 @@ def fake_cuda_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     )  # a CUDA run, but the ranks train on CPU
 
 
-# ---- for real, on CPU ranks ------------------------------------------------------------------------------
+# ---- for real, on CPU ranks ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_task_from_a_notebook_cell_trains_spawned_on_two_cpu_ranks(
     runs_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -189,7 +189,7 @@ def test_cuda_initialised_here_makes_auto_spawn_and_the_ranks_train(
     assert leftovers() == [], "kill() ends the launcher, the rank and the output copiers"
 
 
-# ---- refused before anything starts ----------------------------------------------------------------------
+# ---- refused before anything starts --------------------------------------------------------------
 class Unpicklable(TinyRegression):
     def __init__(self) -> None:
         super().__init__()
@@ -267,7 +267,7 @@ def test_the_call_that_initialised_cuda_is_named(monkeypatch: pytest.MonkeyPatch
     assert "in notebook_cell), called from `notebook_cell()` (" in cause, cause
 
 
-# ---- the worker's side ---------------------------------------------------------------------------------
+# ---- the worker's side ---------------------------------------------------------------------------
 def test_worker_loads_the_pickled_cell_task(tmp_path: Path) -> None:
     marker = secrets.token_hex(8)
     payload = spawn.pickle_task(cell_task_class(marker)(str(tmp_path)), None)

@@ -1,6 +1,7 @@
-"""The package's shape, as the README's Layout section draws it: no import cycle (lazy imports included), the
-rank side importing only itself, a root of a few files, one name per module, and modules, functions and
-lines small enough to read. And the suite's own: test ids that can't differ between two collections."""
+"""The package's shape, as docs/reference/structure.md draws it: no import cycle (lazy imports
+included), the rank side importing only itself, a root of a few files, one name per module, and
+modules, functions and lines small enough to read, linted and formatted as CI checks. And the suite's
+own: test ids that can't differ between two collections."""
 
 from __future__ import annotations
 
@@ -236,7 +237,26 @@ def test_modules_functions_and_lines_stay_small() -> None:
     assert too_long == []
 
 
-# ---- test ids ----------------------------------------------------------------------------------------------------
+def test_the_tree_is_linted_and_formatted_as_ci_checks() -> None:
+    """ruff's rules and its formatter (at the configured line length) pass on the repository, and CI runs
+    both, so a change that skips the formatter fails here before it fails CI."""
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^ruff check \.$", ci, re.M) and re.search(
+        r"^ruff format --check \.$", ci, re.M
+    )
+    assert LINE_WIDTH == 100
+    for command in (["check", "."], ["format", "--check", "."]):
+        done = subprocess.run(
+            [sys.executable, "-m", "ruff", *command],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"ruff {' '.join(command)}:\n{done.stdout}{done.stderr}"
+
+
+# ---- test ids ------------------------------------------------------------------------------------
 def test_a_test_id_that_could_differ_between_collections_fails(tmp_path: Path) -> None:
     """The suite's own hooks (tests/collected_ids.py) fail a test whose id holds bytes (a .tar.gz built at
     collection: gzip's header holds the current second, so two xdist workers could collect different ids) or an

@@ -179,7 +179,7 @@ def test_a_steady_gpu_step_never_waits_for_the_device(runs_dir: Path) -> None:
     assert len(steps) == 7 and reads == 0, f"{reads} waits for the device in steps 4-10"
 
 
-# ---- divergence between read points ------------------------------------------------------------
+# ---- divergence between read points --------------------------------------------------------------
 READ_POINTS = {
     "at-the-next-logging-step": ({"log_every": 5}, [5]),
     "before-the-next-checkpoint": ({"log_every": 50, "checkpoint_every": 4}, []),

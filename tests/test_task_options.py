@@ -27,7 +27,7 @@ def cpu_count(task: Task, options: dict[str, Any]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# ---- declarations validate -----------------------------------------------------------------------------
+# ---- declarations validate -----------------------------------------------------------------------
 BAD = [
     (
         "char-gpt",
@@ -228,7 +228,7 @@ def test_a_task_declaring_an_option_twice_is_refused_where_it_is_written() -> No
         type("Twice", (Task,), {"option_specs": (TaskOption("n", int, 1), TaskOption("n", int, 2))})
 
 
-# ---- tasks written against the old API -------------------------------------------------------------------
+# ---- tasks written against the old API -----------------------------------------------------------
 class OldStyle(Task):
     """A user task from before TaskOption: only default_options."""
 
@@ -311,7 +311,7 @@ def test_subclasses_extend_and_override_declared_options_through_default_options
         MoreSpecs().check_options(wb.RunConfig(task="x", task_options={"depth": 0}))
 
 
-# ---- the panel's controls ---------------------------------------------------------------------------------
+# ---- the panel's controls ------------------------------------------------------------------------
 def test_task_controls_build_one_control_per_char_gpt_option() -> None:
     task = CharGPTTask()
     controls = TaskControls(task)

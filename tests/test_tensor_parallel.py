@@ -30,7 +30,7 @@ import workbench as wb
 from workbench.config import ParallelDims
 from workbench.estimator import estimate
 from workbench.rundir import RunDir
-from workbench.tasks.char_gpt import GPT
+from workbench.tasks.gpt_model import GPT
 
 pytestmark = pytest.mark.slow
 
@@ -469,10 +469,10 @@ class FusedAttention(torch.nn.Module):
 def test_split_qkv_keeps_the_fused_init_and_loads_fused_checkpoints(
     monkeypatch: pytest.MonkeyPatch, bias: bool
 ) -> None:
-    from workbench.tasks import char_gpt
+    from workbench.tasks import gpt_model
 
     with monkeypatch.context() as m:
-        m.setattr(char_gpt, "CausalSelfAttention", FusedAttention)
+        m.setattr(gpt_model, "CausalSelfAttention", FusedAttention)
         torch.manual_seed(0)
         old = GPT(65, 2, 2, 64, 32, bias=bias)
     torch.manual_seed(0)

@@ -50,12 +50,21 @@ def started() -> Iterator[list[wb.Run]]:
                 psutil.Process(pid).kill()
 
 
+def listing(folder: Path) -> list[str]:
+    """Everything under `folder`; a folder removed while it is walked (the launcher's cleanup
+    racing the look) means a fresh look."""
+    for _ in range(99):
+        try:
+            return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+        except FileNotFoundError:
+            continue
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
 def left_in(folder: Path, deadline_s: float) -> list[str]:
     """What is still in `folder` after waiting up to `deadline_s` for it to empty."""
     deadline = time.monotonic() + deadline_s
-    while (
-        left := sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
-    ) and time.monotonic() < deadline:
+    while (left := listing(folder)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 

@@ -152,7 +152,7 @@ def test_hyperparameters_and_scalars_are_what_the_trackers_can_hold() -> None:
     }
 
 
-# ---- real runs ------------------------------------------------------------------------------------------------
+# ---- real runs -----------------------------------------------------------------------------------
 LOADER = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 4, "pin_memory": True}
 
 

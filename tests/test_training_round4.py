@@ -41,7 +41,7 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-# ---- replicas that don't synchronise -------------------------------------------------------------------------
+# ---- replicas that don't synchronise -------------------------------------------------------------
 class BypassesDDP(TinyRegression):
     """The notebook idiom `getattr(model, "module", model)(x)`: from loss call `from_call` on, DDP's forward (and
     so its gradient all-reduce) is skipped."""
@@ -126,7 +126,7 @@ def test_running_statistics_that_differ_between_ranks_are_not_unsynced_replicas(
     assert result.run_dir.joinpath("model.safetensors").exists()
 
 
-# ---- find_unused_parameters ----------------------------------------------------------------------------------
+# ---- find_unused_parameters ----------------------------------------------------------------------
 class TwoHeads(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -252,7 +252,7 @@ def test_find_unused_parameters_is_accepted_with_ddp(parallelism: str) -> None:
     )
 
 
-# ---- what a Task returns -------------------------------------------------------------------------------------
+# ---- what a Task returns -------------------------------------------------------------------------
 class Returns(TinyRegression):
     """TinyRegression whose loss or model is wrong in the way `kind` says."""
 
@@ -416,7 +416,7 @@ def test_build_datasets_not_returning_a_pair_fails_in_the_ranks_too(
         wb.launch(cfg_for(runs_dir), task=Datasets(kind, known_size=True))
 
 
-# ---- metric keys that differ between ranks -------------------------------------------------------------------
+# ---- metric keys that differ between ranks -------------------------------------------------------
 class KeysByRank(TinyRegression):
     """Rank 0 reports an accuracy, rank 1 doesn't: in every loss call, or in evaluation only."""
 
@@ -449,7 +449,7 @@ def test_ranks_returning_different_metric_keys_fail_at_once_naming_the_keys(
     assert summary["error"]["type"] == "ValueError"
 
 
-# ---- a preemption recorded while the ranks trained -----------------------------------------------------------
+# ---- a preemption recorded while the ranks trained -----------------------------------------------
 def test_a_preemption_recorded_by_the_launcher_says_the_step_the_ranks_were_at(
     tmp_path: Path,
 ) -> None:

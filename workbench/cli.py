@@ -8,7 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from workbench.commands.arguments import bench_parser, doctor_parser, estimate_parser, train_parser
+from workbench.commands.arguments import (
+    check_parser,
+    data_parser,
+    demo_parser,
+    doctor_parser,
+    estimate_parser,
+    regress_parser,
+    status_parser,
+    train_parser,
+)
+from workbench.commands.bench_arguments import bench_parser
 
 log = logging.getLogger("workbench")
 
@@ -19,94 +29,21 @@ def _setup_logging(verbose: bool) -> None:
     )
     # accelerate narrates every checkpoint file at INFO; keep the terminal for our progress bar.
     logging.getLogger("accelerate").setLevel(logging.WARNING)
-    logging.getLogger("papermill").setLevel(
-        logging.WARNING
-    )  # "Executing notebook..." for every case
+    # "Executing notebook..." for every case
+    logging.getLogger("papermill").setLevel(logging.WARNING)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
-
     train_parser(sub)
     estimate_parser(sub)
-
-    st = sub.add_parser(
-        "status",
-        help="how a run stands: status (a run whose processes are gone says so), "
-        "progress, ending or error, checkpoints",
-    )
-    st.add_argument("run_dir", type=Path)
-
-    c = sub.add_parser(
-        "check",
-        help="validate a RunConfig YAML for this machine (or --gpu: the hardware it is "
-        "planned for) and show what it implies",
-    )
-    c.add_argument("config", type=Path)
-    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    c.add_argument(
-        "--gpu",
-        default=None,
-        help="plan for a catalog accelerator (see `workbench estimate --compare`)",
-    )
-    c.add_argument(
-        "--gpus-per-node", type=int, default=0, help="with --gpu (default: num_processes / nodes)"
-    )
-    c.add_argument("--nodes", type=int, default=1, help="with --gpu")
-
-    d = sub.add_parser(
-        "demo", help="the README's main job: digits on 2 CPU processes of DDP, offline"
-    )
-    d.add_argument("--runs-dir", default="runs")
-    d.add_argument("--num-processes", type=int, default=2)
-    d.add_argument("--steps", type=int, default=300)
-
-    data = sub.add_parser("data", help="datasets declared in data-manifests/")
-    dsub = data.add_subparsers(dest="data_command", required=True)
-    dsub.add_parser("list", help="the declared datasets")
-    for name, text in (
-        ("show", "a manifest in full"),
-        ("fetch", "fill the cache (mirror or URLs)"),
-        ("path", "the local directory of a dataset, fetched if needed"),
-    ):
-        dsub.add_parser(name, help=text).add_argument("name")
-    dsub.add_parser(
-        "verify", help="re-hash the cache; exit 1 if any file is missing or corrupt"
-    ).add_argument("name", nargs="?")
-
-    r = sub.add_parser(
-        "regress", help="run notebooks headless with papermill and compare to baselines"
-    )
-    r.add_argument(
-        "targets", nargs="+", type=Path, help="notebooks (.ipynb) or suite files (.yaml)"
-    )
-    r.add_argument(
-        "-p",
-        "--parameter",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("NAME", "VALUE"),
-        help="papermill parameter for every case",
-    )
-    r.add_argument("--out", type=Path, required=True, help="report directory")
-    r.add_argument(
-        "--baselines", type=Path, default=None, help="baseline directory (default: suite's)"
-    )
-    r.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
-    r.add_argument("--junit", type=Path, default=None, help="also write a JUnit XML file")
-    r.add_argument("--profile", default=None, help="only cases of this profile (e.g. smoke, full)")
-    r.add_argument(
-        "--slurm",
-        metavar="KEY=VALUE,...",
-        default=None,
-        help="run each case as a task of one Slurm job array "
-        "(partition=gpu,gpus_per_node=1,time=60, ...); the report and JUnit file are written "
-        "here",
-    )
-
+    status_parser(sub)
+    check_parser(sub)
+    demo_parser(sub)
+    data_parser(sub)
+    regress_parser(sub)
     bench_parser(sub)
     doctor_parser(sub)
     return p
@@ -134,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     handlers = {
         "train": _train,
-        "check": _train,
+        "check": _check,
         "estimate": _estimate,
         "status": _status,
         "demo": _demo,
@@ -147,33 +84,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    training = args.command == "train" and not args.prepare_only
-    if training:
+    if not args.prepare_only:
         from workbench.utils.preemption import launcher_takes_signals
 
         # first: a signal while the config, the task and torch load is a preemption too
         launcher_takes_signals(None)
     from workbench.config import RunConfig
-    from workbench.config.preflight import preflight
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
-    if args.command == "check":
-        from workbench.estimator.target import Target, check_plan
-        from workbench.launcher.processes import describe_launch
-
-        if args.gpu is None:
-            preflight(cfg)
-            print(describe_launch(cfg))
-            return 0
-        per_node = args.gpus_per_node or max(1, cfg.num_processes // args.nodes)
-        target = Target(gpu=args.gpu, gpus_per_node=per_node, nodes=args.nodes)
-        for warning in check_plan(cfg, target):
-            print(f"warning: {warning}", file=sys.stderr)
-        print(
-            f"a valid plan for {target.describe(cfg)}: {cfg.dims.describe()}, global batch "
-            f"{cfg.global_batch_size}"
-        )
-        return 0
     if getattr(args, "slurm", None) and not args.prepare_only:
         return _submit(cfg, args)
     from workbench.launcher.launch import check_launch
@@ -181,12 +99,46 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _shell_start_method(cfg, args.mode)
     cfg, _ = check_launch(cfg, None)  # --prepare-only too: the same checks as a launch
     if args.prepare_only:
-        from workbench.rundir import lock, prepare
+        return _prepare_only(cfg)
+    return _launch(cfg, args)
 
-        _, run, token = prepare(cfg)
-        lock.release(run, token)  # rank 0 takes it when the ranks start
-        print(run.path)
+
+def _check(args: argparse.Namespace) -> int:
+    """`workbench check`: the config validated for this machine, or planned for --gpu's."""
+    from workbench.config import RunConfig
+    from workbench.config.preflight import preflight
+
+    cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
+    from workbench.estimator.target import Target, check_plan
+    from workbench.launcher.processes import describe_launch
+
+    if args.gpu is None:
+        preflight(cfg)
+        print(describe_launch(cfg))
         return 0
+    per_node = args.gpus_per_node or max(1, cfg.num_processes // args.nodes)
+    target = Target(gpu=args.gpu, gpus_per_node=per_node, nodes=args.nodes)
+    for warning in check_plan(cfg, target):
+        print(f"warning: {warning}", file=sys.stderr)
+    print(
+        f"a valid plan for {target.describe(cfg)}: {cfg.dims.sizes_line()}, global batch "
+        f"{cfg.global_batch_size}"
+    )
+    return 0
+
+
+def _prepare_only(cfg: Any) -> int:
+    """--prepare-only: the run directory made and printed, for launching the ranks yourself."""
+    from workbench.rundir import lock, prepare
+
+    _, run, token = prepare(cfg)
+    lock.release(run, token)  # rank 0 takes it when the ranks start
+    print(run.path)
+    return 0
+
+
+def _launch(cfg: Any, args: argparse.Namespace) -> int:
+    """The run trained here: launched, waited for, its summary printed."""
     from workbench.launcher.launch import launch
     from workbench.launcher.preempted import EXIT_PREEMPTED
     from workbench.rundir import RunFailedError, RunPreemptedError
@@ -318,6 +270,7 @@ def _regress(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from workbench.commands.bench.results import default_result_path
+    from workbench.commands.bench_command import run_bench
 
     if args.no_json:
         args.json = None
@@ -325,114 +278,10 @@ def _bench(args: argparse.Namespace) -> int:
         # `bench estimate --cited-only` is a result of its own kind: its rows are the published runs
         cited_only = getattr(args, "cited_only", False)
         args.json = default_result_path("estimate-cited" if cited_only else args.bench_command)
-    code = _run_bench(args)
+    code = run_bench(args)
     if args.json is not None and Path(args.json).exists():
         print(f"result: {args.json}")
     return code
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from workbench.commands import bench
-
-    if args.bench_command in ("compile", "mfu", "checkpoint", "precision", "parallelism"):
-        return _run_config_bench(args)
-    if args.bench_command == "imports":
-        report = bench.imports(repeats=args.repeats, json_path=args.json)
-        print(report.table())
-        return 0 if report.passed else 1
-    if args.bench_command == "estimate":
-        print(
-            bench.estimate_accuracy(
-                json_path=args.json, measured=not args.cited_only, cited=not args.no_cited
-            ).table()
-        )
-        return 0
-    if args.bench_command == "estimate-speed":
-        from workbench.commands.bench.estimate_speed import MODELS, estimate_speed
-
-        speed = estimate_speed(
-            tuple(args.models or MODELS),
-            gpu=args.gpu,
-            gpus=args.gpus,
-            repeats=args.repeats,
-            json_path=args.json,
-        )
-        print(speed.table())
-        return 0 if speed.passed else 1
-    if args.bench_command == "launch":
-        from workbench.commands.bench.launch_latency import launch_latency
-
-        latency = launch_latency(args.pairs, cold_pairs=args.cold_pairs, json_path=args.json)
-        print(latency.table())
-        return 0 if latency.passed else 1
-    if args.bench_command == "big-run":
-        from workbench.commands.bench.big_run import big_run
-
-        big = big_run(rows=args.rows, json_path=args.json, keep=args.keep)
-        print(big.table())
-        return 0 if big.passed else 1
-    if args.bench_command == "dashboard":
-        from workbench.commands.bench.dashboard_cost import dashboard_cost
-
-        cost = dashboard_cost(steps=args.steps, pairs=args.pairs, json_path=args.json)
-        print(cost.table())
-        return 0 if cost.passed else 1
-    report = bench.overhead(
-        steps=args.steps,
-        repeats=args.repeats,
-        num_processes=args.num_processes,
-        json_path=args.json,
-        mode=args.mode,
-        device=args.device,
-    )
-    print(report.table())
-    return 0 if report.passed else 1
-
-
-def _run_config_bench(args: argparse.Namespace) -> int:
-    """The benches that run a RunConfig: their default one, or a YAML file, with --set overrides."""
-    from workbench.commands import bench
-    from workbench.config import RunConfig
-
-    if args.bench_command == "compile":
-        from workbench.commands.bench.compile_speed import COMPILE_BENCH, LAYOUTS, compile_bench
-
-        cfg = (RunConfig.from_yaml(args.config) if args.config else COMPILE_BENCH).with_overrides(
-            args.overrides
-        )
-        print(compile_bench(cfg, tuple(args.layouts or LAYOUTS), json_path=args.json).table())
-        return 0
-    if args.bench_command == "mfu":
-        from workbench.commands.bench.mfu import MFU_BENCH, mfu
-
-        cfg = (RunConfig.from_yaml(args.config) if args.config else MFU_BENCH).with_overrides(
-            args.overrides
-        )
-        report = mfu(cfg, json_path=args.json)
-        print(report.table())
-        return 0 if report.passed else 1
-    if args.bench_command == "checkpoint":
-        from workbench.commands.bench import checkpoint_stall as ck
-
-        cfg = RunConfig.from_yaml(args.config) if args.config else ck.CHECKPOINT_BENCH
-        layouts = tuple(args.layouts or ck.LAYOUTS)
-        report = ck.checkpoint_stall(cfg.with_overrides(args.overrides), layouts, args.json)
-        print(report.table())
-        return 0
-    if args.bench_command in ("precision", "parallelism"):
-        default = (
-            bench.PRECISION_BENCH if args.bench_command == "precision" else bench.PARALLELISM_BENCH
-        )
-        cfg = (RunConfig.from_yaml(args.config) if args.config else default).with_overrides(
-            args.overrides
-        )
-        if args.bench_command == "precision":
-            print(bench.precision(cfg, json_path=args.json).table())
-        else:
-            modes = tuple(args.modes) if args.modes else bench.MODES
-            print(bench.parallelism(cfg, modes=modes, json_path=args.json).table())
-        return 0
-    raise AssertionError(f"not a config bench: {args.bench_command}")
 
 
 def _doctor(args: argparse.Namespace) -> int:

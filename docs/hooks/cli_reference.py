@@ -1,8 +1,8 @@
 """The CLI reference, generated at build time from the argparse parser that `workbench` itself uses.
 
-A page holding the marker below gets every command's and subcommand's `--help` text (workbench/cli.py builds
-the parser from workbench/commands/arguments.py), a heading per command, so a new option or subcommand appears
-without editing the docs.
+A page holding the marker below gets every command's and subcommand's `--help` text (workbench/cli.py
+builds the parser from workbench/commands/arguments.py and bench_arguments.py), a heading per command,
+so a new option or subcommand appears without editing the docs.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def _gpus(gres: str) -> tuple[int, str]:
     return (int(match.group(2)), match.group(1) or "") if match else (0, "")
 
 
-def describe_partition(name: str, part: dict[str, Any]) -> str:
+def partition_line(name: str, part: dict[str, Any]) -> str:
     """One line for a partition: 'gpu: 4 nodes (2 idle), 8 x h100 GPUs and 64 CPUs per node'."""
     gpus = (
         (

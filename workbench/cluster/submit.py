@@ -17,6 +17,7 @@ from workbench.utils.files import write_json
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
+    from workbench.rundir import RunDir
     from workbench.tasks import Task
 
 log = logging.getLogger("workbench")
@@ -25,8 +26,26 @@ log = logging.getLogger("workbench")
 def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
     """Check `cfg` against the cluster, prepare its run directory (on the shared filesystem), submit
     one job of nodes x ranks-per-node Slurm tasks, each a rank, and return the handle."""
-    import submitit
+    cfg = _checked(cfg, slurm, task)
+    partition = check(cfg, slurm)
+    cfg, run, token = prepare(cfg)
+    job_id = _sbatch(cfg, slurm, partition, run, token)
+    _record_job(job_id, cfg, slurm, partition, run, token)
+    log.info(
+        "submitted %s to Slurm: job %s on partition %s, %d node(s) x %d rank(s) -> %s",
+        cfg.run_name,
+        job_id,
+        partition,
+        slurm.nodes,
+        slurm.per_node(cfg),
+        run.path,
+    )
+    return SlurmRun(run.path, cfg, job_id, token)
 
+
+def _checked(cfg: RunConfig, slurm: Slurm, task: Task | None) -> RunConfig:
+    """`cfg` with Slurm's warning signal as its preempt_signal, once its task and signal suit a
+    cluster run."""
     from workbench.tasks import get_task
 
     if task is not None:
@@ -42,12 +61,16 @@ def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
             f"grace_s={slurm.grace_s} s before its time limit; leave preempt_signal unset or set "
             f"it to {WARNING_SIGNAL!r}"
         )
-    cfg = cfg.replace(preempt_signal=WARNING_SIGNAL)
-    partition = check(cfg, slurm)
-    cfg, run, token = prepare(cfg)
-    folder = run.path / "slurm"
+    return cfg.replace(preempt_signal=WARNING_SIGNAL)
+
+
+def _sbatch(cfg: RunConfig, slurm: Slurm, partition: str, run: RunDir, token: str) -> str:
+    """Submit the run's job through submitit and return its id. A refusal leaves the run directory
+    failed and its lock released."""
+    import submitit
+
     try:
-        executor = submitit.SlurmExecutor(folder=folder, python=python_for_jobs())
+        executor = submitit.SlurmExecutor(folder=run.path / "slurm", python=python_for_jobs())
         executor.update_parameters(
             **executor_parameters(
                 slurm,
@@ -69,31 +92,29 @@ def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
         run.event("failed", type=type(e).__name__, message=f"sbatch refused the job: {e}")
         lock.release(run, token)
         raise ValueError(f"Slurm: the job was not submitted: {e}") from e
-    identity = job_identity(job.job_id, slurm.job_name or f"workbench-{cfg.run_name}")
+    return job.job_id
+
+
+def _record_job(
+    job_id: str, cfg: RunConfig, slurm: Slurm, partition: str, run: RunDir, token: str
+) -> None:
+    """The job in the run directory: slurm.json names it (with its identity), an event says it was
+    submitted, and the lock's runner is the job."""
+    identity = job_identity(job_id, slurm.job_name or f"workbench-{cfg.run_name}")
     write_json(
         run.path / JOB_FILE,
         {
-            "job_id": job.job_id,
+            "job_id": job_id,
             **identity,
-            "folder": str(folder),
+            "folder": str(run.path / "slurm"),
             "partition": partition,
             "nodes": slurm.nodes,
             "ranks_per_node": slurm.per_node(cfg),
             "submitted_at": time.time(),
         },
     )
-    run.event("submitted", job_id=job.job_id, partition=partition, nodes=slurm.nodes)
-    lock.set_runner(run, token, {"slurm_job_id": job.job_id, **identity})
-    log.info(
-        "submitted %s to Slurm: job %s on partition %s, %d node(s) x %d rank(s) -> %s",
-        cfg.run_name,
-        job.job_id,
-        partition,
-        slurm.nodes,
-        slurm.per_node(cfg),
-        run.path,
-    )
-    return SlurmRun(run.path, cfg, job.job_id, token)
+    run.event("submitted", job_id=job_id, partition=partition, nodes=slurm.nodes)
+    lock.set_runner(run, token, {"slurm_job_id": job_id, **identity})
 
 
 def job_identity(job_id: str, job_name: str) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""The subcommands' arguments for `workbench` (cli.py builds the parser from these and
-dispatches)."""
+"""The subcommands' arguments for `workbench` (bench_arguments.py has `workbench bench`'s; cli.py
+builds the parser from these and dispatches)."""
 
 from __future__ import annotations
 
@@ -34,184 +34,89 @@ def estimate_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _result_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json",
-        type=Path,
+def status_parser(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser(
+        "status",
+        help="how a run stands: status (a run whose processes are gone says so), "
+        "progress, ending or error, checkpoints",
+    )
+    st.add_argument("run_dir", type=Path)
+
+
+def check_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "check",
+        help="validate a RunConfig YAML for this machine (or --gpu: the hardware it is "
+        "planned for) and show what it implies",
+    )
+    c.add_argument("config", type=Path)
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument(
+        "--gpu",
         default=None,
-        metavar="FILE",
-        help="write the result as JSON here (default: benchmarks/results/BENCH/DATE-MACHINE.json "
-        "when ./benchmarks/results exists, as in a workbench checkout)",
+        help="plan for a catalog accelerator (see `workbench estimate --compare`)",
     )
-    parser.add_argument("--no-json", action="store_true", help="write no result file")
+    c.add_argument(
+        "--gpus-per-node", type=int, default=0, help="with --gpu (default: num_processes / nodes)"
+    )
+    c.add_argument("--nodes", type=int, default=1, help="with --gpu")
 
 
-def _config_bench(
-    bsub: argparse._SubParsersAction, name: str, text: str, default: str
-) -> argparse.ArgumentParser:
-    """A bench that runs a RunConfig: an optional YAML (`default` without one), --set overrides,
-    --json."""
-    parser = bsub.add_parser(name, help=text)
-    parser.add_argument(
-        "config", type=Path, nargs="?", default=None, help=f"RunConfig YAML (default: {default})"
+def demo_parser(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser(
+        "demo", help="the README's main job: digits on 2 CPU processes of DDP, offline"
     )
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    _result_args(parser)
-    return parser
+    d.add_argument("--runs-dir", default="runs")
+    d.add_argument("--num-processes", type=int, default=2)
+    d.add_argument("--steps", type=int, default=300)
 
 
-def bench_parser(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    o = bsub.add_parser(
-        "overhead", help="trainer against a hand-written loop (ddp, zero3, tp or pp), side by side"
+def data_parser(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="datasets declared in data-manifests/")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    dsub.add_parser("list", help="the declared datasets")
+    for name, text in (
+        ("show", "a manifest in full"),
+        ("fetch", "fill the cache (mirror or URLs)"),
+        ("path", "the local directory of a dataset, fetched if needed"),
+    ):
+        dsub.add_parser(name, help=text).add_argument("name")
+    dsub.add_parser(
+        "verify", help="re-hash the cache; exit 1 if any file is missing or corrupt"
+    ).add_argument("name", nargs="?")
+
+
+def regress_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser(
+        "regress", help="run notebooks headless with papermill and compare to baselines"
     )
-    o.add_argument(
-        "--mode",
-        choices=["ddp", "zero3", "tp", "pp"],
-        default="ddp",
-        help="layout of both loops: ddp (Accelerate, digits MLP), zero3 (FSDP2), tp (tensor "
-        "parallel over all ranks) or pp (a 1F1B pipeline, a stage per rank); the last three "
-        "on char-gpt 'tiny'",
+    r.add_argument(
+        "targets", nargs="+", type=Path, help="notebooks (.ipynb) or suite files (.yaml)"
     )
-    o.add_argument("--steps", type=int, default=200)
-    o.add_argument(
-        "--repeats",
-        type=int,
-        default=9,
-        help="back-to-back pairs of runs (the overhead is the median of their differences)",
+    r.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="papermill parameter for every case",
     )
-    o.add_argument("--num-processes", type=int, default=2)
-    o.add_argument(
-        "--device",
-        choices=["cpu", "cuda", "auto"],
+    r.add_argument("--out", type=Path, required=True, help="report directory")
+    r.add_argument(
+        "--baselines", type=Path, default=None, help="baseline directory (default: suite's)"
+    )
+    r.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
+    r.add_argument("--junit", type=Path, default=None, help="also write a JUnit XML file")
+    r.add_argument("--profile", default=None, help="only cases of this profile (e.g. smoke, full)")
+    r.add_argument(
+        "--slurm",
+        metavar="KEY=VALUE,...",
         default=None,
-        help="where both loops train (default: the CPU, whatever the machine has)",
+        help="run each case as a task of one Slurm job array "
+        "(partition=gpu,gpus_per_node=1,time=60, ...); the report and JUnit file are written "
+        "here",
     )
-    _result_args(o)
-    _run_benches(bsub)
-    la = bsub.add_parser(
-        "launch",
-        help="wb.launch of a 1-step 2-rank run against accelerate.notebook_launcher "
-        "running the equivalent function, interleaved",
-    )
-    la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")
-    la.add_argument(
-        "--cold-pairs", type=int, default=1, help="first launches in fresh interpreters, each side"
-    )
-    _result_args(la)
-    im = bsub.add_parser(
-        "imports",
-        help="importing the rank side against `import torch, accelerate`, in fresh "
-        "interpreters side by side",
-    )
-    im.add_argument("--repeats", type=int, default=7, help="interleaved pairs of interpreters")
-    _result_args(im)
-    _estimate_benches(bsub)
-    da = bsub.add_parser(
-        "dashboard",
-        help="the quickstart run headless against the same run with a live dashboard, "
-        "side by side: what the dashboard costs the ranks",
-    )
-    da.add_argument("--steps", type=int, default=2000)
-    da.add_argument("--pairs", type=int, default=4, help="back-to-back pairs, order alternating")
-    _result_args(da)
-    br = bsub.add_parser(
-        "big-run",
-        help="reading a run of 200,000 logged steps: workbench status, the last row, "
-        "RunResult.metrics, plot() and the dashboard's first view, timed",
-    )
-    br.add_argument("--rows", type=int, default=200_000, help="training rows of the synthetic run")
-    br.add_argument(
-        "--keep", type=Path, default=None, help="write the run into this folder and leave it there"
-    )
-    _result_args(br)
-
-
-def _run_benches(bsub: argparse._SubParsersAction) -> None:
-    """The benches that train a RunConfig of their own (or yours): precision, parallelism, compile,
-    mfu, checkpoint."""
-    _config_bench(
-        bsub,
-        "precision",
-        "the same run in every precision this machine supports, side by side",
-        "char-gpt 'small' on one device, 50 steps",
-    )
-    pa = _config_bench(
-        bsub,
-        "parallelism",
-        "the same run under every parallel layout (data, tensor, pipeline), side by side",
-        "char-gpt 'tiny' on 2 processes, 30 steps",
-    )
-    pa.add_argument(
-        "--modes",
-        nargs="+",
-        default=None,
-        help="layouts to run (default: ddp zero1 zero2 zero3 hsdp tp pp zero3xtp ppxddp "
-        "ppinterleaved ppzerobubble ppxzero3xtp hsdpxtp)",
-    )
-    co = _config_bench(
-        bsub,
-        "compile",
-        "eager against torch.compile per layout (ddp, zero3, tp, pp, one process), "
-        "side by side: step time, its matmul floor, first step cold and warm, losses",
-        "char-gpt 4 x 256, context 128, 2 ranks, 20 steps, compile blocks",
-    )
-    co.add_argument(
-        "--layouts",
-        nargs="+",
-        default=None,
-        help="layouts to run (default: ddp zero3 tp pp one; one: a single process on every core, "
-        "micro-batch 16)",
-    )
-    _config_bench(
-        bsub,
-        "mfu",
-        "model FLOPs utilisation of one device on GPT-2 small's shape (target: 45%% in bf16, "
-        "blocks compiled, on one H100)",
-        "char-gpt 'gpt2-small', bf16, compile blocks, 30 steps",
-    )
-    ck = _config_bench(
-        bsub,
-        "checkpoint",
-        "how long each checkpoint stops training, written "
-        "synchronously against in the background (checkpoint_async), side by side",
-        "char-gpt 'small' on 2 CPU ranks, 16 steps, a checkpoint every 2",
-    )
-    ck.add_argument(
-        "--layouts", nargs="+", default=None, help="layouts to run (default: ddp zero3)"
-    )
-
-
-def _estimate_benches(bsub: argparse._SubParsersAction) -> None:
-    """`bench estimate` (its accuracy) and `bench estimate-speed`."""
-    es = bsub.add_parser(
-        "estimate",
-        help="estimated against measured peak per rank, every mode, "
-        "two model shapes; then against each published run the catalog cites",
-    )
-    part = es.add_mutually_exclusive_group()
-    part.add_argument(
-        "--no-cited", action="store_true", help="leave out the published runs (minutes of tracing)"
-    )
-    part.add_argument(
-        "--cited-only", action="store_true", help="only the published runs: no training here"
-    )
-    _result_args(es)
-    sp = bsub.add_parser(
-        "estimate-speed",
-        help="the first estimate in a fresh interpreter (library and panel box), "
-        "and changes answered from the trace in memory",
-    )
-    sp.add_argument(
-        "--models", nargs="+", default=None, help="digits and/or gpt2-small (default: both)"
-    )
-    sp.add_argument("--gpu", default="H100-SXM-80GB", help="catalog accelerator of the target")
-    sp.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target")
-    sp.add_argument(
-        "--repeats", type=int, default=3, help="fresh interpreters per model and way in"
-    )
-    _result_args(sp)
 
 
 def doctor_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,92 +18,60 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from workbench.commands.capped_steps import MARGIN_S, REPO, Step, dry_run, run
 
+CLI = [sys.executable, "-m", "workbench.cli"]
 DEFAULT_BUDGET_S = 540
 """One device command may run 600 s: 540 leaves a minute for the install before it and the copy-back
 after."""
-MARGIN_S = 15
-"""Kept from the budget for starting processes, killing one and writing the summary."""
-
-
-@dataclass
-class Step:
-    name: str
-    argv: list[str]
-    timeout_s: int
-    """Its cap: the most it may run before its process group is killed (also what the budget plans
-    with)."""
-    skipped: str = ""
-    """Why this machine can't run it ("" when it runs)."""
-    table: bool = True
-    """Its output ends with a table of what each step found."""
-    typical_s: int = 0
-    """How long it usually takes (0: not declared); only shown, the plan uses the cap."""
-    result: Path | None = None
-    """The JSON it writes, if any."""
 
 
 def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
     """The steps for a machine with `gpus` CUDA GPUs, in the order they run, writing their JSON
     under `out`."""
-    cli = [sys.executable, "-m", "workbench.cli"]
-    two = (
-        ""
-        if gpus >= 2
-        else f"needs 2 GPUs for its layouts (tp, pp, sharding over ranks); this machine has {gpus}"
-    )
     stamp = f"{datetime.date.today().isoformat()}-{tag}.json"
+    bench = functools.partial(_bench_step, out / "results", stamp)
+    return [*_one_gpu_steps(gpus, bench), *_two_gpu_steps(gpus, bench)]
 
-    def bench(
-        name: str, bench_name: str, args: list[str], typical: int, cap: int, skipped: str = ""
-    ) -> Step:
-        result = out / "results" / bench_name / stamp
-        return Step(
-            name,
-            [*cli, "bench", *args, "--json", str(result)],
-            cap,
-            skipped=skipped,
-            typical_s=typical,
-            result=result,
-        )
 
+def _bench_step(
+    results: Path,
+    stamp: str,
+    name: str,
+    bench_name: str,
+    args: list[str],
+    typical: int,
+    cap: int,
+    skipped: str = "",
+) -> Step:
+    """`workbench bench ARGS`, its JSON written to results/<bench_name>/<stamp>."""
+    result = results / bench_name / stamp
+    return Step(
+        name,
+        [*CLI, "bench", *args, "--json", str(result)],
+        cap,
+        skipped=skipped,
+        typical_s=typical,
+        result=result,
+    )
+
+
+def _one_gpu_steps(gpus: int, bench: Callable[..., Step]) -> list[Step]:
+    """What one GPU runs, first."""
     # Caps (typical, max in s) for one H100/H200; the one-GPU steps' caps add up to 525 = 540 -
     # MARGIN_S.
     return [
         # GPT-2 small's shape, bf16, blocks compiled, one GPU: the MFU target (bench/mfu.py).
         bench("bench mfu", "mfu", ["mfu"], 60, 90),
-        # -n 0: one test at a time (the suite's two workers would share the GPUs)
-        Step(
-            "gpu tests",
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-m",
-                "gpu",
-                "-n",
-                "0",
-                "-q",
-                "-rA",
-                "-p",
-                "no:cacheprovider",
-                str(REPO / "tests"),
-            ],
-            120,
-            table=False,
-            typical_s=60,
-        ),
+        _gpu_tests(),
         # the published runs' part is the same on any machine (estimates only): run it on a CPU
         bench("bench estimate", "estimate", ["estimate", "--no-cited"], 60, 90),
         bench("bench precision", "precision", ["precision"], 45, 75),
@@ -112,17 +80,7 @@ def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
         bench(
             "bench overhead ddp",
             "overhead-ddp",
-            [
-                "overhead",
-                "--mode",
-                "ddp",
-                "--device",
-                "cuda",
-                "--num-processes",
-                str(min(max(gpus, 1), 2)),
-                "--repeats",
-                "5",
-            ],
+            _overhead_args("ddp", min(max(gpus, 1), 2)),
             40,
             60,
         ),
@@ -138,7 +96,18 @@ def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
             40,
             60,
         ),
-        Step("doctor", [*cli, "doctor", "--quick"], 30, table=False, typical_s=15),
+        Step("doctor", [*CLI, "doctor", "--quick"], 30, table=False, typical_s=15),
+    ]
+
+
+def _two_gpu_steps(gpus: int, bench: Callable[..., Step]) -> list[Step]:
+    """The layouts that need 2 GPUs, last: skipped, saying why, on fewer."""
+    two = (
+        ""
+        if gpus >= 2
+        else f"needs 2 GPUs for its layouts (tp, pp, sharding over ranks); this machine has {gpus}"
+    )
+    return [
         bench(
             "bench parallelism",
             "parallelism",
@@ -151,17 +120,7 @@ def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
             bench(
                 f"bench overhead {mode}",
                 f"overhead-{mode}",
-                [
-                    "overhead",
-                    "--mode",
-                    mode,
-                    "--device",
-                    "cuda",
-                    "--num-processes",
-                    "2",
-                    "--repeats",
-                    "5",
-                ],
+                _overhead_args(mode, 2),
                 60,
                 120,
                 skipped=two,
@@ -171,25 +130,44 @@ def plan(gpus: int, out: Path, tag: str = "gpu") -> list[Step]:
     ]
 
 
-def for_time(step: Step, left: float) -> str:
-    """Why `step` can't run with `left` seconds of the budget left ("" when its cap fits)."""
-    return (
-        ""
-        if step.timeout_s <= left
-        else f"{max(left, 0):.0f} s left, needs up to {step.timeout_s} s"
+def _gpu_tests() -> Step:
+    """The `gpu`-marked tests."""
+    # -n 0: one test at a time (the suite's two workers would share the GPUs)
+    return Step(
+        "gpu tests",
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-n",
+            "0",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            str(REPO / "tests"),
+        ],
+        120,
+        table=False,
+        typical_s=60,
     )
 
 
-def dry_run(steps: list[Step], budget_s: float) -> list[str]:
-    """Each step's line, planned as if every step ran to its cap."""
-    left, width, lines = budget_s - MARGIN_S, max(len(step.name) for step in steps), []
-    for step in steps:
-        if not (why := step.skipped or for_time(step, left)):
-            left -= step.timeout_s
-        typical = f", typically {step.typical_s} s" if step.typical_s else ""
-        state = f"skipped: {why}" if why else f"up to {step.timeout_s} s{typical}"
-        lines.append(f"  {step.name:{width}}  {' '.join(step.argv[1:])}  ({state})")
-    return lines
+def _overhead_args(mode: str, processes: int) -> list[str]:
+    """`bench overhead --mode MODE` on CUDA over `processes` ranks, 5 pairs."""
+    return [
+        "overhead",
+        "--mode",
+        mode,
+        "--device",
+        "cuda",
+        "--num-processes",
+        str(processes),
+        "--repeats",
+        "5",
+    ]
 
 
 def gpu_count() -> int:
@@ -211,90 +189,6 @@ def device_line(gpus: int) -> str:
         f"{gpus} x {gpu_name(gpus)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
         f"{datetime.date.today().isoformat()}"
     )
-
-
-def run(
-    steps: list[Step],
-    out: Path,
-    budget_s: float | None = None,
-    outcomes: list[dict[str, Any]] | None = None,
-) -> int:
-    """Run each step in turn within `budget_s` (less MARGIN_S; a failing one doesn't stop the rest),
-    appending each step's outcome to `outcomes`. Returns how many failed or timed out."""
-    deadline = time.monotonic() + (budget_s - MARGIN_S if budget_s is not None else float("inf"))
-    failed, tables, outcomes = 0, [], ([] if outcomes is None else outcomes)
-    for step in steps:
-        outcome: dict[str, Any] = {
-            "step": step.name,
-            "cap_s": step.timeout_s,
-            "typical_s": step.typical_s,
-            "command": step.argv[1:],
-        }
-        outcomes.append(outcome)
-        if why := step.skipped or for_time(step, deadline - time.monotonic()):
-            print(f"== {step.name}: skipped ({why})", flush=True)
-            outcome.update(status="skipped", reason=why)
-            continue
-        print(f"== {step.name} (up to {step.timeout_s} s): {' '.join(step.argv[1:])}", flush=True)
-        started = time.monotonic()
-        log = out / f"{step.name.replace(' ', '-')}.log"
-        if step.result:
-            step.result.parent.mkdir(parents=True, exist_ok=True)
-        stdout, err, code, timed_out = _run_capped(step.argv, step.timeout_s)
-        seconds = time.monotonic() - started
-        log.write_text(stdout + err)
-        failed += code != 0
-        status = "timed out" if timed_out else "passed" if code == 0 else "failed"
-        outcome.update(
-            status=status,
-            exit_code=code,
-            seconds=round(seconds, 1),
-            log=str(log),
-            result=str(step.result) if step.result and step.result.is_file() else None,
-        )
-        print(f"   {status} (exit {code}) in {seconds:.0f} s; log {log}", flush=True)
-        print("\n".join("   " + line for line in (stdout + err).splitlines()[-3:]), flush=True)
-        if step.table:  # the benches print their table on stdout, progress and warnings on stderr
-            tables.append(
-                (
-                    step.name,
-                    [
-                        line
-                        for line in stdout.splitlines()
-                        if line.strip() and not line.startswith("launching")
-                    ],
-                )
-            )
-    for name, lines in tables:
-        print(f"\n### {name}\n" + "\n".join(lines[-30:]))
-    return failed
-
-
-def _run_capped(argv: list[str], cap_s: float) -> tuple[str, str, int, bool]:
-    """stdout, stderr, exit code and whether it was killed: its own process group, SIGKILLed at
-    `cap_s`. Output goes to files, not pipes, so a grandchild still holding them can't keep us
-    waiting."""
-    with tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e:
-        proc = subprocess.Popen(argv, stdout=o, stderr=e, cwd=REPO, start_new_session=True)
-        timed_out = False
-        try:
-            code = proc.wait(timeout=cap_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            code = proc.wait()
-        o.seek(0), e.seek(0)
-        stdout, err = _text(o.read()), _text(e.read())
-    if timed_out:
-        err += f"\ntimed out after {cap_s} s: killed its process group\n"
-    return stdout, err, code, timed_out
-
-
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def write_summary(
@@ -326,6 +220,27 @@ def write_summary(
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _arguments()
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    gpus = gpu_count()
+    steps = _steps_for(gpus, args, parser)
+    device = device_line(gpus)
+    print(f"gpu-check on {device}; budget {args.budget:g} s ({MARGIN_S} s kept for the summary)")
+    if args.dry_run:
+        print("\n".join(dry_run(steps, args.budget)))
+        return 0
+    if not gpus:
+        print(
+            "gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is False); run it "
+            "on a GPU machine, or use --dry-run to see the steps",
+            file=sys.stderr,
+        )
+        return 2
+    return _run_and_summarise(steps, args, device, started)
+
+
+def _arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--dry-run",
@@ -349,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STEP",
         help="leave a step out, by name (repeatable), e.g. --skip doctor",
     )
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    gpus = gpu_count()
+    return parser
+
+
+def _steps_for(gpus: int, args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Step]:
+    """The plan for this machine with --skip's steps skipped; a --skip naming no step, or a
+    --budget that leaves nothing, is refused (parser.error)."""
     from workbench.commands.bench.results import device_tag
 
     steps = plan(gpus, args.out, device_tag(gpu_name(gpus)) if gpus else "gpu")
@@ -364,18 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget {args.budget:g}: leaves nothing after the {MARGIN_S} s margin")
     for step in steps:
         step.skipped = "--skip" if step.name in args.skip else step.skipped
-    device = device_line(gpus)
-    print(f"gpu-check on {device}; budget {args.budget:g} s ({MARGIN_S} s kept for the summary)")
-    if args.dry_run:
-        print("\n".join(dry_run(steps, args.budget)))
-        return 0
-    if not gpus:
-        print(
-            "gpu-check: no CUDA GPU is visible here (torch.cuda.is_available() is False); run it "
-            "on a GPU machine, or use --dry-run to see the steps",
-            file=sys.stderr,
-        )
-        return 2
+    return steps
+
+
+def _run_and_summarise(
+    steps: list[Step], args: argparse.Namespace, device: str, started: float
+) -> int:
+    """Run the steps in what is left of the budget, write the summary JSON and print the counts;
+    1 if any step failed."""
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     outcomes: list[dict[str, Any]] = []

@@ -24,12 +24,10 @@ def describe_run(path: Path) -> tuple[str, int]:
     if not run.summary_path.exists():
         raise ValueError(f"{run.path}: not a run directory (no summary.json)")
     summary = run.summary()
-    status, why = run.observed_status(
-        settle=True
-    )  # one look: a heartbeat old by the clocks' difference is re-read
-    newest = (
-        run.last_train_row()
-    )  # read from the file's end: a run of 200,000 rows costs the rows shown
+    # one look: a heartbeat old by the clocks' difference is re-read
+    status, why = run.observed_status(settle=True)
+    # read from the file's end: a run of 200,000 rows costs the rows shown
+    newest = run.last_train_row()
     cfg = run.config()
     lines = [f"{run.name}: {status.value}" + (f" ({why})" if why else "")]
     if newest is not None:
@@ -43,7 +41,7 @@ def describe_run(path: Path) -> tuple[str, int]:
         seen = run.observe()
         lines.append(f"  processes: {seen.reason}")
     if summary.ending:
-        lines.append(f"  ending: {describe_ending(summary.ending, status)}")
+        lines.append(f"  ending: {ending_line(summary.ending, status)}")
     if summary.error and status is Status.FAILED:
         where = (
             f"rank {summary.error['rank']}"
@@ -65,7 +63,7 @@ def describe_run(path: Path) -> tuple[str, int]:
     return "\n".join(lines), code
 
 
-def describe_ending(ending: Any, status: Status) -> str:
+def ending_line(ending: Any, status: Status) -> str:
     """Summary.ending as a line of text: its message, else the status at its step (with the reason
     or signal); then the checkpoint to resume from and any other key, unless the message says
     them."""

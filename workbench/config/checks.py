@@ -1,6 +1,7 @@
-"""RunConfig's validation on construction: types aside (utils/typecheck.py), the ranges of numbers
-and the names of runs, signals, trackers and fields. Every error names the field, the value and what
-would work. Checks that need the task or this machine are preflight.py's."""
+"""RunConfig's validation on construction: types aside (utils/typecheck.py), the ranges of numbers,
+the names of runs, signals, trackers and fields, and memory tracking against compile. Every error
+names the field, the value and what would work. Checks that need the task or this machine are
+preflight.py's."""
 
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ longer run name is refused by the OS (ENAMETOOLONG) when the run directory is cr
 def check_numbers(cfg: RunConfig) -> None:
     """Ranges of the numeric fields (that floats are finite is checked with their types)."""
     check_int_bounds(cfg)
+    check_counts(cfg)
+    check_batch_target(cfg)
+    check_restarts(cfg)
+    check_optimizer(cfg)
+    check_monitor(cfg)
+    check_loader(cfg)
+    check_profile_steps(cfg)
+
+
+def check_counts(cfg: RunConfig) -> None:
+    """Counts and sizes: at least 1 where 0 means nothing, 0 or more elsewhere; seed and workers
+    within their own ranges."""
     positive = (
         "num_processes",
         "grad_accum_steps",
@@ -69,6 +82,11 @@ def check_numbers(cfg: RunConfig) -> None:
             f"num_workers={cfg.num_workers}: more DataLoader workers per rank than any machine "
             f"can feed; use at most {MAX_WORKERS} (typically 2 to 8)"
         )
+
+
+def check_batch_target(cfg: RunConfig) -> None:
+    """target_global_batch: only with an 'auto' micro-batch, and a global batch the data-parallel
+    ranks (and a pipeline's accumulation) can split evenly."""
     if cfg.target_global_batch and cfg.micro_batch_size != "auto":
         raise ValueError(
             f"target_global_batch={cfg.target_global_batch}: only micro_batch_size='auto' uses it; "
@@ -88,9 +106,8 @@ def check_numbers(cfg: RunConfig) -> None:
             f"target_global_batch={cfg.target_global_batch}: must be a multiple of {what}, e.g. "
             f"{data_ranks * 32}"
         )
-    step = (
-        data_ranks * cfg.grad_accum_steps
-    )  # a pipeline keeps its accumulation: the schedule's micro-batches
+    # a pipeline keeps its accumulation: the schedule's micro-batches
+    step = data_ranks * cfg.grad_accum_steps
     if cfg.target_global_batch and cfg.pp > 1 and cfg.target_global_batch % step:
         raise ValueError(
             f"target_global_batch={cfg.target_global_batch} with pp={cfg.pp}: a pipeline keeps "
@@ -98,6 +115,11 @@ def check_numbers(cfg: RunConfig) -> None:
             "global batch is a multiple of grad_accum_steps x the data-parallel size "
             f"{data_ranks}; use e.g. target_global_batch={step * 4}"
         )
+
+
+def check_restarts(cfg: RunConfig) -> None:
+    """The waits of restarts and preemptions: a backoff up to a day, a grace period up to an
+    hour."""
     if cfg.restart_backoff_s > MAX_BACKOFF_S:
         raise ValueError(
             f"restart_backoff_s={cfg.restart_backoff_s!r}: wait at most {MAX_BACKOFF_S} seconds (a "
@@ -108,6 +130,10 @@ def check_numbers(cfg: RunConfig) -> None:
         raise ValueError(
             f"preempt_grace_s={cfg.preempt_grace_s!r}: use 1 to 3600 seconds (25 by default)"
         )
+
+
+def check_optimizer(cfg: RunConfig) -> None:
+    """AdamW's settings and the learning-rate schedule."""
     if not cfg.lr > 0 or cfg.lr > 10:
         raise ValueError(
             f"lr={cfg.lr!r}: must be a positive learning rate (typically 1e-5 to 1e-2)"
@@ -131,9 +157,6 @@ def check_numbers(cfg: RunConfig) -> None:
             f"warmup_steps={cfg.warmup_steps}: longer than max_steps={cfg.max_steps}; "
             f"use at most {cfg.max_steps}"
         )
-    check_monitor(cfg)
-    check_loader(cfg)
-    check_profile_steps(cfg)
 
 
 def check_int_bounds(cfg: RunConfig) -> None:
@@ -209,6 +232,16 @@ def check_profile_steps(cfg: RunConfig) -> None:
             f"profile_steps={steps!r}: need 1 <= first <= last <= max_steps={cfg.max_steps} (steps "
             f"count from 1, as in metrics.jsonl), e.g. [{min(3, cfg.max_steps)}, "
             f"{min(5, cfg.max_steps)}]"
+        )
+
+
+def check_memory_tracking(cfg: RunConfig) -> None:
+    """track_memory follows eager ops: refused with a compiled model."""
+    if cfg.compile != "off" and cfg.track_memory:
+        raise ValueError(
+            f"track_memory=True with compile={cfg.compile!r}: the memory tracker follows "
+            "eager ops, not compiled graphs; set track_memory=False (the process peak is "
+            "still reported), or compile='off' to measure by category"
         )
 
 

@@ -6,11 +6,12 @@ class of that name).
 The layout is a mesh of named dimensions, outermost first, as torchtitan names them:
 
     pp            pipeline stages (the data-parallel ranks are replicas of the whole pipeline)
-    dp_replicate  data-parallel replicas (ddp, zero1; hsdp's groups) dp_shard      data-parallel
-    ranks that shard parameters (zero2, zero3/fsdp; hsdp's shard groups) cp
-    context-parallel ranks: one batch, each rank a slice of every sequence (ring attention); FSDP
-    shards the parameters over dp_shard x cp together, as torchtitan does tp
-    tensor-parallel ranks that split each matrix (Megatron style)
+    dp_replicate  data-parallel replicas (ddp, zero1; hsdp's groups)
+    dp_shard      data-parallel ranks that shard parameters (zero2, zero3/fsdp; hsdp's shard groups)
+    cp            context-parallel ranks: one batch, each rank a slice of every sequence (ring
+                  attention); FSDP shards the parameters over dp_shard x cp together, as torchtitan
+                  does
+    tp            tensor-parallel ranks that split each matrix (Megatron style)
 
 A rank's coordinates follow row-major order, so rank = (dp_index * cp + cp_index) * tp + tp_index:
 the ranks of one TP group are neighbours, and those of a TP group and of a CP group see the same
@@ -109,7 +110,7 @@ class ParallelDims:
         coords = self.coordinates(rank)
         return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
-    def describe(self) -> str:
+    def sizes_line(self) -> str:
         """The dimensions larger than 1, e.g. 'pp 2 × dp_shard 2', or 'one process'."""
         return (
             " × ".join(f"{name} {size}" for name, size in self.sizes.items() if size > 1)

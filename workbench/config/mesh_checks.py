@@ -43,17 +43,7 @@ def check_layout(cfg: RunConfig) -> None:
         raise ValueError(
             f"tp={tp}: the tensor-parallel size must be at least 1 (1 turns tensor parallelism off)"
         )
-    if cfg.find_unused_parameters and (p not in ("ddp", "zero1") or tp > 1 or cfg.pp > 1):
-        how = (
-            f"parallelism={p!r}" + f" with tp={tp}" * (tp > 1) + f" with pp={cfg.pp}" * (cfg.pp > 1)
-        )
-        raise ValueError(
-            f"find_unused_parameters=True with {how}: it is DistributedDataParallel's switch, and "
-            "this layout builds no DistributedDataParallel (it reduces gradients through FSDP2, "
-            "tensor parallel's replicate or the pipeline's own reduction), so it would do "
-            "nothing; set find_unused_parameters=False, or parallelism='ddp' (or 'zero1') with "
-            "tp=1 and pp=1"
-        )
+    _check_find_unused(cfg)
     if n % tp:
         raise ValueError(
             f"tp={tp} with num_processes={n}: the tensor-parallel size must divide the number of "
@@ -66,10 +56,33 @@ def check_layout(cfg: RunConfig) -> None:
     if cfg.pp != 1:
         _check_pipeline(cfg)
         return
-    cp = cfg.cp
-    dp = n // (tp * cp)
+    dp = n // (tp * cfg.cp)
     if tp > 1:
         _check_tensor_parallel(cfg, dp)
+    _check_shard_group(cfg, dp)
+    _check_data_parallel_options(cfg)
+
+
+def _check_find_unused(cfg: RunConfig) -> None:
+    """find_unused_parameters is DDP's: refused where the layout builds no DDP."""
+    p, tp = cfg.parallelism, cfg.tp
+    if cfg.find_unused_parameters and (p not in ("ddp", "zero1") or tp > 1 or cfg.pp > 1):
+        how = (
+            f"parallelism={p!r}" + f" with tp={tp}" * (tp > 1) + f" with pp={cfg.pp}" * (cfg.pp > 1)
+        )
+        raise ValueError(
+            f"find_unused_parameters=True with {how}: it is DistributedDataParallel's switch, and "
+            "this layout builds no DistributedDataParallel (it reduces gradients through FSDP2, "
+            "tensor parallel's replicate or the pipeline's own reduction), so it would do "
+            "nothing; set find_unused_parameters=False, or parallelism='ddp' (or 'zero1') with "
+            "tp=1 and pp=1"
+        )
+
+
+def _check_shard_group(cfg: RunConfig, dp: int) -> None:
+    """dp_shard: with hsdp, a group size that divides the data-parallel size `dp` into at least 2
+    groups; 0 with every other mode."""
+    p, n, tp, cp = cfg.parallelism, cfg.num_processes, cfg.tp, cfg.cp
     if p == "hsdp":
         ok = shard_groups(n, tp * cp)
         what = (
@@ -95,6 +108,11 @@ def check_layout(cfg: RunConfig) -> None:
             f"dp_shard={cfg.dp_shard}: only parallelism='hsdp' uses it (parallelism={p!r}); set "
             "dp_shard=0, or parallelism='hsdp'"
         )
+
+
+def _check_data_parallel_options(cfg: RunConfig) -> None:
+    """Gradient compression is DDP's, CPU offload FSDP2's sharded parameters'."""
+    p = cfg.parallelism
     if cfg.grad_compression != "none" and p not in ("ddp", "zero1"):
         raise ValueError(
             f"grad_compression={cfg.grad_compression!r} with parallelism={p!r}: compression hooks "

@@ -30,13 +30,34 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
             f"device='cuda': no CUDA GPU is visible on {hw.where}; use device='auto' or 'cpu'"
         )
     device = resolve_device(cfg, hw)
+    check_process_count(cfg, hw, device)
+    check_cpu_limits(cfg, device)
+    check_tools(cfg, device)
+    problem = hw.precision_problem(cfg.precision, device)
+    if problem:
+        raise ValueError(f"precision={cfg.precision!r} on {hw.device_line(device)}: {problem}")
+    task = task or get_task(cfg.task)
+    task.check_options(cfg)
+    task.check_data(cfg)
+    check_parallel_task(cfg, task)
+    if cfg.activation_checkpointing != "none" or cfg.compile == "blocks":
+        _check_checkpoint_units(cfg, task)
+    if cfg.precision == "fp8":  # the model has Linear layers to swap (imported for fp8 runs only)
+        from workbench.training.parallel.float8 import check_task
+
+        check_task(cfg, task)
+
+
+def check_process_count(cfg: RunConfig, hw: Hardware, device: str) -> None:
+    """num_processes fits the machine: one rank per GPU, or per CPU core unless oversubscribe
+    (then warned about)."""
     limit = hw.max_processes(device)
     if cfg.num_processes > limit:
         if device == "cpu" and cfg.oversubscribe:
             warnings.warn(
                 f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): "
                 "the ranks share cores and run slower than they would on their own",
-                stacklevel=2,
+                stacklevel=3,
             )
         else:
             what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
@@ -49,6 +70,10 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
                 f"num_processes={cfg.num_processes}: {hw.where} has {what}; "
                 f"use num_processes={limit} or fewer{extra}"
             )
+
+
+def check_cpu_limits(cfg: RunConfig, device: str) -> None:
+    """What a run on the CPU can't do: offload to itself, context parallel, bf16 compression."""
     if cfg.cpu_offload and device != "cuda":
         raise ValueError(
             "cpu_offload=True on CPU: offload moves sharded parameters and optimizer state from "
@@ -67,20 +92,6 @@ def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | Non
             "grad_compression='bf16' on CPU: DDP's bf16 compression hook needs NCCL (CUDA GPUs); "
             "use grad_compression='fp16' or 'powersgd' on CPU"
         )
-    check_tools(cfg, device)
-    problem = hw.precision_problem(cfg.precision, device)
-    if problem:
-        raise ValueError(f"precision={cfg.precision!r} on {hw.describe(device)}: {problem}")
-    task = task or get_task(cfg.task)
-    task.check_options(cfg)
-    task.check_data(cfg)
-    check_parallel_task(cfg, task)
-    if cfg.activation_checkpointing != "none" or cfg.compile == "blocks":
-        _check_checkpoint_units(cfg, task)
-    if cfg.precision == "fp8":  # the model has Linear layers to swap (imported for fp8 runs only)
-        from workbench.training.parallel.float8 import check_task
-
-        check_task(cfg, task)
 
 
 def check_runs_dir(cfg: RunConfig) -> None:

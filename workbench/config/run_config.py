@@ -4,17 +4,14 @@ share."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import typing
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
-
-from workbench.config.checks import check_names, check_numbers
+from workbench.config import config_files
+from workbench.config.checks import check_memory_tracking, check_names, check_numbers
 from workbench.config.choices import (
     ActivationCheckpointing,
     Device,
@@ -26,9 +23,7 @@ from workbench.config.mesh import ParallelDims
 from workbench.config.mesh_checks import check_layout
 from workbench.config.precision import Fp8Recipe, Precision, check_fp8_recipe
 from workbench.config.trackers import Tracker
-from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
-from workbench.utils.suggest import unknown_keys
-from workbench.utils.typecheck import check_type, plain
+from workbench.utils.typecheck import check_type
 
 if TYPE_CHECKING:
     from workbench.utils.hardware import Hardware
@@ -294,152 +289,54 @@ class RunConfig:
 
     # ---- validation ------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        types = config_files.field_types(RunConfig)
         for f in fields(self):
-            example = (
-                None if f.default is dataclasses.MISSING else f.default
-            )  # a value that works, for messages
-            check_type(f.name, getattr(self, f.name), _field_types()[f.name], example)
-        self._check_numbers()
-        self._check_parallelism()
-        self._check_names()
+            # a value that works, for messages
+            example = None if f.default is dataclasses.MISSING else f.default
+            check_type(f.name, getattr(self, f.name), types[f.name], example)
+        check_numbers(self)
+        check_layout(self)
+        check_memory_tracking(self)
+        check_names(self, config_files.field_names(RunConfig))
         check_fp8_recipe(self)
 
-    def _check_numbers(self) -> None:
-        check_numbers(self)
-
-    def _check_names(self) -> None:
-        check_names(self, _field_names())
-
-    def _check_parallelism(self) -> None:
-        check_layout(self)
-        if self.compile != "off" and self.track_memory:
-            raise ValueError(
-                f"track_memory=True with compile={self.compile!r}: the memory tracker follows "
-                "eager ops, not compiled graphs; set track_memory=False (the process peak is "
-                "still reported), or compile='off' to measure by category"
-            )
-
-    # ---- copies and files ------------------------------------------------------------------------
+    # ---- copies and files (config_files.py) ------------------------------------------------------
     def replace(self, **changes: Any) -> RunConfig:
         """A validated copy with `changes` applied; unknown field names are rejected."""
-        _reject_unknown(changes, "RunConfig.replace()")
+        config_files.reject_unknown(RunConfig, changes, "RunConfig.replace()")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
+        return config_files.to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
-        if not isinstance(data, dict):
-            # a config error: the CLI answers ValueError with exit 2
-            raise ValueError(  # noqa: TRY004
-                f"{source}: expected a mapping of RunConfig fields, got {type(data).__name__}"
-            )
-        _reject_unknown(data, source)
-        return cls(**data)
+        return config_files.from_dict(cls, data, source)
 
     def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
         """The config as YAML; written atomically to `path` when given."""
-        # libyaml's emitter where PyYAML has it: the same text, 4x faster (each launch and
-        # checkpoint writes it)
-        text = yaml.dump(
-            self.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False
-        )
-        if path is not None:
-            atomic_write_text(Path(path), text)
-        return text
+        return config_files.to_yaml(self, path)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> RunConfig:
         """Load from YAML; unknown keys are rejected and listed, with the closest field names."""
-        data = read_yaml(Path(path).expanduser()) or {}
-        if isinstance(data, dict):
-            data = {key: _coerce(key, value) for key, value in data.items()}
-        return cls.from_dict(data, source=str(path))
+        return config_files.from_yaml(cls, path)
 
     @classmethod
     def from_accelerate(cls, path: str | os.PathLike[str], **fields: Any) -> RunConfig:
         """From an `accelerate config` YAML: distributed type and FSDP/DeepSpeed plugin settings,
         mixed precision, process counts. `fields` add or override (task, max_steps, ...). What has
         no counterpart is listed by key in a warning."""
-        from workbench.config.imported import read_accelerate
-
-        imported = read_accelerate(path)
-        imported.warn()
-        return cls.from_dict({**imported.mapped, **fields}, source=str(path))
+        return config_files.from_accelerate(cls, path, fields)
 
     @classmethod
     def from_deepspeed(cls, path: str | os.PathLike[str], **fields: Any) -> RunConfig:
         """From a DeepSpeed JSON: ZeRO stage and offload, fp16 or bf16, clipping, micro-batch,
         accumulation, AdamW and its warm-up schedule. `fields` add or override. What has no
         counterpart is listed by key in a warning."""
-        from workbench.config.imported import read_deepspeed
-
-        imported = read_deepspeed(path)
-        imported.warn()
-        return cls.from_dict({**imported.mapped, **fields}, source=str(path))
+        return config_files.from_deepspeed(cls, path, fields)
 
     def with_overrides(self, assignments: list[str]) -> RunConfig:
         """Apply CLI-style 'key=value' strings (values parsed as YAML; 'task_options.n_layer=4'
         nests)."""
-        data = self.to_dict()
-        for item in assignments:
-            key, sep, raw = item.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise ValueError(f"--set {item!r}: expected key=value, e.g. --set max_steps=200")
-            value = _coerce(key, load_yaml(raw, f"--set {item!r}") if raw.strip() else None)
-            if "." in key:
-                head, _, sub = key.partition(".")
-                if head != "task_options":
-                    raise ValueError(f"--set {item!r}: only task_options.<name> can be nested")
-                data["task_options"] = {**data["task_options"], sub: value}
-            else:
-                _reject_unknown({key: value}, "--set")
-                data[key] = value
-        return RunConfig.from_dict(data, source="--set")
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-_TYPES: dict[str, Any] | None = None
-
-
-def _field_names() -> list[str]:
-    return [f.name for f in fields(RunConfig)]
-
-
-def _field_types() -> dict[str, Any]:
-    global _TYPES
-    if _TYPES is None:
-        _TYPES = typing.get_type_hints(RunConfig)
-    return _TYPES
-
-
-def _coerce(key: Any, value: Any) -> Any:
-    """YAML 1.1 reads '3e-4' (no dot) as a string; in a YAML file or --set, users mean a number when
-    the field is a float. Text that is no finite number ('1e400', 'nan') stays text, for validation
-    to name as written. And it reads `off`/`on` as booleans: a choice field that has them (compile)
-    gets the word back."""
-    tp = _field_types().get(key) if isinstance(key, str) else None
-    if tp is float and isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            return value
-        return number if math.isfinite(number) else value
-    if (
-        isinstance(value, bool) and typing.get_origin(tp) is Literal
-    ):  # YAML 1.1 reads off/on as booleans
-        word = "on" if value else "off"
-        return word if word in typing.get_args(tp) else value
-    return value
-
-
-def _reject_unknown(data: dict[str, Any], source: str) -> None:
-    known = [f.name for f in fields(RunConfig)]
-    unknown = unknown_keys(data, known)
-    if unknown:
-        raise ValueError(
-            f"{source}: unknown RunConfig key(s): {', '.join(unknown)}. Known keys: "
-            f"{', '.join(known)}"
-        )
+        return config_files.with_overrides(self, assignments)

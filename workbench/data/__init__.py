@@ -10,8 +10,8 @@ files in the cache, ``<cache>/<name>/<version>/<path>``, looking in turn at:
   ``platformdirs.user_cache_dir("workbench")/data``);
 * ``source: url`` (the default): mirror directories (``WORKBENCH_DATA_MIRROR``,
   ``os.pathsep``-separated, holding ``<name>/<path>`` or a copied cache's
-  ``<name>/<version>/<path>``), then the manifest's URLs unless offline
-  (``offline=True`` or ``WORKBENCH_OFFLINE=1``);
+  ``<name>/<version>/<path>``), then the manifest's URLs unless offline (``offline=True`` or
+  ``WORKBENCH_OFFLINE=1``);
 * ``source: package``: the file inside the installed package, then mirrors;
 * ``source: synthetic``: a registered generator (see :data:`GENERATORS`).
 

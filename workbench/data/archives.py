@@ -62,9 +62,8 @@ class _Listing:
     members: dict[PurePosixPath, str] = field(default_factory=dict)  # path -> member name
     dirs: set[PurePosixPath] = field(default_factory=set)
     links: dict[PurePosixPath, str] = field(default_factory=dict)  # symlink -> its target
-    hardlinks: dict[PurePosixPath, str] = field(
-        default_factory=dict
-    )  # hard link -> target, from the root
+    # hard link -> target, from the root
+    hardlinks: dict[PurePosixPath, str] = field(default_factory=dict)
 
     def add(self, path: PurePosixPath, member: str, is_dir: bool) -> None:
         # The last member of a path wins, as when extracting.
@@ -121,13 +120,11 @@ def _links_after_merge(dest: Path, listing: _Listing) -> dict[PurePosixPath, str
     own, and those already there (from other archives) that its members neither replace nor
     remove."""
     covered = {parent for path in listing.members for parent in (path, *path.parents)}
-    replaced = (
-        set(listing.members) - listing.dirs
-    )  # a file or link there removes a directory's whole tree
+    # a file or link there removes a directory's whole tree
+    replaced = set(listing.members) - listing.dirs
     links: dict[PurePosixPath, str] = {}
-    for top, dirnames, filenames in os.walk(
-        dest
-    ):  # symlinks to directories are listed, not entered
+    for top, dirnames, filenames in os.walk(dest):
+        # symlinks to directories are listed, not entered
         if Path(top) == dest:
             dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
         for name in (*dirnames, *filenames):

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from workbench.config.mesh import ParallelDims, shards
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
 from workbench.estimator.held import held_for
-from workbench.estimator.layout_time import layout_time
 from workbench.estimator.model import (
     CPU_OVERHEAD_BYTES,
     CUBLAS_WORKSPACE_BYTES,
@@ -19,6 +18,7 @@ from workbench.estimator.model import (
     Estimate,
     RankEstimate,
 )
+from workbench.estimator.parallel_time import ParallelTime, parallel_time
 from workbench.estimator.target import Target, check_plan
 from workbench.estimator.timing import COMPRESSION, replicated_comm
 from workbench.estimator.trace import StepTrace
@@ -146,6 +146,7 @@ def estimate(
     if (gpus is not None and gpus < 1) or nodes < 1:
         raise ValueError(f"gpus={gpus}, nodes={nodes}: both must be at least 1")
     local = not gpu or gpu == THIS_MACHINE
+    cpu_partition = partition if local else None
     plan = Target(
         gpu=gpu or THIS_MACHINE,
         gpus_per_node=gpus or cfg.num_processes,
@@ -154,11 +155,7 @@ def estimate(
         partition=partition,
         cpus_per_node=cpus_per_node,
     )
-    target = plan.accelerator()
-    if partition and local:
-        target = replace(
-            target, name=f"Slurm partition {partition}: CPU nodes taken as this machine's"
-        )
+    target = _accelerator(plan, cpu_partition)
     gpus = plan.gpus_per_node
     world = gpus * nodes
     task = task or get_task(cfg.task)
@@ -177,9 +174,29 @@ def estimate(
     )
     est = price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
     est.assumptions += [f"as planned: {w}" for w in warned]
-    if (
-        world != cfg.num_processes
-    ):  # said first: every figure is for the target's ranks, not the config's count
+    _note_the_plan(est, cfg, run, plan, cpu_partition)
+    return est
+
+
+def _accelerator(plan: Target, cpu_partition: str | None) -> Accelerator:
+    """The accelerator `plan` runs on; a Slurm partition's CPU nodes (`cpu_partition`) are this
+    machine's, named for the partition."""
+    target = plan.accelerator()
+    if cpu_partition:
+        target = replace(
+            target, name=f"Slurm partition {cpu_partition}: CPU nodes taken as this machine's"
+        )
+    return target
+
+
+def _note_the_plan(
+    est: Estimate, cfg: RunConfig, run: RunConfig, plan: Target, cpu_partition: str | None
+) -> None:
+    """Add to `est` what the estimate of `cfg` assumed of its plan beyond the step: ranks other
+    than the config's count (said first), compile, a Slurm partition's CPU nodes."""
+    world = run.num_processes
+    # said first: every figure is for the target's ranks, not the config's count
+    if world != cfg.num_processes:
         est.assumptions.insert(
             0,
             f"ranks: {world}, the target's {plan.describe(run)} (the config has "
@@ -197,12 +214,11 @@ def estimate(
             "0.84-1.23x eager's on a 2-core CPU: the docs' Compile guide); the first step also "
             "compiles, 15-26 s with an empty cache and 3-5 s warm there, outside the step time"
         )
-    if partition and local:
+    if cpu_partition:
         est.assumptions.append(
-            f"Slurm partition {partition}: CPU nodes, priced as this machine's cores and its gloo "
-            "collectives (between nodes, the cluster's network decides)"
+            f"Slurm partition {cpu_partition}: CPU nodes, priced as this machine's cores and its "
+            "gloo collectives (between nodes, the cluster's network decides)"
         )
-    return est
 
 
 def price(
@@ -220,50 +236,21 @@ def price(
     world = gpus * nodes
     dims = ParallelDims.of(cfg, world)
     traces = stage_traces(cfg, task, trace, target.kind == "cuda", gpus)
-    assumptions: list[str] = [f"layout: {dims.describe()} over {world} rank(s)"]
+    assumptions: list[str] = [f"layout: {dims.sizes_line()} over {world} rank(s)"]
     # DDP's buckets and all-reduce live in C++, out of the trace's sight; TP and PP average their
     # own gradients
     extra_comm = replicated_comm(cfg, trace, world, nodes)
     grads = trace.held["grads"]
-    factor = COMPRESSION.get(cfg.grad_compression, 1.0)
     buckets = grads if extra_comm else 0
     if extra_comm:
-        assumptions.append(
-            f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes); they "
-            f"are all-reduced once per step ({factor:g} x their bytes with {cfg.grad_compression} "
-            "compression)"
-            if cfg.grad_compression != "none"
-            else f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes), "
-            "all-reduced once per step"
-        )
+        assumptions.append(_bucket_note(cfg, grads))
     assumptions += _layout_memory_notes(cfg, traces, dims)
     overhead = GPU_OVERHEAD_BYTES if target.kind == "cuda" else CPU_OVERHEAD_BYTES
-    assumptions.append(
-        f"runtime overhead {overhead / 2**30:.2f} GiB per rank: "
-        + (
-            "CUDA context and NCCL's buffers"
-            if target.kind == "cuda"
-            else "the Python interpreter, torch and accelerate before any tensor"
-        )
-    )
-    if target.kind == "cuda":
-        assumptions.append(
-            f"cuBLAS workspaces {CUBLAS_WORKSPACE_BYTES / 2**20:.0f} MiB per rank, counted with "
-            "the tensors (they come from PyTorch's caching allocator; measured on an H100)"
-        )
+    assumptions += _runtime_memory_notes(target, overhead)
     workspace = CUBLAS_WORKSPACE_BYTES if target.kind == "cuda" else 0
     ranks = _ranks(cfg, traces, world, overhead, buckets + workspace)
-    timing = layout_time(cfg, traces, extra_comm, target, nodes, network, runs_dir)
-    assumptions += [
-        *timing.assumptions,
-        "fits: the peak stays under 92% of device memory (the caching allocator fragments the "
-        "rest)",
-        *target.notes,
-    ]
-    if target.price_per_hour is not None:
-        assumptions.append(
-            f"price ${target.price_per_hour:.2f} per GPU-hour: {target.price_source}"
-        )
+    timing = parallel_time(cfg, traces, extra_comm, target, nodes, network, runs_dir)
+    assumptions += _closing_notes(timing, target)
     return Estimate(
         config=cfg.to_dict(),
         target=target,
@@ -282,6 +269,51 @@ def price(
         trace_s=sum(t.trace_s for t in traces),
         max_rss_bytes=max(t.max_rss_bytes for t in traces),
     )
+
+
+def _bucket_note(cfg: RunConfig, grads: int) -> str:
+    """What DDP's gradient buckets add: one more copy of the gradients, all-reduced once a step."""
+    factor = COMPRESSION.get(cfg.grad_compression, 1.0)
+    return (
+        f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes); they "
+        f"are all-reduced once per step ({factor:g} x their bytes with {cfg.grad_compression} "
+        "compression)"
+        if cfg.grad_compression != "none"
+        else f"DDP: gradient buckets hold one more copy of the gradients ({grads:,} bytes), "
+        "all-reduced once per step"
+    )
+
+
+def _closing_notes(timing: ParallelTime, target: Accelerator) -> list[str]:
+    """What the step time rests on, when the peak fits, the target's own notes, and its price."""
+    notes = [
+        *timing.assumptions,
+        "fits: the peak stays under 92% of device memory (the caching allocator fragments the "
+        "rest)",
+        *target.notes,
+    ]
+    if target.price_per_hour is not None:
+        notes.append(f"price ${target.price_per_hour:.2f} per GPU-hour: {target.price_source}")
+    return notes
+
+
+def _runtime_memory_notes(target: Accelerator, overhead: int) -> list[str]:
+    """What a rank holds beside its tensors: the runtime's `overhead`, and cuBLAS's workspaces on a
+    GPU."""
+    notes = [
+        f"runtime overhead {overhead / 2**30:.2f} GiB per rank: "
+        + (
+            "CUDA context and NCCL's buffers"
+            if target.kind == "cuda"
+            else "the Python interpreter, torch and accelerate before any tensor"
+        )
+    ]
+    if target.kind == "cuda":
+        notes.append(
+            f"cuBLAS workspaces {CUBLAS_WORKSPACE_BYTES / 2**20:.0f} MiB per rank, counted with "
+            "the tensors (they come from PyTorch's caching allocator; measured on an H100)"
+        )
+    return notes
 
 
 def _layout_memory_notes(cfg: RunConfig, traces: list[StepTrace], dims: ParallelDims) -> list[str]:

@@ -191,9 +191,8 @@ def fake_world(world: int, rank: int, gpu_rounding: bool) -> Iterator[Any]:
             "estimate() needs a process without a process group (it simulates one); call it from "
             "the notebook or shell, not from inside a launched rank"
         )
-    excepthook = (
-        sys.excepthook
-    )  # init_process_group prefixes later tracebacks with "[rank0]:" otherwise
+    # init_process_group prefixes later tracebacks with "[rank0]:" otherwise
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     detect, consumed = (
         sharding_prop.detect_fake_mode,
@@ -207,9 +206,8 @@ def fake_world(world: int, rank: int, gpu_rounding: bool) -> Iterator[Any]:
 
         mem_tracker._WeakRefInfo._calculate_mem_consumed = rounded
     mesh_init = DeviceMesh.__init__
-    DeviceMesh.__init__ = _with_real_tensors(
-        mesh_init
-    )  # FSDP x TP joins its meshes inside fake mode
+    # FSDP x TP joins its meshes inside fake mode
+    DeviceMesh.__init__ = _with_real_tensors(mesh_init)
     reduce_scatters = {
         name: getattr(dist, name)
         for name in ("reduce_scatter_single", "reduce_scatter_tensor")

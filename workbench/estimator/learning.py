@@ -81,7 +81,7 @@ def layout_of(cfg: RunConfig, world: int) -> tuple[str, int, int, int]:
     return (cfg.parallelism, cfg.tp, cfg.pp, world)
 
 
-def describe_layout(layout: tuple[str, int, int, int]) -> str:
+def layout_line(layout: tuple[str, int, int, int]) -> str:
     mode, tp, pp, world = layout
     return (
         f"{mode}{f' tp={tp}' if tp > 1 else ''}{f' pp={pp}' if pp > 1 else ''} on {world} rank(s)"
@@ -177,9 +177,8 @@ def learn(
         if key in _LESSONS:
             return _LESSONS[key]
     lesson, complete = _learn(cfg, world, device_class, runs_dir, profile_key, estimate_of)
-    if (
-        not complete
-    ):  # a run left out for now (its trace not made yet, under cache_only): ask again next time
+    if not complete:
+        # a run left out for now (its trace not made yet, under cache_only): ask again next time
         return lesson
     with _LOCK:
         _LESSONS[key] = lesson
@@ -216,8 +215,8 @@ def _learn(
     layout = layout_of(cfg, world)
     same = [r for r in runs if r.layout == layout]
     tiers = [
-        ([r for r in same if r.cfg.task == cfg.task], f"{cfg.task}, {describe_layout(layout)}"),
-        (same, f"any task, {describe_layout(layout)}"),
+        ([r for r in same if r.cfg.task == cfg.task], f"{cfg.task}, {layout_line(layout)}"),
+        (same, f"any task, {layout_line(layout)}"),
         ([r for r in runs if r.world == world], f"any task and layout on {world} rank(s)"),
         (runs, f"any task and layout on {device_class}"),
     ]
@@ -239,7 +238,7 @@ def _learn(
         complete = complete and estimated is not None
     if not ratios:
         only = (
-            f" of {cfg.task}, {describe_layout(layout)} (on this machine only the same task and "
+            f" of {cfg.task}, {layout_line(layout)} (on this machine only the same task and "
             "layout teach)"
             if device_class == "cpu" and runs
             else ""

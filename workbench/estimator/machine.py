@@ -104,7 +104,9 @@ class MachineProfile:
             return count * (t1 + (per_call - x1) / bandwidth + self.collective_stall_s)
         return count * (_interpolate(points, max(per_call, 1.0)) + self.collective_stall_s)
 
-    def describe(self) -> str:
+    def rates_line(self) -> str:
+        """The measured rates in one line (ranks and threads, matmul, memory and collectives),
+        for an estimate's assumptions."""
         fp32 = max(rate for _, rate in self.matmul["fp32"])
         parts = [
             (
@@ -189,7 +191,19 @@ def measure(
     wall = time.perf_counter() - started
     ours = sum(a["cpu_s"] for a in answers) + time.process_time() - own_before
     busy = max(0.0, (_busy_s(psutil) - busy_before - ours) / wall)
-    figures = answers[0]
+    return _profile(answers[0], machine, ranks, threads, wall, busy)
+
+
+def _profile(
+    figures: dict[str, Any],
+    machine: dict[str, str],
+    ranks: int,
+    threads: int,
+    wall: float,
+    busy: float,
+) -> MachineProfile:
+    """The profile of a measurement that took `wall` seconds while `busy` cores did other work,
+    from the first child's `figures`."""
     return MachineProfile(
         machine=machine,
         ranks=ranks,

@@ -1,6 +1,6 @@
 """What a machine profile (machine.py) measures, run in each of its children: the kernels a small
-model's step is made of, and gloo's collectives. Also how an ATen op of a traced step is classed for
-pricing (op_kind), as the profile's per-op figures are defined by the same classes.
+model's step is made of, and gloo's collectives. The per-op figures follow the classes an ATen op of
+a traced step is priced by (op_kinds.py).
 
 Every compute figure is the best of many short rounds: other processes only ever add time, so the
 best round is what the machine itself does. Collectives are a call that didn't stall, plus the mean
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from workbench.estimator.machine_reference import PAIRS, layout_references, reference_step
+from workbench.estimator.op_kinds import op_kind
 
 VERSION = 4
 """Bumped when what is measured changes: stored profiles of another version are measured again."""
@@ -51,121 +52,6 @@ ROUND_S = 0.001
 ROUNDS = 12
 """Short rounds, many: on a busy machine the best of them still fits between other processes'
 turns."""
-
-# ---- what an ATen op costs -----------------------------------------------------------------------
-FREE = ("prim.", "profiler.")
-VIEWS = frozenset(
-    {
-        "t",
-        "view",
-        "_unsafe_view",
-        "transpose",
-        "permute",
-        "expand",
-        "as_strided",
-        "slice",
-        "select",
-        "unsqueeze",
-        "squeeze",
-        "detach",
-        "alias",
-        "split",
-        "split_with_sizes",
-        "chunk",
-        "unbind",
-        "narrow",
-        "_reshape_alias",
-        "diagonal",
-        "unfold",
-        "view_as_real",
-        "view_as_complex",
-        "lift_fresh",
-        "_local_scalar_dense",
-        "expand_as",
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_empty",
-        "new_empty_strided",
-        "set_",
-        "resize_",
-    }
-)
-"""Ops that write no data (views, fresh allocations, reading a scalar out): they cost their dispatch
-only."""
-FLOP_OPS = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "addbmm",
-    "matmul",
-    "linear",
-    "convolution",
-    "_convolution",
-    "_scaled_dot_product",
-    "_flash_attention",
-    "_efficient_attention",
-)
-RANDOM = frozenset(
-    {
-        "bernoulli",
-        "bernoulli_",
-        "uniform_",
-        "normal_",
-        "random_",
-        "native_dropout",
-        "rand",
-        "randn",
-        "rand_like",
-        "randn_like",
-        "randint",
-        "randperm",
-        "exponential_",
-        "multinomial",
-    }
-)
-MATH = (
-    "gelu",
-    "exp",
-    "log",
-    "tanh",
-    "sigmoid",
-    "erf",
-    "silu",
-    "softplus",
-    "mish",
-    "_softmax",
-    "_log_softmax",
-    "native_layer_norm",
-    "native_group_norm",
-    "native_batch_norm",
-    "_fused_rms_norm",
-    "pow",
-    "sin",
-    "cos",
-)
-
-
-def op_kind(name: str) -> str:
-    """'free' (no kernel: prim.device, profiler ranges), 'view', 'flop', an elementwise kind
-    (KINDS), or 'dtensor' (an op on DTensors, 'dtensor.aten.add_': the sharding bookkeeping around
-    the local op, which is counted on its own), for an op named as StepTrace.ops names it
-    ('aten.mm')."""
-    if name.startswith(FREE):
-        return "free"
-    if name.startswith("dtensor."):
-        return "dtensor"
-    op = name.split(".", 1)[-1]
-    if op in VIEWS:
-        return "view"
-    if op.startswith(FLOP_OPS) and not op.endswith("_"):
-        return "flop"
-    if op in RANDOM:
-        return "random"
-    if op.startswith(MATH):
-        return "math"
-    return "inplace" if op.endswith("_") else "copy"
 
 
 def best(fn: Callable[[], Any], round_s: float = ROUND_S, rounds: int = ROUNDS) -> float:
@@ -409,9 +295,8 @@ def _collectives(
             table[kind].append([wire_bytes(kind, nbytes, 2 if kind == "send" else ranks), typical])
             excess += [t - typical for t in times]
         report(kind)
-    kept = sorted(excess)[
-        : max(1, len(excess) - len(excess) // 50)
-    ]  # the slowest fiftieth: accidents
+    # the slowest fiftieth: accidents
+    kept = sorted(excess)[: max(1, len(excess) - len(excess) // 50)]
     return table, max(0.0, statistics.fmean(kept))
 
 

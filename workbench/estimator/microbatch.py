@@ -47,9 +47,8 @@ def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
         return max(r.tensors for r in est.ranks)
 
     train, _ = task.build_datasets(cfg)
-    most = max(
-        1, len(train) // cfg.dims.dp
-    )  # samples each data-parallel rank has (a TP group shares them)
+    # samples each data-parallel rank has (a TP group shares them)
+    most = max(1, len(train) // cfg.dims.dp)
     try:
         one, two = peak(1), peak(2)
     except ValueError as e:

@@ -178,7 +178,7 @@ class Estimate:
     def settings(self) -> str:
         """Which settings these figures are for: task, layout, precision, micro-batch x
         accumulation, world."""
-        return describe_settings(self.config, self.gpus * self.nodes)
+        return settings_line(self.config, self.gpus * self.nodes)
 
     def verdict(self) -> str:
         peak, usable = fmt_bytes(self.peak), fmt_bytes(self.usable)
@@ -343,7 +343,7 @@ def layout_name(config: dict[str, Any]) -> str:
     return f"pp {pp} x {name}" if pp > 1 else name
 
 
-def describe_settings(config: dict[str, Any], world: int) -> str:
+def settings_line(config: dict[str, Any], world: int) -> str:
     """The settings an estimate is for, in one line: 'char-gpt (preset=tiny), zero3 x tp 2, bf16,
     micro-batch 8 x 2 accumulation, 8 ranks'."""
     options = ", ".join(f"{k}={v}" for k, v in (config.get("task_options") or {}).items())

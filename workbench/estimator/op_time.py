@@ -1,57 +1,29 @@
-"""A traced step's time before anything is learnt from runs: op by op against this machine's
-measured profile on a CPU target, from the datasheet on a GPU target.
+"""A traced step's time before anything is learnt from runs, op by op against this machine's
+measured profile on a CPU target (a GPU target's, from the datasheet, is gpu_time.py's).
 
-CPU: a small model's step is mostly fixed costs, so every ATen op the step dispatches pays the
-per-op cost of a training step measured here (views the cost of a bare op, ops on DTensors their
-sharding bookkeeping on top); matrix multiplies and attention run at the FLOP/s measured for their
-size and dtype; elementwise ops at the seconds per byte measured for their kind and size; each
-micro-batch costs a DataLoader fetch; all of it as much slower than its best as the same work runs
-here on average. Collectives cost gloo's time measured here for their kind and size, and none of it
-hides behind compute: the ranks already use every core, and gloo copies and sums on those cores.
-
-GPU: FLOPs at the fraction of the datasheet peak published runs reach on that accelerator, for the
-precision and the model's size (the catalog's efficiency, efficiency.py), elementwise bytes at the
-datasheet memory bandwidth, never less than the host's time to launch the step's kernels;
-collectives at a per-collective latency plus ring bytes over the datasheet link; data-parallel ones
-overlap compute.
+A small model's step is mostly fixed costs, so every ATen op the step dispatches pays the per-op
+cost of a training step measured here (views the cost of a bare op, ops on DTensors their sharding
+bookkeeping on top); matrix multiplies and attention run at the FLOP/s measured for their size and
+dtype; elementwise ops at the seconds per byte measured for their kind and size; each micro-batch
+costs a DataLoader fetch; all of it as much slower than its best as the same work runs here on
+average. Collectives cost gloo's time measured here for their kind and size, and none of it hides
+behind compute: the ranks already use every core, and gloo copies and sums on those cores.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from workbench.estimator.catalog import NETWORKS, Accelerator
-from workbench.estimator.efficiency import matmul_efficiency
-from workbench.estimator.machine_probe import op_kind
+from workbench.estimator.op_kinds import op_kind
 from workbench.estimator.trace import StepTrace
 from workbench.utils.units import fmt_seconds
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.estimator.machine import MachineProfile
-
-GPU_LAUNCH_S = 33e-6
-"""Host time per working op of an eager step (module call, autograd, dispatch, cudaLaunchKernel): a
-step is never shorter. Measured on an H100 server (16 cores, torch 2.11, 2026-11-24): a hand-written
-loop and the trainer ran digits, char-gpt small and GPT-2 small at 24-41 us per op, with the GPU
-mostly idle."""
-GPU_STEP_S = 1.3e-3
-"""Host time per step that no op accounts for (the loss read back, clipping's norm, the loader):
-same runs."""
-GPU_VIEW_S = 8e-6
-"""Host time per view op: free in plain eager code, but FSDP2's sharded modules make thousands of
-them (copy-in and copy-out views per parameter), in Python. Fitted to the same server's zero2/zero3
-runs."""
-GPU_DTENSOR_S = 65e-6
-"""Host time DTensor's sharding propagation adds to an op on DTensors (the optimizer's foreach ops,
-clipping): fitted to the same runs."""
-NCCL_LATENCY_S = {False: 20e-6, True: 50e-6}
-"""Per-collective latency within a node (NVLink/PCIe) and across nodes, as nccl-tests show for small
-messages."""
 
 
 @dataclass
@@ -242,7 +214,7 @@ def cpu_step(
         else ""
     )
     assumptions = [
-        f"this machine measured ({profile.describe()})",
+        f"this machine measured ({profile.rates_line()})",
         f"compute {fmt_seconds(compute)}: {k.flops_words}, {fmt_seconds(k.matmul)}; elementwise "
         "writes at the measured seconds per byte of their kind and size, "
         f"{fmt_seconds(k.elementwise)}; {k.working} ops at {1e6 * profile.step_op_s:.1f} us and "
@@ -305,113 +277,3 @@ def _flop_time(
         f"{dtype} rate measured for its size (attention at attention's), "
         f"{trace.flops / seconds / 1e9:.0f} GFLOP/s on average"
     )
-
-
-def matmul_precision(cfg: RunConfig, target: Accelerator) -> str:
-    """The catalog peak a step's matmuls run at: fp32 on TF32 tensor cores when cfg.tf32 (and the
-    accelerator lists a TF32 peak); fp8 as bf16 where the accelerator has no fp8."""
-    if cfg.precision == "fp32" and cfg.tf32 and target.peak("tf32"):
-        return "tf32"
-    return "bf16" if cfg.precision == "fp8" and target.peak("fp8") is None else cfg.precision
-
-
-def gpu_step(
-    cfg: RunConfig,
-    trace: StepTrace,
-    extra_comm: dict[str, dict[str, Any]],
-    target: Accelerator,
-    nodes: int,
-    network: str,
-) -> RawStep:
-    """The step on a catalog GPU, from its datasheet."""
-    precision = matmul_precision(cfg, target)
-    peak = target.peak(precision)
-    if peak is None:
-        raise ValueError(
-            f"precision={cfg.precision!r}: {target.name} lists no peak for it "
-            f"(it lists {', '.join(target.peak_flops)})"
-        )
-    # the host constants were fitted on an H100 to the first step's op counts (see
-    # StepTrace.first_ops)
-    ops = by_kind(
-        SimpleNamespace(
-            ops=trace.first_ops or trace.ops, op_bytes=trace.first_op_bytes or trace.op_bytes
-        )
-    )
-    efficiency, why = matmul_efficiency(target, precision, model_params(cfg, trace))
-    matmul = trace.flops / (peak * efficiency)
-    memory = sum(
-        nbytes
-        for kind, rows in ops.items()
-        if kind not in ("flop", "view", "dtensor")
-        for _, _, nbytes in rows
-    )
-    kernels = sum(
-        count
-        for kind, rows in ops.items()
-        if kind not in ("view", "dtensor")
-        for _, count, _ in rows
-    )
-    sharded = sum(count for _, count, _ in ops.get("dtensor", []))
-    views = (
-        sum(count for _, count, _ in ops.get("view", [])) if sharded else 0
-    )  # plain views cost ~nothing
-    device = matmul + memory / target.memory_bandwidth
-    host = GPU_STEP_S + kernels * GPU_LAUNCH_S + views * GPU_VIEW_S + sharded * GPU_DTENSOR_S
-    compute = max(device, host)
-    comm = 0.0
-    for rec in [*trace.comm.values(), *extra_comm.values()]:
-        bandwidth = (
-            min(target.link_bandwidth, NETWORKS[network])
-            if rec["spans_nodes"]
-            else target.link_bandwidth
-        )
-        comm += (
-            rec["count"] * NCCL_LATENCY_S[bool(rec["spans_nodes"])] + rec["wire_bytes"] / bandwidth
-        )
-    exposed = max(comm - compute, comm / max(1, trace.units)) if comm else 0.0
-    assumptions = [
-        f"compute: FLOPs at {why} of {target.name}'s {peak / 1e12:g} TFLOP/s {precision} datasheet "
-        f"peak, elementwise bytes at its {target.memory_bandwidth / 1e9:g} GB/s; never less than "
-        f"the host's time to launch {kernels} kernels at {1e6 * GPU_LAUNCH_S:g} us (eager PyTorch, "
-        f"measured on an H100 server) plus {1e3 * GPU_STEP_S:g} ms a step"
-        + (
-            f", {views} views at {1e6 * GPU_VIEW_S:g} us and {sharded} DTensor ops at "
-            f"{1e6 * GPU_DTENSOR_S:g} us"
-            if sharded
-            else ""
-        ),
-        (
-            f"communication: {1e6 * NCCL_LATENCY_S[False]:g} us per collective "
-            f"({1e6 * NCCL_LATENCY_S[True]:g} us between nodes) plus ring bytes at "
-            f"{target.link_bandwidth / 1e9:g} GB/s per GPU over {target.link}"
-            + (
-                f", {NETWORKS[network] / 1e9:g} GB/s over {network} between nodes"
-                if nodes > 1
-                else ""
-            )
-        ),
-        "overlap: collectives run during compute (FSDP prefetch, DDP buckets in backward); "
-        "exposed is what exceeds compute, and never less than one shard unit's share (the first "
-        "all-gather or last bucket)",
-    ]
-    return RawStep(
-        compute_s=compute,
-        comm_s=comm,
-        exposed_comm_s=exposed,
-        efficiency=efficiency,
-        parts={"matmul": matmul, "memory": memory / target.memory_bandwidth, "host": host},
-        assumptions=assumptions,
-    )
-
-
-def model_params(cfg: RunConfig, trace: StepTrace) -> int:
-    """The model's parameter count, the size the catalog's efficiency bands go by: the traced
-    rank's tensors at their global shapes (a DTensor's shape is the whole tensor's), times the
-    stages under a pipeline (a stage's trace holds its own); the rank's own fp32 bytes / 4 where
-    the trace kept no shapes."""
-    pieces = [p for p in trace.state if p.category == "params"]
-    if not pieces:
-        return trace.held.get("params", 0) // 4
-    count = sum(p.count * math.prod(p.shape) for p in pieces)
-    return count * (cfg.pp if cfg.pp > 1 else 1)

@@ -9,8 +9,7 @@ schedule runs them on this stage, as torch's PipelineStage does them:
 - GPipe: every micro-batch's forward, then every backward: all grad_accum_steps micro-batches in
   flight;
 - 1F1B: min(pp - stage, micro-batches) forwards first, then one backward and one forward in turn:
-  the
-  activations of at most pp - stage micro-batches held at once.
+  the activations of at most pp - stage micro-batches held at once.
 
 A stage other than the first receives each micro-batch's activations into buffers made once for all
 of them, a stage other than the last receives the output gradients likewise (PipelineStage keeps
@@ -26,7 +25,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from workbench.config.mesh import ParallelDims, virtual_stages
 
@@ -115,68 +113,58 @@ def trace_stage(
     gpus_per_node: int,
 ) -> dict[str, Any]:
     """StepTrace fields for `rank`'s stage (see the module docstring)."""
-    from workbench.estimator.fake_world import (
-        CollectiveCounter,
-        Placement,
-        count_then_track,
-        flop_call_rows,
-        materialize,
-        mesh_groups,
-        optimizer_for,
-    )
+    from workbench.estimator.fake_world import Placement, count_then_track, optimizer_for
     from workbench.estimator.held import checked_state, state_pieces
+    from workbench.estimator.trace_parts import (
+        counted_fields,
+        fake_batches,
+        fake_model,
+        step_counters,
+    )
     from workbench.training.parallel.device_mesh import build_mesh
     from workbench.training.parallel.pipeline import PipelineParallel
 
-    device = torch.device(
-        "cpu"
-    )  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
+    # a CPU build can't trace CUDA autograd; bytes per tensor are the same
+    device = torch.device("cpu")
     columns = world // cfg.pp  # ranks per stage: a column each, one whole pipeline
     mesh = build_mesh(cfg, "cpu", world)
     placement = Placement(device, world, rank, mesh, stage_params=stage_params(task, cfg))
-    counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
-    first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
+    counter, first = step_counters(gpus_per_node, mesh, rank)
     with fake:
-        with torch.device("meta"):
-            model = task.build_model(cfg)
-        materialize(model, device)
-        micro = [
-            tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b)
-            for b in real
-        ]
+        model = fake_model(cfg, task, device)
+        micro = fake_batches(fake, real)
         outputs = _stage_outputs(task, cfg, model, micro[0][0])
-        strategy = PipelineParallel(
-            cfg, placement, model, task, optimizer_for(cfg, task, gpu_target)
-        )
+        make_optimizer = optimizer_for(cfg, task, gpu_target)
+        strategy = PipelineParallel(cfg, placement, model, task, make_optimizer)
         run = _StageStep(cfg, strategy, micro, outputs, counter, columns)
         flops, memory = count_then_track(strategy, run, (*micro, *run.buffers), counter, first)
         held = dict(strategy.held_bytes)
         pieces = state_pieces(strategy) + run.grads
     mesh_dims = list(ParallelDims.of(cfg, world).sizes.items())
-    # the receive buffers are tracked as inputs (temporaries); they are communication buffers
-    moved = min(run.buffer_bytes, memory["temporaries"])
-    memory["temporaries"] -= moved
-    memory["buffers"] += moved
+    _count_receive_buffers(memory, run.buffer_bytes)
     after_forward = memory.pop("activations_after_forward")
     return {
         "memory": memory,
         "activations_after_forward": after_forward,
         "held": held,
         "flops": flops,
-        "comm": {k: dict(v) for k, v in counter.comm.items()},
         "units": 1,
         "zero_partition": [],
-        "ops": dict(counter.ops),
-        "op_bytes": dict(counter.op_bytes),
-        "first_ops": dict(first.ops),
-        "first_op_bytes": dict(first.op_bytes),
-        "flop_calls": flop_call_rows(counter.flop_calls),
         "state": checked_state(pieces, mesh_dims, rank, held),
         "mesh_dims": mesh_dims,
         "stage": strategy.stage_index,
         "in_flight": in_flight(run.order),
         "p2p_bytes": run.p2p_bytes,
+        **counted_fields(counter, first),
     }
+
+
+def _count_receive_buffers(memory: dict[str, int], buffer_bytes: int) -> None:
+    """The receive buffers are tracked as inputs (temporaries), but they are communication
+    buffers: their bytes move from temporaries to buffers in `memory`."""
+    moved = min(buffer_bytes, memory["temporaries"])
+    memory["temporaries"] -= moved
+    memory["buffers"] += moved
 
 
 def _nbytes(meta: tuple[torch.Size, torch.dtype] | None) -> int:
@@ -271,9 +259,8 @@ class _StageStep:
         )
         with strategy.sequence_split(*split), strategy.forward_context():
             self._schedule(whole[0].tensor_split(m), whole[1].tensor_split(m))
-        for p in (
-            strategy.module.parameters()
-        ):  # the schedule's scale_grads: the mean over micro-batches
+        for p in strategy.module.parameters():
+            # the schedule's scale_grads: the mean over micro-batches
             if p.grad is not None:
                 p.grad.div_(m)
         strategy.after_schedule()
@@ -331,9 +318,8 @@ class _StageStep:
                 sends[("B", k)] = [*sends.get(("B", k), []), x.grad] if gpipe else [x.grad]
                 x.grad = None
                 self._send("B", k)
-            if forwards == m * len(
-                self.ids
-            ):  # the first backward after the last forward ends the steady phase
+            if forwards == m * len(self.ids):
+                # the first backward after the last forward ends the steady phase
                 sends["warm-up"] = []
         sends.clear()
 

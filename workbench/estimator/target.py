@@ -75,6 +75,8 @@ class Target:
         return (self.gpus_per_node or cfg.num_processes) * self.nodes
 
     def describe(self, cfg: RunConfig | None = None) -> str:
+        """Where the run goes, in words: 'this machine', or e.g. '2 x 4 x H100-SXM-80GB' (nodes x
+        GPUs per node x accelerator)."""
         if self.local:
             return "this machine"
         per_node = self.gpus_per_node or (cfg.num_processes if cfg else 0)
@@ -150,7 +152,8 @@ def check_here(cfg: RunConfig, target: Target) -> None:
     here = detect()
     raise ValueError(
         f"this run is planned for {target.describe(cfg)}; this machine has "
-        f"{here.describe('cuda' if here.has_cuda else 'cpu')}, so it can't be launched here: set "
-        "the target to 'this machine' (and the processes it has) to run here, or save the config "
-        f"as YAML and run `workbench train run.yaml` on a machine with {target.describe(cfg)}"
+        f"{here.device_line('cuda' if here.has_cuda else 'cpu')}, so it can't be launched here: "
+        "set the target to 'this machine' (and the processes it has) to run here, or save the "
+        "config as YAML and run `workbench train run.yaml` on a machine with "
+        f"{target.describe(cfg)}"
     )

@@ -1,7 +1,7 @@
 """Step time of a traced step on a target: the step op by op against what the target does
-(op_time.py: this machine's measured profile on a CPU, the datasheet on a GPU), then scaled by what
-completed runs of the same kind measured against the same model (learning.py). Every figure says
-what it rests on."""
+(op_time.py: this machine's measured profile on a CPU; gpu_time.py: the datasheet on a GPU), then
+scaled by what completed runs of the same kind measured against the same model (learning.py). Every
+figure says what it rests on."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from workbench.estimator.catalog import Accelerator
 from workbench.estimator.fake_world import wire_bytes
+from workbench.estimator.gpu_time import gpu_step
 from workbench.estimator.learning import fingerprint, learn
 from workbench.estimator.machine_cache import machine_profile
-from workbench.estimator.op_time import RawStep, cpu_step, gpu_step
+from workbench.estimator.op_time import RawStep, cpu_step
 from workbench.estimator.trace import StepTrace
 
 if TYPE_CHECKING:

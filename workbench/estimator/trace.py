@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from workbench.estimator.fake_world import Placement, wire_bytes
 from workbench.estimator.held import StatePiece
@@ -66,7 +65,7 @@ class StepTrace:
     FLOP-bound."""
     first_ops: dict[str, int] = field(default_factory=dict)
     """`ops` of the first step (the optimizer creating its state, FSDP initializing): what the GPU
-    host-time constants (op_time.py) were fitted to, until a GPU session fits them to the steady
+    host-time constants (gpu_time.py) were fitted to, until a GPU session fits them to the steady
     step's."""
     first_op_bytes: dict[str, int] = field(default_factory=dict)
     flop_calls: list[list[Any]] = field(default_factory=list)
@@ -171,9 +170,8 @@ def _trace_child(writer: Any, *args: Any) -> None:
     import logging
     import warnings
 
-    torch.set_num_threads(
-        1
-    )  # fake tensors compute nothing; one thread keeps the child clear of the parent's pool
+    # fake tensors compute nothing; one thread keeps the child clear of the parent's pool
+    torch.set_num_threads(1)
     _without_cuda()
     # What torch says about the traced step (DTensor's redistribution advice, the scaler's scalar
     # warning) is for a run's log, not the notebook cell that asked for an estimate.
@@ -214,9 +212,8 @@ def _trace_here(
 
     started = time.perf_counter()
     ring = contextlib.nullcontext()
-    if (
-        cfg.cp > 1
-    ):  # attention as a GPU run's ring over the CP group, on the CPU kernel (ring_trace.py)
+    # attention as a GPU run's ring over the CP group, on the CPU kernel (ring_trace.py)
+    if cfg.cp > 1:
         from workbench.estimator.ring_trace import installed
 
         ring = installed()
@@ -251,56 +248,31 @@ def _trace_strategy(
 ) -> dict[str, Any]:
     """The data-parallel and tensor-parallel modes: the trainer's strategy and its own step
     (accumulate)."""
-    from workbench.estimator.fake_world import (
-        CollectiveCounter,
-        count_then_track,
-        flop_call_rows,
-        materialize,
-        mesh_groups,
-        optimizer_for,
-        steady_scaler,
-        update,
-    )
+    from workbench.estimator.fake_world import count_then_track, update
     from workbench.estimator.held import checked_state, state_pieces
-    from workbench.training.parallel import parallelize
+    from workbench.estimator.trace_parts import counted_fields, fake_batches, step_counters
     from workbench.training.parallel.device_mesh import build_mesh
     from workbench.training.step import accumulate
 
-    device = torch.device(
-        "cpu"
-    )  # a CPU build can't trace CUDA autograd; bytes per tensor are the same
+    # a CPU build can't trace CUDA autograd; bytes per tensor are the same
+    device = torch.device("cpu")
     # A DeviceMesh needs real tensors: it is built before fake mode, and the strategy takes it from
     # the Placement.
     mesh = build_mesh(cfg, "cpu", world)
-    counter = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
-    first = CollectiveCounter(gpus_per_node, mesh_groups(mesh, rank))
+    counter, first = step_counters(gpus_per_node, mesh, rank)
     with fake:
-        with torch.device("meta"):
-            model = task.build_model(cfg)
-        materialize(model, device)
-        strategy = parallelize(
-            cfg,
-            Placement(device, world, rank, mesh),
-            model,
-            task,
-            optimizer_for(cfg, task, gpu_target),
-        )
-        steady_scaler(strategy)
-        fake_batches = [
-            tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, b)
-            for b in real
-        ]
+        strategy = _fake_strategy(cfg, task, Placement(device, world, rank, mesh), gpu_target)
+        batches = fake_batches(fake, real)
         grads: list[Any] = []
 
         def step() -> None:
-            accumulate(strategy, task, iter(fake_batches), cfg.grad_accum_steps, device)
+            accumulate(strategy, task, iter(batches), cfg.grad_accum_steps, device)
             update(strategy, cfg, grads)
 
-        flops, memory = count_then_track(strategy, step, tuple(fake_batches), counter, first)
+        flops, memory = count_then_track(strategy, step, tuple(batches), counter, first)
         mesh_dims = list(zip(mesh.mesh_dim_names, mesh.mesh.shape)) if mesh is not None else []
-        held = dict(
-            strategy.held_bytes
-        )  # measured at the first update, before the gradients were cleared
+        # measured at the first update, before the gradients were cleared
+        held = dict(strategy.held_bytes)
         pieces = state_pieces(strategy) + grads
         partition = _zero_partition(strategy)
     state = checked_state(pieces, mesh_dims, rank, held)
@@ -310,17 +282,25 @@ def _trace_strategy(
         "activations_after_forward": after_forward,
         "held": held,
         "flops": flops,
-        "comm": {k: dict(v) for k, v in counter.comm.items()},
         "units": 1 + sum(1 for _ in _units_of(task, cfg)),
         "zero_partition": partition,
-        "ops": dict(counter.ops),
-        "op_bytes": dict(counter.op_bytes),
-        "first_ops": dict(first.ops),
-        "first_op_bytes": dict(first.op_bytes),
-        "flop_calls": flop_call_rows(counter.flop_calls),
         "state": state,
         "mesh_dims": [(n, int(s)) for n, s in mesh_dims],
+        **counted_fields(counter, first),
     }
+
+
+def _fake_strategy(cfg: RunConfig, task: Task, placement: Placement, gpu_target: bool) -> Any:
+    """The trainer's strategy for `placement`'s rank, over a model with fake storage, its loss
+    scaler taken as steady (fake_world.steady_scaler): call it under the fake mode."""
+    from workbench.estimator.fake_world import optimizer_for, steady_scaler
+    from workbench.estimator.trace_parts import fake_model
+    from workbench.training.parallel import parallelize
+
+    model = fake_model(cfg, task, placement.device)
+    strategy = parallelize(cfg, placement, model, task, optimizer_for(cfg, task, gpu_target))
+    steady_scaler(strategy)
+    return strategy
 
 
 def _zero_partition(strategy: Any) -> list[tuple[int, int]]:

@@ -102,9 +102,8 @@ class AttachedRun(RunFiles):
             )
         if alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(
-                    int(runner["pid"]), signal.SIGKILL
-                )  # the supervisor leads its ranks' group
+                # the supervisor leads its ranks' group
+                os.killpg(int(runner["pid"]), signal.SIGKILL)
             deadline = time.monotonic() + EXIT_WAIT_S
             while is_alive(runner) and time.monotonic() < deadline:
                 time.sleep(0.1)

@@ -21,10 +21,7 @@ from workbench.launcher.processes import start_processes
 from workbench.launcher.result import RunResult
 from workbench.launcher.run import Run, raise_for_ending
 from workbench.launcher.spawn import plan_start
-from workbench.rundir import (
-    lock,
-    prepare,
-)
+from workbench.rundir import lock, prepare
 from workbench.tasks import Task, get_task
 from workbench.utils.preemption import before_launch
 
@@ -50,9 +47,8 @@ def check_launch(cfg: RunConfig, task: Task | None) -> tuple[RunConfig, Task]:
                 "register the task in an importable module (or name it 'module:Class' in cfg.task) "
                 "and pass no task=, or use start_method='auto' for tasks defined in a notebook"
             )
-    preflight(
-        cfg, task=task
-    )  # hardware, precision, task and its options: all before anything starts
+    # hardware, precision, task and its options: all before anything starts
+    preflight(cfg, task=task)
     return cfg, task or get_task(cfg.task)
 
 
@@ -93,9 +89,8 @@ def start(
             from workbench.utils.files import write_json
 
             write_json(run_dir.path / "autobatch.json", propose(cfg, task))
-        early = (
-            before_launch.take()
-        )  # `workbench train` was sent a preemption signal while it checked and prepared
+        # `workbench train` was sent a preemption signal while it checked and prepared
+        early = before_launch.take()
         if early:
             record_preemption(run_dir, early, "came before the ranks were started, so none was")
             raise_for_ending(run_dir)
@@ -184,9 +179,8 @@ def launch(
     from workbench.utils.kernel import in_kernel
 
     live = progress is not False and in_kernel()
-    bar = (
-        bool(progress) and not live
-    )  # in a kernel the ranks' bar would go to the kernel's own stdout
+    # in a kernel the ranks' bar would go to the kernel's own stdout
+    bar = bool(progress) and not live
     cfg = _forward_mode(cfg, mode)
     if not wait:
         warnings.warn(

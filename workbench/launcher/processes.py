@@ -24,10 +24,7 @@ from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.forked import ForkedSupervisor
 from workbench.launcher.scratch import ScratchProcess, make_scratch, remove_scratch
 from workbench.launcher.spawn import SpawnedRanks, StartPlan, die_with_caller, write_task
-from workbench.rundir import (
-    RunDir,
-    lock,
-)
+from workbench.rundir import RunDir, lock
 from workbench.rundir.liveness import this_process
 from workbench.tasks import Task
 from workbench.utils.hardware import detect, resolve_device
@@ -49,10 +46,12 @@ def free_port() -> int:
 
 
 def describe_launch(cfg: RunConfig) -> str:
+    """What a launch of `cfg` starts on this machine, in one line: the processes, their device and
+    what they run (the panel's launch line, the CLI's `--prepare-only` answer, the launch log)."""
     hw = detect()
     device = resolve_device(cfg, hw)
     if cfg.num_processes == 1:
-        how = f"1 process on {hw.describe(device)}"
+        how = f"1 process on {hw.device_line(device)}"
     else:
         backend = "NCCL" if device == "cuda" else "gloo"
         what = "GPUs" if device == "cuda" else "CPU processes"
@@ -146,9 +145,8 @@ def start_processes(
     log.info("%s -> %s", describe_launch(cfg), run.path)
     if plan.method != "subprocess":
         log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
-    scratch = make_scratch(
-        cfg.run_name
-    )  # the launch's TMPDIR, removed once its processes are gone (scratch.py)
+    # the launch's TMPDIR, removed once its processes are gone (scratch.py)
+    scratch = make_scratch(cfg.run_name)
     try:
         process = _start(cfg, task, run, token, plan, progress, port, scratch)
     except BaseException:

@@ -175,9 +175,8 @@ class Run(RunFiles):
         # utils/preemption.py); before any rank exists, to the launcher process.
         runner = self._runner()
         ranks = {b["pid"] for b in heartbeats(self.dir) if is_alive(b)}
-        if (
-            runner is not None
-        ):  # torchrun's and the supervisor's children are the ranks, heartbeat or not
+        if runner is not None:
+            # torchrun's and the supervisor's children are the ranks, heartbeat or not
             with contextlib.suppress(psutil.Error):
                 ranks.update(c.pid for c in runner.children())
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -243,13 +242,11 @@ class Run(RunFiles):
             if self._result.status in (Status.COMPLETED, Status.STOPPED):
                 from workbench.regress.recording import record_run
 
-                record_run(
-                    self._result
-                )  # in a notebook: the regression suite reads these back (no-op elsewhere)
+                # in a notebook: the regression suite reads these back (no-op elsewhere)
+                record_run(self._result)
             if self._signalled:
-                os.kill(
-                    os.getpid(), self._signalled
-                )  # the launcher's own fate, now that the ranks are safe
+                # the launcher's own fate, now that the ranks are safe
+                os.kill(os.getpid(), self._signalled)
         raise_for_ending(self.dir, self._unrecorded)
         return self._result
 

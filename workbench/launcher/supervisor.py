@@ -131,9 +131,35 @@ def supervise(
     launch's TMPDIR (scratch.py)."""
     global _supervisor_pid
     _supervisor_pid = os.getpid()
-    use_scratch(
-        scratch
-    )  # elastic's logs and error files go there; the caller removes it once this process exited
+    # elastic's logs and error files go there; the caller removes it once this process exited
+    use_scratch(scratch)
+    _take_the_signals(cfg, caller)
+    _prepare_for_ranks(cfg, token, returned_fd)
+    run = RunDir(run_dir)
+    expect_forked_ranks(cfg.num_processes)
+    error = _launch(cfg, task, run_dir, progress, port)
+    # No error: every rank returned from rank_main, so rank 0 recorded the ending and there is
+    # nothing to add. The launcher may have answered such a run without waiting for this process
+    # (launcher/forked.py), and its caller may be deleting the directory by now: nothing here
+    # touches it (the lock's guard file would come back into a folder being emptied). After a
+    # failure the launcher waits for this exit, and a new launch may own the directory only later,
+    # so the failure is recorded only while this launch holds the lock.
+    if error is None:
+        # the ranks are gone (elastic waited); the caller may not wait for this process
+        remove_scratch(scratch)
+        os._exit(0)
+    with lock.holding(run, token) as ours:
+        if ours:
+            record_signal_deaths(run, error)
+            # Preemption signals never reach elastic here (_pass_to_ranks): the ranks record that
+            # ending themselves.
+            finalize(run, error)
+    os._exit(1)
+
+
+def _take_the_signals(cfg: RunConfig, caller: int) -> None:
+    """The supervisor's signals: the preemption signals passed on to the ranks, SIGTERM when the
+    caller dies, a process group of its own, and elastic left only SIGINT and SIGQUIT."""
     # The preemption signals are passed on to the ranks here, not by elastic: elastic would end its
     # workers (SIGTERM, then SIGKILL 30 s on), and a rank that checkpointed and returned waits in
     # elastic's wrapper for a launcher that no longer reads its result. Not the caller's handlers
@@ -143,11 +169,14 @@ def supervise(
     # checkpoint and exit; they die with this process (rank_main).
     die_with_parent(signal.SIGTERM, parent=caller)
     os.setpgrp()  # the parent can end the supervisor and all its ranks with one killpg
-    os.environ["WORKBENCH_LOCK_TOKEN"] = (
-        token  # the ranks find the run directory locked by their launcher
-    )
     _leave_preemption_signals_to_us()
-    from accelerate import notebook_launcher
+
+
+def _prepare_for_ranks(cfg: RunConfig, token: str, returned_fd: int) -> None:
+    """What the forked ranks find: the run directory locked by their launcher, a clean accelerate
+    state, quiet elastic and multiprocessing loggers, and the environment rank.py reads."""
+    # the ranks find the run directory locked by their launcher
+    os.environ["WORKBENCH_LOCK_TOKEN"] = token
     from accelerate.state import AcceleratorState, PartialState
 
     # An Accelerator made in the user's kernel was copied into this fork; the ranks must start
@@ -163,9 +192,15 @@ def supervise(
     if resolve_device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
-    run = RunDir(run_dir)
-    expect_forked_ranks(cfg.num_processes)
-    error: BaseException | None = None
+
+
+def _launch(
+    cfg: RunConfig, task: Task, run_dir: str, progress: bool, port: int
+) -> BaseException | None:
+    """Fork the ranks through accelerate's notebook_launcher and wait for them; the error it
+    raised, if any."""
+    from accelerate import notebook_launcher
+
     try:
         # notebook_launcher prints its own "Launching training on N CUDAs/CPUs" line; ours (logged
         # by the caller) says what really runs, so accelerate's is dropped. Everything else, the
@@ -181,22 +216,5 @@ def supervise(
             )
     except BaseException as exc:  # noqa: BLE001
         # recorded in the run directory, then reported by exit code
-        error = exc
-    # No error: every rank returned from rank_main, so rank 0 recorded the ending and there is
-    # nothing to add. The launcher may have answered such a run without waiting for this process
-    # (launcher/forked.py), and its caller may be deleting the directory by now: nothing here
-    # touches it (the lock's guard file would come back into a folder being emptied). After a
-    # failure the launcher waits for this exit, and a new launch may own the directory only later,
-    # so the failure is recorded only while this launch holds the lock.
-    if error is None:
-        remove_scratch(
-            scratch
-        )  # the ranks are gone (elastic waited); the caller may not wait for this process
-        os._exit(0)
-    with lock.holding(run, token) as ours:
-        if ours:
-            record_signal_deaths(run, error)
-            # Preemption signals never reach elastic here (_pass_to_ranks): the ranks record that
-            # ending themselves.
-            finalize(run, error)
-    os._exit(1)
+        return exc
+    return None

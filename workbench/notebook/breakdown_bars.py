@@ -61,9 +61,8 @@ def breakdown_html(row: MetricsRow | None) -> str:
     ranks = len(parts["data"])
     steps = [sum(parts[name][r] for name in PHASES) for r in range(ranks)]
     scale = max(steps) or 1.0
-    slowest = (
-        row.slowest_rank if row.slowest_rank is not None and ranks > 1 else -1
-    )  # the verdict's rank
+    # the verdict's rank
+    slowest = row.slowest_rank if row.slowest_rank is not None and ranks > 1 else -1
     work = busy(parts)
     bars = "".join(
         _bar(r, {name: parts[name][r] for name in PHASES}, scale, work[r] if r == slowest else None)

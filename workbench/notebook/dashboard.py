@@ -29,23 +29,11 @@ import ipywidgets as widgets
 import traitlets
 
 from workbench.notebook.breakdown_bars import breakdown_html
-from workbench.notebook.reading import (
-    Reading,
-    RowTail,
-    compile_line,
-    fmt_num,
-    idle_warnings,
-    lower_thread_priority,
-    monitor_items,
-    progress_line,
-    run_average,
-    session_start,
-    throughput_items,
-)
+from workbench.notebook.reading import Reading, RowTail, lower_thread_priority, take_reading
+from workbench.notebook.reading_view import ReadingView
 from workbench.notebook.snapshot import dashboard_html, table
-from workbench.rundir import ENDED, MetricsRow, RunDir, Status
+from workbench.rundir import RunDir, Status
 from workbench.utils.kernel import in_kernel
-from workbench.utils.units import fmt_bytes
 
 log = logging.getLogger("workbench")
 
@@ -64,12 +52,13 @@ LOSS_SCALES = {"auto": None, "linear": False, "log": True}
 """The loss axis toggle's choices and the log_loss value each stands for."""
 
 
-class Dashboard(widgets.VBox):
+class Dashboard(ReadingView, widgets.VBox):
     """Live progress, numbers and figures of the run in `run_dir` (a path, a Run or a RunResult).
 
     `start()` polls in a background thread until the run ends; `refresh()` does one poll by hand.
     Displayed, it is a live widget, with a static HTML snapshot in its display bundle for notebooks
     opened without a kernel; `show_final()` adds the final numbers and figure as a static output.
+    What the numbers say (status, step, progress line, the numbers table) is ReadingView's.
     """
 
     log_loss = traitlets.Bool(
@@ -116,9 +105,8 @@ class Dashboard(widgets.VBox):
         self._lock = threading.RLock()
         self._figure_lock = threading.Lock()
         self._stop, self._thread = threading.Event(), None
-        self._live: Any = (
-            None  # the LiveFigure, made at the first figure (matplotlib loads only then)
-        )
+        # the LiveFigure, made at the first figure (matplotlib loads only then)
+        self._live: Any = None
         self._figure: Any = None  # its matplotlib Figure
         self._build()
         self.observe(self._render, names=["reading", "log_loss", "show_error", "final_shown"])
@@ -152,13 +140,12 @@ class Dashboard(widgets.VBox):
             options=list(LOSS_SCALES),
             description="loss axis",
             tooltips=["log once the loss spans a decade", "linear", "log"],
-            style={"button_width": "64px"},
-        )  # 'linear' whole
+            style={"button_width": "64px"},  # 'linear' whole
+        )
         self.loss_scale.add_class("wb-loss-scale")
         by_value = {v: k for k, v in LOSS_SCALES.items()}
-        self.loss_scale.value = by_value[
-            self.log_loss
-        ]  # the link starts from the toggle: it must agree first
+        # the link starts from the toggle: it must agree first
+        self.loss_scale.value = by_value[self.log_loss]
         traitlets.link(
             (self.loss_scale, "value"),
             (self, "log_loss"),
@@ -181,61 +168,7 @@ class Dashboard(widgets.VBox):
         `.widget`)."""
         return self
 
-    # ---- reading the run directory ---------------------------------------------------------------
-    @property
-    def max_steps(self) -> int | None:
-        if self._max_steps is None:
-            try:
-                cfg = self.dir.config()
-            except (OSError, ValueError):
-                return None  # half written, or not a RunConfig: ask again next poll
-            if cfg is None:
-                return None  # not written yet
-            self._max_steps = cfg.max_steps
-        return self._max_steps
-
-    @property
-    def rows(self) -> list[MetricsRow]:
-        return self.reading.rows
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        return self.reading.summary
-
-    @property
-    def status(self) -> str:
-        """The run's status; 'failed' once a run that says it runs has lost all its processes."""
-        return str(self.reading.observed[0])
-
-    @property
-    def ended(self) -> bool:
-        return self.status in ENDED
-
-    @property
-    def train_rows(self) -> list[MetricsRow]:
-        return self.reading.train_rows
-
-    @property
-    def eval_rows(self) -> list[MetricsRow]:
-        return self.reading.eval_rows
-
-    @property
-    def last_train_row(self) -> MetricsRow | None:
-        train = self.train_rows
-        return train[-1] if train else None
-
-    @property
-    def step(self) -> int:
-        """The latest step the run directory reports."""
-        last = self.last_train_row
-        step = int(self.summary.get("steps") or 0) if self.ended else 0
-        return max(step, last.step if last else 0)
-
-    @property
-    def run_average(self) -> float | None:
-        """samples/s over this session of the run, as summary.json's samples_per_s defines it."""
-        return run_average(self.reading, self.ended)
-
+    # ---- reading the run directory (what it says: ReadingView) -----------------------------------
     def refresh(self, draw: bool = True, force_draw: bool = False) -> bool:
         """Read the run directory into `reading` (the observer updates the widgets); True once the
         run has ended.
@@ -244,20 +177,9 @@ class Dashboard(widgets.VBox):
         says.
         """
         with self._lock:
-            events = self.dir.events()
-            session_step = session_start(events)
-            reading = Reading(
-                rows=self._tail.read(),
-                summary=self.dir.summary().to_dict(),
-                observed=tuple(str(x) for x in self.dir.observed_status()),
-                session_step=session_step,
-                warnings=idle_warnings(events, session_step),
-                compile=compile_line(events, session_step),
-                profiles=tuple(str(p) for p in self.dir.profile_traces()),
-            )
-            self._hold_figure = (
-                True  # the observer re-derives the numbers; the figure follows, outside the lock
-            )
+            reading = take_reading(self.dir, self._tail)
+            # the observer re-derives the numbers; the figure follows, outside the lock
+            self._hold_figure = True
             try:
                 if reading != self.reading:
                     self.reading = reading
@@ -265,9 +187,8 @@ class Dashboard(widgets.VBox):
                 self._hold_figure = False
             ended = self.ended
         if draw:
-            self._show_figure(
-                force_draw
-            )  # also when nothing is new: a figure the cadence held back may be due
+            # also when nothing is new: a figure the cadence held back may be due
+            self._show_figure(force_draw)
         return ended
 
     # ---- the one view of the state ---------------------------------------------------------------
@@ -321,61 +242,6 @@ class Dashboard(widgets.VBox):
         if not self.train_rows:
             return "no step was logged" if self.ended else "waiting for the first logged step…"
         return "drawing the figure…"
-
-    def progress_line(self) -> str:
-        return progress_line(
-            self.reading, self.max_steps, self.step, self.status if self.ended else None
-        )
-
-    def stat_items(self, show_error: bool | None = None) -> list[tuple[str, str]]:
-        """The numbers as (label, value): loss, eval, throughput (window and run average), memory,
-        lr, the device monitor's latest window, warnings (idle GPUs), profile traces, error."""
-        last, evals = self.last_train_row, self.eval_rows
-        items: list[tuple[str, str]] = [("loss", fmt_num(last.loss if last else None))]
-        if evals:
-            last_eval = evals[-1]
-            items.append(("eval loss", f"{fmt_num(last_eval.eval_loss)} (step {last_eval.step})"))
-            items += [
-                (key.replace("_", " "), fmt_num(value)) for key, value in last_eval.eval.items()
-            ]
-        items += throughput_items(self.reading, self.run_average)
-        per_rank = (last.peak_memory_bytes_per_rank if last else None) or []
-        if per_rank:
-            items.append(
-                (
-                    "peak memory",
-                    ", ".join(f"rank {i}: {fmt_bytes(b)}" for i, b in enumerate(per_rank)),
-                )
-            )
-        elif last and last.peak_memory_bytes is not None:
-            items.append(("peak memory", f"{fmt_bytes(last.peak_memory_bytes)} (max over ranks)"))
-        items.append(("learning rate", fmt_num(last.lr if last else None, ".3g")))
-        items += monitor_items(last)
-        items += [("compile", self.reading.compile)] * bool(self.reading.compile)
-        items += [("warning", line) for line in self.reading.warnings]
-        if self.reading.profiles:
-            items.append(
-                (
-                    "profile",
-                    ", ".join(self.reading.profiles) + " (Chrome traces: open in ui.perfetto.dev "
-                    "or chrome://tracing)",
-                )
-            )
-        if self.show_error if show_error is None else show_error:
-            items += self._ending_items()
-        return items
-
-    def _ending_items(self) -> list[tuple[str, str]]:
-        if self.status == Status.FAILED:
-            error = self.summary.get("error") or {
-                "type": "Lost",
-                "message": self.reading.observed[1],
-            }
-            where = f"rank {error['rank']}" if error.get("rank") is not None else "the launcher"
-            return [("error", f"{where}: {error.get('type', 'Error')}: {error.get('message', '')}")]
-        if (self.summary.get("ending") or {}).get("message"):
-            return [("ending", self.summary["ending"]["message"])]
-        return []
 
     # ---- figures ---------------------------------------------------------------------------------
     def figure_png(self, wait: bool = True) -> bytes:

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from matplotlib.figure import Figure  # this module is imported only when something is plotted
 from matplotlib.layout_engine import TightLayoutEngine
-from matplotlib.ticker import Formatter, LogFormatter
 
+from workbench.notebook.axis_format import SciFormatter, loss_on_log_scale, set_loss_scale
 from workbench.notebook.figure_lines import (
     LINESTYLES,
     MARKERS,
@@ -48,18 +48,6 @@ batches, little enough that a 20-row run still shows its shape."""
 LIVE_POINTS = 400
 """The most points a line of the live figure draws: a long run's thousands of rows, thinned, look
 the same and cost a fraction to render."""
-LOG_LOSS_SPAN = 10.0
-"""log_loss=None (auto) puts the loss on a log scale once its largest value is this many times its
-smallest."""
-
-
-def loss_on_log_scale(runs: Runs, log_loss: bool | None) -> bool:
-    """The loss axis's scale: as asked, or with None, log once the positive losses span
-    LOG_LOSS_SPAN."""
-    losses = [v for _, rows in runs for v in series_of(rows, lambda r: r.loss)[1] if v > 0]
-    if log_loss is not None:
-        return log_loss and bool(losses)
-    return bool(losses) and max(losses) >= LOG_LOSS_SPAN * min(losses)
 
 
 def ema(values: Sequence[float], weight: float = EMA_WEIGHT) -> list[float]:
@@ -70,40 +58,6 @@ def ema(values: Sequence[float], weight: float = EMA_WEIGHT) -> list[float]:
         norm = weight * norm + (1 - weight)
         out.append(avg / norm)
     return out
-
-
-def sci(value: float, digits: int = 2) -> str:
-    """3e-4 rather than 0.000300: the way learning rates are written in papers and configs."""
-    if value == 0:
-        return "0"
-    mantissa, exponent = f"{value:.{max(1, digits) - 1}e}".split("e")
-    if "." in mantissa:
-        mantissa = mantissa.rstrip("0").rstrip(".")
-    return f"{mantissa}e{int(exponent)}"
-
-
-class _SciFormatter(Formatter):
-    """Tick labels in `sci` style, with as many digits as it takes to tell neighbouring ticks apart:
-    a slowly decaying learning rate would otherwise read 1e-3, 1e-3, 1e-3."""
-
-    digits = 2
-
-    def set_locs(self, locs: Sequence[float]) -> None:
-        super().set_locs(locs)
-        self.digits = next(
-            (d for d in range(2, 8) if len({sci(v, d) for v in locs}) == len(set(locs))), 8
-        )
-
-    def __call__(self, x: float, pos: int | None = None) -> str:
-        return sci(x, self.digits)
-
-
-class _PlainLogFormatter(LogFormatter):
-    """Log-axis labels as 0.6 and 2 rather than 6x10^-1; which ticks get a label stays
-    LogFormatter's choice."""
-
-    def __call__(self, x: float, pos: int | None = None) -> str:
-        return f"{x:g}" if super().__call__(x, pos) else ""
 
 
 def _label(result: RunResult, labels: Sequence[str] | None, i: int) -> str:
@@ -131,9 +85,8 @@ def _draw_loss(
     runs: the legend names each run once, and one entry says what the hollow markers are
     (`_legend_loss`)."""
     loss = of(lambda r: r.loss)
-    if (
-        live or len(loss(rows)[0]) >= 4
-    ):  # a live figure smooths from the start: its lines stay what they are
+    # a live figure smooths from the start: its lines stay what they are
+    if live or len(loss(rows)[0]) >= 4:
         # The raw curve faint, the smoothed one on top in the run's style: the trend reads at a
         # glance and the noise stays visible.
         plot_line(ax, drawn, loss, rows, color=style["color"], alpha=0.3, linewidth=0.8)
@@ -193,9 +146,8 @@ def _draw_run(
 ) -> None:
     """One run's loss, throughput, memory and learning rate, in the style of the i-th run."""
     ax_loss, ax_tp, ax_mem, ax_lr = axes
-    n = max(
-        1, min(PLOT_POINTS, len(series_of(rows, lambda r: r.loss)[0]))
-    )  # the points drawn: see _plot
+    # the points drawn: see _plot
+    n = max(1, min(PLOT_POINTS, len(series_of(rows, lambda r: r.loss)[0])))
     style = {
         "color": f"C{i}",
         "linestyle": LINESTYLES[i % len(LINESTYLES)],
@@ -232,14 +184,6 @@ def _memory_top(runs: Runs) -> float:
     )
 
 
-def _loss_scale(ax: Axes, log: bool) -> None:
-    ax.set_yscale("log" if log else "linear")
-    if log:
-        ax.yaxis.set_major_formatter(_PlainLogFormatter())
-        ax.yaxis.set_minor_formatter(_PlainLogFormatter(minor_thresholds=(2, 0.5)))
-    ax.set_title("loss" + (" (log scale)" if log else ""))
-
-
 def _draw(
     fig: Figure, typed: Runs, title: str | None, log: bool, drawn_at: int | None, live: bool = False
 ) -> _Drawing:
@@ -251,14 +195,14 @@ def _draw(
         _draw_run(
             (ax_loss, ax_tp, ax_mem, ax_lr), rows, label, i, drawn, live, several=len(typed) > 1
         )
-    _loss_scale(ax_loss, log)
+    set_loss_scale(ax_loss, log)
     if len(typed) > 1:
         ax_loss.set_title(ax_loss.get_title() + ", train smoothed (EMA)")
     # From zero: a wobble of 1 MiB on 300 must look like one, not like a leak.
     top = _memory_top(typed)
     ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1)
     ax_mem.ticklabel_format(axis="y", useOffset=False, style="plain")
-    ax_lr.yaxis.set_major_formatter(_SciFormatter())
+    ax_lr.yaxis.set_major_formatter(SciFormatter())
     ax_tp.set_title("throughput")
     ax_mem.set_title("peak memory (MiB, max over ranks)")
     ax_lr.set_title("learning rate")
@@ -312,7 +256,7 @@ def draw(
 
 class LiveFigure:
     """The dashboard's figure of one run, redrawn in place as rows come: the axes, titles, legends
-    and layout are built once (again only when what they show changes: an eval row, the device
+    and the panels are built once (again only when what they show changes: an eval row, the device
     monitor's ranks), and each new picture only moves the lines' data, thinned to LIVE_POINTS, and
     rescales (the loss axis turning log included). That keeps a redraw to the cost of rendering the
     PNG, a fraction of building the figure."""
@@ -321,11 +265,11 @@ class LiveFigure:
         self.figure = Figure(figsize=(9, 5.5), dpi=80)
         self.builds = 0
         """How many times the figure was built rather than moved (for tests and the benchmark)."""
-        self._layout: tuple[Any, ...] | None = None
+        self._key: tuple[Any, ...] | None = None
         self._drawing: _Drawing | None = None
 
     @staticmethod
-    def layout(runs: Runs) -> tuple[Any, ...]:
+    def figure_key(runs: Runs) -> tuple[Any, ...]:
         """What the built figure depends on, beyond the lines' data."""
         rows = [r for _, run in runs for r in run]
         kind = monitor_kind(rows)
@@ -350,15 +294,12 @@ class LiveFigure:
         """The figure of `rows` as PNG bytes."""
         runs = [(label, rows)]
         log = loss_on_log_scale(runs, log_loss)
-        layout = self.layout(runs)
-        if layout != self._layout or self._drawing is None:
-            self.figure.set_size_inches(
-                9, 8 if layout[0] else 5.5
-            )  # a third row: the device monitor
-            self._drawing, self._layout = (
-                _draw(self.figure, runs, title, log, drawn_at, live=True),
-                layout,
-            )
+        key = self.figure_key(runs)
+        if key != self._key or self._drawing is None:
+            # a third row: the device monitor
+            self.figure.set_size_inches(9, 8 if key[0] else 5.5)
+            self._drawing = _draw(self.figure, runs, title, log, drawn_at, live=True)
+            self._key = key
             self.builds += 1
         self._move(self._drawing, runs, drawn_at, log)
         buf = io.BytesIO()
@@ -369,7 +310,7 @@ class LiveFigure:
     def _move(drawing: _Drawing, runs: Runs, drawn_at: int, log: bool) -> None:
         rows = runs[0][1]
         if (drawing.loss.get_yscale() == "log") != log:
-            _loss_scale(drawing.loss, log)
+            set_loss_scale(drawing.loss, log)
         for line, series in drawing.lines:
             x, y = thin(*series(rows), LIVE_POINTS)
             line.set_data(x, y)

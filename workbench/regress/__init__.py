@@ -3,6 +3,7 @@ baselines.
 
 The package by concern: suite.py (suites as data: the YAML format is documented there), rules.py
 (comparison rules), execution.py (papermill), baselines.py (per device class), judging.py
-(verdicts), runner.py (`workbench regress`), report.py (HTML, Markdown, JUnit). Nothing is imported
-here, so `workbench.regress.recording` can use the rules without importing the runner.
+(verdicts), runner.py (`workbench regress`), report.py and case_report.py (HTML, Markdown, JUnit).
+Nothing is imported here, so `workbench.regress.recording` can use the rules without importing the
+runner.
 """

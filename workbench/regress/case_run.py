@@ -68,15 +68,34 @@ def run_case(
     result.duration_s = time.monotonic() - started
     if result.error is not None:
         return result
+    baseline = _baseline(result, update_baselines)
+    if result.error is not None:
+        return result
+    _compare(result, runs, baseline, device_class)
+    _conclude(result, baseline, device_class, update_baselines)
+    return result
+
+
+def _baseline(result: CaseResult, update_baselines: bool) -> dict[str, Any] | None:
+    """The case's baseline on this device class: None when there is none yet, or when an unusable
+    one is about to be rewritten; an unusable one otherwise is the case's error."""
     try:
-        baseline = load_baseline(result.baseline_path)
+        return load_baseline(result.baseline_path)
     except ValueError as e:  # changed while the notebook ran, or about to be rewritten
         if not update_baselines:
             result.status, result.error = ERROR, CaseError("bad baseline", str(e))
-            return result
-        baseline = None
+            return None
         result.notes.append(f"the old baseline could not be used and is replaced: {e}")
-    result.metrics = compare(case, runs, baseline, device_class)
+        return None
+
+
+def _compare(
+    result: CaseResult, runs: list[Records], baseline: dict[str, Any] | None, device_class: str
+) -> None:
+    """The verdict per metric against `baseline`, the curves of both, and notes on what makes the
+    comparison doubtful."""
+    params = result.parameters
+    result.metrics = compare(result.case, runs, baseline, device_class)
     result.curves = runs[0].curves
     result.baseline_curves = {
         k: [[p[0], decode_value(p[1])] for p in v]
@@ -95,16 +114,27 @@ def run_case(
             f"parameters differ from the baseline's ({baseline.get('parameters')}): the "
             "comparison may be meaningless"
         )
+
+
+def _conclude(
+    result: CaseResult, baseline: dict[str, Any] | None, device_class: str, update_baselines: bool
+) -> None:
+    """The case's status: its baseline rewritten (updated), none yet (new), or passed/failed by
+    its metrics."""
     if update_baselines:
         try:
             write_baseline(
-                result.baseline_path, case, params, result.metrics, result.curves, device_class
+                result.baseline_path,
+                result.case,
+                result.parameters,
+                result.metrics,
+                result.curves,
+                device_class,
             )
-        except (
-            ValueError
-        ) as e:  # nothing to store: a baseline that compares nothing would pass any later run
+        except ValueError as e:
+            # nothing to store: a baseline that compares nothing would pass any later run
             result.status, result.error = ERROR, CaseError("no metrics", str(e))
-            return result
+            return
         result.status = UPDATED
         result.notes.append(f"baseline written to {result.baseline_path}")
     elif baseline is None:
@@ -115,4 +145,3 @@ def run_case(
         )
     else:
         result.status = FAILED if result.failed_metrics else PASSED
-    return result

@@ -59,13 +59,12 @@ def _kernel_manager(deadline: _Deadline, socket_dir: str | None) -> type:
     The kernel writes its own messages to our stderr, into the middle of the run's log. Two
     differences keep it quiet:
     - Unix sockets (ZMQ's ipc transport) in a private directory where ZMQ has them, instead of TCP
-      on
-      localhost: ipykernel warns 'Kernel is running over TCP without encryption' at every start
+      on localhost: ipykernel warns 'Kernel is running over TCP without encryption' at every start
       otherwise.
     - After a timeout the kernel is killed, not asked to shut down: a kernel still inside the
-      timed-out cell
-      closes its sockets on shutdown_request while the interrupted cell's execute_reply is on its
-      way, and logs that as a ZMQError traceback ('Socket operation on non-socket').
+      timed-out cell closes its sockets on shutdown_request while the interrupted cell's
+      execute_reply is on its way, and logs that as a ZMQError traceback ('Socket operation on
+      non-socket').
     """
     from jupyter_client.manager import AsyncKernelManager
 
@@ -89,9 +88,8 @@ def _socket_dir() -> str | None:
     if not zmq.has("ipc"):
         return None
     path = tempfile.mkdtemp(prefix="wb-kernel-")
-    if (
-        len(os.path.join(path, "kernel-99")) > _SOCKET_PATH_MAX
-    ):  # a long TMPDIR: TCP rather than a failed bind
+    if len(os.path.join(path, "kernel-99")) > _SOCKET_PATH_MAX:
+        # a long TMPDIR: TCP rather than a failed bind
         os.rmdir(path)
         return None
     return path

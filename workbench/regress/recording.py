@@ -231,9 +231,8 @@ def recorded_as(label: str | None) -> Iterator[None]:
             half = wb.launch(cfg.replace(precision="bf16"))
     """
     if label is not None:
-        _check_name(
-            label, "label"
-        )  # now, not after the run: a bad name must not turn a good run into an error
+        # now, not after the run: a bad name must not turn a good run into an error
+        _check_name(label, "label")
     token = _label.set(label)
     try:
         yield
@@ -325,9 +324,8 @@ def read_records(nb: str | Path | nbformat.NotebookNode) -> Records:
             data = output.get("data", {})
             if METRIC_MIME in data:
                 bundle = data[METRIC_MIME]
-                for m in bundle.get(
-                    "metrics", [bundle]
-                ):  # record_run puts a run's metrics in one output
+                for m in bundle.get("metrics", [bundle]):
+                    # record_run puts a run's metrics in one output
                     if m["name"] in found.metrics:
                         found.repeated.append(m["name"])
                     found.metrics[m["name"]] = RecordedMetric(

@@ -29,7 +29,8 @@ class Rule:
     def allowance(self, baseline: float) -> float:
         return max(self.abs or 0.0, (self.rel or 0.0) * abs(baseline))
 
-    def describe(self) -> str:
+    def as_text(self) -> str:
+        """The rule as a report's table shows it: 'within ±0.05', 'drop <= 15%', ..."""
         amounts = ([f"{self.abs:g}"] if self.abs is not None else []) + (
             [f"{self.rel * 100:g}%"] if self.rel is not None else []
         )
@@ -104,6 +105,15 @@ def parse_rule(
     """
     if spec is None:
         return default_rule(direction)
+    spec = _spec_mapping(spec, where)
+    a, r = _amounts(spec, where)
+    mode = _mode(spec, direction, a, r, where)
+    _check_amounts(mode, a, r, where)
+    return Rule(mode, a, r)
+
+
+def _spec_mapping(spec: Any, where: str) -> Mapping[str, Any]:
+    """The spec as a mapping of known keys ('exact' and 'info' are short for {mode: ...})."""
     if isinstance(spec, str):
         spec = {"mode": spec}
     if not isinstance(spec, Mapping):
@@ -117,6 +127,11 @@ def parse_rule(
                 f"{where}: unknown key {key!r}{did_you_mean(str(key), _RULE_KEYS)}; "
                 f"allowed: {', '.join(_RULE_KEYS)}"
             )
+    return spec
+
+
+def _amounts(spec: Mapping[str, Any], where: str) -> tuple[float | None, float | None]:
+    """The spec's abs and rel allowances as floats (None where not given), each checked >= 0."""
     amounts: dict[str, float | None] = {}
     for key in ("abs", "rel"):
         value = spec.get(key)
@@ -127,7 +142,14 @@ def parse_rule(
                 f"{where}: {key}={value!r}: must be a number >= 0 (rel is a fraction: 0.05 is 5%)"
             )
         amounts[key] = None if value is None else float(value)
-    a, r = amounts["abs"], amounts["rel"]
+    return amounts["abs"], amounts["rel"]
+
+
+def _mode(
+    spec: Mapping[str, Any], direction: str | None, a: float | None, r: float | None, where: str
+) -> str:
+    """The spec's mode, or without one the metric's direction's, else abs or rel by the allowance
+    given."""
     mode = spec.get("mode")
     if mode is None:
         if direction in ("higher", "lower"):
@@ -148,6 +170,12 @@ def parse_rule(
             f"{where}: mode={mode!r}{did_you_mean(str(mode), MODES)}; choose one of "
             f"{', '.join(MODES)}"
         )
+    return mode
+
+
+def _check_amounts(mode: str, a: float | None, r: float | None, where: str) -> None:
+    """The allowances `mode` takes: abs or rel exactly its own, the directional modes at least
+    one, exact and info none."""
     if (mode == "abs" and (a is None or r is not None)) or (
         mode == "rel" and (r is None or a is not None)
     ):
@@ -162,7 +190,6 @@ def parse_rule(
         )
     if mode in ("exact", "info") and (a is not None or r is not None):
         raise ValueError(f"{where}: mode={mode!r} takes no abs/rel")
-    return Rule(mode, a, r)
 
 
 def median(values: Sequence[float]) -> float:

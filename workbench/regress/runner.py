@@ -88,18 +88,16 @@ def run(
     """`workbench regress`: execute every case, compare to baselines, write the report; returns the
     exit code. `slurm`: every case as a task of one Slurm job array (regress/on_slurm.py); the
     report is written here."""
-    cases = select_profile(
-        load_targets(targets, baselines), profile
-    )  # every ValueError before anything runs
+    # every ValueError before anything runs
+    cases = select_profile(load_targets(targets, baselines), profile)
     overrides = parse_parameters(parameters)
     hw = detect()
     out = Path(out).resolve()
     _check_writable(out, "--out")
     if junit is not None:
         _check_writable(Path(junit).resolve().parent, "--junit")
-    broken = (
-        {} if update_baselines else unusable_baselines(cases, hw.device_class)
-    )  # --update-baselines rewrites
+    # --update-baselines rewrites
+    broken = {} if update_baselines else unusable_baselines(cases, hw.device_class)
     out.mkdir(parents=True, exist_ok=True)
     if slurm is not None:
         return _run_on_slurm(

@@ -8,16 +8,18 @@ A suite is data, a YAML file (paths relative to it):
       profile: smoke
       tolerances: {"*.samples_per_s": {mode: higher_is_better, rel: 0.5}}
     cases:
-      - notebook: ../notebooks/01_quickstart.ipynb
-        name: quickstart             # default: the notebook's stem parameters: {max_steps: 30}  #
-        papermill parameters; `-p NAME VALUE` on the command line wins profile: smoke
-        # or a list; `--profile` runs only the cases that have it timeout_s: 600               # all
-        cells together (kernel start not counted) needs_gpu: false             # without CUDA the
-        case is skipped, not failed repeats: 1                   # run N times and compare the
-        median (noisy timings) tolerances:                  # metric name or glob -> rule; beats the
-        notebook's own tolerance "*.final_loss": {mode: abs, abs: 0.05} "*.wall_time_s": info
-        device_tolerances:           # device class (or glob) -> tolerances there; beat the ones
-        above cpu: {"*.samples_per_s": {mode: higher_is_better, rel: 0.85}}
+      - notebook: ../notebooks/01_quickstart.ipynb name: quickstart             # default: the
+        notebook's stem parameters: {max_steps: 30}  # papermill parameters; `-p NAME VALUE` on the
+        CLI wins profile: smoke               # or a list; `--profile` runs only the cases that have
+        it timeout_s: 600               # all cells together (kernel start not counted) needs_gpu:
+        false             # without CUDA the case is skipped, not failed repeats: 1
+        # run N times and compare the median (noisy timings) # metric name or glob -> rule; beats
+        the notebook's own tolerance tolerances:
+          "*.final_loss": {mode: abs, abs: 0.05}
+          "*.wall_time_s": info
+        # device class (or glob) -> tolerances there; beat the ones above
+        device_tolerances:
+          cpu: {"*.samples_per_s": {mode: higher_is_better, rel: 0.85}}
 
 Baselines live in <baselines>/<device class>/<case id>.json ('cpu', 'cuda-H100', ...) and are
 written by `--update-baselines`. A notebook target (.ipynb) is one case with default settings,
@@ -171,6 +173,20 @@ def load_suite(path: Path, baselines: Path | None = None) -> list[Case]:
     """The cases of a suite file, validated (unknown keys, types, notebooks that exist) before
     anything runs."""
     data = read_yaml(path)
+    suite, defaults = _suite_settings(data, path)
+    root = (
+        baselines
+        if baselines is not None
+        else path.parent / str(data.get("baselines", "baselines"))
+    )
+    return [
+        _load_case(raw, f"{path}: cases[{i}]", path, suite, defaults, root)
+        for i, raw in enumerate(data["cases"])
+    ]
+
+
+def _suite_settings(data: Any, path: Path) -> tuple[str, Mapping[str, Any]]:
+    """The suite's name and its defaults for every case, checked along with the file's shape."""
     if not isinstance(data, Mapping) or not data.get("cases"):
         raise ValueError(
             f"{path}: a suite is a mapping with a non-empty 'cases:' list of {{notebook: ...}}"
@@ -188,59 +204,57 @@ def load_suite(path: Path, baselines: Path | None = None) -> list[Case]:
     _check_fields(defaults, f"{path}: defaults")
     if not isinstance(data["cases"], list):
         raise ValueError(f"{path}: cases: use a list, each item a mapping with 'notebook:'")
-    root = (
-        baselines
-        if baselines is not None
-        else path.parent / str(data.get("baselines", "baselines"))
-    )
-    cases = []
-    for i, raw in enumerate(data["cases"]):
-        where = f"{path}: cases[{i}]"
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"{where}: use a mapping such as {{notebook: ../notebooks/x.ipynb}}")
-        reject_unknown(raw, _CASE_KEYS, where)
-        if "notebook" not in raw:
-            raise ValueError(
-                f"{where}: missing 'notebook': the .ipynb to run, relative to the suite file"
-            )
-        notebook = (path.parent / str(raw["notebook"])).resolve()
-        if notebook.suffix != ".ipynb" or not notebook.is_file():
-            raise ValueError(
-                f"{where}: notebook {raw['notebook']!r} not found (looked for {notebook}); "
-                "paths are relative to the suite file"
-            )
-        _check_fields(raw, where)
-        name = raw.get("name", notebook.stem)
-        if not isinstance(name, str) or not _ID.match(name):
-            raise ValueError(
-                f"{where}: name={name!r}: use letters, digits, '_', '.', '-' (it names files)"
-            )
-        merged = {**defaults, **raw}
-        profile = merged.get("profile")
-        cases.append(
-            Case(
-                id=f"{suite}.{name}",
-                suite=suite,
-                name=name,
-                notebook=notebook,
-                baselines=root,
-                parameters={**defaults.get("parameters", {}), **raw.get("parameters", {})},
-                profiles=tuple([profile] if isinstance(profile, str) else profile or ()),
-                timeout_s=float(merged.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                needs_gpu=merged.get("needs_gpu", False),
-                repeats=merged.get("repeats", 1),
-                tolerances=tuple(
-                    t for t in (raw.get("tolerances"), defaults.get("tolerances")) if t
-                ),
-                device_tolerances=tuple(
-                    t
-                    for t in (raw.get("device_tolerances"), defaults.get("device_tolerances"))
-                    if t
-                ),
-                source=where,
-            )
+    return suite, defaults
+
+
+def _case_notebook(raw: Any, where: str, path: Path) -> Path:
+    """The case's notebook, resolved against the suite file `path`, once the case's keys check."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: use a mapping such as {{notebook: ../notebooks/x.ipynb}}")
+    reject_unknown(raw, _CASE_KEYS, where)
+    if "notebook" not in raw:
+        raise ValueError(
+            f"{where}: missing 'notebook': the .ipynb to run, relative to the suite file"
         )
-    return cases
+    notebook = (path.parent / str(raw["notebook"])).resolve()
+    if notebook.suffix != ".ipynb" or not notebook.is_file():
+        raise ValueError(
+            f"{where}: notebook {raw['notebook']!r} not found (looked for {notebook}); "
+            "paths are relative to the suite file"
+        )
+    return notebook
+
+
+def _load_case(
+    raw: Any, where: str, path: Path, suite: str, defaults: Mapping[str, Any], root: Path
+) -> Case:
+    """One item of the suite's cases, checked, with the suite's defaults under its own keys."""
+    notebook = _case_notebook(raw, where, path)
+    _check_fields(raw, where)
+    name = raw.get("name", notebook.stem)
+    if not isinstance(name, str) or not _ID.match(name):
+        raise ValueError(
+            f"{where}: name={name!r}: use letters, digits, '_', '.', '-' (it names files)"
+        )
+    merged = {**defaults, **raw}
+    profile = merged.get("profile")
+    return Case(
+        id=f"{suite}.{name}",
+        suite=suite,
+        name=name,
+        notebook=notebook,
+        baselines=root,
+        parameters={**defaults.get("parameters", {}), **raw.get("parameters", {})},
+        profiles=tuple([profile] if isinstance(profile, str) else profile or ()),
+        timeout_s=float(merged.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        needs_gpu=merged.get("needs_gpu", False),
+        repeats=merged.get("repeats", 1),
+        tolerances=tuple(t for t in (raw.get("tolerances"), defaults.get("tolerances")) if t),
+        device_tolerances=tuple(
+            t for t in (raw.get("device_tolerances"), defaults.get("device_tolerances")) if t
+        ),
+        source=where,
+    )
 
 
 def load_targets(targets: Sequence[Path], baselines: Path | None = None) -> list[Case]:
@@ -316,8 +330,7 @@ def parse_parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
         except ValueError:
             value = text
         if isinstance(value, str) and _NUMBER.match(value.strip()):
-            value = float(
-                value
-            )  # YAML 1.1 reads 1e-3 as a string; papermill's CLI makes it a float
+            # YAML 1.1 reads 1e-3 as a string; papermill's CLI makes it a float
+            value = float(value)
         values[name] = value
     return values

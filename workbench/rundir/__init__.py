@@ -5,7 +5,8 @@ ranks alike).
 one writer of summary.json); `Summary` (summary.py) is summary.json's schema and `Status` the
 statuses a run goes through; `MetricsRow` (metrics_row.py) is the schema of a metrics.jsonl row,
 versioned too; prepare.py creates or reopens a run directory for a launch under its lock (lock.py);
-liveness.py tells whether a run's processes are still there; run_files.py reads a run back
+liveness.py tells whether a run's processes are still there; rank_files.py reads the ranks'
+heartbeats and errors; run_files.py reads a run back
 (`RunFiles`) and says how it ended as an exception. Nothing here imports matplotlib, a task or the
 trainer: `RunResult`, which adds the model, the figures and resume, is the caller's
 (workbench.launcher.result).

@@ -34,7 +34,7 @@ COLUMNS = (
 )
 
 
-def _layout(summary: Any) -> str:
+def _layout_name(summary: Any) -> str:
     """'zero3 x 4, tp 2': the data-parallel mode over the world size, then the model-parallel
     sizes."""
     mesh = summary.mesh or {}
@@ -76,7 +76,7 @@ def _row(folder: RunDir) -> dict[str, Any]:
         "name": folder.name,
         "status": status,
         "task": summary.task or "",
-        "layout": _layout(summary),
+        "layout": _layout_name(summary),
         "precision": summary.precision or "",
         "steps": summary.steps if summary.steps is not None else train.get("step"),
         "loss": loss,

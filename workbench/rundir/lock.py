@@ -117,9 +117,8 @@ def _guarded(run: RunDir, required: bool = True) -> Iterator[None]:
 def _open_guard(guard: Path) -> int:
     try:
         return os.open(guard, os.O_RDWR | os.O_CREAT, 0o666)  # less the umask
-    except (
-        PermissionError
-    ):  # another user's guard in a shared run directory: reading it is enough to flock it
+    except PermissionError:
+        # another user's guard in a shared run directory: reading it is enough to flock it
         return os.open(guard, os.O_RDONLY)
 
 

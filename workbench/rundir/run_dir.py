@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from workbench.rundir import lock
 from workbench.rundir.lock import LOCK
 from workbench.rundir.metrics_row import MetricsRow
+from workbench.rundir.rank_files import is_fallout, ranks_at
 from workbench.rundir.summary import Status, Summary
 from workbench.utils.files import (
     DamagedFileError,
@@ -254,7 +255,7 @@ class RunDir:
         resume = (
             f"it resumes from {ckpt}" if ckpt else "it has no checkpoint: a resume starts it over"
         )
-        at, where = self._ranks_at()
+        at, where = ranks_at(self.ranks_path)
         ending = {
             "step": step,
             "checkpoint": str(ckpt) if ckpt else None,
@@ -265,21 +266,6 @@ class RunDir:
         }
         self.set_status(Status.PREEMPTED, ending=ending)
         self.event(Status.PREEMPTED.value, **ending)
-
-    def _ranks_at(self) -> tuple[int | None, str]:
-        """From the ranks' heartbeats: the steps they had completed, and '; the ranks had completed
-        N step(s), last seen in PHASE' for a preemption's message once they had started training (''
-        before)."""
-        beats = [
-            b for p in self.ranks_path.glob("rank_*.json") if isinstance(b := read_json(p), dict)
-        ]
-        steps = [b["step"] for b in beats if isinstance(b.get("step"), int)]
-        phases = sorted({str(b.get("phase")) for b in beats} - {"starting", "ended", "None"})
-        if not steps or not (max(steps) or phases):
-            return None, ""
-        return max(steps), f"; the ranks had completed {max(steps)} step(s)" + (
-            f", last seen in {', '.join(map(repr, phases))}" if phases else ""
-        )
 
     def append_metrics(self, row: MetricsRow) -> None:
         if not isinstance(row, MetricsRow):
@@ -374,28 +360,6 @@ def _typed_row(row: dict[str, Any], number: int, path: Path) -> MetricsRow:
         return MetricsRow.from_dict(row)
     except ValueError as e:
         raise ValueError(f"{path}, row {number}: {e}") from None
-
-
-_FALLOUT = (
-    "connection reset by peer",
-    "connection closed by peer",
-    "broken pipe",
-    "nccl communicator was aborted",
-    "processgroupnccl",
-    "got signal: 15",
-    "timed out",
-    "timeout",
-    "pair closure",
-    "removed as another rank's write failed",
-)
-
-
-def is_fallout(error: dict[str, Any]) -> bool:
-    """An error caused by another rank's death or hang: a collective that lost its peer or timed
-    out, the launcher's SIGTERM, or a checkpoint another rank's failed write removed
-    (training.checkpoint.SWEPT)."""
-    message = error.get("message", "").lower()
-    return error.get("type") == "SignalException" or any(s in message for s in _FALLOUT)
 
 
 def new_run_name(cfg: RunConfig) -> str:

@@ -54,9 +54,8 @@ class Task:
                 **{s.name: s.default for s in cls.option_specs},
                 **own,
             }
-        option_table(
-            cls.option_specs, cls.default_options
-        )  # a default its declaration refuses fails here, early
+        # a default its declaration refuses fails here, early
+        option_table(cls.option_specs, cls.default_options)
 
     def declared_options(self) -> dict[str, TaskOption]:
         """Every option the task takes, by name in default_options' order: its TaskOption from
@@ -181,9 +180,8 @@ class Task:
                 )
                 built = (None, None)
             else:
-                dataset_pair(
-                    self, built
-                )  # a pair that isn't one is the task's bug: said now, not by a rank
+                # a pair that isn't one is the task's bug: said now, not by a rank
+                dataset_pair(self, built)
             try:
                 cache[key] = len(built[0])
             except TypeError:  # a dataset without len(), or none built

@@ -61,9 +61,8 @@ def build_accelerator(cfg: RunConfig, run_dir: Path | None = None) -> Accelerato
         if run_dir is not None
         else None,
     )
-    if sorted(str(t) for t in accelerator.log_with) != sorted(
-        trackers
-    ):  # accelerate drops what it can't import
+    if sorted(str(t) for t in accelerator.log_with) != sorted(trackers):
+        # accelerate drops what it can't import
         raise RuntimeError(
             f"trackers {trackers}: accelerate could start only {accelerator.log_with}; "
             f"`{pip_command(trackers)}`"

@@ -103,9 +103,8 @@ def _trial_peak(
         strategy.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return (
-        peak + 2 * strategy.measure_held_bytes()["params"]
-    )  # AdamW's moments, created at the first update
+    # AdamW's moments, created at the first update
+    return peak + 2 * strategy.measure_held_bytes()["params"]
 
 
 def _first_size(
@@ -141,9 +140,9 @@ def _with_target(cfg: RunConfig, m: int, data_ranks: int) -> tuple[int, int]:
     target, accum = cfg.target_global_batch, cfg.grad_accum_steps
     if not target:
         return m, accum
-    if (
-        cfg.pp > 1
-    ):  # config checks: target is a multiple of accum x data ranks, so size 1 always divides
+    # config checks: under a pipeline, target is a multiple of accum x data ranks, so size 1 always
+    # divides
+    if cfg.pp > 1:
         return max(d for d in range(1, m + 1) if target % (d * accum * data_ranks) == 0), accum
     chosen = max(d for d in range(1, m + 1) if target % (d * data_ranks) == 0)
     return chosen, target // (chosen * data_ranks)
@@ -161,7 +160,6 @@ def choose(
     """Resolve micro_batch_size='auto' on every rank (collective); returns the config with the sizes
     chosen. `dims`: the run's layout; the batch arithmetic counts its data-parallel ranks (a TP
     group shares batches)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
     world, data_ranks = dims.world_size, dims.dp
     proposal = (read_json(run.path / AUTOBATCH) or {}).get("proposed")
     # What doesn't grow with the batch: parameters, gradients and AdamW's two moments.
@@ -173,62 +171,89 @@ def choose(
     rng = torch.get_rng_state()
     if proposal is None:
         proposal = _first_size(strategy, task, dataset, cfg, collate, usable, per_rank, tries)
-    m, own = max(1, min(int(proposal), per_rank)), None
+    first = max(1, min(int(proposal), per_rank))
+    m, own = _agree(strategy, task, dataset, cfg, collate, first, usable, fixed, world, tries)
+    # the trials mustn't shift dropout from what a fixed micro-batch would draw
+    torch.set_rng_state(rng)
+    if strategy.pipelined:
+        strategy.fresh_schedule()  # shapes inferred at the trials' sizes
+    chosen, accum = _with_target(cfg, m, data_ranks)
+    _record(run, world, data_ranks, chosen, accum, limit_bytes=limit, own_choice=own, tries=tries)
+    return cfg.replace(micro_batch_size=chosen, grad_accum_steps=accum, target_global_batch=0)
+
+
+def _agree(
+    strategy: Strategy,
+    task: Task,
+    dataset: Any,
+    cfg: RunConfig,
+    collate: Any,
+    m: int,
+    usable: float,
+    fixed: float,
+    world: int,
+    tries: list[dict[str, Any]],
+) -> tuple[int, int]:
+    """From the first size `m`: the size every rank fits, and the size this rank alone would take
+    (from its first trial). Each trial is appended to `tries`."""
+    own = None
     while True:
         # Every rank tries the same size (a sharded forward needs all of them), then one all-reduce
         # takes the smallest size any rank can take: the next size to try, or, when all fit, the
         # answer.
         peak = _trial_peak(strategy, task, dataset, cfg, m, collate)
         tries.append({"micro_batch": m, "peak_bytes": peak if peak != float("inf") else None})
-        fits = peak <= usable or m == 1
-        if fits:
-            mine = m
-        elif peak == float("inf"):
-            mine = max(1, m // 2)
-        else:
-            # peak = model state + m x bytes per sample: take as many samples as the rest of the
-            # limit holds
-            per_sample = max(1.0, (peak - fixed) / m)
-            mine = max(1, min(m - 1, math.floor((usable - fixed) / per_sample)))
+        mine = _size_that_fits(m, peak, usable, fixed)
         own = mine if own is None else own  # what this rank alone would take, from its first trial
         agreed = torch.tensor([mine], device=strategy.device)
         if world > 1:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if int(agreed.item()) == m:
-            break
+            return m, own
         m = int(agreed.item())
-    torch.set_rng_state(
-        rng
-    )  # the trials mustn't shift dropout from what a fixed micro-batch would draw
-    if strategy.pipelined:
-        strategy.fresh_schedule()  # shapes inferred at the trials' sizes
-    chosen, accum = _with_target(cfg, m, data_ranks)
+
+
+def _size_that_fits(m: int, peak: float, usable: float, fixed: float) -> int:
+    """The size this rank can take after a trial of `m` samples peaked at `peak` bytes: m when it
+    fit (or is 1), half of it after an out-of-memory error, else as many as the limit holds."""
+    if peak <= usable or m == 1:
+        return m
+    if peak == float("inf"):
+        return max(1, m // 2)
+    # peak = model state + m x bytes per sample: take as many samples as the rest of the
+    # limit holds
+    per_sample = max(1.0, (peak - fixed) / m)
+    return max(1, min(m - 1, math.floor((usable - fixed) / per_sample)))
+
+
+def _record(run: RunDir, world: int, data_ranks: int, chosen: int, accum: int, **mine: Any) -> None:
+    """Gather every rank's search (`mine`: its limit, own choice and tries; collective), and on
+    rank 0 record it with the choice in autobatch.json, the run's events and the log."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     everyone = [None] * world
     if world > 1:
-        dist.all_gather_object(
-            everyone, {"rank": rank, "limit_bytes": limit, "own_choice": own, "tries": tries}
-        )
+        dist.all_gather_object(everyone, {"rank": rank, **mine})
     else:
-        everyone = [{"rank": rank, "limit_bytes": limit, "own_choice": own, "tries": tries}]
-    if rank == 0:
-        record = {
-            **(read_json(run.path / AUTOBATCH) or {}),
-            "ranks": everyone,
-            "chosen": chosen,
-            "grad_accum_steps": accum,
-            "global_batch": chosen * accum * data_ranks,
-        }
-        write_json(run.path / AUTOBATCH, record)
-        run.event(
-            "micro_batch_chosen",
-            micro_batch=chosen,
-            grad_accum_steps=accum,
-            global_batch=chosen * accum * data_ranks,
-        )
-        log.info(
-            "micro_batch_size='auto': %d per rank x %d accumulation (global batch %d)",
-            chosen,
-            accum,
-            chosen * accum * data_ranks,
-        )
-    return cfg.replace(micro_batch_size=chosen, grad_accum_steps=accum, target_global_batch=0)
+        everyone = [{"rank": rank, **mine}]
+    if rank != 0:
+        return
+    record = {
+        **(read_json(run.path / AUTOBATCH) or {}),
+        "ranks": everyone,
+        "chosen": chosen,
+        "grad_accum_steps": accum,
+        "global_batch": chosen * accum * data_ranks,
+    }
+    write_json(run.path / AUTOBATCH, record)
+    run.event(
+        "micro_batch_chosen",
+        micro_batch=chosen,
+        grad_accum_steps=accum,
+        global_batch=chosen * accum * data_ranks,
+    )
+    log.info(
+        "micro_batch_size='auto': %d per rank x %d accumulation (global batch %d)",
+        chosen,
+        accum,
+        chosen * accum * data_ranks,
+    )

@@ -2,8 +2,9 @@
 resume.
 
     step_<N>/model/, optim/    model and optimizer state keyed by parameter name
-    (torch.distributed.checkpoint: sharded modes write shards; any mode and rank count can load
-    them) step_<N>/rank_<r>.pt       each rank's RNG states and loss-scaler state
+                               (torch.distributed.checkpoint: sharded modes write shards; any
+                               mode and rank count can load them)
+    step_<N>/rank_<r>.pt       each rank's RNG states and loss-scaler state
     step_<N>/trainer_state.json, config.yaml   progress, and the config that wrote it
     step_<N>/manifest.json     every file's size and sha256; written last
 
@@ -14,41 +15,49 @@ previous on any damage, saying what is wrong; whatever a checkpoint claims (RNG 
 loads, or the resume fails loudly. With checkpoint_async the model and optimizer are written in the
 background (checkpoint_async.py), and sealed the same way once every rank's write is done: a crash
 before leaves only .tmp-step_<N>.
+
+What a failed write leaves and says is in checkpoint_failures.py, the rank files in
+checkpoint_rank_state.py, and the checks a resume makes before and after loading in
+checkpoint_resume.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
-import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 from accelerate.utils import gather_object
 
 from workbench.rundir import COMPLETE_MARKER, RunDir
 from workbench.training.checkpoint_async import BackgroundWriter, Pending, writes_async
+from workbench.training.checkpoint_failures import (
+    SWEPT,
+    explained_write_failures,
+    removed_on_failure,
+    write_error,
+)
 from workbench.training.checkpoint_files import (
-    CheckpointLoadError,
-    ModelMismatchError,
-    failure_summary,
     file_problems,
     files_in,
-    is_checkpoint_exception,
-    model_differences,
     read_manifest,
-    saved_model_shapes,
     sha256,
     shapes_of,
+)
+from workbench.training.checkpoint_rank_state import load_rank_state, save_rank_state
+from workbench.training.checkpoint_resume import (
+    check_model,
+    hyperparameters,
+    keep_configured,
+    load_into,
+    note_dropout,
 )
 from workbench.training.train_state import TrainerState
 from workbench.utils.files import write_json
@@ -61,111 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("workbench")
 STATE = "trainer_state.json"
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """Every RNG a step may draw from, as plain tensors and numbers (loadable with
-    weights_only=True)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": pos,
-            "has_gauss": has_gauss,
-            "gauss": gauss,
-        },
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(
-        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
-    )
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-FULL_BELOW_BYTES = 1 << 20
-"""Less room than this left where a write failed: the disk is taken to be full, whatever the writer
-raised."""
-
-
-# A rank whose checkpoint write fails removes the whole unfinished checkpoint (_removed_on_failure)
-# while another rank may still be writing into it: that rank's error is fallout of the first
-# (rundir's is_fallout knows it).
-SWEPT = "its folder was removed as another rank's write failed"
-
-
-def _write_error(error: BaseException, where: Path) -> OSError:
-    """An I/O failure inside torch's writers, as an OSError saying what failed and how much room is
-    left.
-
-    DCP collects each rank's failure as (exception, traceback) in CheckpointException.failures, and
-    torch.save on a full disk raises a RuntimeError from its zip writer ('unexpected pos'), not
-    ENOSPC."""
-    failures = [
-        f[0] if isinstance(f, tuple) and f else f
-        for f in (getattr(error, "failures", None) or {}).values()
-    ]
-    cause = next(
-        (f for f in failures if isinstance(f, OSError)), failures[0] if failures else error
-    )
-    try:
-        free: int | None = shutil.disk_usage(where if where.exists() else where.parent).free
-    except OSError:
-        free = None
-    code = getattr(cause, "errno", None) or errno.EIO
-    if code == errno.ENOENT and not where.exists():
-        return OSError(code, SWEPT)
-    if isinstance(cause, OSError):
-        text = cause.strerror or str(cause)
-    elif free is not None and free < FULL_BELOW_BYTES:
-        code, text = (
-            errno.ENOSPC,
-            f"{os.strerror(errno.ENOSPC)} ({type(cause).__name__} in torch's writer)",
-        )
-    else:
-        text = f"{type(cause).__name__}: {str(cause).strip()[:300]}"
-    room = f"; {free / 2**30:.1f} GiB free there" if free is not None else ""
-    return OSError(code, f"{text}{room}")
-
-
-@contextlib.contextmanager
-def _removed_on_failure(tmp: Path) -> Iterator[None]:
-    """A checkpoint whose writing failed leaves no .tmp-step_<N> behind: on a full disk, its partial
-    files hold the room that recording the failure (the rank's error, summary.json) needs."""
-    try:
-        yield
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
-def _has_dropout(model: torch.nn.Module) -> bool:
-    return any(
-        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
-    )
-
-
-_RESUME_FIX = (
-    "The task's code changed since the checkpoint was written (its config, task_options included, "
-    "is checked before launch; resume_allow allows config changes, not another model): resume "
-    "with the code that wrote it, or start a new run (another run_name, or resume=False)"
-)
 
 
 class Checkpointer:
@@ -183,9 +87,8 @@ class Checkpointer:
         self.ends_session = False
         self.stalls: list[float] = []
         """Per checkpoint of this session: seconds the training loop was blocked by it."""
-        if (
-            accelerator.is_main_process
-        ):  # the default on a CPU (synchronous) is no news: said at debug level
+        if accelerator.is_main_process:
+            # the default on a CPU (synchronous) is no news: said at debug level
             quiet = not background and cfg.checkpoint_async == "auto"
             log.log(
                 logging.DEBUG if quiet else logging.INFO,
@@ -213,7 +116,7 @@ class Checkpointer:
         acc, main, step = self.accelerator, self.accelerator.is_main_process, state.step
         root = self.run.checkpoints_path
         tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
-        with self.run.writing(tmp, f"checkpoint step {step}"), _removed_on_failure(tmp):
+        with self.run.writing(tmp, f"checkpoint step {step}"), removed_on_failure(tmp):
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -266,7 +169,7 @@ class Checkpointer:
         synchronous save does; a failed write on any rank fails it on every rank, folder removed."""
         assert self.background is not None
         everyone = self.background.everyone
-        with self.run.writing(tmp, f"checkpoint step {step}"), _removed_on_failure(tmp):
+        with self.run.writing(tmp, f"checkpoint step {step}"), removed_on_failure(tmp):
             error = None
             for write in writes:
                 try:
@@ -275,7 +178,7 @@ class Checkpointer:
                     error = error or e
             failed = [rank for rank, bad in enumerate(everyone(error is not None)) if bad]
             if error is not None:
-                raise _write_error(error, tmp) from error
+                raise write_error(error, tmp) from error
             if failed:
                 raise OSError(errno.EIO, f"{SWEPT} (rank {failed[0]})")
             self._seal(tmp, final, step, everyone, time.perf_counter() - began)
@@ -311,26 +214,11 @@ class Checkpointer:
     ) -> Any:
         """`write` the model and optimizer (what it returns is returned), then each rank's RNG and
         loss-scaler state, and rank 0 the trainer state and the config."""
-        try:
+        with explained_write_failures(tmp):
             written = write(self.strategy, tmp)
-            scaler = self.strategy.scaler
-            torch.save(
-                {
-                    "rng": rng_state(self.accelerator.device),
-                    "scaler": scaler.state_dict() if scaler else None,
-                },
-                tmp / f"rank_{self.rank}.pt",
+            save_rank_state(
+                tmp / f"rank_{self.rank}.pt", self.accelerator.device, self.strategy.scaler
             )
-        except OSError as e:
-            if e.errno == errno.ENOENT and not tmp.exists():
-                raise OSError(errno.ENOENT, SWEPT) from e
-            raise
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except (
-            BaseException
-        ) as e:  # torch's writers turn a full disk into a RuntimeError in a CheckpointException
-            raise _write_error(e, tmp) from e
         if self.accelerator.is_main_process:
             write_json(
                 tmp / STATE,
@@ -383,114 +271,35 @@ class Checkpointer:
             + (": " + " | ".join(skipped) if skipped else " (there is none)")
         )
 
-    def _keep_configured(
-        self, configured: list[dict[str, Any]], local: list[dict[str, Any]]
-    ) -> None:
-        """The checkpoint brings the optimizer's state (moments, step counts); its hyperparameters
-        (lr, weight decay, betas, eps) are this run's, which a resume may change where resume_allow
-        names them. Loading a state dict would otherwise put back the old run's param groups."""
-        loaded = _hyperparameters(self.strategy.optimizer)
-        for optimizer, wanted in (
-            (self.strategy.optimizer, configured),
-            (self.strategy.local_optimizer(), local),
-        ):
-            for group, values in zip(optimizer.param_groups, wanted):
-                group.update(values)
-        changed = sorted(
-            {
-                f"{k}: {old[k]} -> {new[k]}"
-                for old, new in zip(loaded, configured)
-                for k in new
-                if k in old and old[k] != new[k]
-            }
-        )
-        if changed and self.accelerator.is_main_process:
-            log.info(
-                "resumed with this run's optimizer settings, not the checkpoint's: %s",
-                "; ".join(changed),
-            )
-
-    def _note_dropout(self, ckpt: Path, saved: dict[str, Any]) -> None:
-        """Dropout masks come from each rank's random stream, which a run on another rank count
-        can't continue: say so, since the curve then differs from an uninterrupted run (the samples
-        and their order don't)."""
-        saved_world = saved.get("world_size")
-        if not self.accelerator.is_main_process or saved_world in (None, self.world):
-            return
-        if _has_dropout(self.strategy.module):
-            message = (
-                f"resuming on {self.world} rank(s) from {ckpt.name}, saved by {saved_world}: "
-                "dropout masks are drawn from per-rank random streams, so the curve will differ "
-                f"from an uninterrupted run on {saved_world} rank(s), though every step sees the "
-                "same samples"
-            )
-            log.warning(message)
-            self.run.event(
-                "resume_differs", step=saved.get("step"), reason="dropout", message=message
-            )
-
-    def _check_model(self, ckpt: Path) -> None:
-        """The checkpoint's model entries against the model this run built, every name and full
-        shape, before anything loads: DCP would resume a model that lost a layer without a word, and
-        fail on a changed one with a CheckpointException that names neither the parameter nor its
-        shapes. Collective: a pipeline rank holds only its stages, so the ranks' entries are put
-        together first."""
+    def _model_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        """Every name and full shape of the model this run built, for check_model. Collective: a
+        pipeline rank holds only its stages, so the ranks' entries are put together first."""
         model: dict[str, tuple[int, ...] | None] = {}
         for part in self._everyone(shapes_of(self.strategy.state_dict()["model"])):
             model.update(part)
-        differences = model_differences(saved_model_shapes(ckpt / "model"), model)
-        if differences:
-            raise ModelMismatchError(
-                f"resume from {ckpt}: the checkpoint doesn't match the task's model: "
-                f"{differences}. {_RESUME_FIX}"
-            )
+        return model
 
     def resume(self) -> tuple[TrainerState, Path]:
         """Load the newest checkpoint that verifies, resharded to this run's mode and ranks."""
         ckpt = self._usable()
         saved = json.loads((ckpt / STATE).read_text())
+        strategy, main = self.strategy, self.accelerator.is_main_process
         configured = (
-            _hyperparameters(self.strategy.optimizer),
-            _hyperparameters(self.strategy.local_optimizer()),
+            hyperparameters(strategy.optimizer),
+            hyperparameters(strategy.local_optimizer()),
         )
-        self._check_model(ckpt)
-        try:
-            self.strategy.load(ckpt)
-        except BaseException as e:
-            if not is_checkpoint_exception(e):
-                raise
-            # e.g. the task's optimizer changed: its message names only the ranks; each rank's
-            # failure is inside
-            raise CheckpointLoadError(
-                f"resume from {ckpt}: the checkpoint could not be loaded into this run: "
-                f"{failure_summary(e)}. {_RESUME_FIX}"
-            ) from e
-        self._keep_configured(*configured)
-        self._note_dropout(ckpt, saved)
-        mine = ckpt / f"rank_{self.rank}.pt"
-        if mine.exists():
-            rank_state = torch.load(mine, weights_only=True)
-            set_rng_state(rank_state["rng"], self.accelerator.device)
-            if self.strategy.scaler is not None and rank_state.get("scaler"):
-                self.strategy.scaler.load_state_dict(rank_state["scaler"])
-        elif self.rank < saved.get("world_size", 0):
-            raise FileNotFoundError(
-                f"{mine}: the checkpoint was saved by {saved['world_size']} ranks but has no "
-                f"state for rank {self.rank}"
-            )
-        else:
-            # a rank the checkpoint had no state for: what that changes (dropout) _note_dropout said
-            # once
-            log.debug(
-                "[rank %d] %s was saved by %s rank(s): this rank starts with fresh random states",
-                self.rank,
-                ckpt.name,
-                saved.get("world_size"),
-            )
+        check_model(ckpt, self._model_shapes())
+        load_into(strategy, ckpt)
+        keep_configured(strategy, *configured, announce=main)
+        if main:
+            note_dropout(self.run, strategy.module, ckpt, saved, self.world)
+        load_rank_state(
+            ckpt, self.rank, saved.get("world_size"), self.accelerator.device, strategy.scaler
+        )
         state = TrainerState.from_dict(saved)
         # The data position counts samples, so a resume on another layout (same global batch)
         # continues it.
         state.micro_batches = state.step * self.cfg.grad_accum_steps
-        if self.accelerator.is_main_process:
+        if main:
             self.run.set_aside_metrics_after(state.step)
         return state, ckpt

@@ -44,9 +44,8 @@ def inductor_cache() -> Path:
     import platformdirs
 
     given = os.environ.get(CACHE_ENV)
-    if (
-        given and given != _inductor_default()
-    ):  # inductor writes its default there once it has chosen it
+    if given and given != _inductor_default():
+        # inductor writes its default there once it has chosen it
         return Path(given).expanduser()
     base = Path(
         os.environ.get("WORKBENCH_CACHE_DIR") or platformdirs.user_cache_dir("workbench")
@@ -262,7 +261,7 @@ class CompileWatch:
         }
 
 
-def describe(report: dict[str, Any]) -> str:
+def compile_line(report: dict[str, Any]) -> str:
     """One line: 'blocks (inductor): first step 12.3 s; 4 graphs, 0 graph breaks, 0 recompilations
     in later steps, 2 for evaluation'."""
     breaks = sum(report.get("graph_breaks", {}).values())
@@ -302,5 +301,5 @@ def tell_report(t: Trainer) -> dict[str, Any]:
         t.run.event("compile_report", **report)
         if report["graph_breaks"] or report["recompiles"]:
             breaks = "; ".join(f"{n} x {why}" for why, n in report["graph_breaks"].items())
-            t.log.warning("compile: %s (graph breaks: %s)", describe(report), breaks or "none")
+            t.log.warning("compile: %s (graph breaks: %s)", compile_line(report), breaks or "none")
     return report

@@ -58,30 +58,19 @@ def evaluate(
     )
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    keys: list[str] | None = (
-        None  # the metric keys of the first batch, that every batch must return
-    )
+    # the metric keys of the first batch, that every batch must return
+    keys: list[str] | None = None
     count = torch.zeros((), device=device, dtype=torch.float64)
     for i, batch in enumerate(loader):
         if cfg.eval_batches and i >= cfg.eval_batches:
             break
         batch = send_to_device(batch, device, non_blocking=True)
-        if eval_loss is not None:
-            got = eval_loss(batch)
-            if got is None:
-                continue
-            loss, extras = got
-        else:
-            with batch_context(batch) if batch_context else nullcontext(), forward_context():
-                loss, extras = split_loss(task.loss(model, batch))
+        got = _batch_loss(model, task, batch, forward_context, eval_loss, batch_context)
+        if got is None:
+            continue
+        loss, extras = got
         check_metrics(task, extras)  # a few isinstance checks per batch: nothing beside its forward
-        if keys is not None and sorted(extras) != keys:
-            raise ValueError(
-                f"{type(task).__name__}.loss returned metrics {keys} on one eval batch and "
-                f"{sorted(extras)} on another; return the same keys on every call (0.0 where there "
-                "is nothing to report), as evaluation averages each over every batch"
-            )
-        keys = sorted(extras)
+        keys = _same_keys(task, keys, extras)
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else cfg.micro_batch_size
         for name, value in {"loss": loss, **extras}.items():
             value = torch.as_tensor(value, device=device, dtype=torch.float64)
@@ -90,18 +79,59 @@ def evaluate(
             )
         count += n
     model.train()
+    return _means_over_ranks(task, accelerator, totals, count, pipelined=eval_loss is not None)
+
+
+def _batch_loss(
+    model: torch.nn.Module,
+    task: Task,
+    batch: Any,
+    forward_context: Callable[[], AbstractContextManager[Any]],
+    eval_loss: Callable[[Any], tuple[torch.Tensor, dict[str, Any]] | None] | None,
+    batch_context: Callable[[Any], AbstractContextManager[Any]] | None,
+) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """One batch's loss and metrics: the strategy's `eval_loss` when it has one (None: no loss on
+    this rank), else the task's, under the strategy's batch and forward contexts."""
+    if eval_loss is not None:
+        return eval_loss(batch)
+    with batch_context(batch) if batch_context else nullcontext(), forward_context():
+        return split_loss(task.loss(model, batch))
+
+
+def _same_keys(task: Task, keys: list[str] | None, extras: dict[str, Any]) -> list[str]:
+    """The batch's metric keys, which must be the earlier batches' `keys` (None: the first
+    batch)."""
+    if keys is not None and sorted(extras) != keys:
+        raise ValueError(
+            f"{type(task).__name__}.loss returned metrics {keys} on one eval batch and "
+            f"{sorted(extras)} on another; return the same keys on every call (0.0 where there "
+            "is nothing to report), as evaluation averages each over every batch"
+        )
+    return sorted(extras)
+
+
+def _means_over_ranks(
+    task: Task,
+    accelerator: Accelerator,
+    totals: dict[str, torch.Tensor],
+    count: torch.Tensor,
+    *,
+    pipelined: bool,
+) -> dict[str, float]:
+    """Each metric's sum over all ranks divided by the samples counted over all ranks, as
+    {'eval_<name>': mean}. `pipelined`: the ranks without a loss hold no metrics."""
     names = sorted(totals)
     # The ranks reduce their sums by position: they must hold the same names, or the reduction mixes
     # metrics up (or waits forever for a tensor of another size). One small gather per evaluation
     # agrees them first.
     parts = gather_object([names]) if accelerator.num_processes > 1 else [names]
-    if eval_loss is not None:  # ranks without a loss must still reduce the same metrics, as zeros
+    if pipelined:  # ranks without a loss must still reduce the same metrics, as zeros
         names = sorted({name for part in parts for name in part})
     else:
         problem = differing_keys(task, parts, "in evaluation (with the loss)")
         if problem:
             raise ValueError(problem)
-    zero = torch.zeros((), device=device, dtype=torch.float64)
+    zero = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     stacked = torch.stack([totals.get(k, zero) for k in names] + [count])
     summed = accelerator.reduce(stacked, "sum").cpu()
     return {f"eval_{k}": float(summed[i] / summed[-1]) for i, k in enumerate(names)}

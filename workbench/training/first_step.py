@@ -5,11 +5,10 @@ collective).
 - At build: the model has parameters to train (a frozen or parameter-less one has nothing for
   backward).
 - The session's first optimizer step calls Task.loss through `CheckedTask`: each return is a scalar
-  tensor that
-  requires grad, with metrics that are named numbers. Then `FirstStep.check` takes one collective
-  (every rank's metric keys, its unused parameters and a fingerprint of its gradients under DDP) and
-  every rank raises the same error if the ranks disagree. Later steps call the task directly: none
-  of this costs them anything.
+  tensor that requires grad, with metrics that are named numbers. Then `FirstStep.check` takes one
+  collective (every rank's metric keys, its unused parameters and a fingerprint of its gradients
+  under DDP) and every rank raises the same error if the ranks disagree. Later steps call the task
+  directly: none of this costs them anything.
 - `explain_ddp_error`: DDP's error for a parameter left out of a later step's loss, with workbench's
   fix.
 """

@@ -1,17 +1,16 @@
 """The per-rank training loop. Every rank runs `Trainer.fit()`; `Trainer.__init__` builds what a run
 needs, in order, and the loop only sequences a step (micro-batches with gradient sync held back
 until the last one, clipping, the stop vote, the update; then logging, evaluation and checkpoints
-when due). How the model is parallel (parallel/), the stop vote (stop_vote.py), the rank's watch
-(rank_watch.py), metrics rows (logger.py), checkpoints (checkpoint.py), the summary
-(session_summary.py), the endings (endings.py) and the first step's checks of the task
-(first_step.py) live in their own modules."""
+when due, after_step.py). How the model is parallel (parallel/), the stop vote (stop_vote.py), the
+rank's watch (rank_watch.py), metrics rows (logger.py), checkpoints (checkpoint.py), the session's
+start and finish (session_start_end.py), the summary (session_summary.py), the endings (endings.py)
+and the first step's checks of the task (first_step.py) live in their own modules."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,17 +21,17 @@ from accelerate.utils import set_seed
 
 from workbench import data
 from workbench.config import ParallelDims, RunConfig
-from workbench.rundir import MetricsRow, RunDir, Status, lock
+from workbench.rundir import RunDir, Status, lock
 from workbench.tasks import Task
 from workbench.tasks.base import dataset_pair
 from workbench.training import autobatch, monitor
 from workbench.training.accelerator import build_accelerator
+from workbench.training.after_step import after_step
 from workbench.training.batches import ShardedBatches
 from workbench.training.breakdown import StepBreakdown, phase_of
 from workbench.training.checkpoint import Checkpointer
-from workbench.training.compiling import CompileWatch, compiled_module, said_compiled, tell_report
-from workbench.training.endings import diverged, ended
-from workbench.training.evaluation import evaluate
+from workbench.training.compiling import CompileWatch, compiled_module, said_compiled
+from workbench.training.endings import diverged
 from workbench.training.first_step import FirstStep, check_trainable
 from workbench.training.logger import MetricsLogger
 from workbench.training.memory import method as tracking_method
@@ -43,20 +42,14 @@ from workbench.training.optim import build_optimizer, set_lr
 from workbench.training.parallel import parallelize
 from workbench.training.profiling import StepProfiler
 from workbench.training.rank_watch import RankWatch
-from workbench.training.session_summary import (
-    check_replicas,
-    export_weights,
-    first_leaf_dtype,
-    running_fields,
-    summary_fields,
-)
+from workbench.training.session_start_end import announce, finish, progress_bar
+from workbench.training.session_summary import first_leaf_dtype
 from workbench.training.stage_memory import METHOD as LIVE_METHOD
 from workbench.training.stage_memory import live_tracked
 from workbench.training.step import accumulate
 from workbench.training.stop_vote import StopVote, VoteResult
 from workbench.training.tracker_log import RunTrackers
 from workbench.training.train_state import TrainerState
-from workbench.training.weights import save_rank_value
 
 _log = logging.getLogger("workbench")
 
@@ -74,57 +67,27 @@ class Trainer:
     ) -> None:
         self.cfg, self.task, self.run, self.progress = cfg, task, RunDir(run_dir), progress
         # The process group, and where this rank sits in the mesh.
-        self.accelerator = build_accelerator(cfg, self.run.path)
-        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
-        self.main, self.device = self.accelerator.is_main_process, self.accelerator.device
-        self.log = _RankLog(_log, {"rank": self.rank})
-        # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share
-        # batches and seed, and so do the stages of one pipeline (pp outermost, so the coordinate
-        # wraps every dp_size x tp ranks).
-        self.dims = ParallelDims.of(cfg, self.world)
-        self.dp_world, self.dp_rank = self.dims.dp, self.dims.dp_rank(self.rank)
+        self._init_distributed()
         # What this session counts (a resumed run's counters come from its checkpoint, in fit()).
-        self.state = TrainerState()
-        self.step_times: list[float] = []
-        self.prior_time = 0.0  # training time of earlier sessions of a resumed run
-        self.eval_row: dict[str, float] | None = None
-        self.tracked_memory: dict[str, Any] | None = (
-            None  # track_memory: one step's bytes by category, its method
-        )
-        self.ending: dict[str, Any] | None = None  # how a preempted, stopped or diverged run ended
-        self.consecutive_skips = 0
-        self.lr = 0.0  # the learning rate the last step used (the first param group's)
+        self._init_counters()
         # Preemption signals, heartbeat, hang watchdog (collective: if any rank was preempted before
         # it got here, every rank leaves now); then the run directory's lock.
         self.rank_watch = RankWatch(self.run, self.rank, cfg).start()
         self.lock_token = self._hold_lock()
         # The model (one seed on every rank), the data, then the model made parallel with its
-        # optimizer. a forked rank inherits the kernel's list; record only this run's data
+        # optimizer. A forked rank inherits the kernel's list: record only this run's data.
         data.reset_used_datasets()
         model = self._build_model()
         train_ds, self.eval_ds = dataset_pair(task, task.build_datasets(cfg))
         self.collate_fn = task.collate_fn(cfg)
-        self.compiled = CompileWatch(
-            cfg, compiled_module(cfg, model)
-        )  # named before FSDP renames its class
-        self.parallel = parallelize(
-            cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task)
-        )
-        if self.parallel.pipelined:  # the probe in what this rank runs, not stage 0's part
-            self.compute_dtype = first_leaf_dtype(
-                self.parallel.module, compiled=cfg.compile != "off"
-            )
-        self.model = self.parallel.model
+        self._parallelize(model)
         # The batch (probed when "auto"), over all ranks of all machines: cfg.global_batch_size
         # counts this machine's num_processes only; then this rank's share of the data.
         if cfg.micro_batch_size == "auto":
             self.cfg = cfg = autobatch.choose(
                 cfg, self.parallel, task, train_ds, self.run, self.dims, self.collate_fn
             )
-        self.global_batch = self.dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps)
-        self.batches = ShardedBatches(
-            train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type
-        )
+        self._shard_data(train_ds)
         # Dropout masks should differ between data-parallel ranks, yet be reproducible; the ranks of
         # one TP group must draw the same ones (their replicated parameters would drift apart
         # otherwise).
@@ -137,8 +100,81 @@ class Trainer:
         )
         self.nonfinite = NonFiniteWatch(self.device)
         self.first_step: FirstStep | None = FirstStep(task, self.parallel, self.accelerator, cfg)
-        # What reports on the steps. The breakdown is started by fit() and stopped by close(): model
-        # building and data loading are not idle training time.
+        # What reports on the steps: the step-time breakdown, the device monitor, the trackers, the
+        # profiler and the metrics rows.
+        self._build_reporting()
+
+    # ---- what __init__ builds --------------------------------------------------------------------
+    def _init_distributed(self) -> None:
+        """The process group (accelerate's), this rank's place in it and its data-parallel
+        coordinate."""
+        self.accelerator = build_accelerator(self.cfg, self.run.path)
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.main, self.device = self.accelerator.is_main_process, self.accelerator.device
+        self.log = _RankLog(_log, {"rank": self.rank})
+        # Data-parallel coordinate: the ranks of one tensor-parallel group (neighbours) share
+        # batches and seed, and so do the stages of one pipeline (pp outermost, so the coordinate
+        # wraps every dp_size x tp ranks).
+        self.dims = ParallelDims.of(self.cfg, self.world)
+        self.dp_world, self.dp_rank = self.dims.dp, self.dims.dp_rank(self.rank)
+
+    def _init_counters(self) -> None:
+        """The session's counters and what it keeps for the summary, all empty."""
+        self.state = TrainerState()
+        self.step_times: list[float] = []
+        self.prior_time = 0.0  # training time of earlier sessions of a resumed run
+        self.eval_row: dict[str, float] | None = None
+        # track_memory: one step's bytes by category, its method
+        self.tracked_memory: dict[str, Any] | None = None
+        self.ending: dict[str, Any] | None = None  # how a preempted, stopped or diverged run ended
+        self.consecutive_skips = 0
+        self.lr = 0.0  # the learning rate the last step used (the first param group's)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The task's model, identical on every rank (one seed), and what it tells about itself."""
+        cfg, task = self.cfg, self.task
+        set_seed(cfg.seed)
+        model = task.build_model(cfg)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"{type(task).__name__}.build_model returned {type(model).__name__}, not a "
+                "torch.nn.Module"
+            )
+        check_trainable(task, model)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        # before the dtype probe's hook
+        self.flops = ModelFlops.of(task, cfg, model, self.device, self.world)
+        self.tokens_per_sample = task.tokens_per_sample(cfg)
+        if cfg.pp == 1:  # a pipeline rank probes its own chunks once they exist (_parallelize)
+            self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
+        return model
+
+    def _parallelize(self, model: torch.nn.Module) -> None:
+        """The model made parallel by the run's layout, with its optimizer."""
+        cfg, task = self.cfg, self.task
+        # named before FSDP renames its class
+        self.compiled = CompileWatch(cfg, compiled_module(cfg, model))
+        self.parallel = parallelize(
+            cfg, self.accelerator, model, task, lambda m: build_optimizer(m, cfg, task)
+        )
+        if self.parallel.pipelined:  # the probe in what this rank runs, not stage 0's part
+            self.compute_dtype = first_leaf_dtype(
+                self.parallel.module, compiled=cfg.compile != "off"
+            )
+        self.model = self.parallel.model
+
+    def _shard_data(self, train_ds: Any) -> None:
+        """The global batch over all data-parallel ranks, and this rank's share of the data."""
+        cfg = self.cfg
+        self.global_batch = self.dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps)
+        self.batches = ShardedBatches(
+            train_ds, cfg, self.dp_rank, self.dp_world, self.collate_fn, self.device.type
+        )
+
+    def _build_reporting(self) -> None:
+        """What reports on the steps. The breakdown is started by fit() and stopped by close():
+        model building and data loading are not idle training time."""
+        cfg = self.cfg
         self.breakdown = StepBreakdown(self.device, self.parallel.comm_stats)
         self.monitor = monitor.for_rank(
             cfg, self.device, self.rank, self.run.event, self.rank_watch.current_step
@@ -161,16 +197,23 @@ class Trainer:
             watch=self.nonfinite,
         )
 
+    def _hold_lock(self) -> str | None:
+        """A run launched by workbench is locked by its launcher; one started by hand (multi-node,
+        --prepare-only) is locked by rank 0 for as long as it runs."""
+        if not self.main or lock.held_by(self.run, os.environ.get("WORKBENCH_LOCK_TOKEN")):
+            return None
+        return lock.acquire(self.run)
+
     # ---- the run ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         resumed_from = self._resume() if self.cfg.resume else None
-        self._announce(resumed_from)
+        announce(self, resumed_from)
         self.trackers.start(self.cfg, world_size=self.world, global_batch_size=self.global_batch)
         start = (self.state.step, self.state.samples, self.state.tokens)
         if self.monitor is not None:
             self.monitor.start()
         status = self._train()
-        return self._finish(status, *start)
+        return finish(self, status, *start)
 
     def close(self) -> None:
         """Whatever happened: stop the heartbeat and the device monitor, restore signal handlers,
@@ -182,34 +225,12 @@ class Trainer:
         if self.lock_token is not None:
             lock.release(self.run, self.lock_token)
 
-    def _announce(self, resumed_from: str | None) -> None:
-        if not self.main:
-            return
-        cfg = self.cfg
-        self.run.event(
-            "resumed" if resumed_from else "started",
-            step=self.state.step,
-            world_size=self.world,
-            device=str(self.device),
-            checkpoint=resumed_from,
-        )
-        self.run.set_status(Status.RUNNING, **running_fields(self))
-        self.log.info(
-            "training %s: %d ranks on %s, %s, global batch %d, %d params",
-            cfg.task,
-            self.world,
-            self.device.type,
-            cfg.precision,
-            self.global_batch,
-            self.n_params,
-        )
-
     def _train(self) -> Status:
         """Steps until max_steps or an agreed ending; step time runs from one step's start to the
         next, so logging, eval and checkpoints count too."""
         batches = self.batches.iterate(self.state.micro_batches)
         self.model.train()
-        bar = self._progress_bar()
+        bar = progress_bar(self)
         self.compiled.session_starts_at(self.state.step)
         if self.compiled.on and self.main:
             self.run.event("compiling", step=self.state.step + 1, **self.compiled.what())
@@ -234,7 +255,7 @@ class Trainer:
                     return Status.DIVERGED
                 if bar is not None:
                     bar.update(1)
-                status = self._after_step(grad_norm, verdict, bar)
+                status = after_step(self, grad_norm, verdict, bar)
                 if self.compiled.compiled_now:
                     said_compiled(self, bar)
                 now = time.perf_counter()
@@ -249,7 +270,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
 
-    def _at(self, step: int, where: str) -> None:
+    def at(self, step: int, where: str) -> None:
         """Where the rank is: for the hang watchdog, and the step-time breakdown's phase."""
         self.rank_watch.at(step, where)
         self.breakdown.mark(phase_of(where))
@@ -280,10 +301,10 @@ class Trainer:
             batches,
             cfg.grad_accum_steps,
             self.device,
-            at=lambda where: self._at(step, where),
+            at=lambda where: self.at(step, where),
             before_last_backward=self.stop_vote.start,
         )
-        self._at(step, "optimizer")
+        self.at(step, "optimizer")
         grad_norm = None
         if cfg.grad_clip > 0 or parallel.scaler is None:
             # With clipping off the norm is still taken (max_norm inf scales nothing): it is what
@@ -295,9 +316,8 @@ class Trainer:
         if first is not None:
             first.check()
         if parallel.step():
-            self.state.skipped_steps += (
-                1  # fp16 overflow: the scaler skipped the update and lowered the scale
-            )
+            # fp16 overflow: the scaler skipped the update and lowered the scale
+            self.state.skipped_steps += 1
             self.consecutive_skips += 1
             if self.consecutive_skips >= cfg.max_skipped_steps:
                 why = (
@@ -315,112 +335,7 @@ class Trainer:
         self.metrics.step_done(step_loss)
         return grad_norm, verdict
 
-    def _after_step(
-        self, grad_norm: torch.Tensor | None, verdict: VoteResult, bar: Any
-    ) -> Status | None:
-        """Log, evaluate and checkpoint when due, each after a read of the non-finite flags
-        (nonfinite.py), so a diverged state is never logged, evaluated or saved; the status the run
-        ends with, if it ends now."""
-        cfg, step = self.cfg, self.state.step
-        final = step == cfg.max_steps
-        # A preempted rank has a grace period to save its state: no eval then.
-        evaluate_now = (
-            self.eval_ds is not None
-            and not verdict.signal
-            and bool(final or verdict.stop or (cfg.eval_every and step % cfg.eval_every == 0))
-        )
-        checkpoint_now = self.checkpoints.due(step, final, verdict.ends)
-        if self.metrics.due(step, final) or verdict.ends:
-            row = self.metrics.log(self.state, grad_norm, self.elapsed_s(), self.lr)
-            if isinstance(row, Divergence):
-                return diverged(self, row)
-            if bar is not None:
-                bar.set_postfix(loss=f"{row.loss:.4f}", samples_s=f"{row.samples_per_s:.0f}")
-        elif evaluate_now or checkpoint_now:  # a read point of its own
-            found = self.nonfinite.read(self.accelerator)
-            if found is not None:
-                return diverged(self, found)
-        if evaluate_now:
-            self._at(step, "evaluation")
-            self.eval_row = evaluate(
-                self.model,
-                self.task,
-                self.eval_ds,
-                cfg,
-                self.accelerator,
-                self.collate_fn,
-                self.parallel.forward_context,
-                shard=(self.dp_rank, self.dp_world),
-                eval_loss=self.parallel.eval_loss,
-                batch_context=self.parallel.batch_context,
-            )
-            self.metrics.write(MetricsRow.for_eval(step, self.eval_row))
-            self.metrics.restart_clock()
-        if checkpoint_now:
-            self._at(step, "checkpoint")
-            self.state.train_time_s = self.elapsed_s()
-            self.checkpoints.save(self.state)
-            self.metrics.restart_clock()
-        if verdict.signal:
-            return ended(
-                self,
-                Status.PREEMPTED,
-                signal=signal.Signals(verdict.signal).name,
-                message=f"{signal.Signals(verdict.signal).name} at step {step}: the ranks "
-                "checkpointed and exited",
-            )
-        if verdict.stop:
-            return ended(self, Status.STOPPED)
-        return Status.COMPLETED if final else None
-
-    def _finish(self, status: Status, steps0: int, samples0: int, tokens0: int) -> dict[str, Any]:
-        self._at(self.state.step, "finishing")
-        session_time = sum(self.step_times) or 1e-9
-        tokens = self.state.tokens - tokens0
-        fields = summary_fields(
-            self,
-            samples_per_s=(self.state.samples - samples0) / session_time,
-            tokens_per_s=tokens / session_time if tokens else None,
-            steps_run=self.state.step - steps0,
-        )
-        if status is not Status.DIVERGED:
-            check_replicas(self, fields)
-            fields["weights_sha256"] = export_weights(self)
-            value = self.task.rank_value(self.parallel.model, self.cfg)
-            if value is not None:
-                save_rank_value(self.run, self.rank, value)
-        fields["checkpoints"] = self.checkpoints.finish()  # waits for a write still in flight
-        if self.compiled.on:
-            fields["compile"] = tell_report(self)
-        if self.main:
-            self.run.set_status(status, **running_fields(self), **fields, ending=self.ending)
-            self.run.write_timings(self.step_times)
-            if status is Status.COMPLETED:
-                self.run.event("completed", step=self.state.step)
-        self.accelerator.wait_for_everyone()
-        return fields
-
     # ---- pieces ----------------------------------------------------------------------------------
-    def _build_model(self) -> torch.nn.Module:
-        """The task's model, identical on every rank (one seed), and what it tells about itself."""
-        cfg, task = self.cfg, self.task
-        set_seed(cfg.seed)
-        model = task.build_model(cfg)
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"{type(task).__name__}.build_model returned {type(model).__name__}, not a "
-                "torch.nn.Module"
-            )
-        check_trainable(task, model)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.flops = ModelFlops.of(
-            task, cfg, model, self.device, self.world
-        )  # before the dtype probe's hook
-        self.tokens_per_sample = task.tokens_per_sample(cfg)
-        if cfg.pp == 1:  # a pipeline rank probes its own chunks once they exist (__init__)
-            self.compute_dtype = first_leaf_dtype(model, compiled=cfg.compile != "off")
-        return model
-
     def _track_this_step(self) -> bool:
         """track_memory watches the session's second step (steady state), or its only one."""
         if not self.cfg.track_memory or self.tracked_memory is not None:
@@ -431,29 +346,6 @@ class Trainer:
     def elapsed_s(self) -> float:
         """Training time over all sessions of the run."""
         return self.prior_time + sum(self.step_times)
-
-    def _progress_bar(self) -> Any:
-        if not (self.progress and self.main):
-            return None
-        # Plain text, not tqdm.auto: a rank is a forked process and can't drive the kernel's
-        # widgets; its stderr still reaches the notebook through the kernel's captured file
-        # descriptors.
-        from tqdm import tqdm
-
-        return tqdm(
-            total=self.cfg.max_steps,
-            initial=self.state.step,
-            desc=f"{self.cfg.task} x{self.world}",
-            unit="step",
-            dynamic_ncols=True,
-        )
-
-    def _hold_lock(self) -> str | None:
-        """A run launched by workbench is locked by its launcher; one started by hand (multi-node,
-        --prepare-only) is locked by rank 0 for as long as it runs."""
-        if not self.main or lock.held_by(self.run, os.environ.get("WORKBENCH_LOCK_TOKEN")):
-            return None
-        return lock.acquire(self.run)
 
     def _resume(self) -> str:
         self.state, ckpt = self.checkpoints.resume()

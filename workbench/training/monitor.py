@@ -4,9 +4,9 @@ thread.
 Every rank runs one `DeviceMonitor`. Its daemon thread samples every `monitor_interval_s`:
 
 - on a GPU, through NVML (the `pynvml` module of the optional `nvidia-ml-py` package) for this
-  rank's device:
-  utilisation %, memory used (the whole device's, as nvidia-smi shows it), power in W, temperature
-  in C; without pynvml, only the memory PyTorch's allocator reserves (one warning per process);
+  rank's device: utilisation %, memory used (the whole device's, as nvidia-smi shows it), power in
+  W, temperature in C; without pynvml, only the memory PyTorch's allocator reserves (one warning per
+  process);
 - always, with psutil: this process's CPU % (100 per busy core, so it can exceed 100) and resident
   memory.
 
@@ -15,20 +15,26 @@ each log step and sends it with the metrics all-gather it does anyway (training/
 thread never calls a collective or touches CUDA streams, and holds its lock only to add numbers: the
 step never waits on it. A rank whose GPU stays under `idle_util_pct` for `idle_after_s` gets one
 'gpu_idle' event per episode (idle GPUs are the first waste the cost guides name); it re-arms once
-the GPU is busy again.
+the GPU is busy again. The samplers themselves (NVML, PyTorch's allocator, psutil) are in
+device_samplers.py.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import psutil
+from workbench.training.device_samplers import (
+    NAN,
+    NvmlSampler,
+    ProcessSampler,
+    TorchMemorySampler,
+    load_nvml,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +50,6 @@ PEAKS = ("gpu_mem_used_bytes", "gpu_temp_c", "rss_bytes")
 """Levels, reported as the window's maximum (what came close to a limit); the rates are the window's
 mean."""
 BYTES = ("gpu_mem_used_bytes", "rss_bytes")
-NAN = float("nan")
 IDLE_ADVICE = (
     "the GPU waits on something else: data loading (raise num_workers, pre-tokenise), CPU-side "
     "work in the step, evaluation or checkpoints, or a slower peer rank; an idle GPU is paid for "
@@ -52,149 +57,6 @@ IDLE_ADVICE = (
 )
 
 _missing_warned = False
-
-
-def load_nvml() -> Any:
-    """The pynvml module, or None when nvidia-ml-py isn't installed (imported here only: an optional
-    extra)."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    return pynvml
-
-
-def nvml_target(device_index: int, visible: str | None) -> int | str:
-    """The GPU that CUDA calls `device_index`, as NVML knows it: an NVML index, or a UUID (prefix).
-
-    NVML numbers every GPU of the machine; CUDA only those CUDA_VISIBLE_DEVICES lists, in its order,
-    by index or by UUID. (CUDA's default order is fastest-first, NVML's is PCI: on a mixed machine
-    they can differ; the UUID torch reports is tried first for that reason, see `NvmlSampler`.)
-    """
-    entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
-    if visible is None or not entries:
-        return device_index
-    if device_index >= len(entries):
-        raise LookupError(
-            f"CUDA device {device_index} is not among CUDA_VISIBLE_DEVICES={visible!r}"
-        )
-    entry = entries[device_index]
-    return int(entry) if entry.isdigit() else entry
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class NvmlSampler:
-    """One GPU through NVML. Readings a GPU doesn't support (power on some boards) are NaN, not
-    errors."""
-
-    def __init__(self, nvml: Any, device_index: int) -> None:
-        self.nvml = nvml
-        nvml.nvmlInit()
-        try:
-            self.handle = self._handle(device_index)
-        except Exception:
-            nvml.nvmlShutdown()
-            raise
-
-    def _handle(self, device_index: int) -> Any:
-        nvml = self.nvml
-        uuid = _torch_uuid(device_index)
-        if uuid:
-            try:
-                return nvml.nvmlDeviceGetHandleByUUID(uuid)
-            except nvml.NVMLError:
-                pass  # a MIG slice or an old driver: fall back to CUDA_VISIBLE_DEVICES
-        target = nvml_target(device_index, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if isinstance(target, int):
-            return nvml.nvmlDeviceGetHandleByIndex(target)
-        for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            if _text(nvml.nvmlDeviceGetUUID(handle)).startswith(
-                target
-            ):  # CUDA accepts unique prefixes too
-                return handle
-        raise LookupError(
-            f"no GPU with UUID {target!r} (CUDA_VISIBLE_DEVICES) among NVML's devices"
-        )
-
-    def _read(self, call: Callable[[], float]) -> float:
-        try:
-            return float(call())
-        except self.nvml.NVMLError:
-            return NAN
-
-    def sample(self) -> dict[str, float]:
-        nvml, h = self.nvml, self.handle
-        return {
-            "gpu_util_pct": self._read(lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu),
-            "gpu_mem_used_bytes": self._read(lambda: nvml.nvmlDeviceGetMemoryInfo(h).used),
-            "gpu_power_w": self._read(
-                lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0
-            ),  # milliwatts
-            "gpu_temp_c": self._read(
-                lambda: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
-            ),
-        }
-
-    def close(self) -> None:
-        try:
-            self.nvml.nvmlShutdown()
-        except self.nvml.NVMLError:
-            pass
-
-
-def _torch_uuid(device_index: int) -> str | None:
-    """'GPU-<uuid>' of CUDA device `device_index` as torch sees it (None without CUDA or an old
-    torch)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
-    return f"GPU-{uuid}" if uuid else None
-
-
-class TorchMemorySampler:
-    """Without pynvml: the memory PyTorch's allocator reserves on the device (no utilisation, power
-    or heat)."""
-
-    def __init__(self, device_index: int) -> None:
-        self.device_index = device_index
-
-    def sample(self) -> dict[str, float]:
-        import torch
-
-        # Allocator bookkeeping only: no CUDA call, nothing that could wait on the training stream.
-        return {"gpu_mem_used_bytes": float(torch.cuda.memory_reserved(self.device_index))}
-
-    def close(self) -> None:
-        pass
-
-
-class ProcessSampler:
-    """This process: CPU % since the previous sample (all threads; > 100 on several cores) and
-    RSS."""
-
-    def __init__(self) -> None:
-        self.process = psutil.Process()
-        self.first = True
-
-    def sample(self) -> dict[str, float]:
-        cpu = self.process.cpu_percent(None)
-        first, self.first = (
-            self.first,
-            False,
-        )  # the first call only starts psutil's clock: no CPU % yet
-        return {
-            "cpu_pct": NAN if first else cpu,
-            "rss_bytes": float(self.process.memory_info().rss),
-        }
-
-    def close(self) -> None:
-        pass
 
 
 class _Window:
@@ -258,10 +120,8 @@ class DeviceMonitor:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._idle_since: float | None = None
-        self._idle_sum, self._idle_samples = (
-            0.0,
-            0,
-        )  # the episode's mean, without keeping every sample
+        # the episode's mean, without keeping every sample
+        self._idle_sum, self._idle_samples = 0.0, 0
         self._warned = False
 
     # ---- the training thread's side --------------------------------------------------------------
@@ -341,9 +201,8 @@ class DeviceMonitor:
         try:
             samplers = self._open()
             self._ready.set()
-            while (
-                True
-            ):  # a first sample at once: even a run's first window has its GPU memory and RSS
+            # a first sample at once: even a run's first window has its GPU memory and RSS
+            while True:
                 try:
                     self.sample_once(samplers)
                 except Exception:  # noqa: BLE001
@@ -406,9 +265,8 @@ class DeviceMonitor:
         if self.on_idle is not None:
             try:
                 self.on_idle(event)
-            except (
-                OSError
-            ) as e:  # a full disk must not stop the sampling (the warning is logged above)
+            except OSError as e:
+                # a full disk must not stop the sampling (the warning is logged above)
                 log.warning("rank %d: could not record the gpu_idle event: %s", self.rank, e)
 
 

@@ -68,9 +68,8 @@ def wait_for_forked_siblings(timeout_s: float = SIBLINGS_TIMEOUT_S) -> None:
     `timeout_s`)."""
     if _forked_siblings is None:
         return
-    with contextlib.suppress(
-        threading.BrokenBarrierError
-    ):  # one never came: the process group says which
+    with contextlib.suppress(threading.BrokenBarrierError):
+        # one never came: the process group says which
         _forked_siblings.wait(timeout_s)
 
 

@@ -4,12 +4,10 @@
   loop's stop vote (stop_vote.py) makes every rank stop on the same step, checkpoint and exit
   ('preempted').
 - Before the watch exists, utils/preemption.py keeps such a signal (`early`). The watch takes it
-  over, and
-  the ranks agree as it starts: if any got one, every rank leaves before training with nothing to
-  checkpoint (PreemptedBeforeTraining), and rank 0 records 'preempted'.
+  over, and the ranks agree as it starts: if any got one, every rank leaves before training with
+  nothing to checkpoint (PreemptedBeforeTraining), and rank 0 records 'preempted'.
 - A background thread rewrites ranks/rank_<r>.json every few seconds (pid, host, step, phase), so
-  readers
-  can tell a live run from one whose processes are gone.
+  readers can tell a live run from one whose processes are gone.
 - After a signal, a rank that doesn't finish within preempt_grace_s is stuck (in user code, or in a
   collective whose peer is stuck): it dumps every thread's Python stack to stacks/rank_<r>.txt,
   records a 'Hung' error naming where it was, and ends. That is how a hang is told from the timeouts

@@ -64,7 +64,7 @@ def running_fields(t: Trainer) -> dict[str, Any]:
         "tp": t.cfg.tp,
         "mesh": t.dims.sizes,
         "precision": t.cfg.precision,
-        "device": hw.describe(t.device.type),
+        "device": hw.device_line(t.device.type),
         "device_class": hw.device_class if cuda else "cpu",
         "global_batch_size": t.global_batch,
         "micro_batch_size": t.cfg.micro_batch_size,

@@ -181,9 +181,8 @@ def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
 
     buffer = io.BytesIO()
     try:
-        torch.save(
-            value, buffer
-        )  # may already fail: pickle can't store everything (bound hooks, lambdas)
+        # may already fail: pickle can't store everything (bound hooks, lambdas)
+        torch.save(value, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:  # noqa: BLE001  (pickle's errors vary by what it met)
         raise TypeError(

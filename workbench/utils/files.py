@@ -141,10 +141,8 @@ def append_jsonl(path: Path, obj: dict[str, Any]) -> None:
     line = (json.dumps(obj, default=str) + "\n").encode("utf-8")
     # One write() on an O_APPEND file: a crash leaves whole lines plus at most one torn last line.
     try:  # read too: the last byte tells whether a crash tore the last line
-        fd, readable = (
-            os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666),
-            True,
-        )  # less the umask
+        # less the umask
+        fd, readable = (os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666), True)
     except PermissionError:  # a file we may only append to
         fd, readable = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666), False
     try:
@@ -261,9 +259,8 @@ def load_yaml(text: str, source: str) -> Any:
     """Parse YAML text safely (no aliases); ValueError naming `source`, line and column for any
     problem."""
     try:
-        return yaml.load(
-            text, Loader=_BoundedLoader
-        )  # a SafeLoader subclass: as safe as yaml.safe_load
+        # a SafeLoader subclass: as safe as yaml.safe_load
+        return yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

@@ -108,7 +108,9 @@ class Hardware:
             return "bf16 needs compute capability 8.0+ (A100 and newer); use fp16 or fp32"
         return None
 
-    def describe(self, device: str) -> str:
+    def device_line(self, device: str) -> str:
+        """`device` ('cpu' or 'cuda') on this machine in one line: '2 x NVIDIA H100 80GB HBM3' or
+        'CPU (16 cores)' (a planned target's own words when it is one)."""
         if self.planned:
             return self.planned
         if device == "cuda" and self.gpus:

@@ -142,10 +142,8 @@ class JsonlRows:
         self._torn: dict[str, Any] | None = None  # the unended last line, when it parsed
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "shared": self.shared,
-        }  # the rows are read again where it is unpickled (and a lock
+        # the rows are read again where it is unpickled (and a lock
+        return {"path": self.path, "shared": self.shared}
         # does not pickle)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -185,9 +183,8 @@ class JsonlRows:
             while True:
                 f.seek(self._offset)
                 data = f.read(JSONL_CHUNK)
-                while b"\n" not in data and (
-                    more := f.read(JSONL_CHUNK)
-                ):  # a line longer than a chunk
+                while b"\n" not in data and (more := f.read(JSONL_CHUNK)):
+                    # a line longer than a chunk
                     data += more
                 cut = data.rfind(b"\n") + 1
                 if cut:
@@ -197,9 +194,8 @@ class JsonlRows:
                     self._rows.extend(rows)
                     self._offset += cut
                     self._lines += lines
-                if (
-                    len(data) < JSONL_CHUNK or not cut
-                ):  # the end of the file: what is left has no end yet
+                if len(data) < JSONL_CHUNK or not cut:
+                    # the end of the file: what is left has no end yet
                     rest = data[cut:]
                     break
         self._torn = _parse_object(rest)[0] if rest.strip() else None
@@ -210,9 +206,8 @@ class JsonlRows:
             for row in rows:
                 value = row.get(key)
                 if type(value) is list and value:
-                    with contextlib.suppress(
-                        TypeError
-                    ):  # not strings (a hand-made row): left as they are
+                    with contextlib.suppress(TypeError):
+                        # not strings (a hand-made row): left as they are
                         value[:] = map(same, value, value)
 
 
@@ -236,9 +231,8 @@ def tail_jsonl(
             before = f.read(1) if start > 0 else b"\n"
             lines = (f.read(end - start) + cut).split(b"\n")
             cut = b""
-            if (
-                before != b"\n"
-            ):  # begins inside a line: joined to the block before, or left out at the limit
+            if before != b"\n":
+                # begins inside a line: joined to the block before, or left out at the limit
                 cut = lines.pop(0)
             for line in reversed(lines):
                 row = _parse_object(line)[0] if line.strip() else None
@@ -284,9 +278,8 @@ def sample_lines(
             if not cut:
                 # the file was cut short meanwhile (it is replaced, never truncated, by workbench)
                 break
-            if (
-                take_first
-            ):  # an even point fell on the previous chunk's last line end: this chunk's first line
+            if take_first:
+                # an even point fell on the previous chunk's last line end: this chunk's first line
                 picked[pos], take_first = data[: data.find(b"\n")], False
             while targets and targets[0] < pos + cut:
                 at = targets.pop(0) - pos

@@ -10,9 +10,8 @@ from typing import Any
 def kernel_shell() -> Any:
     """The IPython shell when running inside a Jupyter kernel (papermill included), else None."""
     ipython = sys.modules.get("IPython")
-    if (
-        ipython is None
-    ):  # never imported: certainly not in a kernel, and importing it would cost time
+    if ipython is None:
+        # never imported: certainly not in a kernel, and importing it would cost time
         return None
     shell = ipython.get_ipython()
     return shell if shell is not None and getattr(shell, "kernel", None) is not None else None

@@ -6,15 +6,14 @@ SIGTERM (schedulers, Kubernetes, cloud preemption), SIGHUP and cfg.preempt_signa
 USR1) mean "preempted: checkpoint and exit now". The path of one such signal:
 
 - caller side: `workbench train` keeps it while it checks and prepares (`before_launch`), so the
-  launch ends
-  preempted without starting ranks, or forwards it once they are there; Run.wait forwards it to the
-  ranks and delivers it to its own process again once they are gone; the fork-mode supervisor passes
-  it to its ranks and keeps it (`early`) for the ones it forks later. A signal the process ignores
-  (nohup's SIGHUP) stays ignored.
+  launch ends preempted without starting ranks, or forwards it once they are there; Run.wait
+  forwards it to the ranks and delivers it to its own process again once they are gone; the
+  fork-mode supervisor passes it to its ranks and keeps it (`early`) for the ones it forks later. A
+  signal the process ignores (nohup's SIGHUP) stays ignored.
 - rank side: kept (`early`) from the rank's first instruction until the trainer's RankWatch takes it
-  over; the
-  RankWatch raises the flag the ranks vote on (training/stop_vote.py), so every rank stops on the
-  same step, checkpoints and exits: the run ends 'preempted' (exit code 75 from `workbench train`).
+  over; the RankWatch raises the flag the ranks vote on (training/stop_vote.py), so every rank stops
+  on the same step, checkpoints and exits: the run ends 'preempted' (exit code 75 from `workbench
+  train`).
 """
 
 from __future__ import annotations

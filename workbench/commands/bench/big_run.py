@@ -1,12 +1,12 @@
 """`workbench bench big-run`: what reading a run of 200,000 logged steps costs, for each way a user
 looks at one.
 
-A synthetic run directory is written first: a completed digits run on 2 ranks whose metrics.jsonl
-holds `rows` training rows shaped as a real run's (the keys, value types and sizes of a digits run's
-rows: per-rank memory and step-time breakdown, the verdicts, ~1.1 KB a row) and an eval row every
-`eval_every` steps. Then each reader is timed on it, each in a fresh fork of this process (so one's
-memory or caches never help the next), with the peak memory it added (the resident high-water mark,
-reset at its start):
+A synthetic run directory is written first (synthetic_run.py): a completed digits run on 2 ranks
+whose metrics.jsonl holds `rows` training rows shaped as a real run's (the keys, value types and
+sizes of a digits run's rows: per-rank memory and step-time breakdown, the verdicts, ~1.1 KB a row)
+and an eval row every `eval_every` steps. Then each reader is timed on it, each in a fresh fork of
+this process (so one's memory or caches never help the next), with the peak memory it added (the
+resident high-water mark, reset at its start):
 
 - `workbench status RUN_DIR`, a subprocess of its own: start-up and imports included, as a user runs
   it;
@@ -14,8 +14,7 @@ reset at its start):
 - RunResult.metrics, first access and second (parsed once, then kept);
 - RunResult.plot() and its PNG, what a notebook cell shows;
 - the Dashboard's first view (built, numbers and figure), its imports (matplotlib, ipywidgets) done
-  before, as in a
-  kernel that shows dashboards.
+  before, as in a kernel that shows dashboards.
 
 Targets (issue 35): status and the dashboard's first view within 1 s, RunResult.metrics within 3 s,
 its memory within 3x the file's size.
@@ -26,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -37,106 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from workbench.commands.bench.results import write_result
+from workbench.commands.bench.synthetic_run import EVAL_EVERY, ROWS, write_big_run
 
-ROWS = 200_000
-EVAL_EVERY = 1000
 TARGET_S = {"status": 1.0, "dashboard_first_view": 1.0, "metrics_first": 3.0}
 """The most seconds each may take on a 200k-row run (issue 35)."""
 MEMORY_TARGET = 3.0
 """RunResult.metrics may add at most this many times the file's size in memory."""
-VERDICT = (
-    "communication-bound: 62% of the step in gradient all-reduce not hidden by compute; try "
-    "gradient accumulation (fewer all-reduces per sample), bf16 compression (grad_compression) or "
-    "zero2"
-)
-"""The verdict a 2-rank CPU digits run logs on most rows (copied from one)."""
-
-
-def write_big_run(run_dir: Path, rows: int = ROWS, eval_every: int = EVAL_EVERY) -> Path:
-    """A completed 2-rank digits run in `run_dir` whose metrics.jsonl holds `rows` training rows
-    shaped as a real run's, and an eval row every `eval_every` steps; returns metrics.jsonl's
-    path."""
-    from workbench.config import RunConfig
-    from workbench.rundir import RunDir, Status
-    from workbench.rundir.metrics_row import MetricsRow
-    from workbench.utils.files import write_json
-
-    run = RunDir(run_dir)
-    run.path.mkdir(parents=True, exist_ok=True)
-    run.write_config(
-        RunConfig(
-            task="digits",
-            num_processes=2,
-            max_steps=rows,
-            log_every=1,
-            seed=0,
-            runs_dir=str(run.path.parent),
-            run_name=run.name,
-        )
-    )
-    rnd, elapsed, lines = random.Random(0), 0.0, []
-    for step in range(1, rows + 1):
-        step_s = 0.009 * (1 + 0.2 * rnd.random())
-        ms = [1000 * step_s, 1000 * step_s * (1 + 0.05 * rnd.random())]
-        row = {
-            "step": step,
-            "epoch": step // 14,
-            "loss": 2.3 * 0.9999**step + 0.05 * rnd.random(),
-            "lr": 1e-3 * (1 - step / (rows + 1)),
-            "step_time_s": step_s,
-            "samples_per_s": 128 / step_s,
-            "peak_memory_bytes": 301_379_584 + rnd.randrange(1 << 20),
-            "peak_memory_bytes_per_rank": [301_379_584 + rnd.randrange(1 << 20), 295_436_288],
-            "skipped_steps": 0,
-            "params_bytes_per_rank": [104_488, 104_488],
-            "grads_bytes_per_rank": [104_488, 104_488],
-            "optimizer_bytes_per_rank": [209_000, 209_000],
-            "samples": 128 * step,
-            "elapsed_s": elapsed,
-            "eta_s": step_s * (rows - step),
-            "step_time_ms_per_rank": ms,
-            "data_ms_per_rank": [rnd.random(), rnd.random()],
-            "compute_ms_per_rank": [1.3 + rnd.random(), 1.2 + rnd.random()],
-            "comm_ms_per_rank": [5.3 + rnd.random(), 5.1 + rnd.random()],
-            "optimizer_ms_per_rank": [1.1 + rnd.random() / 10, 0.9 + rnd.random() / 10],
-            "other_ms_per_rank": [0.17, 0.12],
-            "comm_measured": True,
-            "verdicts": [VERDICT],
-            "rss_bytes_per_rank": [283_652_096, 277_905_408],
-            "grad_norm": 0.2 + rnd.random() / 10,
-            "schema_version": 1,
-        }
-        elapsed += step_s
-        lines.append(json.dumps(row))
-        if step % eval_every == 0 or step == rows:
-            lines.append(
-                json.dumps(
-                    {
-                        "step": step,
-                        "eval_loss": 2.3 * 0.9999**step + 0.01,
-                        "eval_accuracy": min(1.0, step / rows),
-                        "schema_version": 1,
-                    }
-                )
-            )
-    assert MetricsRow.from_dict(json.loads(lines[0])).to_dict() == json.loads(lines[0]), (
-        "a row of the schema"
-    )
-    run.metrics_path.write_text("\n".join(lines) + "\n")
-    run.event("started", step=0)
-    run.set_status(
-        Status.COMPLETED,
-        world_size=2,
-        parallelism="ddp",
-        precision="fp32",
-        steps=rows,
-        final_loss=json.loads(lines[-2])["loss"],
-        global_batch_size=128,
-        samples_per_s=12_000.0,
-    )
-    run.event("completed", step=rows)
-    write_json(run.path / "timings.json", {"step_time_s": []})
-    return run.metrics_path
 
 
 @dataclass
@@ -354,27 +258,7 @@ def big_run(
         run_dir = folder / "big-run"
         path = write_big_run(run_dir, rows, eval_every)
         report = BigRunReport(rows=rows, file_bytes=path.stat().st_size)
-        report.measured.append(_status(run_dir))
-        row = _in_a_fork(lambda: _last_row(run_dir))
-        report.measured.append(Measured("last_train_row", row["seconds"], row["peak_added_bytes"]))
-        got = _in_a_fork(lambda: _metrics(run_dir))
-        report.measured += [
-            Measured(
-                "metrics_first", got["seconds"], got["peak_added_bytes"], f"{got['rows']:,} rows"
-            ),
-            Measured("metrics_second", got["second"], None, "the same object again"),
-        ]
-        drawn = _in_a_fork(lambda: _plot(run_dir))
-        report.measured.append(Measured("plot_png", drawn["seconds"], drawn["peak_added_bytes"]))
-        dash = _in_a_fork(lambda: _dashboard(run_dir))
-        report.measured.append(
-            Measured(
-                "dashboard_first_view",
-                dash["seconds"],
-                dash["peak_added_bytes"],
-                f"{dash['rows']:,} rows read, {dash['figures']} figure",
-            )
-        )
+        report.measured += _readers(run_dir)
     if json_path is not None:
         write_result(
             json_path,
@@ -388,3 +272,27 @@ def big_run(
             },
         )
     return report
+
+
+def _readers(run_dir: Path) -> list[Measured]:
+    """Each reader timed on the run in `run_dir`, in the module docstring's order."""
+    measured = [_status(run_dir)]
+    row = _in_a_fork(lambda: _last_row(run_dir))
+    measured.append(Measured("last_train_row", row["seconds"], row["peak_added_bytes"]))
+    got = _in_a_fork(lambda: _metrics(run_dir))
+    measured += [
+        Measured("metrics_first", got["seconds"], got["peak_added_bytes"], f"{got['rows']:,} rows"),
+        Measured("metrics_second", got["second"], None, "the same object again"),
+    ]
+    drawn = _in_a_fork(lambda: _plot(run_dir))
+    measured.append(Measured("plot_png", drawn["seconds"], drawn["peak_added_bytes"]))
+    dash = _in_a_fork(lambda: _dashboard(run_dir))
+    measured.append(
+        Measured(
+            "dashboard_first_view",
+            dash["seconds"],
+            dash["peak_added_bytes"],
+            f"{dash['rows']:,} rows read, {dash['figures']} figure",
+        )
+    )
+    return measured

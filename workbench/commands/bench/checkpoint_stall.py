@@ -154,7 +154,7 @@ def checkpoint_stall(
             "checkpoint_every=2 with max_steps=16"
         )
     hw = detect()
-    report = CheckpointReport(device=hw.describe(resolve_device(cfg, hw)), config=cfg.to_dict())
+    report = CheckpointReport(device=hw.device_line(resolve_device(cfg, hw)), config=cfg.to_dict())
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for i, layout in enumerate(layouts):
             for arm in list(ARMS) if i % 2 == 0 else list(reversed(ARMS)):

@@ -11,10 +11,12 @@ eager, cold, warm in that order, each layout in turn.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ddp": {"parallelism": "ddp"},
     "zero3": {"parallelism": "zero3"},
     "tp": {"parallelism": "zero3", "tp": 2},
-    "pp": {
-        "parallelism": "ddp",
-        "pp": 2,
-        "pp_schedule": "1f1b",
-        "grad_accum_steps": 2,
-    },  # 1F1B: micro-batches >= pp
+    # 1F1B: micro-batches >= pp
+    "pp": {"parallelism": "ddp", "pp": 2, "pp_schedule": "1f1b", "grad_accum_steps": 2},
     # The issue's first row: one process on every core (spawned: a forked rank keeps one OpenMP
     # thread), micro-batch 16.
     "one": {"num_processes": 1, "micro_batch_size": 16, "start_method": "spawn"},
@@ -135,60 +133,73 @@ def compile_bench(
     rows: list[CompileRow] = []
     floors: dict[int, Floor] = {}
     """By threads per rank: the model is the same in every layout."""
-    saved = {k: os.environ.get(k) for k in ("WORKBENCH_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    with tempfile.TemporaryDirectory(prefix="wb-bench-compile-") as tmp:
-        try:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            for layout in layouts:
-                if layout not in LAYOUTS:
-                    raise ValueError(f"layout {layout!r}: choose from {', '.join(LAYOUTS)}")
-                base = cfg.replace(runs_dir=str(Path(tmp) / "runs"), **LAYOUTS[layout])
-                cache = Path(tmp) / f"cache-{layout}"
-                os.environ["WORKBENCH_CACHE_DIR"] = str(cache)
-                shutil.rmtree(cache, ignore_errors=True)
-                eager = launch(base.replace(compile="off", run_name=f"{layout}-eager"))
-                threads = int(eager.summary["ranks"][0]["torch_threads"])
-                # Timed between runs, while no rank runs, with the threads the layout's ranks had.
-                if threads not in floors:
-                    floors[threads] = matmul_floor(base, threads)
-                cold = launch(base.replace(run_name=f"{layout}-cold"))
-                warm = launch(base.replace(run_name=f"{layout}-warm"))
-                report = warm.summary.get("compile") or {}
-                diffs = [
-                    abs(a - b) / max(abs(b), 1e-12)
-                    for a, b in zip(_losses(warm.metrics), _losses(eager.metrics), strict=True)
-                ]
-                (eager_first, eager_ms), (warm_first, compiled_ms) = (
-                    _step_times(eager.run_dir),
-                    _step_times(warm.run_dir),
-                )
-                rows.append(
-                    CompileRow(
-                        layout=layout,
-                        eager_ms=eager_ms,
-                        compiled_ms=compiled_ms,
-                        speedup=eager_ms / compiled_ms,
-                        first_step_cold_s=_step_times(cold.run_dir)[0],
-                        first_step_warm_s=warm_first,
-                        eager_first_step_s=eager_first,
-                        graphs=int(report.get("graphs", 0)),
-                        graph_breaks=sum((report.get("graph_breaks") or {}).values()),
-                        max_loss_rel_diff=max(diffs, default=0.0),
-                        matmul_floor_ms=floors[threads].step_ms(
-                            eager.summary["global_batch_size"], base.num_processes
-                        ),
-                        ranks=base.num_processes,
-                        threads=threads,
-                    )
-                )
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    with (
+        tempfile.TemporaryDirectory(prefix="wb-bench-compile-") as tmp,
+        _environment_kept("WORKBENCH_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"),
+    ):
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        for layout in layouts:
+            if layout not in LAYOUTS:
+                raise ValueError(f"layout {layout!r}: choose from {', '.join(LAYOUTS)}")
+            rows.append(_layout_row(cfg, layout, Path(tmp), floors))
     rates = dict.fromkeys(f"{f.rate / 1e9:.0f} GFLOP/s ({f.rate_source})" for f in floors.values())
     result = CompileReport(rows=rows, config=cfg.to_dict(), matmul_rate="; ".join(rates))
     if json_path is not None:
         write_result(json_path, {**asdict(result), "ceilings": [r.ceiling for r in rows]})
     return result
+
+
+@contextlib.contextmanager
+def _environment_kept(*keys: str) -> Iterator[None]:
+    """The environment variables `keys` as they were before, once the block ends."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _layout_row(cfg: RunConfig, layout: str, tmp: Path, floors: dict[int, Floor]) -> CompileRow:
+    """`layout` eager, then compiled with an empty inductor cache (cold) and with it kept (warm);
+    times the matmul floor into `floors` for a thread count not seen yet."""
+    base = cfg.replace(runs_dir=str(tmp / "runs"), **LAYOUTS[layout])
+    cache = tmp / f"cache-{layout}"
+    os.environ["WORKBENCH_CACHE_DIR"] = str(cache)
+    shutil.rmtree(cache, ignore_errors=True)
+    eager = launch(base.replace(compile="off", run_name=f"{layout}-eager"))
+    threads = int(eager.summary["ranks"][0]["torch_threads"])
+    # Timed between runs, while no rank runs, with the threads the layout's ranks had.
+    if threads not in floors:
+        floors[threads] = matmul_floor(base, threads)
+    cold = launch(base.replace(run_name=f"{layout}-cold"))
+    warm = launch(base.replace(run_name=f"{layout}-warm"))
+    report = warm.summary.get("compile") or {}
+    diffs = [
+        abs(a - b) / max(abs(b), 1e-12)
+        for a, b in zip(_losses(warm.metrics), _losses(eager.metrics), strict=True)
+    ]
+    (eager_first, eager_ms), (warm_first, compiled_ms) = (
+        _step_times(eager.run_dir),
+        _step_times(warm.run_dir),
+    )
+    return CompileRow(
+        layout=layout,
+        eager_ms=eager_ms,
+        compiled_ms=compiled_ms,
+        speedup=eager_ms / compiled_ms,
+        first_step_cold_s=_step_times(cold.run_dir)[0],
+        first_step_warm_s=warm_first,
+        eager_first_step_s=eager_first,
+        graphs=int(report.get("graphs", 0)),
+        graph_breaks=sum((report.get("graph_breaks") or {}).values()),
+        max_loss_rel_diff=max(diffs, default=0.0),
+        matmul_floor_ms=floors[threads].step_ms(
+            eager.summary["global_batch_size"], base.num_processes
+        ),
+        ranks=base.num_processes,
+        threads=threads,
+    )

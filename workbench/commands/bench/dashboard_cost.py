@@ -176,7 +176,7 @@ def dashboard_cost(
 
     hw = detect()
     report = DashboardReport(
-        device=hw.describe(resolve_device(cfg, hw)),
+        device=hw.device_line(resolve_device(cfg, hw)),
         cores=hw.cpu_count,
         steps=steps,
         pairs=pairs,

@@ -215,7 +215,7 @@ def estimate_accuracy(
     if measured:
         device = _measure(rows, shapes, layouts, hw)
     report = EstimateReport(
-        device=hw.describe(device), rows=rows, cited=cited_rows(ids=cited_ids) if cited else []
+        device=hw.device_line(device), rows=rows, cited=cited_rows(ids=cited_ids) if cited else []
     )
     cited_dicts = [as_dict(r) for r in report.cited]
     if json_path is not None:  # the published runs alone: they are the result's rows

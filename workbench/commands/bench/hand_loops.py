@@ -5,12 +5,13 @@ per-step vote, no hang watchdog. Each mirrors the trainer's numerics exactly (in
 dropout seed, LR schedule, clipping, AdamW, the layout's own reductions), so its final weights can
 be compared with the trainer's bit for bit:
 
-    ddp    Accelerate: prepare (DDP), its backward and clip_grad_norm_ zero3  FSDP2: fully_shard on
-    each repeated block, then the root (reshard after forward); clip_grad_norm_ on the sharded
-    DTensor gradients tp     parallelize_module with the task's plan over all ranks; every rank sees
-    the same batches pp     one PipelineStage per rank, Schedule1F1B over grad_accum_steps
-    micro-batches; a tied parameter's gradients summed between the stages holding it, the norm
-    summed over the stages
+    ddp    Accelerate: prepare (DDP), its backward and clip_grad_norm_
+    zero3  FSDP2: fully_shard on each repeated block, then the root (reshard after forward);
+           clip_grad_norm_ on the sharded DTensor gradients
+    tp     parallelize_module with the task's plan over all ranks; every rank sees the same batches
+    pp     one PipelineStage per rank, Schedule1F1B over grad_accum_steps micro-batches; a tied
+           parameter's gradients summed between the stages holding it, the norm summed over the
+           stages
 
 What a loop takes from workbench is what a user would take from a library: the task (model, data,
 loss, TP plan, stages, LR schedule), the optimizer factory, the data-parallel mesh, and for TP the
@@ -125,9 +126,8 @@ def _zero3(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module)
     for block in shard_units(model, task):
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    optimizer = build_optimizer(
-        model, cfg, task
-    )  # after sharding: over the sharded DTensor parameters
+    # after sharding: over the sharded DTensor parameters
+    optimizer = build_optimizer(model, cfg, task)
 
     def step(batches: Iterator[Any]) -> None:
         _accumulate(cfg, task, model, batches, acc.device)
@@ -155,9 +155,8 @@ def _tp(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module) ->
         if cfg.grad_clip > 0:
             clip_mixed_grad_norm_(params, cfg.grad_clip)
 
-    return HandRun(
-        optimizer, step, lambda: _gathered(model)
-    )  # one TP group: every rank sees the same batches
+    # one TP group: every rank sees the same batches
+    return HandRun(optimizer, step, lambda: _gathered(model))
 
 
 def _tied_copies(
@@ -245,9 +244,8 @@ def _pp(cfg: RunConfig, task: Task, acc: Accelerator, model: torch.nn.Module) ->
         if cfg.grad_clip > 0:
             _clip_stages(stage, tied, cfg.grad_clip)
 
-    return HandRun(
-        optimizer, step, lambda: _stages_gathered(stage)
-    )  # the stages of one pipeline share batches
+    # the stages of one pipeline share batches
+    return HandRun(optimizer, step, lambda: _stages_gathered(stage))
 
 
 def _batches(cfg: RunConfig, dataset: Any, rank: int, world: int, collate_fn: Any) -> Iterator[Any]:

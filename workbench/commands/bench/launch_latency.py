@@ -146,9 +146,8 @@ def launch_latency(
     report = LaunchReport()
     with tempfile.TemporaryDirectory(prefix="wb-bench-launch-") as tmp:
         runs = cfg.replace(runs_dir=str(Path(tmp) / "runs"))
-        _workbench(
-            runs.replace(run_name="warm-up")
-        )  # first-time imports and caches, for both sides
+        # first-time imports and caches, for both sides
+        _workbench(runs.replace(run_name="warm-up"))
         _notebook_launcher(runs, tmp)
         for i in range(pairs):
             order = ("wb", "nl") if i % 2 == 0 else ("nl", "wb")

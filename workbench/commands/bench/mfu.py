@@ -64,9 +64,8 @@ class MfuReport:
     def table(self) -> str:
         c = self.config
         mfu = f"{self.mfu:.1%}" if self.mfu is not None else "- (no peak known for this device)"
-        if (
-            self.mfu is not None and self.mfu > 1
-        ):  # a CPU's peak, measured after the run on a busier machine
+        if self.mfu is not None and self.mfu > 1:
+            # a CPU's peak, measured after the run on a busier machine
             mfu += (
                 " (over 100%: the peak was measured lower than the run reached; the machine "
                 "was busier then)"
@@ -165,9 +164,8 @@ def _peak(cfg: RunConfig) -> tuple[float | None, str, bool]:
     hw = detect()
     if hw.gpus and resolve_device(cfg, hw) == "cuda":
         name = hw.gpus[0].name
-        peak = peak_flops(
-            name, cfg.precision, tf32=cfg.tf32
-        )  # what the trainer's own MFU divides by
+        # what the trainer's own MFU divides by
+        peak = peak_flops(name, cfg.precision, tf32=cfg.tf32)
         if peak is None:
             return None, f"{name}: no catalog peak in {cfg.precision} to measure against", False
         accel = lookup(name)

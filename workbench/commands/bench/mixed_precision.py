@@ -89,9 +89,8 @@ def precision(cfg: RunConfig, json_path: Path | None = None) -> PrecisionReport:
                 continue
             run_cfg = cfg.replace(precision=p, runs_dir=tmp, run_name=p)
             try:
-                preflight(
-                    run_cfg
-                )  # what the model can't do in this precision (fp8: no Linear to swap)
+                # what the model can't do in this precision (fp8: no Linear to swap)
+                preflight(run_cfg)
             except ValueError as e:
                 rows.append(PrecisionRow(p, available=False, reason=str(e)))
                 continue
@@ -108,7 +107,7 @@ def precision(cfg: RunConfig, json_path: Path | None = None) -> PrecisionReport:
                     compute_dtype=s["ranks"][0]["compute_dtype"],
                 )
             )
-    report = PrecisionReport(device=hw.describe(device), config=cfg.to_dict(), rows=rows)
+    report = PrecisionReport(device=hw.device_line(device), config=cfg.to_dict(), rows=rows)
     if json_path is not None:
         write_result(json_path, asdict(report))
     return report

@@ -18,7 +18,7 @@ import logging
 import math
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -254,11 +254,44 @@ def overhead(
     preflight(cfg)
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps={steps}: must exceed the {WARMUP_STEPS} warm-up steps")
-    trainer_times: list[float] = []
-    hand_times: list[float] = []
-    paired: list[float] = []
-    digests: set[str] = set()
-    diff = scale = 0.0
+    pairs = _run_pairs(cfg, repeats, mode)
+    report = _report(pairs, cfg, steps, repeats, num_processes, mode)
+    if json_path is not None:
+        write_result(json_path, {**asdict(report), "passed": report.passed})
+    return report
+
+
+@dataclass
+class _Pairs:
+    """What the back-to-back pairs measured, all together."""
+
+    trainer_times: list[float] = field(default_factory=list)
+    hand_times: list[float] = field(default_factory=list)
+    paired: list[float] = field(default_factory=list)
+    """Each pair's difference of median step times, trainer's less the hand loop's."""
+    digests: set[str] = field(default_factory=set)
+    diff: float = 0.0
+    """Largest |trainer - hand| over the full weights, worst pair."""
+    scale: float = 0.0
+    """Largest |weight| of the trainer's, any pair."""
+
+    def add(self, i: int, t: _Side, h: _Side) -> None:
+        self.trainer_times += t.times
+        self.hand_times += h.times
+        # Each pair ran back to back: their difference is free of the machine's drift between
+        # pairs.
+        self.paired.append(statistics.median(t.times) - statistics.median(h.times))
+        log.debug(
+            "pair %d (%s first): %+.3f ms", i, "hand" if i % 2 else "trainer", 1e3 * self.paired[-1]
+        )
+        self.digests |= t.digests | h.digests
+        pair_diff, pair_scale = weights_difference(t.weights, h.weights)
+        self.diff, self.scale = max(self.diff, pair_diff), max(self.scale, pair_scale)
+
+
+def _run_pairs(cfg: RunConfig, repeats: int, mode: str) -> _Pairs:
+    """`repeats` pairs of runs, the trainer's and the hand loop's, back to back."""
+    pairs = _Pairs()
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for i in range(repeats):
             # Alternate which goes first: the second of a pair may find the machine warmer (or
@@ -268,37 +301,32 @@ def overhead(
             else:
                 h = _hand(cfg, tmp, i, mode)
                 t = _trainer(cfg, tmp, i)
-            trainer_times += t.times
-            hand_times += h.times
-            # Each pair ran back to back: their difference is free of the machine's drift between
-            # pairs.
-            paired.append(statistics.median(t.times) - statistics.median(h.times))
-            log.debug(
-                "pair %d (%s first): %+.3f ms", i, "hand" if i % 2 else "trainer", 1e3 * paired[-1]
-            )
-            digests |= t.digests | h.digests
-            pair_diff, pair_scale = weights_difference(t.weights, h.weights)
-            diff, scale = max(diff, pair_diff), max(scale, pair_scale)
-    tm, hm = statistics.median(trainer_times), statistics.median(hand_times)
-    report = OverheadReport(
+            pairs.add(i, t, h)
+    return pairs
+
+
+def _report(
+    pairs: _Pairs, cfg: RunConfig, steps: int, repeats: int, num_processes: int, mode: str
+) -> OverheadReport:
+    """The pairs' medians and means, the overhead (the median of the pairs' differences) against
+    its budget (1% of the hand loop's step + 1 ms), and how far apart the weights ended."""
+    tm, hm = statistics.median(pairs.trainer_times), statistics.median(pairs.hand_times)
+    return OverheadReport(
         steps=steps,
         num_processes=num_processes,
         repeats=repeats,
         trainer_median_s=tm,
         hand_median_s=hm,
-        trainer_mean_s=statistics.fmean(trainer_times),
-        hand_mean_s=statistics.fmean(hand_times),
+        trainer_mean_s=statistics.fmean(pairs.trainer_times),
+        hand_mean_s=statistics.fmean(pairs.hand_times),
         ratio=tm / hm,
-        overhead_ms=statistics.median(paired) * 1e3,
+        overhead_ms=statistics.median(pairs.paired) * 1e3,
         budget_ms=0.01 * hm * 1e3 + 1.0,
-        weights_equal=len(digests) == 1,
+        weights_equal=len(pairs.digests) == 1,
         device=resolve_device(cfg),
         log_every=cfg.log_every,
         mode=mode,
         task=str(cfg.task),
-        weights_max_abs_diff=diff,
-        weights_max_abs=scale,
+        weights_max_abs_diff=pairs.diff,
+        weights_max_abs=pairs.scale,
     )
-    if json_path is not None:
-        write_result(json_path, {**asdict(report), "passed": report.passed})
-    return report

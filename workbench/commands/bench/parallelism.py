@@ -114,7 +114,7 @@ class ParallelismReport:
         return "\n".join(lines)
 
 
-def _layout(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
+def _config_for(cfg: RunConfig, mode: str) -> tuple[RunConfig | None, str]:
     n, accum = cfg.num_processes, cfg.grad_accum_steps
     if mode in ("hsdp", "zero3xtp", "ppxddp") and (n < 4 or n % 2):
         return (
@@ -163,10 +163,9 @@ def parallelism(
     rows = []
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for mode in modes:
-            layout, reason = _layout(cfg.replace(runs_dir=tmp, run_name=mode), mode)
-            if (
-                layout is not None
-            ):  # the step peak, a pipeline's per stage (its method in the rank's summary)
+            layout, reason = _config_for(cfg.replace(runs_dir=tmp, run_name=mode), mode)
+            if layout is not None:
+                # the step peak, a pipeline's per stage (its method in the rank's summary)
                 layout = layout.replace(track_memory=True)
             if layout is None:
                 rows.append(ModeRow(mode, False, reason))
@@ -197,7 +196,7 @@ def parallelism(
                 )
             )
     report = ParallelismReport(
-        device=hw.describe(resolve_device(cfg, hw)), config=cfg.to_dict(), rows=rows
+        device=hw.device_line(resolve_device(cfg, hw)), config=cfg.to_dict(), rows=rows
     )
     if json_path is not None:
         write_result(json_path, asdict(report))

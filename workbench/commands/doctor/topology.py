@@ -21,9 +21,8 @@ from workbench.commands.doctor.findings import Finding, Section
 from workbench.utils.units import fmt_bytes
 
 NODE_DIR = Path("/sys/devices/system/node")
-_ANSI = re.compile(
-    r"\x1b\[[0-9;]*m"
-)  # nvidia-smi underlines the header row when writing to a terminal
+# nvidia-smi underlines the header row when writing to a terminal
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 LINKS = {
     "X": "self",

@@ -72,6 +72,19 @@ def build_controls(
         "task": widgets.Dropdown(
             options=task_options, description="task", style=STYLE, layout=_wide()
         ),
+        **_world_controls(),
+        **_split_controls(),
+        **_step_controls(precisions, reasons),
+        **_length_controls(),
+    }
+    for name, control in controls.items():
+        control.add_class(f"wb-{name.replace('_', '-')}")
+    return controls, reasons
+
+
+def _world_controls() -> dict[str, Any]:
+    """The processes and how they share the model: the parallelism mode and hsdp's shard group."""
+    return {
         # Plain number boxes, no bounds: a bounded widget clamps what the user typed without a word;
         # here RunConfig refuses it and the panel says why (num_processes=3: this machine has 2 CPU
         # cores...).
@@ -96,6 +109,13 @@ def build_controls(
             layout=_wide(),
             tooltip="hsdp only: ranks that shard one copy of the model",
         ),
+    }
+
+
+def _split_controls() -> dict[str, Any]:
+    """The ranks that split the model: tensor, context and pipeline parallel, and the pipeline's
+    schedule."""
+    return {
         "tp": widgets.IntText(
             description="tensor parallel",
             style=STYLE,
@@ -133,6 +153,12 @@ def build_controls(
             layout=_wide(),
             tooltip="virtual stages of the interleaved schedules (0: 2)",
         ),
+    }
+
+
+def _step_controls(precisions: list[tuple[str, str]], reasons: dict[str, str]) -> dict[str, Any]:
+    """How a step runs: activation checkpointing, torch.compile, precision."""
+    return {
         "activation_checkpointing": widgets.Dropdown(
             options=list(get_args(ActivationCheckpointing)),
             description="activation ckpt",
@@ -158,6 +184,12 @@ def build_controls(
             layout=_wide(),
             tooltip="; ".join(reasons.values()) or None,
         ),
+    }
+
+
+def _length_controls() -> dict[str, Any]:
+    """The batch, how long the run trains and how fast it learns, and its name."""
+    return {
         # Text, not a number box: 'auto' (the largest that fits, chosen by the ranks) is a value
         # too.
         "micro_batch_size": widgets.Combobox(
@@ -180,9 +212,6 @@ def build_controls(
             layout=_wide(),
         ),
     }
-    for name, control in controls.items():
-        control.add_class(f"wb-{name.replace('_', '-')}")
-    return controls, reasons
 
 
 def task_options(user_task: Task | None, selected: str) -> list[tuple[str, str]]:

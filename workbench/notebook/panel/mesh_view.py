@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from workbench.config.mesh import virtual_stages
 
 if TYPE_CHECKING:
-    from workbench.config import RunConfig
+    from workbench.config import ParallelDims, RunConfig
 
 REPLICA_HUES = (210, 30, 140, 280, 0, 90, 180, 330)
 """One hue per model replica (dp_replicate index); shards of one replica get lighter shades of
@@ -31,41 +31,35 @@ def _cell(rank: int, coords: dict[str, int], shards: int) -> str:
     )
 
 
-def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
-    """The picture for `cfg`; none for a plan that can't run (the panel says why once, in its
-    problem line)."""
-    if cfg is None or problem:
-        return "<div class='wb-layout' data-layout='impossible'><b>rank layout</b>: –</div>"
-    dims = cfg.dims
-    sizes = dims.sizes
-    tp, shards, stages = dims.tp, dims.dp_shard, dims.pp
+def _stage_column(dims: ParallelDims, stage: int, chunks: int) -> str:
+    """One pipeline stage's ranks (the whole mesh without pipeline parallelism): a row per
+    data-parallel index, titled with the model stages the column holds."""
+    tp, stages = dims.tp, dims.pp
     per_stage = dims.dp
-    chunks = virtual_stages(cfg) if stages > 1 else 1
-    columns = []
-    for stage in range(stages):
-        rows = []
-        for dp_index in range(stage * per_stage, (stage + 1) * per_stage):
-            ranks = range(
-                dp_index * tp * dims.cp, (dp_index + 1) * tp * dims.cp
-            )  # a row: one batch's ranks
-            cells = "".join(_cell(r, dims.coordinates(r), shards) for r in ranks)
-            rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px'>{cells}</div>")
-        held = ", ".join(str(stage + k * stages) for k in range(chunks))
-        title = f"<small>stage{'s' * (chunks > 1)} {held}</small>" if stages > 1 else ""
-        # one rank per row (no tp or cp) flows side by side, wrapping: 8 replicas are a line, not a
-        # column
-        flow = (
-            "display:flex;flex-wrap:wrap;gap:3px 10px"
-            if tp * dims.cp == 1 and stages == 1
-            else "display:flex;flex-direction:column;gap:2px"
-        )
-        columns.append(
-            f"<div class='wb-layout-stage' data-stage='{stage}'>{title}<div style='{flow}'>"
-            f"{''.join(rows)}</div></div>"
-        )
-    arrow = "<div style='align-self:center'>→</div>"
-    body = f"<div style='display:flex;gap:8px'>{arrow.join(columns)}</div>"
-    shape = dims.describe()
+    rows = []
+    for dp_index in range(stage * per_stage, (stage + 1) * per_stage):
+        # a row: one batch's ranks
+        ranks = range(dp_index * tp * dims.cp, (dp_index + 1) * tp * dims.cp)
+        cells = "".join(_cell(r, dims.coordinates(r), dims.dp_shard) for r in ranks)
+        rows.append(f"<div class='wb-layout-row' style='display:flex;gap:3px'>{cells}</div>")
+    held = ", ".join(str(stage + k * stages) for k in range(chunks))
+    title = f"<small>stage{'s' * (chunks > 1)} {held}</small>" if stages > 1 else ""
+    # one rank per row (no tp or cp) flows side by side, wrapping: 8 replicas are a line, not a
+    # column
+    flow = (
+        "display:flex;flex-wrap:wrap;gap:3px 10px"
+        if tp * dims.cp == 1 and stages == 1
+        else "display:flex;flex-direction:column;gap:2px"
+    )
+    return (
+        f"<div class='wb-layout-stage' data-stage='{stage}'>{title}<div style='{flow}'>"
+        f"{''.join(rows)}</div></div>"
+    )
+
+
+def _legend(cfg: RunConfig, dims: ParallelDims, chunks: int) -> list[str]:
+    """What the rows, columns, colours and shades of the picture mean, for those it has."""
+    tp, shards, stages = dims.tp, dims.dp_shard, dims.pp
     split = f" and split each planned matrix {tp} ways" if tp > 1 else ""
     legend = [
         f"a row: ranks that see the same batches{split}"
@@ -82,14 +76,28 @@ def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
             f"{cfg.pp_schedule}: each rank holds {chunks} model chunks, so the activations pass "
             f"every column {chunks} times (the model is cut into {stages * chunks} stages)"
         )
-    if sizes["dp_replicate"] > 1:
-        legend.append(
-            f"colours: {sizes['dp_replicate']} model replicas (gradients all-reduced between them)"
-        )
+    replicas = dims.sizes["dp_replicate"]
+    if replicas > 1:
+        legend.append(f"colours: {replicas} model replicas (gradients all-reduced between them)")
     if shards > 1:
         legend.append(
             f"shades: {shards} shards of one replica (parameters/gradients/optimizer state split)"
         )
+    return legend
+
+
+def layout_html(cfg: RunConfig | None, problem: str = "") -> str:
+    """The picture for `cfg`; none for a plan that can't run (the panel says why once, in its
+    problem line)."""
+    if cfg is None or problem:
+        return "<div class='wb-layout' data-layout='impossible'><b>rank layout</b>: –</div>"
+    dims = cfg.dims
+    chunks = virtual_stages(cfg) if dims.pp > 1 else 1
+    columns = [_stage_column(dims, stage, chunks) for stage in range(dims.pp)]
+    arrow = "<div style='align-self:center'>→</div>"
+    body = f"<div style='display:flex;gap:8px'>{arrow.join(columns)}</div>"
+    shape = dims.sizes_line()
+    legend = _legend(cfg, dims, chunks)
     return (
         f"<div class='wb-layout' data-layout='{html.escape(shape)}'><b>rank layout</b>: "
         f"{html.escape(shape)}{body}<small>{html.escape('; '.join(legend))}</small></div>"

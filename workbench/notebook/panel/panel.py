@@ -4,7 +4,8 @@ train.
 State lives in a traitlets model (`PanelState`); one observer re-derives every widget from it, so
 the view can't drift from the state whichever way it changed: a control, a button, a method call, or
 the thread that waits for the run. The logic needs no browser: tests drive the widgets' values and
-methods.
+methods. The controls and the RunConfig are kept in step by `ConfigControls` (panel_config.py), the
+buttons' actions are `RunActions` (running.py), and panel_widgets.py arranges the widgets.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import html
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import ipywidgets as widgets
@@ -21,46 +21,46 @@ import ipywidgets as widgets
 from workbench.cluster.slurm import Slurm
 from workbench.config import PARALLELISM_MODES, RunConfig
 from workbench.config.mesh import INTERLEAVED
-from workbench.config.mesh_checks import default_shard_group
 from workbench.estimator.target import Target, check_plan
 from workbench.launcher.launch import Run
 from workbench.launcher.processes import describe_launch
 from workbench.launcher.result import RunResult
 from workbench.notebook.dashboard import Dashboard
-from workbench.notebook.panel.controls import (
-    build_controls,
-    precision_options,
-    read_micro_batch,
-    task_options,
-)
+from workbench.notebook.panel.controls import build_controls
 from workbench.notebook.panel.estimates import EstimateBox
 from workbench.notebook.panel.mesh_view import layout_html
+from workbench.notebook.panel.panel_config import ConfigControls
 from workbench.notebook.panel.panel_state import ACTIVE, PanelState
+from workbench.notebook.panel.panel_widgets import html_box, make_button, panel_box
 from workbench.notebook.panel.running import RunActions
 from workbench.notebook.panel.target_controls import TargetControls
 from workbench.notebook.panel.task_controls import TaskControls
 from workbench.notebook.panel.view import batch_html, blocked_reason, error_html, status_html
 from workbench.rundir import Status
-from workbench.tasks import Task, get_task
+from workbench.tasks import Task
 from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.kernel import in_kernel
 
 log = logging.getLogger("workbench")
 
 
-def _html(css_class: str, value: str = "") -> widgets.HTML:
-    box = widgets.HTML(value)
-    box.add_class(css_class)
-    return box
+def _check_arguments(cfg: Any, task: Any, cluster: Any) -> None:
+    """TypeError, with an example of the right kind, for an argument of the wrong kind."""
+    if task is not None and not isinstance(task, Task):
+        raise TypeError(
+            f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()"
+        )
+    if cluster is not None and not isinstance(cluster, Slurm):
+        raise TypeError(
+            f"cluster={cluster!r}: pass a workbench.Slurm, e.g. cluster=wb.Slurm(partition='gpu')"
+        )
+    if cfg is not None and not isinstance(cfg, RunConfig):
+        raise TypeError(
+            f"cfg={cfg!r}: pass a workbench.RunConfig, e.g. wb.Panel(wb.RunConfig(task='digits'))"
+        )
 
 
-def _button(description: str, css_class: str, **kwargs: Any) -> widgets.Button:
-    button = widgets.Button(description=description, **kwargs)
-    button.add_class(css_class)
-    return button
-
-
-class Panel(RunActions):
+class Panel(ConfigControls, RunActions):
     """Controls for a RunConfig, what they imply, Launch/Stop, and the live dashboard of the run.
 
     `Panel(cfg)` fills the controls from `cfg`; fields without a control keep cfg's values. Pass
@@ -82,20 +82,7 @@ class Panel(RunActions):
         display: bool = True,
         estimate: bool = True,
     ) -> None:
-        if task is not None and not isinstance(task, Task):
-            raise TypeError(
-                f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()"
-            )
-        if cluster is not None and not isinstance(cluster, Slurm):
-            raise TypeError(
-                f"cluster={cluster!r}: pass a workbench.Slurm, e.g. "
-                "cluster=wb.Slurm(partition='gpu')"
-            )
-        if cfg is not None and not isinstance(cfg, RunConfig):
-            raise TypeError(
-                f"cfg={cfg!r}: pass a workbench.RunConfig, e.g. "
-                "wb.Panel(wb.RunConfig(task='digits'))"
-            )
+        _check_arguments(cfg, task, cluster)
         self.user_task = task
         base = cfg or (RunConfig(task=task.name) if task else RunConfig())
         if task is not None and base.task != task.name:
@@ -125,21 +112,30 @@ class Panel(RunActions):
         self._display: Any = None  # the handle that refreshes the static snapshot when a run ends
         self.estimate_box.state.observe(self._estimate_arrived, names="status")
         if display and in_kernel():
-            from IPython import get_ipython
-            from IPython.display import display as show
+            self._show_in_notebook(estimate)
 
-            from workbench.regress.recording import headless
+    def _show_in_notebook(self, estimate: bool) -> None:
+        from IPython import get_ipython
+        from IPython.display import display as show
 
-            if (
-                estimate and headless()
-            ):  # the saved output is all its reader gets: with the estimate, then
-                with contextlib.suppress(TimeoutError):
-                    self.estimate_box.wait(timeout=60)
-            self._display = show(self._repr_mimebundle_(), raw=True, display_id=True)
-            self._displayed_in = get_ipython().execution_count
+        from workbench.regress.recording import headless
+
+        # the saved output is all its reader gets: with the estimate, then
+        if estimate and headless():
+            with contextlib.suppress(TimeoutError):
+                self.estimate_box.wait(timeout=60)
+        self._display = show(self._repr_mimebundle_(), raw=True, display_id=True)
+        self._displayed_in = get_ipython().execution_count
 
     # ---- widgets ---------------------------------------------------------------------------------
     def _build_widgets(self, base: RunConfig, target: Target | None, cluster: Slurm | None) -> None:
+        self._build_inputs(base, target, cluster)
+        self._build_outputs()
+        self._build_buttons()
+        self.widget = panel_box(self)
+
+    def _build_inputs(self, base: RunConfig, target: Target | None, cluster: Slurm | None) -> None:
+        """Where the run goes, a control per RunConfig field the panel edits, the task's options."""
         self.target_controls = TargetControls(target, cluster, base)
         self.target_controls.on_change(self._on_target)
         self.device = resolve_device(base, detect())
@@ -150,15 +146,24 @@ class Panel(RunActions):
             control.observe(self._on_control, names="value")
         self.task_controls = TaskControls(self._task_object(base.task), base.task_options)
         self.task_controls.on_change(lambda values: None if self._filling else self._derive())
-        self.limit = widgets.HTML()
-        self.mode_info = _html("wb-mode-info")
 
-        self.batch_info = _html("wb-batch")
-        self.launch_info = _html("wb-launch-info")
+    def _build_outputs(self) -> None:
+        """The boxes `_render` fills: what the settings imply, the problem, status and error lines,
+        and the room for the run's dashboard."""
+        self.limit = widgets.HTML()
+        self.mode_info = html_box("wb-mode-info")
+        self.batch_info = html_box("wb-batch")
+        self.launch_info = html_box("wb-launch-info")
+        self.layout_box = html_box("wb-layout-box")
         self.estimate_box = EstimateBox()
-        self.problem_box = _html("wb-problem")
-        self.launch_button = _button("Launch", "wb-launch", button_style="success", icon="play")
-        self.stop_button = _button(
+        self.problem_box = html_box("wb-problem")
+        self.status_box = html_box("wb-status-line")
+        self.error_box = html_box("wb-error")
+        self.dashboard_box = widgets.VBox([])
+
+    def _build_buttons(self) -> None:
+        self.launch_button = make_button("Launch", "wb-launch", button_style="success", icon="play")
+        self.stop_button = make_button(
             "Stop",
             "wb-stop",
             button_style="warning",
@@ -168,13 +173,13 @@ class Panel(RunActions):
         self.yaml_path = widgets.Text(
             value="run.yaml", description="YAML file", layout=widgets.Layout(width="260px")
         )
-        self.save_button = _button(
+        self.save_button = make_button(
             "Save as YAML",
             "wb-save",
             icon="save",
             tooltip="Write the config for `workbench train FILE`",
         )
-        self.resume_button = _button(
+        self.resume_button = make_button(
             "Resume",
             "wb-resume",
             icon="forward",
@@ -187,77 +192,6 @@ class Panel(RunActions):
             (self.save_button, self.save_yaml),
         ):
             button.on_click(self._on_click(action))
-        self.status_box = _html("wb-status-line")
-        self.error_box = _html("wb-error")
-        self.dashboard_box = widgets.VBox([])
-        c = self.controls
-        left = widgets.VBox(
-            [
-                c["task"],
-                self.task_controls.widget,
-                self.target_controls.widget,
-                widgets.HBox([c["num_processes"], self.limit]),
-                c["oversubscribe"],
-                c["parallelism"],
-                self.mode_info,
-                c["dp_shard"],
-                c["tp"],
-                c["cp"],
-                c["pp"],
-                c["pp_schedule"],
-                c["pp_virtual_stages"],
-                c["activation_checkpointing"],
-                c["compile"],
-                c["precision"],
-                c["micro_batch_size"],
-                c["grad_accum_steps"],
-                c["max_steps"],
-                c["lr"],
-                c["run_name"],
-            ],
-            layout=widgets.Layout(flex="0 0 auto"),
-        )  # the controls keep their width
-        self.layout_box = _html("wb-layout-box")
-        # what the settings imply takes the room left, and goes below the controls when there is too
-        # little
-        right = widgets.VBox(
-            [
-                widgets.HTML("<b>What this implies</b>"),
-                self.batch_info,
-                self.launch_info,
-                self.layout_box,
-                self.estimate_box.widget,
-            ],
-            layout=widgets.Layout(
-                margin="0 0 0 1.5em", flex="1 1 320px", min_width="300px", max_width="560px"
-            ),
-        )
-        self.widget = widgets.VBox(
-            [
-                widgets.HTML("<h3 style='margin:0.2em 0'>workbench: configure a run</h3>"),
-                widgets.HBox(
-                    [left, right],
-                    layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start"),
-                ),
-                self.problem_box,
-                widgets.HBox(
-                    [
-                        self.launch_button,
-                        self.stop_button,
-                        self.resume_button,
-                        self.yaml_path,
-                        self.save_button,
-                    ]
-                ),
-                self.status_box,
-                self.error_box,
-                self.dashboard_box,
-            ]
-        )
-        self.widget.add_class("wb-panel")
-
-    def _task_options(self, selected: str) -> list[tuple[str, str]]:
-        return task_options(self.user_task, selected)
 
     @property
     def estimates(self) -> widgets.HTML:
@@ -269,138 +203,14 @@ class Panel(RunActions):
         # While a run goes, its ranks have the cores; the box shows the estimate it was launched
         # with.
         if self.live_estimate and self.state.status not in ACTIVE:
-            if (
-                self.state.problem
-            ):  # a plan that can't run gets no figures and no verdict: its reason is above
+            # a plan that can't run gets no figures and no verdict: its reason is above
+            if self.state.problem:
                 self.estimate_box.withhold("none while the plan can't run")
                 return
             # A plan for hardware elsewhere can't launch here but is a plan to estimate, on its
             # target.
             cfg = self.state.config
             self.estimate_box.request(cfg, self.task_for(cfg.task) if cfg else None, self.target)
-
-    # ---- controls <-> RunConfig ------------------------------------------------------------------
-    def _control_values(self) -> dict[str, Any]:
-        values = {name: control.value for name, control in self.controls.items()}
-        values["run_name"] = values["run_name"].strip() or None
-        values["micro_batch_size"] = read_micro_batch(values["micro_batch_size"])
-        values["task_options"] = self.task_controls.values()
-        return values
-
-    @property
-    def config(self) -> RunConfig:
-        """The RunConfig as the controls stand; ValueError (RunConfig's message) when they don't
-        form one. A config made for this machine's CPU (device='cpu') planned for GPUs elsewhere
-        runs on their devices."""
-        values = self._control_values()
-        if self._base.device == "cpu" and not self.target.cpu_nodes:
-            values["device"] = "auto"
-        return self._base.replace(**values)
-
-    @property
-    def target(self) -> Target:
-        """The hardware the run is planned for (the target controls)."""
-        return self.target_controls.target
-
-    @config.setter
-    def config(self, cfg: RunConfig) -> None:
-        if self.state.status in ACTIVE:
-            raise RuntimeError(
-                "the settings are frozen while a run is going: stop it or wait for it first"
-            )
-        self._base = cfg
-        self._fill(cfg)
-
-    def _fill(self, cfg: RunConfig) -> None:
-        with self._quietly():
-            c = self.controls
-            self.task_controls.set(self._task_object(cfg.task), cfg.task_options)
-            c["task"].options = self._task_options(cfg.task)
-            self._relabel_precisions(shown=cfg.precision)
-            for name, control in c.items():
-                value = getattr(cfg, name)
-                control.value = (
-                    "" if value is None else str(value) if name == "micro_batch_size" else value
-                )
-            self._follow_target(cfg)
-        self._derive()
-
-    def _follow_target(self, cfg: RunConfig) -> None:
-        """A target elsewhere decides the world size: processes become its GPUs x nodes, and the
-        panel says so when the config had another count (restored when the target is this machine
-        again)."""
-        world = self.target_controls.world
-        if world is None or self.target_controls.problem() or world == cfg.num_processes:
-            return
-        self._processes_here = cfg.num_processes
-        self.controls["num_processes"].value = world
-        self.state.message = (
-            f"processes set to {world} for the target's {self.target.describe(cfg)} (the config "
-            f"had num_processes={cfg.num_processes})"
-        )
-
-    @contextlib.contextmanager
-    def _quietly(self) -> Iterator[None]:
-        """Set controls from code without each change re-deriving the panel (the caller derives
-        once)."""
-        before, self._filling = self._filling, True
-        try:
-            yield
-        finally:
-            # nested (a fill that relabels the precisions): still filling after the inner
-            self._filling = before
-
-    def _on_control(self, change: dict[str, Any]) -> None:
-        if self._filling:
-            return
-        self.state.message = ""  # a note about the settings before this change
-        c = self.controls
-        if change["owner"] is c["task"]:  # the old task's options don't carry over
-            self.task_controls.set(self._task_object(change["new"]), {})
-        if change["owner"] is c["num_processes"]:
-            with self._quietly():  # one world size: GPUs per node follows the processes box
-                self.target_controls.follow_processes(change["new"])
-        if change["owner"] is c["parallelism"]:
-            with self._quietly():  # the shard group is hsdp's alone: a valid size on, 0 off
-                c["dp_shard"].value = (
-                    default_shard_group(c["num_processes"].value, c["tp"].value)
-                    if change["new"] == "hsdp"
-                    else 0
-                )
-        self._derive()
-
-    def _on_target(self) -> None:
-        if self._filling:
-            return
-        self.state.message = ""
-        self._relabel_precisions()
-        world, processes = self.target_controls.world, self.controls["num_processes"]
-        with self._quietly():
-            if (
-                world is None and self._processes_here is not None
-            ):  # back on this machine: its own count
-                processes.value, self._processes_here = self._processes_here, None
-            elif (
-                world is not None and not self.target_controls.problem()
-            ):  # it follows GPUs x nodes
-                if self._processes_here is None:
-                    self._processes_here = processes.value
-                processes.value = world
-        self._derive()
-
-    def _task_object(self, name: str) -> Task | None:
-        """The task named `name` (the user's or the registry's), or None when no task has that
-        name."""
-        try:
-            return self.task_for(name) or get_task(name)
-        except ValueError:
-            return None
-
-    def task_for(self, name: str) -> Task | None:
-        """The user's Task object when `name` is its name; None means the registry resolves it."""
-        return (
-            self.user_task if self.user_task is not None and name == self.user_task.name else None
-        )
 
     def _derive(self) -> None:
         # first, before anything that takes time: what the panel shows is for the settings before
@@ -475,19 +285,6 @@ class Panel(RunActions):
         if target.partition:
             return f"Launch submits a Slurm job: {html.escape(target.describe(cfg))}"
         return f"planned for {html.escape(target.describe(cfg))}"
-
-    def _relabel_precisions(self, shown: str | None = None) -> None:
-        """Precisions are marked unavailable for the target's devices, not this machine's. `shown`:
-        the value to show (a config's own), offered even where workbench doesn't train it."""
-        target = self.target
-        hw = target.hardware(self._base)
-        device = self.device if target.local else "cpu" if target.cpu_nodes else "cuda"
-        control = self.controls["precision"]
-        value = shown or control.value
-        options, self.precision_reasons = precision_options(device, hw, shown=value)
-        with self._quietly():
-            control.options, control.value = options, value
-            control.tooltip = "; ".join(self.precision_reasons.values()) or None
 
     def _show_fields(self, cfg: RunConfig | None) -> None:
         """Controls that mean something only for some settings are shown only then."""

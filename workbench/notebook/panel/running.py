@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.config import RunConfig
-from workbench.estimator.model import describe_settings
+from workbench.estimator.model import settings_line
 from workbench.estimator.target import check_here
 from workbench.launcher.launch import Run, start
 from workbench.launcher.result import RunResult
@@ -105,9 +105,8 @@ class RunActions:
             self.state.message = ""
             cfg = make_config()
             check_here(cfg, self.target)
-            cluster = (
-                self.target_controls.cluster()
-            )  # a Slurm job Launch submits, or None: this machine
+            # a Slurm job Launch submits, or None: this machine
+            cluster = self.target_controls.cluster()
             self.state.error, self.state.job = "", ""
             before, self.state.status = self.state.status, status
             self.estimate_box.cancel()
@@ -118,12 +117,13 @@ class RunActions:
             raise
         self.run, self.result, self._failure, self._final_shown = run, None, None, False
         self._finished = finished = threading.Event()
+        # the panel shows the error once, itself
         self.dashboard = Dashboard(
             run.run_dir,
             max_steps=run.config.max_steps,
             interval=self.poll_interval,
             show_error=False,
-        )  # the panel shows the error once, itself
+        )
         self.dashboard_box.children = [self.dashboard.widget]
         self.estimate_box.show_measured(None, None, None)
         self.dashboard.observe(self._on_reading, names="reading")
@@ -140,9 +140,8 @@ class RunActions:
     def _watch(self: Panel, run: Run, dashboard: Dashboard, finished: threading.Event) -> None:
         """Wait for the run in a thread, so the kernel stays free; then record how it ended."""
         result, failure = None, None
-        job = getattr(
-            run, "job_line", None
-        )  # a Slurm run: its job's state, Slurm's reason while it waits
+        # a Slurm run: its job's state, Slurm's reason while it waits
+        job = getattr(run, "job_line", None)
         try:
             while True:
                 if job is not None:
@@ -188,7 +187,7 @@ class RunActions:
         if self.run is None or cfg is None or not self.target.launchable:
             return False
         ran = self.run.config
-        return describe_settings(cfg.to_dict(), cfg.num_processes) == describe_settings(
+        return settings_line(cfg.to_dict(), cfg.num_processes) == settings_line(
             ran.to_dict(), ran.num_processes
         )
 
@@ -226,9 +225,8 @@ class RunActions:
         if show and not self._final_shown and self.dashboard is not None:
             self._final_shown = True
             self.dashboard.show_final()
-            if (
-                self._display is not None
-            ):  # a saved notebook shows the panel as it ended, not as it began
+            if self._display is not None:
+                # a saved notebook shows the panel as it ended, not as it began
                 from workbench.regress.recording import headless
 
                 if headless():

@@ -10,7 +10,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from workbench.cluster.slurm import Slurm, describe_partition, from_spec, minutes, partitions
+from workbench.cluster.slurm import Slurm, from_spec, minutes, partition_line, partitions
 
 STYLE = {"description_width": "140px"}
 OWN_CONTROLS = ("partition", "nodes", "gpus_per_node", "processes_per_node", "time")
@@ -86,7 +86,7 @@ class SlurmControls:
         )
         value = next((v for v in (keep, preset, default) if v in found), None)
         self.partition.options = [
-            (describe_partition(name, part), name) for name, part in found.items()
+            (partition_line(name, part), name) for name, part in found.items()
         ]
         self.partition.value = value
         for callback in self._on_read:
@@ -165,9 +165,7 @@ class SlurmControls:
             if not part["idle"]
             else ""
         )
-        return (
-            f"<small>{html.escape(describe_partition(self.partition.value, part) + wait)}</small>"
-        )
+        return f"<small>{html.escape(partition_line(self.partition.value, part) + wait)}</small>"
 
 
 def _options_text(cluster: Slurm | None) -> str:

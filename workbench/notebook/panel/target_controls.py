@@ -22,6 +22,47 @@ STYLE = {"description_width": "140px"}
 HERE, SLURM = "here", "slurm"
 
 
+def _where_buttons(cluster: Slurm | None) -> widgets.ToggleButtons:
+    """This machine or a Slurm cluster: the cluster when one was given."""
+    return widgets.ToggleButtons(
+        options=[("this machine", HERE), ("Slurm cluster", SLURM)],
+        value=SLURM if cluster else HERE,
+        description="where",
+        style=STYLE,
+        tooltips=[
+            "run here, or plan for GPUs to rent",
+            "submit to a Slurm cluster's partition (sinfo's)",
+        ],
+    )
+
+
+def _size_boxes(
+    target: Target, cluster: Slurm | None, cfg: RunConfig | None
+) -> tuple[widgets.BoundedIntText, widgets.BoundedIntText]:
+    """GPUs (ranks) per node and nodes, from the cluster's job when there is one, else the
+    target's."""
+    per_node = cluster.per_node(cfg or RunConfig()) if cluster else None
+    # one under the other, labelled like every control: side by side they overflowed a narrow
+    # notebook
+    gpus_per_node = widgets.BoundedIntText(
+        value=per_node or target.gpus_per_node or 8,
+        min=1,
+        max=1024,
+        description="GPUs per node",
+        style=STYLE,
+        layout=widgets.Layout(width="220px"),
+    )
+    nodes = widgets.BoundedIntText(
+        value=cluster.nodes if cluster else target.nodes,
+        min=1,
+        max=4096,
+        description="nodes",
+        style=STYLE,
+        layout=widgets.Layout(width="220px"),
+    )
+    return gpus_per_node, nodes
+
+
 class TargetControls:
     """Where the run goes (this machine or a Slurm cluster), the device it is planned for, GPUs
     (ranks) per node and nodes, and the line that says what the target has. `on_change` callbacks
@@ -36,16 +77,7 @@ class TargetControls:
         target = target or Target()
         self.catalog = target.catalog
         self.names = sorted(load_catalog(target.catalog))
-        self.where = widgets.ToggleButtons(
-            options=[("this machine", HERE), ("Slurm cluster", SLURM)],
-            value=SLURM if cluster else HERE,
-            description="where",
-            style=STYLE,
-            tooltips=[
-                "run here, or plan for GPUs to rent",
-                "submit to a Slurm cluster's partition (sinfo's)",
-            ],
-        )
+        self.where = _where_buttons(cluster)
         self.gpu = widgets.Dropdown(
             options=self._gpu_options(),
             value=target.gpu,
@@ -55,25 +87,7 @@ class TargetControls:
             tooltip="the hardware the run is planned for: checks, rank layout and "
             "estimate are for it",
         )
-        per_node = cluster.per_node(cfg or RunConfig()) if cluster else None
-        # one under the other, labelled like every control: side by side they overflowed a narrow
-        # notebook
-        self.gpus_per_node = widgets.BoundedIntText(
-            value=per_node or target.gpus_per_node or 8,
-            min=1,
-            max=1024,
-            description="GPUs per node",
-            style=STYLE,
-            layout=widgets.Layout(width="220px"),
-        )
-        self.nodes = widgets.BoundedIntText(
-            value=cluster.nodes if cluster else target.nodes,
-            min=1,
-            max=4096,
-            description="nodes",
-            style=STYLE,
-            layout=widgets.Layout(width="220px"),
-        )
+        self.gpus_per_node, self.nodes = _size_boxes(target, cluster, cfg)
         for control, css in (
             (self.where, "wb-where"),
             (self.gpu, "wb-target"),
@@ -86,6 +100,13 @@ class TargetControls:
         self.widget = widgets.VBox([self.where, self.slurm.widget, self.gpu, self.size_box])
         self._callbacks: list[Callable[[], None]] = []
         self._refreshing = False
+        self._observe_controls()
+        if cluster is not None:
+            self.slurm.read()
+        self.refresh()
+
+    def _observe_controls(self) -> None:
+        """Every control of the target, Slurm's included, and sinfo's answer call `_changed`."""
         for control in (
             self.where,
             self.gpu,
@@ -97,9 +118,6 @@ class TargetControls:
         ):
             control.observe(self._changed, names="value")
         self.slurm.on_read(self._changed)
-        if cluster is not None:
-            self.slurm.read()
-        self.refresh()
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
@@ -225,7 +243,7 @@ class TargetControls:
         if self.local:
             hw = detect()
             device = resolve_device(cfg, hw) if cfg else ("cuda" if hw.has_cuda else "cpu")
-            text = f"up to {hw.max_processes(device)} on {hw.describe(device)}"
+            text = f"up to {hw.max_processes(device)} on {hw.device_line(device)}"
         else:
             part = self.slurm.part if self.on_slurm else None
             unit = "GPU" if not self.on_slurm or (part and part["gpus"]) else "rank"

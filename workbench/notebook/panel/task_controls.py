@@ -24,9 +24,8 @@ def param_count(task: Task, cfg: RunConfig) -> int:
     initialisation, so GPT-2-sized models count at once. ValueError (the task's own words) when the
     options don't form a model; whatever else the build raises passes through."""
     task.check_options(cfg)
-    task.check_datasets(
-        cfg
-    )  # char-gpt reads its text for the vocabulary: never fetch data from a widget's event
+    # char-gpt reads its text for the vocabulary: never fetch data from a widget's event
+    task.check_datasets(cfg)
     with torch.device("meta"):
         model = task.build_model(cfg)
     # parameters() yields a shared tensor once: char-gpt's head is its token embedding (GPT-2's
@@ -162,9 +161,8 @@ class TaskControls:
         `options` as they are."""
         options = dict(options or {})
         for old in self.controls.values():
-            old.unobserve(
-                self._on_edit, names="value"
-            )  # a stale reference edited later must not count
+            # a stale reference edited later must not count
+            old.unobserve(self._on_edit, names="value")
         self.task = task
         self.specs = task.declared_options() if task is not None else {}
         self._extra = {k: v for k, v in options.items() if k not in self.specs}

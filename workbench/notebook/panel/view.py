@@ -90,9 +90,8 @@ def status_html(s: PanelState, run_name: str, *, resumable: bool, blocked: str =
         Status.FAILED: f"failed: the error is below; {resume}or fix it and Launch again",
     }.get(s.status, html.escape(s.status))
     note = f"<br><small>{html.escape(s.message)}</small>" if s.message else ""
-    if (
-        blocked and s.status != "ready" and s.status not in ACTIVE
-    ):  # after a run: why Launch is off now
+    if blocked and s.status != "ready" and s.status not in ACTIVE:
+        # after a run: why Launch is off now
         note = (
             f"<br><span class='wb-status-blocked'>Launch is off: {html.escape(first)}</span>{note}"
         )

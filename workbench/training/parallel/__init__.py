@@ -4,7 +4,7 @@ Following torchtitan, "parallelize the model" is kept apart from the loop: the l
 strategy to hold back gradient sync on all but the last micro-batch, to run backward, to clip and to
 step, and never looks at how. replicated.py: 'none', 'ddp', 'zero1'; sharded.py: 'zero2',
 'zero3'/'fsdp', 'hsdp' (FSDP2); tensor.py: tp > 1, alone or with data parallelism (FSDP, HSDP or DDP
-x TP, laid out by layout.py); context.py: cp > 1 (sequences split over a CP group, FSDP over
+x TP, applied by apply.py); context.py: cp > 1 (sequences split over a CP group, FSDP over
 dp_shard x cp, with or without TP); pipeline.py: pp > 1 (stage chunks per rank, each with the other
 dimensions inside: pipeline_parts.py, pipeline_state.py); strategy.py: what every strategy shares
 (precision, checkpoints through DCP, the bytes each rank holds).
@@ -99,25 +99,24 @@ def _parallel(
 
         ensure_process_group(accelerator)
         return ContextParallel(cfg, accelerator, model, task, make_optimizer)
-    if (
-        cfg.tp > 1
-    ):  # the plan names submodules as the task built them: TP before checkpoint wrappers
+    if cfg.tp > 1:
+        # the plan names submodules as the task built them: TP before checkpoint wrappers
         from workbench.training.parallel.tensor import TensorParallel
 
         ensure_process_group(accelerator)
         return TensorParallel(cfg, accelerator, model, task, make_optimizer)
     if cfg.parallelism in (*SHARDED, "zero1"):
         ensure_process_group(accelerator)
-    if cfg.parallelism in SHARDED:  # AC, compile, then FSDP2 (layout.apply_layout)
+    if cfg.parallelism in SHARDED:  # AC, compile, then FSDP2 (apply.apply_parallelism)
         from workbench.training.parallel.sharded import Sharded
 
         return Sharded(cfg, accelerator, model, task, make_optimizer)
-    from workbench.training.parallel.layout import apply_layout
+    from workbench.training.parallel.apply import apply_parallelism
     from workbench.training.parallel.replicated import Replicated, ZeroOne
 
     # The same layout without a mesh (AC and compile per block), before DistributedDataParallel
     # wraps it.
-    apply_layout(model, None, cfg, None, shard_units(model, task), tracing=accelerator.tracing)
+    apply_parallelism(model, None, cfg, None, shard_units(model, task), tracing=accelerator.tracing)
 
     if cfg.parallelism == "zero1":
         return ZeroOne(cfg, accelerator, model, make_optimizer)

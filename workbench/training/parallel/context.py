@@ -8,13 +8,13 @@ one from the tail of the sequence, 2 x cp chunks in all) and F.scaled_dot_produc
 ring attention: each rank's queries meet every rank's keys and values, passed around the group.
 Everything else in the model is per token, so the rest of the forward and the loss run on the local
 slice: each rank's loss is the mean over its tokens, the same number on every rank, and FSDP2
-averages the gradients over dp_shard x cp (flattened into 'dp_shard_cp', layout.py), which makes
+averages the gradients over dp_shard x cp (flattened into 'dp_shard_cp', apply.py), which makes
 them the gradients of the mean over the whole sequence. The logged loss is the mean over ranks, so
 over the whole sequence too.
 
-The layout is TensorParallel's (layout.py: TP over 'tp' when tp > 1, then FSDP2), so clipping, fp16
-scaling and checkpoints are the same. PyTorch runs ring attention through the CUDA kernels only
-(flash, efficient, cuDNN): preflight refuses cp > 1 on CPU.
+The parallel layers are TensorParallel's (apply.py: TP over 'tp' when tp > 1, then FSDP2), so
+clipping, fp16 scaling and checkpoints are the same. PyTorch runs ring attention through the CUDA
+kernels only (flash, efficient, cuDNN): preflight refuses cp > 1 on CPU.
 """
 
 from __future__ import annotations
@@ -85,9 +85,8 @@ class SequenceSplit:
                 "(context_parallel_buffers returned nothing); set cp=1"
             )
         buffers, dims = [t for t, _ in pairs], [d for _, d in pairs]
-        if (
-            not buffers
-        ):  # context_parallel takes its device and load balancing from a first buffer: a stand-in
+        if not buffers:
+            # context_parallel takes its device and load balancing from a first buffer: a stand-in
             buffers, dims = [torch.zeros(2 * self.cp, device=self.mesh.device_type)], [0]
         whole = buffers[0].shape[dims[0]]
         with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=dims):

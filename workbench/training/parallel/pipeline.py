@@ -133,7 +133,7 @@ class PipelineParallel(PipelineCheckpoints):
         # follow
         self.split_backward = cfg.pp_schedule == "zero_bubble"
         self.stage_ids = [self.stage_index + k * self.stages for k in range(self.chunks_per_rank)]
-        self.name = self._describe()
+        self.name = self._schedule_name()
         tied = tied_names(model)
         self._canonical = {name: names[0] for names in tied for name in names}
         self.model = self.module = make_chunks(
@@ -154,9 +154,8 @@ class PipelineParallel(PipelineCheckpoints):
         self.optimizer = make_optimizer(self.module)
         if any(isinstance(p, DTensor) for p in self.module.parameters()):
             self._origin = split_groups_by_mesh(self.optimizer)
-        if (
-            cfg.precision == "fp16"
-        ):  # overflows agreed over every rank, DTensor shards unscaled where they are
+        if cfg.precision == "fp16":
+            # overflows agreed over every rank, DTensor shards unscaled where they are
             self.scaler = LocalShardGradScaler(device=self.device.type)
             # Only the last stage scales a loss; every stage unscales the gradients that flow back
             # from it.
@@ -176,7 +175,7 @@ class PipelineParallel(PipelineCheckpoints):
             stages, n_microbatches=cfg.grad_accum_steps, loss_fn=self.stage_loss, scale_grads=True
         )
 
-    def _describe(self) -> str:
+    def _schedule_name(self) -> str:
         cp, tp = dim_size(self.mesh, "cp"), dim_size(self.mesh, "tp")
         inner = (
             [f"{self.cfg.parallelism}{self.columns // (cp * tp)}"]

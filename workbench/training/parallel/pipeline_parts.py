@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from workbench.config.mesh import shards
 from workbench.tasks.blocks import shard_units
 from workbench.training.compiling import compile_model
-from workbench.training.parallel.layout import apply_layout
+from workbench.training.parallel.apply import apply_parallelism
 from workbench.training.parallel.placement import Placement
 from workbench.training.parallel.strategy import on_device
 
@@ -113,7 +113,7 @@ def _parallel_chunk(
     mesh: DeviceMesh,
     where: Placement,
 ) -> torch.nn.Module:
-    """layout.apply_layout on the stage's own dimensions, as every other mode runs it: tensor
+    """apply.apply_parallelism on the stage's own dimensions, as every other mode runs it: tensor
     parallel over 'tp', activation checkpointing and compilation per block, then FSDP2 over the
     data-parallel dimensions for the sharded modes (HSDP: 'dp_replicate' x 'dp_shard'; with cp,
     'dp_shard' x 'cp'); compile='model' last, per chunk. Replicated pipelines ('ddp') are averaged
@@ -129,9 +129,8 @@ def _parallel_chunk(
     ]
     held = {id(m) for m in chunk.modules()}
     units = [u for u in shard_units(model, task) if id(u) in held]
-    if (
-        not units and cfg.activation_checkpointing != "none"
-    ):  # a stage without blocks: nothing to checkpoint
+    if not units and cfg.activation_checkpointing != "none":
+        # a stage without blocks: nothing to checkpoint
         cfg = cfg.replace(activation_checkpointing="none")
     modules = {name for name, _ in chunk.named_modules()}
     plan = (
@@ -140,7 +139,7 @@ def _parallel_chunk(
         else None
     )
     stage_mesh = (mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]) if names else None
-    apply_layout(chunk, stage_mesh, cfg, plan, units, tracing=tracing)
+    apply_parallelism(chunk, stage_mesh, cfg, plan, units, tracing=tracing)
     compile_model(cfg, chunk, tracing=tracing)
     return chunk
 
@@ -180,9 +179,8 @@ class TiedCopies:
                 ranks = [r for r, (c, held) in enumerate(everyone) if c == col and held[i]]
                 if len(ranks) < 2:
                     continue
-                group = dist.new_group(
-                    ranks
-                )  # collective: every rank makes every group, in one order
+                # collective: every rank makes every group, in one order
+                group = dist.new_group(ranks)
                 if col == column:
                     rank = dist.get_rank()
                     self.groups.append(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workbench.tasks.blocks import shard_units
-from workbench.training.parallel.layout import apply_layout
+from workbench.training.parallel.apply import apply_parallelism
 from workbench.training.parallel.strategy import Strategy, on_device
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class Sharded(Strategy):
-    """layout.apply_layout over ('dp_shard',) or ('dp_replicate', 'dp_shard'): AC and compile
+    """apply.apply_parallelism over ('dp_shard',) or ('dp_replicate', 'dp_shard'): AC and compile
     per block, then FSDP2 on each block and the root."""
 
     sharded = True
@@ -46,13 +46,12 @@ class Sharded(Strategy):
         self.name = cfg.parallelism
         if not cfg.cpu_offload:
             model = on_device(model, self.accelerator)
-        apply_layout(
+        apply_parallelism(
             model, self.mesh, cfg, None, shard_units(model, task), tracing=self.accelerator.tracing
         )
         self.model = self.module = model
-        self.optimizer = make_optimizer(
-            model
-        )  # after fully_shard: its parameters are the sharded DTensors
+        # after fully_shard: its parameters are the sharded DTensors
+        self.optimizer = make_optimizer(model)
         if cfg.precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

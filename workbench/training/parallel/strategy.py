@@ -94,9 +94,8 @@ class Strategy:
         if self.mesh is None:
             self.mesh = build_mesh(cfg, self.device.type, self.accelerator.num_processes)
         self.model: torch.nn.Module
-        self.module: (
-            torch.nn.Module
-        )  # the model without a DDP wrapper (FSDP2 modules are their own)
+        # the model without a DDP wrapper (FSDP2 modules are their own)
+        self.module: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
         self.scaler: Any = None
         self.held_bytes: dict[str, int] = {}

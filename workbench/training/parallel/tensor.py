@@ -4,7 +4,7 @@ parallelism.
 The task's plan (Task.tensor_parallel_plan) splits its matrices over the 'tp' dimension of the mesh:
 each rank of a TP group holds a slice of every planned Linear (a DTensor), the rest stays
 replicated. With a data-parallel size above 1 the TP'd model is then made data parallel over the
-mesh's other dimensions (layout.py, torchtitan's order): FSDP x TP ('dp_shard', 'tp'), HSDP x TP
+mesh's other dimensions (apply.py, torchtitan's order): FSDP x TP ('dp_shard', 'tp'), HSDP x TP
 ('dp_replicate', 'dp_shard', 'tp') or DDP x TP ('dp_replicate', 'tp', PyTorch's FSDP2-based
 replicate). The ranks of one TP group see the same batches and draw the same dropout masks (the loop
 seeds by the data-parallel coordinate).
@@ -29,7 +29,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from workbench.tasks.blocks import shard_units
-from workbench.training.parallel.layout import apply_layout, data_dims
+from workbench.training.parallel.apply import apply_parallelism, data_dims
 from workbench.training.parallel.param_groups import split_groups_by_mesh
 from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
 
@@ -135,9 +135,8 @@ class LocalShardGradScaler(ShardedGradScaler):
                         if not allow_fp16 and local.dtype == torch.float16:
                             raise ValueError("Attempting to unscale FP16 gradients.")
                         grads[local.device, local.dtype].append(local)
-            found = {
-                found_inf.device: found_inf
-            }  # a flag per device (offloaded shards are on the CPU)
+            # a flag per device (offloaded shards are on the CPU)
+            found = {found_inf.device: found_inf}
             for (device, _), local_grads in grads.items():
                 if device not in found:
                     found[device] = found_inf.to(device, copy=True)
@@ -149,7 +148,7 @@ class LocalShardGradScaler(ShardedGradScaler):
 
 class TensorParallel(Strategy):
     """The task's plan over 'tp', then data parallelism over the mesh's other dimensions
-    (layout.py)."""
+    (apply.py)."""
 
     sharded = True
 
@@ -169,7 +168,7 @@ class TensorParallel(Strategy):
         plan = task.tensor_parallel_plan(model, cfg) if cfg.tp > 1 else None
         if plan is None and cfg.tp > 1:
             raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan")
-        apply_layout(
+        apply_parallelism(
             model, self.mesh, cfg, plan, shard_units(model, task), tracing=self.accelerator.tracing
         )
         self.data_parallel = data_dims(self.mesh)
@@ -196,9 +195,8 @@ class TensorParallel(Strategy):
         return super().sync_gradients(last_micro_batch)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        if (
-            self.scaler is not None
-        ):  # the norm and the clipping are of the true gradients, not the scaled ones
+        if self.scaler is not None:
+            # the norm and the clipping are of the true gradients, not the scaled ones
             self.scaler.unscale_(self.optimizer)
         return clip_mixed_grad_norm_(list(self.module.parameters()), max_norm, self.device)
 

@@ -2,17 +2,15 @@
 top of it.
 
 - Tensor parallel: the TP group's all-reduces sit between the matrix multiplies that need their
-  result, so
-  none of their time hides behind compute (data-parallel collectives still overlap as step_time()
-  says).
+  result, so none of their time hides behind compute (data-parallel collectives still overlap as
+  step_time() says).
 - Pipeline: every stage works through the step's m micro-batches at the pace of the slowest stage;
-  the schedule's
-  fill and drain leave each stage idle for pp - 1 micro-batch slots (the bubble, (pp - 1) / (m +
-  pp - 1) of the schedule, the same for GPipe and 1F1B). Activations go forward and gradients back
-  across each stage boundary per micro-batch; those sends overlap compute except on the fill and
-  drain, where 2 x (pp - 1) of them are on the critical path. After the schedule, the tied
-  parameters' gradients and the replicas' gradients are summed in plain all-reduces that nothing
-  overlaps.
+  the schedule's fill and drain leave each stage idle for pp - 1 micro-batch slots (the bubble,
+  (pp - 1) / (m + pp - 1) of the schedule, the same for GPipe and 1F1B). Activations go forward
+  and gradients back across each stage boundary per micro-batch; those sends overlap compute
+  except on the fill and drain, where 2 x (pp - 1) of them are on the critical path. After the
+  schedule, the tied parameters' gradients and the replicas' gradients are summed in plain
+  all-reduces that nothing overlaps.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class LayoutTime:
+class ParallelTime:
     """One step of the layout, in seconds, and what each figure rests on."""
 
     compute_s: float
@@ -46,7 +44,7 @@ class LayoutTime:
     assumptions: list[str] = field(default_factory=list)
 
 
-def layout_time(
+def parallel_time(
     cfg: RunConfig,
     traces: list[StepTrace],
     extra_comm: dict[str, dict[str, Any]],
@@ -54,7 +52,7 @@ def layout_time(
     nodes: int,
     network: str,
     runs_dir: Path,
-) -> LayoutTime:
+) -> ParallelTime:
     """The step time of `traces` (one per pipeline stage, or the one rank of other layouts) on
     `target`."""
     if cfg.pp > 1:
@@ -63,7 +61,7 @@ def layout_time(
     full = step_time(cfg, trace, extra_comm, target, nodes, network, runs_dir)
     tp = {k: v for k, v in trace.comm.items() if v.get("dim") == "tp"}
     if not tp:
-        return LayoutTime(
+        return ParallelTime(
             full.compute_s,
             full.comm_s,
             full.exposed_comm_s,
@@ -89,7 +87,7 @@ def layout_time(
         f"wait for the matrix multiplies around them: all {fmt_seconds(tp_s)} of them on the "
         "critical path"
     )
-    return LayoutTime(
+    return ParallelTime(
         full.compute_s,
         full.comm_s,
         exposed,
@@ -121,7 +119,9 @@ def _pipeline_time(
     nodes: int,
     network: str,
     runs_dir: Path,
-) -> LayoutTime:
+) -> ParallelTime:
+    """The step time of a pipeline, from its stages' traces: the slowest stage's pace, the bubble,
+    and the sends of the fill and drain (see the module docstring)."""
     stages = [step_time(cfg, t, {}, target, nodes, network, runs_dir) for t in traces]
     p2p = [{k: v for k, v in t.comm.items() if k.startswith("send@")} for t in traces]
     p2p_s = [
@@ -143,23 +143,7 @@ def _pipeline_time(
     # here
     assumptions = [
         *(a for a in stages[slowest].assumptions if not a.startswith("overlap:")),
-        (
-            f"pipeline: {pp} stages, {cfg.pp_schedule.upper()} over {m} micro-batches"
-            + (f", {v} chunks per rank" if v > 1 else "")
-            + f"; the slowest stage (stage {slowest}, {fmt_seconds(compute / m)} per micro-batch "
-            "forward and backward) sets the pace for all; the bubble, "
-            + (
-                f"(pp - 1) / (v x m + pp - 1) = {(pp - 1) / (v * m + pp - 1):.0%}"
-                if v > 1
-                else f"(pp - 1) / (m + pp - 1) = {(pp - 1) / (m + pp - 1):.0%}"
-            )
-            + f" of the schedule, leaves each stage idle for {fmt_seconds(bubble)} per step"
-            + (
-                " (zero bubble fills part of it with weight gradients: not counted)"
-                if cfg.pp_schedule == "zero_bubble"
-                else ""
-            )
-        ),
+        _schedule_note(cfg, slowest, compute, bubble),
         (
             f"pipeline sends: each micro-batch's activations ({fmt_bytes(activations)}) go forward "
             f"and its gradients back across each of the {pp - 1} stage boundaries; they overlap "
@@ -172,7 +156,7 @@ def _pipeline_time(
             f"overlapped: {fmt_seconds(max(after_s))}"
         ),
     ]
-    return LayoutTime(
+    return ParallelTime(
         compute,
         max(s.comm_s for s in stages),
         exposed,
@@ -180,4 +164,27 @@ def _pipeline_time(
         stages[slowest].efficiency,
         traces[slowest].flops,
         assumptions,
+    )
+
+
+def _schedule_note(cfg: RunConfig, slowest: int, compute: float, bubble: float) -> str:
+    """What the pipeline's schedule rests on: the slowest stage (its `compute` seconds a step) sets
+    the pace, and the bubble leaves each stage idle for `bubble` seconds a step."""
+    m, pp, v = cfg.grad_accum_steps, cfg.pp, virtual_stages(cfg)
+    return (
+        f"pipeline: {pp} stages, {cfg.pp_schedule.upper()} over {m} micro-batches"
+        + (f", {v} chunks per rank" if v > 1 else "")
+        + f"; the slowest stage (stage {slowest}, {fmt_seconds(compute / m)} per micro-batch "
+        "forward and backward) sets the pace for all; the bubble, "
+        + (
+            f"(pp - 1) / (v x m + pp - 1) = {(pp - 1) / (v * m + pp - 1):.0%}"
+            if v > 1
+            else f"(pp - 1) / (m + pp - 1) = {(pp - 1) / (m + pp - 1):.0%}"
+        )
+        + f" of the schedule, leaves each stage idle for {fmt_seconds(bubble)} per step"
+        + (
+            " (zero bubble fills part of it with weight gradients: not counted)"
+            if cfg.pp_schedule == "zero_bubble"
+            else ""
+        )
     )

@@ -1,6 +1,6 @@
 """How a module is made parallel, in torchtitan's order (parallelize_llama: apply_tp, apply_ac,
 apply_compile, apply_fsdp), as plain functions that every mode and every pipeline chunk runs through
-`apply_layout`:
+`apply_parallelism`:
 
     apply_tp         the task's plan over 'tp' (before the checkpoint wrappers rename the
                      submodules it names)
@@ -16,8 +16,8 @@ apply_compile, apply_fsdp), as plain functions that every mode and every pipelin
 
 The fp8 swap (float8.py) comes first and compile='model' last (parallelize, in __init__.py);
 replicated modes without TP are wrapped in DistributedDataParallel by their strategy after
-apply_layout (replicated.py). The mesh comes from device_mesh.build_mesh; a pipeline stage passes
-its sub-mesh, without 'pp'.
+apply_parallelism (replicated.py). The mesh comes from device_mesh.build_mesh; a pipeline stage
+passes its sub-mesh, without 'pp'.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ if TYPE_CHECKING:
 
 
 def data_dims(mesh: DeviceMesh | None) -> tuple[str, ...]:
-    """The data-parallel dimensions of `mesh` (what apply_layout shards or replicates over),
+    """The data-parallel dimensions of `mesh` (what apply_parallelism shards or replicates over),
     outermost first."""
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     return tuple(name for name in DATA_DIMS if name in names)
 
 
-def apply_layout(
+def apply_parallelism(
     module: torch.nn.Module,
     mesh: DeviceMesh | None,
     cfg: RunConfig,
