@@ -92,6 +92,5 @@ def test_attach_refuses_what_is_not_a_run_naming_the_runs_there(tmp_path: Path) 
         match=r"^attach: not a run directory: .*onr does not exist \(did you mean 'one'\?\)",
     ):
         wb.attach(tmp_path / "runs" / "onr")
-    assert isinstance(
-        wb.attach(tmp_path / "runs" / "one"), AttachedRun
-    )  # written, never started: attachable
+    # written, never started: attachable
+    assert isinstance(wb.attach(tmp_path / "runs" / "one"), AttachedRun)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 from workbench.cli import main
 from workbench.commands.bench.dashboard_cost import BUDGET, ArmRun, DashboardReport, dashboard_cost
@@ -86,9 +87,8 @@ def test_the_command_line_parses_and_calls_the_benchmark(
         return _report([(100.0, 99.0)])
 
     monkeypatch.setattr("workbench.commands.bench.dashboard_cost.dashboard_cost", fake)
-    monkeypatch.chdir(
-        tmp_path
-    )  # no benchmarks/results here: no result file unless --json names one
+    # no benchmarks/results here: no result file unless --json names one
+    monkeypatch.chdir(tmp_path)
     assert main(["bench", "dashboard", "--steps", "300", "--pairs", "2"]) == 0
     assert called == {"steps": 300, "pairs": 2, "json_path": None}
     assert "workbench bench dashboard" in capsys.readouterr().out
@@ -114,3 +114,35 @@ def test_a_bench_run_in_a_checkout_keeps_its_result_under_benchmarks_results(
     assert main(["bench", "dashboard", "--pairs", "1", "--json", "mine.json"]) == 0 and paths[
         -1
     ] == Path("mine.json")
+
+
+@pytest.mark.parametrize(
+    ("argv", "folder"),
+    [
+        (["bench", "overhead"], "overhead"),
+        (["bench", "overhead", "--mode", "zero3"], "overhead-zero3"),
+        (["bench", "overhead", "--mode", "pp"], "overhead-pp"),
+    ],
+)
+def test_each_overhead_mode_keeps_its_own_result_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str], folder: str
+) -> None:
+    """The four modes have budgets of their own: a zero3 run the same day doesn't replace the ddp
+    result, and the benchmarks page shows each mode."""
+    from workbench.commands.bench.results import machine_tag
+
+    paths: list[object] = []
+    monkeypatch.setattr(
+        "workbench.commands.bench.overhead",
+        lambda **kw: paths.append((kw["mode"], kw["json_path"])) or _report([(100.0, 99.0)]),
+    )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    assert main(argv) == 0
+    today = datetime.date.today().isoformat()
+    mode = argv[-1] if "--mode" in argv else "ddp"
+    assert paths == [(mode, Path("benchmarks/results") / folder / f"{today}-{machine_tag()}.json")]
+    assert (
+        f"<!-- generated: bench-results {folder} -->"
+        in (REPO / "docs" / "benchmarks.md").read_text()
+    )

@@ -29,9 +29,8 @@ def test_each_layout_s_hand_loop_trains_the_trainer_s_weights_bit_for_bit(
     assert (report.mode, report.task, report.num_processes) == (mode, "char-gpt", 2)
     assert report.trainer_median_s > 0 and report.hand_median_s > 0  # both sides ran their steps
     assert report.weights_equal and report.weights_max_abs_diff == 0.0, report.table()
-    assert (
-        report.weights_max_abs > 0
-    )  # the full weights were loaded and compared, not just their digests
+    # the full weights were loaded and compared, not just their digests
+    assert report.weights_max_abs > 0
     table = report.table()
     assert table.startswith(f"workbench bench overhead --mode {mode}: char-gpt, 2 ranks on cpu")
     assert "weights bitwise equal: True (max abs difference 0)" in table

@@ -89,10 +89,8 @@ def test_the_last_training_row_is_found_however_far_back_it_is(tmp_path: Path) -
     path = tmp_path / rundir.METRICS
     files.write_jsonl(path, [train_row(1), train_row(2)] + [eval_row(2)] * (2 * TAIL_BYTES // 60))
     assert RunDir(tmp_path).last_train_row() == train_row(2)
-    assert [r["step"] for r in jsonl.tail_jsonl(path, block=7) if "loss" in r] == [
-        2,
-        1,
-    ]  # blocks cut lines
+    # blocks cut lines
+    assert [r["step"] for r in jsonl.tail_jsonl(path, block=7) if "loss" in r] == [2, 1]
 
 
 @pytest.mark.parametrize("limit", [None, 800], ids=["whole", "last-800-bytes"])
@@ -131,17 +129,15 @@ def test_metrics_are_parsed_once_then_only_the_appended_rows(
     parsed.clear()
     second = result.metrics
     assert parsed == [] and second == first and second is not first  # a new list ...
-    assert all(
-        a is b for a, b in zip(first, second, strict=True)
-    )  # ... of the rows parsed the first time
+    # ... of the rows parsed the first time
+    assert all(a is b for a, b in zip(first, second, strict=True))
     files.append_jsonl(run_dir / rundir.METRICS, train_row(1201))  # a run still going
     third = result.metrics
     assert parsed == [len(json.dumps(train_row(1201))) + 1] and third == [*rows, train_row(1201)]
     assert third[0] is first[0]
     parsed.clear()
-    files.write_jsonl(
-        run_dir / rundir.METRICS, rows[:10]
-    )  # replaced whole (a resume sets rows aside): read again
+    # replaced whole (a resume sets rows aside): read again
+    files.write_jsonl(run_dir / rundir.METRICS, rows[:10])
     assert result.metrics == rows[:10] and len(parsed) == 1
 
 
@@ -165,9 +161,8 @@ def test_metrics_keep_read_jsonl_rules(
     with path.open("a") as f:
         f.write(": 0.5}\n")
     assert reader.read() == [*good, {"step": 6, "loss": 0.5}]
-    path.write_text(
-        text + json.dumps(train_row(6))
-    )  # a whole last line without its end: read, not kept
+    # a whole last line without its end: read, not kept
+    path.write_text(text + json.dumps(train_row(6)))
     assert files.read_jsonl(path) == [*good, train_row(6)]
 
 
@@ -188,9 +183,8 @@ def test_the_dashboards_first_view_of_a_long_run_reads_a_sample(
     loss, smoothed = dash._figure.axes[0].get_lines()[:2]
     assert len(loss.get_xdata()) <= LIVE_POINTS and list(smoothed.get_xdata())[-1] == 6000
     assert dash.step == 6000 and "step 6000/6000" in dash.progress_text.value
-    files.append_jsonl(
-        run_dir / rundir.METRICS, train_row(6001)
-    )  # then a poll at a time, as before
+    # then a poll at a time, as before
+    files.append_jsonl(run_dir / rundir.METRICS, train_row(6001))
     dash.refresh()
     assert dash.rows[-1].step == 6001 and len(dash.rows) == len(steps) + 1
 

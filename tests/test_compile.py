@@ -114,16 +114,13 @@ def test_compiled_training_matches_eager_and_the_compiled_path_ran(
         f"{layout}: dynamo compiled nothing"
     )
     assert report["first_step_s"] > 0 and report["recompiles"] == 0, report
-    if (
-        cfg.compile == "blocks"
-    ):  # a block is one graph (DDP's own wrapper breaks the whole model's, by design)
+    if cfg.compile == "blocks":
+        # a block is one graph (DDP's own wrapper breaks the whole model's, by design)
         assert report["graph_breaks"] == {}, report["graph_breaks"]
     if cfg.precision == "bf16":
         assert {r["compute_dtype"] for r in compiled.summary["ranks"]} == {"bfloat16"}
-    if cfg.parallelism in (
-        "zero3",
-        "hsdp",
-    ):  # the layout really ran: each rank holds about half the parameters
+    if cfg.parallelism in ("zero3", "hsdp"):
+        # the layout really ran: each rank holds about half the parameters
         full = 4 * compiled.summary["n_params"]
         assert all(
             r["sharded"] and r["params_bytes"] < 0.6 * full for r in compiled.summary["ranks"]

@@ -229,15 +229,13 @@ def test_off_written_unquoted_is_the_choice_not_a_boolean(tmp_path: Path) -> Non
     assert wb.RunConfig().with_overrides(["compile=off"]).compile == "off"
     (tmp_path / "run.yaml").write_text("task: digits\ncompile: off\n")
     assert wb.RunConfig.from_yaml(tmp_path / "run.yaml").compile == "off"
-    assert (
-        wb.RunConfig().with_overrides(["resume=off"]).resume is False
-    )  # a boolean field keeps its boolean
+    # a boolean field keeps its boolean
+    assert wb.RunConfig().with_overrides(["resume=off"]).resume is False
     with pytest.raises(
         ValueError, match=r"compile=True: choose one of 'off' \| 'model' \| 'blocks'"
     ):
-        wb.RunConfig().with_overrides(
-            ["compile=yes"]
-        )  # a choice without 'on' still names what would work
+        # a choice without 'on' still names what would work
+        wb.RunConfig().with_overrides(["compile=yes"])
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_to_min_on_last_step() -> None:
@@ -345,10 +343,8 @@ def test_every_parallelism_mode_has_its_one_line_explanation() -> None:
                 r"micro_batch_size=1099511627776: too large; .* e.g. micro_batch_size=32",
             ),
             ({"num_processes": 10**12}, r"num_processes=1000000000000: too large"),
-            (
-                {"dist_timeout_s": 10**5000},
-                r"dist_timeout_s=\(a 5001-digit integer\): too large",
-            ),  # past int->str's limit
+            # past int->str's limit
+            ({"dist_timeout_s": 10**5000}, r"dist_timeout_s=\(a 5001-digit integer\): too large"),
             (
                 {"restart_backoff_s": 1e12},
                 r"restart_backoff_s=1000000000000\.0: wait at most 86400 seconds \(a day\)",
@@ -448,12 +444,8 @@ def test_yaml_floats_without_a_dot_are_numbers(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("lr: 3E-4\neps: 1e-6\nweight_decay: 1e-1\nrun_name: 1e5\n")
     cfg = wb.RunConfig.from_yaml(path)
-    assert (cfg.lr, cfg.eps, cfg.weight_decay, cfg.run_name) == (
-        3e-4,
-        1e-6,
-        0.1,
-        "1e5",
-    )  # a str field stays text
+    # a str field stays text
+    assert (cfg.lr, cfg.eps, cfg.weight_decay, cfg.run_name) == (3e-4, 1e-6, 0.1, "1e5")
 
 
 @pytest.mark.parametrize(

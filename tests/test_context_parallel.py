@@ -33,9 +33,8 @@ def assert_trains_like_one_process(
     assert worst_relative(losses(cp), losses(single)) < 1e-5, (losses(cp), losses(single))
     for rank in cp.summary["ranks"]:
         assert rank["mesh"] == mesh
-        middle = (
-            0 < rank.get("pp_stage", 0) < rank.get("pp_stages", 1) - 1
-        )  # its activations arrive split
+        # its activations arrive split
+        middle = 0 < rank.get("pp_stage", 0) < rank.get("pp_stages", 1) - 1
         held = {} if middle else {"length": 32, "local_length": 32 // mesh["cp"]}
         assert rank["cp_sequence"] == held, "each rank held its slice"
 
@@ -216,9 +215,8 @@ def test_micro_batch_auto_measures_the_split_sequences_so_cp_fits_more(
         chosen["split"]["proposed"] is None
         and "the ranks search from their own trials" in chosen["split"]["how"]
     )
-    assert chosen["split"]["chosen"] > 1.3 * chosen["whole"]["chosen"], (
-        chosen
-    )  # 2x but for the fixed bytes
+    # 2x but for the fixed bytes
+    assert chosen["split"]["chosen"] > 1.3 * chosen["whole"]["chosen"], chosen
     usable = 0.02 * 2**30 * 0.9
     for rank in chosen["split"]["ranks"]:
         fitting = [t for t in rank["tries"] if t["micro_batch"] == chosen["split"]["chosen"]]
@@ -258,15 +256,15 @@ def test_the_estimate_traces_ring_attention_and_holds_what_the_ranks_held(
         **fields,
     )
     ranks = wb.launch(cfg).summary["ranks"]
+    # a rank of each stage: its CP peer holds the same
     traces = {
         r["rank"]: trace_step(
             cfg.replace(track_memory=False), get_task(cfg.task), world=len(ranks), rank=r["rank"]
         )
         for r in (ranks[::2] if cfg.pp > 1 else ranks)
-    }  # a rank of each stage: its CP peer holds the same
-    for _ in range(
-        2
-    ):  # gloo may hold a collective's buffer late in a tracked step (test_estimate._lower_peaks)
+    }
+    for _ in range(2):
+        # gloo may hold a collective's buffer late in a tracked step (test_estimate._lower_peaks)
         if all(
             abs(t.memory["peak"] / ranks[r]["tracked_memory"]["peak"] - 1) < tolerance
             for r, t in traces.items()
@@ -300,9 +298,8 @@ def test_the_estimate_prices_the_rings_exchanges_and_each_ranks_share_of_the_wor
     without, ring = whole.comm["all_gather@2"], split.comm["all_gather@2"]
     rings = 2 * 2 * 2  # layers x micro-batches x (forward, backward)
     assert ring["count"] - without["count"] == rings
-    key_and_value = (
-        2 * 8 * 64 * 128 * 4
-    )  # (k, v) x micro-batch x sequence x width x fp32, gathered whole
+    # (k, v) x micro-batch x sequence x width x fp32, gathered whole
+    key_and_value = 2 * 8 * 64 * 128 * 4
     assert ring["bytes"] - without["bytes"] == rings * key_and_value
     assert 0.45 < split.flops / whole.flops < 0.55
     assert split.memory["activations"] < 0.5 * whole.memory["activations"]

@@ -178,9 +178,8 @@ def test_figure_memory_from_zero_log_loss_ema_lr_ticks_and_step() -> None:
 def test_sci_labels_and_ema() -> None:
     assert (sci(3e-4), sci(2.5e-4), sci(0.0), sci(1e-2)) == ("3e-4", "2.5e-4", "0", "1e-2")
     smooth = ema([1.0, 3.0, 1.0, 3.0, 1.0, 3.0])
-    assert (
-        smooth[0] == 1.0 and max(smooth[2:]) - min(smooth[2:]) < 1.0
-    )  # debiased, and calmer than the raw swing
+    # debiased, and calmer than the raw swing
+    assert smooth[0] == 1.0 and max(smooth[2:]) - min(smooth[2:]) < 1.0
 
 
 def test_overlaid_runs_differ_in_colour_line_style_and_marker() -> None:
@@ -219,9 +218,8 @@ def test_overlaid_runs_with_evaluations_get_one_eval_entry_not_one_per_run() -> 
 
 def test_the_loss_axis_goes_log_once_the_loss_spans_a_decade_and_the_toggle_decides() -> None:
     steady = [dict(r, loss=1.0 + 0.5 / r["step"]) for r in _rows_with_wobble()]  # 1.1 to 1.005
-    falling = [
-        dict(r, loss=2.0 / r["step"]) for r in _rows_with_wobble()
-    ]  # 0.4 to 0.02: more than a decade
+    # 0.4 to 0.02: more than a decade
+    falling = [dict(r, loss=2.0 / r["step"]) for r in _rows_with_wobble()]
     for rows, log_loss, scale in (
         (steady, None, "linear"),
         (falling, None, "log"),
@@ -251,16 +249,14 @@ def test_the_live_figure_is_moved_in_place_and_thinned() -> None:
     png = live.png("x2 fp32", rows, title="run", log_loss=False, drawn_at=5000)
     assert png.startswith(b"\x89PNG") and live.builds == 1  # more rows: the same axes, lines moved
     loss, ema_line = live.figure.axes[0].get_lines()[:2]
-    assert (
-        len(loss.get_xdata()) <= LIVE_POINTS and list(loss.get_xdata())[-1] == 5000
-    )  # thinned, newest kept
+    # thinned, newest kept
+    assert len(loss.get_xdata()) <= LIVE_POINTS and list(loss.get_xdata())[-1] == 5000
     assert list(ema_line.get_xdata())[-1] == 5000
     assert live.figure.axes[0].get_xlim()[1] >= 5000  # rescaled to the new rows
     assert any(t.get_text() == "drawn at step 5000" for t in live.figure.texts)
     live.png("x2 fp32", rows, title="run", log_loss=True, drawn_at=5000)
-    assert (
-        live.builds == 1 and live.figure.axes[0].get_yscale() == "log"
-    )  # the scale changes in place too
+    # the scale changes in place too
+    assert live.builds == 1 and live.figure.axes[0].get_yscale() == "log"
     assert live.figure.axes[0].get_title() == "loss (log scale)"
     live.png(
         "x2 fp32",
@@ -287,9 +283,8 @@ def test_the_figure_is_drawn_when_rows_come_and_the_cadence_allows(
     files.append_jsonl(run_dir / rundir.METRICS, rows[2])
     time.sleep(0.02)
     dash.refresh()
-    assert (
-        dash.figures_drawn == 2
-    )  # new rows after figure_interval: moved, and that redraw paces the next
+    # new rows after figure_interval: moved, and that redraw paces the next
+    assert dash.figures_drawn == 2
     files.append_jsonl(run_dir / rundir.METRICS, rows[3])
     dash.refresh()
     assert dash.step == 20 and "step 20/100" in dash.progress_text.value and dash.figures_drawn == 2
@@ -347,9 +342,8 @@ def test_a_failed_run_ends_with_one_figure_and_one_error(
         and shown[0]["text/html"].count("<img") == 1
         and shown[0]["text/html"].count("boom") == 1
     )
-    assert (
-        base64.b64decode(shown[0]["image/png"]) == dash.figure_png()
-    )  # for readers that take only images
+    # for readers that take only images
+    assert base64.b64decode(shown[0]["image/png"]) == dash.figure_png()
     # The live view points to the static copy instead of showing the figure a second time.
     assert (
         dash.final_shown
@@ -517,9 +511,8 @@ def test_the_mark_and_the_verdict_name_the_same_rank_or_none(tmp_path: Path) -> 
         )
         dash = Dashboard(fake_run(tmp_path / f"{compute}{comm}{straggler}", rows))
         dash.refresh(draw=False)
-        assert dash.breakdown.value in dash.snapshot_html(
-            figure=False
-        )  # the snapshot shows the same bars
+        # the snapshot shows the same bars
+        assert dash.breakdown.value in dash.snapshot_html(figure=False)
         marked = re.findall(
             r"data-rank='(\d)'.*?font-size:90%'>[\d.]+ ms( <b class='wb-slowest'>)?",
             dash.breakdown.value,
@@ -551,11 +544,8 @@ def test_metrics_are_read_a_poll_at_a_time(tmp_path: Path) -> None:
     assert [r.step for r in tail.read()] == [5, 10]
     with path.open("a") as f:
         f.write(', "lr": 0.001}\nnot json\n')
-    assert [r.step for r in tail.read()] == [
-        5,
-        10,
-        15,
-    ]  # the finished row; a line that isn't one, skipped
+    # the finished row; a line that isn't one, skipped
+    assert [r.step for r in tail.read()] == [5, 10, 15]
     files.write_jsonl(path, rows[3:])  # replaced whole (a new file): read again from its start
     assert [r.step for r in tail.read()] == [20]
     files.append_jsonl(path, {"step": "twenty-five", "loss": 1.0})
@@ -581,9 +571,8 @@ def test_the_polling_thread_runs_at_the_lowest_priority(tmp_path: Path) -> None:
         assert dash.polling  # still polling a run that goes on, at nice 19
     finally:
         dash.stop(timeout=10)
-    assert (
-        os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
-    )  # the caller's is its own
+    # the caller's is its own
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_lowering_the_priority_takes_only_the_calling_thread() -> None:

@@ -295,9 +295,8 @@ def test_user_manifest_overrides_builtin_with_warning(tmp_path, monkeypatch, cap
     # An extra_dirs argument outranks the environment.
     arg = write_manifest(tmp_path / "arg", "tinyshakespeare", [GOOD_FILE], version="3")
     assert data.load_manifest("tinyshakespeare", extra_dirs=[arg.parent]).version == "3"
-    assert (
-        data.load_manifest("tinyshakespeare", extra_dirs=str(arg.parent)).version == "3"
-    )  # a lone path is fine
+    # a lone path is fine
+    assert data.load_manifest("tinyshakespeare", extra_dirs=str(arg.parent)).version == "3"
 
 
 # --------------------------------------------------------------------------
@@ -661,9 +660,8 @@ def test_unsafe_archive_member_is_refused(tmp_path, cache, filename, archive, pa
     with pytest.raises(UnsafeArchiveError, match=pattern):
         resolve_packed(tmp_path, cache)
     root = cache / "packed" / "1"
-    assert files_under(root) == [
-        filename
-    ]  # the verified archive stays cached; nothing was extracted
+    # the verified archive stays cached; nothing was extracted
+    assert files_under(root) == [filename]
     assert not (cache / "packed" / "evil.txt").exists() and not (cache / "evil.txt").exists()
 
 
@@ -728,9 +726,8 @@ CHAIN = "l2/" * 40 + "../" * 40 + "etc/passwd"
 def test_a_chain_of_links_out_of_the_dataset_is_refused(
     tmp_path, cache, monkeypatch, filename, archive, pattern, data_filter
 ):
-    if (
-        not data_filter
-    ):  # Python 3.10 before 3.10.12 has no tarfile.data_filter: the checks alone must hold
+    if not data_filter:
+        # Python 3.10 before 3.10.12 has no tarfile.data_filter: the checks alone must hold
         monkeypatch.delattr(tarfile, "data_filter", raising=False)
     archive_dataset(tmp_path, filename, archive)
     with pytest.raises(UnsafeArchiveError, match=pattern):
@@ -886,9 +883,8 @@ def test_digits_are_parsed_once_and_kept_beside_their_file_under_its_digest(tmp_
         again, _ = digits.load_digits_arrays()
     assert (again == images).all()
 
-    parsed.write_bytes(
-        b"cut short"
-    )  # a parsed copy that can't be read is parsed again and replaced
+    # a parsed copy that can't be read is parsed again and replaced
+    parsed.write_bytes(b"cut short")
     again, _ = digits.load_digits_arrays()
     assert (again == images).all() and parsed.stat().st_size > 400_000
 
@@ -921,9 +917,8 @@ def test_package_source_checks_digest_and_presence(tmp_path, cache):
 def test_synthetic_source_is_deterministic(tmp_path):
     first = data.resolve("synthetic-regression", cache=tmp_path / "a", progress=False)
     second = data.resolve("synthetic-regression", cache=tmp_path / "b", progress=False)
-    assert (
-        first.sha256 == second.sha256 == {"train.csv": SYNTHETIC_SHA}
-    )  # pinned in the manifest, too
+    # pinned in the manifest, too
+    assert first.sha256 == second.sha256 == {"train.csv": SYNTHETIC_SHA}
     assert first["train.csv"].read_bytes() == second["train.csv"].read_bytes()
     assert first["train.csv"].read_text().splitlines()[0] == "x0,x1,x2,x3,x4,x5,x6,x7,y"
     assert data.resolve("synthetic-regression", cache=tmp_path / "a", progress=False).origins == {
@@ -1024,9 +1019,8 @@ def test_a_short_wait_for_a_dataset_lock_goes_unannounced(tmp_path, caplog, monk
 
     from workbench.data import cache
 
-    monkeypatch.setattr(
-        cache, "QUIET_WAIT_S", 10.0
-    )  # a loaded machine's late timer stays well inside it
+    # a loaded machine's late timer stays well inside it
+    monkeypatch.setattr(cache, "QUIET_WAIT_S", 10.0)
     taken = threading.Event()
 
     def hold_briefly() -> None:

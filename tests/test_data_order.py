@@ -90,7 +90,6 @@ class WorkerPids(torch.utils.data.Dataset):
 def test_persistent_workers_serve_every_epoch(persistent: bool, expected: int) -> None:
     cfg = wb.RunConfig(micro_batch_size=5, seed=1, num_workers=2, persistent_workers=persistent)
     batches = ShardedBatches(WorkerPids(), cfg, 0, 1, None).iterate(0)
-    pids = {
-        pid for _ in range(12) for pid in next(batches)[1].tolist()
-    }  # 3 epochs of 4 micro-batches
+    # 3 epochs of 4 micro-batches
+    pids = {pid for _ in range(12) for pid in next(batches)[1].tolist()}
     assert len(pids) == expected, "2 workers for the whole run, or 2 new ones each epoch"

@@ -82,12 +82,10 @@ def test_benchmark_tables_show_the_newest_result_per_device_class_stamped_or_not
     )
     monkeypatch.setattr(hook, "RESULTS", tmp_path / "benchmarks" / "results")
     text = hook.bench_section("demo")
-    assert (
-        "new.json" in text and "old.json" not in text and "| ddp | 2 |" in text
-    )  # the newest, medians
-    assert (
-        "**cuda**" in text and "measured 2025-12-31" in text and "| 1.05 |" in text
-    )  # no measured_on
+    # the newest, medians
+    assert "new.json" in text and "old.json" not in text and "| ddp | 2 |" in text
+    # no measured_on
+    assert "**cuda**" in text and "measured 2025-12-31" in text and "| 1.05 |" in text
     others = hook.on_page_markdown("<!-- generated: bench-results-others -->", None, None, None)
     assert "### `demo`" in others
 

@@ -140,10 +140,8 @@ def test_auto_micro_batch_agrees_on_the_smaller_fit_and_keeps_the_global_batch(
 ) -> None:
     from workbench.training import autobatch
 
-    budgets = {
-        0: 1_300_000,
-        1: 1_000_000,
-    }  # bytes each rank may use; forked ranks inherit the patch
+    # bytes each rank may use; forked ranks inherit the patch
+    budgets = {0: 1_300_000, 1: 1_000_000}
     monkeypatch.setattr(
         autobatch, "memory_limit", lambda device, cfg, local: budgets[int(os.environ["RANK"])]
     )

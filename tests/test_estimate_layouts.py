@@ -192,9 +192,8 @@ def _real_schedule_peaks(fields: dict[str, Any], timeout: float = 120.0) -> dict
                 p.join(timeout=10)
         out.close()
         out.join_thread()
-        stop_resource_tracker(
-            tracker_was_running
-        )  # if anything started it: no process outlives the test
+        # if anything started it: no process outlives the test
+        stop_resource_tracker(tracker_was_running)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -202,9 +201,8 @@ def test_each_stages_peak_is_the_real_schedules(
     needs_mirror: Path, tmp_path: Path, schedule: str
 ) -> None:
     cfg = cfg_for(tmp_path, pp=2, grad_accum_steps=4, pp_schedule=schedule)
-    real = _real_schedule_peaks(
-        cfg.to_dict()
-    )  # the forked ranks find the data as this process does
+    # the forked ranks find the data as this process does
+    real = _real_schedule_peaks(cfg.to_dict())
     est = estimate(cfg)
     for rank, peak in real.items():
         assert abs(est.ranks[rank].tensors / peak - 1) < 0.02, (

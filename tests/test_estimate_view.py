@@ -354,9 +354,8 @@ def test_the_speed_benchmark_times_a_fresh_first_estimate_and_answers_from_memor
         timeout=300,
         check=False,
     )
-    assert run.returncode in (0, 1), run.stderr[
-        -3000:
-    ]  # 1: over budget on a busy machine, said in the table
+    # 1: over budget on a busy machine, said in the table
+    assert run.returncode in (0, 1), run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["via"] for r in rows] == ["estimate()", "panel box"] and "digits" in run.stdout
     for r in rows:
@@ -392,9 +391,8 @@ def test_the_speed_benchmark_times_a_fresh_first_estimate_and_answers_from_memor
 def test_a_gpu_target_counts_cublas_workspaces_with_the_tensors_and_a_cpu_target_does_not() -> None:
     from workbench.estimator.model import CUBLAS_WORKSPACE_BYTES
 
-    cfg = cfg_of(
-        parallelism="zero3", num_processes=2
-    )  # no DDP buckets: the only extra buffer on a GPU is cuBLAS's workspace
+    # no DDP buckets: the only extra buffer on a GPU is cuBLAS's workspace
+    cfg = cfg_of(parallelism="zero3", num_processes=2)
     gpu, cpu = (
         estimate(cfg, H100, 2, task=get_task("digits")),
         estimate(cfg, task=get_task("digits")),

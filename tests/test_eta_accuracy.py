@@ -95,9 +95,8 @@ def test_a_lasting_change_of_pace_shows_within_two_horizons() -> None:
 
 
 def test_a_single_slow_window_counts_as_part_of_the_pace_not_as_the_pace() -> None:
-    times = (
-        [0.2] * 24 + [2.0] * 5 + [0.2] * 71
-    )  # one window ten times slower (an eval, a neighbour's burst)
+    # one window ten times slower (an eval, a neighbour's burst)
+    times = [0.2] * 24 + [2.0] * 5 + [0.2] * 71
     rows = rows_of(times, log_every=5)
     eta = eta_s(Reading(rows=rows[:6]), 100, 30)
     # 70 steps at the fast pace take 14 s, at the slow one 140 s: the newest window weighs most, yet is one of five.
@@ -148,9 +147,8 @@ def test_a_run_of_sleeping_steps_gets_an_eta_within_20_percent(runs_dir: Path) -
     typical = statistics.median(times)
     checked = []
     for i, row in enumerate(rows):
-        if (
-            row.step < 10 or row.step > 90
-        ):  # after 10% of the run; while 10 steps (0.5 s) or more remain
+        if row.step < 10 or row.step > 90:
+            # after 10% of the run; while 10 steps (0.5 s) or more remain
             continue
         left = sum(times[row.step : -1]) + typical
         eta = eta_s(Reading(rows=rows[: i + 1]), 100, row.step)

@@ -400,9 +400,8 @@ def test_an_exception_that_ends_the_blocking_launch_kills_the_run(runs_dir: Path
         limit = time.time() + 120
         while time.time() < limit and not losses(run):
             time.sleep(0.1)
-        _thread.interrupt_main(
-            signal.SIGUSR2
-        )  # runs `deadline` in the main thread, inside launch()
+        # runs `deadline` in the main thread, inside launch()
+        _thread.interrupt_main(signal.SIGUSR2)
 
     previous = signal.signal(signal.SIGUSR2, deadline)
     watcher = threading.Thread(target=interrupt_once_training, daemon=True)
@@ -610,3 +609,28 @@ def test_a_failing_write_while_preparing_leaves_no_half_made_run(
     ):
         wb.launch(cfg_for(runs_dir, run_name="nospace"), task=TinyRegression())
     assert not (runs_dir / "nospace").exists()
+
+
+def test_installing_a_method_as_a_signal_handler_never_takes_its_objects_repr() -> None:
+    """signal.signal formats the handler it replaces into a ValueError while it checks for an enum:
+    for a Run's `_forward` that repr read the run directory, twice per launch. The handlers go in
+    as plain functions, still calling the method."""
+    from workbench.utils import preemption
+
+    class Costly:
+        reprs = 0
+        calls: list[int] = []
+
+        def __repr__(self) -> str:
+            Costly.reprs += 1
+            return "costly"
+
+        def on_signal(self, signum: int, frame: Any) -> None:
+            Costly.calls.append(signum)
+
+    costly = Costly()
+    cfg = wb.RunConfig(preempt_signal="SIGUSR1")
+    with preemption.handling(costly.on_signal, cfg, leave_ignored=False) as installed:
+        assert installed
+        signal.raise_signal(signal.SIGUSR1)
+    assert Costly.calls == [signal.SIGUSR1] and Costly.reprs == 0

@@ -53,6 +53,7 @@ def process_tree(
     however the test ends."""
     tree: list[psutil.Process] = []
     with open(cwd / "output.txt", "w") as output:
+        # noqa: PLW1509
         proc = subprocess.Popen(
             args,
             cwd=cwd,
@@ -61,7 +62,7 @@ def process_tree(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=default_signals,
-        )  # noqa: PLW1509
+        )
     try:
         yield proc, tree
     finally:

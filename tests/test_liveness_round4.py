@@ -232,9 +232,8 @@ def test_a_live_run_is_not_declared_dead_by_a_reader_whose_clock_is_ahead_and_is
     writer: tuple[RunDir, subprocess.Popen[bytes]], reader_5_min_ahead: ReaderClock
 ) -> None:
     run, proc = writer
-    text, code = describe_run(
-        run.path
-    )  # a one-shot reader: it re-reads the heartbeat and sees it change
+    # a one-shot reader: it re-reads the heartbeat and sees it change
+    text, code = describe_run(run.path)
     assert code == 0 and text.splitlines()[0] == "live: running", text
     deadline = real_time.monotonic() + 2.0
     while real_time.monotonic() < deadline:  # a reader that keeps looking (wait(), the dashboard)
@@ -249,9 +248,8 @@ def test_a_live_run_is_not_declared_dead_by_a_reader_whose_clock_is_ahead_and_is
     assert run.observed_status()[0] is Status.RUNNING, (
         "just stopped: not yet seen unchanged for long"
     )
-    reader_5_min_ahead.moved += (
-        liveness.STALE_AFTER_S + 1
-    )  # the reader's own clock goes past the threshold
+    # the reader's own clock goes past the threshold
+    reader_5_min_ahead.moved += liveness.STALE_AFTER_S + 1
     status, why = run.observed_status()
     assert (
         status is Status.FAILED
@@ -265,9 +263,8 @@ def test_a_one_shot_reader_rereads_a_heartbeat_that_looks_old_by_the_clocks_diff
     run = _running(tmp_path / "runs")
     run.write_heartbeat(0, {"host": "node7", "pid": 4242, "step": 800})  # and its writer stopped
     monkeypatch.setattr(liveness, "CONFIRM_S", 1.0)  # a few heartbeat periods, shortened
-    status, why = (
-        run.observed_status()
-    )  # one quick look: old by the clocks' difference, or dead? not told yet
+    # one quick look: old by the clocks' difference, or dead? not told yet
+    status, why = run.observed_status()
     assert status is Status.RUNNING, why
     assert re.match(
         r"unknown: can't tell yet: rank_0.json 30[01] s old by the writer's clock \(the hosts' clocks "

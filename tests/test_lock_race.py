@@ -40,9 +40,8 @@ def _race(base: str, start: Any, results: Any, done: Any) -> None:
             results.put((trial, os.getpid(), None))
         except BaseException as e:  # noqa: BLE001  (reported to the test, which fails on it)
             results.put((trial, os.getpid(), repr(e)))
-    done.wait(
-        timeout=120
-    )  # a winner's lock names this process: alive, it is no stale lock to take over
+    # a winner's lock names this process: alive, it is no stale lock to take over
+    done.wait(timeout=120)
 
 
 def _stale_trial(trial: int) -> bool:
@@ -61,9 +60,8 @@ def _prepare(base: Path) -> None:
         run = RunDir(base / f"trial-{trial}")
         run.path.mkdir()
         if _stale_trial(trial):
-            files.write_json(
-                run.lock_path, dead
-            )  # this process, with another start time: a pid reused
+            # this process, with another start time: a pid reused
+            files.write_json(run.lock_path, dead)
 
 
 def race(base: Path, deadline_s: float = 90.0) -> dict[int, list[tuple[int, str | None]]]:

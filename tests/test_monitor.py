@@ -95,9 +95,8 @@ def test_scripted_nvml_readings_land_in_the_window_mean_for_rates_max_for_levels
         nvml.set(1, util=40, mem_used=3 * 2**30, power_mw=100_000, temp_c=65)
         m.sample_once(samplers)
         window = m.take_window()
-        assert (
-            window["gpu_util_pct"] == 60 and window["gpu_power_w"] == 150
-        )  # means (power: mW -> W)
+        # means (power: mW -> W)
+        assert window["gpu_util_pct"] == 60 and window["gpu_power_w"] == 150
         assert window["gpu_mem_used_bytes"] == 5 * 2**30 and window["gpu_temp_c"] == 70  # maxima
         assert window["rss_bytes"] > 10 * MB and window["cpu_pct"] >= 0
         # A window with no sample of its own repeats the latest sample rather than reporting a gap.
@@ -132,9 +131,8 @@ def test_cuda_visible_devices_maps_the_torch_index_to_nvml(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     DeviceMonitor(1.0, gpu_index=1, nvml=nvml)._open()[1].close()
     assert ("nvmlDeviceGetHandleByIndex", 3) in nvml.calls
-    monkeypatch.setenv(
-        "CUDA_VISIBLE_DEVICES", "GPU-00000002"
-    )  # by UUID (prefix), as CUDA accepts it
+    # by UUID (prefix), as CUDA accepts it
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000002")
     sampler = DeviceMonitor(1.0, gpu_index=0, nvml=nvml)._open()[1]
     assert sampler.handle.index == 2
     sampler.close()
@@ -248,13 +246,14 @@ def test_row_fields_are_per_rank_lists_with_none_for_unmeasured() -> None:
         dtype=torch.float64,
     )
     row = row_fields(gathered)
+    # power: no rank measured it
     assert row == {
         "gpu_util_pct_per_rank": [50.0, None],
         "gpu_mem_used_bytes_per_rank": [2**30, 2**31],
         "gpu_temp_c_per_rank": [61.0, 62.0],
         "cpu_pct_per_rank": [101.3, 99.0],
         "rss_bytes_per_rank": [300 * MB, 310 * MB],
-    }  # power: no rank measured it
+    }
     assert len(FIELDS) == gathered.shape[1]
 
 
@@ -379,10 +378,8 @@ def test_overlaid_runs_show_each_runs_busiest_rank_in_the_runs_own_style() -> No
     idle = [dict(r, gpu_util_pct_per_rank=[20.0, 30.0]) for r in monitored_rows("gpu")]
     draw(fig, [("a", monitored_rows("gpu")), ("b", idle)])
     loss, util, memory = fig.axes[0], fig.axes[4], fig.axes[5]
-    assert [line.get_label() for line in util.get_lines()] == [
-        "a",
-        "b",
-    ]  # one line per run, not runs x ranks
+    # one line per run, not runs x ranks
+    assert [line.get_label() for line in util.get_lines()] == ["a", "b"]
     assert (
         list(util.get_lines()[0].get_ydata()) == [93.0] * 8
         and list(util.get_lines()[1].get_ydata()) == [30.0] * 8
@@ -425,9 +422,8 @@ def test_a_cpu_run_records_process_cpu_and_rss_per_rank(runs_dir: Path) -> None:
     cpu = rows[-1]["cpu_pct_per_rank"]
     assert len(cpu) == 2 and all(0 < p <= 100 * 64 for p in cpu), cpu  # training ranks use CPU
     assert not [e for e in result.events if e["event"] == "gpu_idle"]
-    assert not [
-        t for t in threading.enumerate() if t.name.startswith("wb-monitor")
-    ]  # in the ranks, not here
+    # in the ranks, not here
+    assert not [t for t in threading.enumerate() if t.name.startswith("wb-monitor")]
 
 
 @pytest.mark.gpu

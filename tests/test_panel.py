@@ -95,9 +95,8 @@ def test_controls_round_trip_keeps_fields_without_a_control(runs_dir: Path) -> N
     assert panel.config == cfg.replace(
         num_processes=2, parallelism="ddp", grad_accum_steps=2, run_name=None
     )
-    assert (
-        panel.config.task_options == {"hidden": 32} and panel.config.seed == 7
-    )  # no control: kept
+    # no control: kept
+    assert panel.config.task_options == {"hidden": 32} and panel.config.seed == 7
     assert "global batch <b>32</b>" in panel.batch_info.value  # 8 x 2 x 2
     assert panel.launch_info.value == html.escape(describe_launch(panel.config))
 
@@ -180,9 +179,8 @@ def test_values_the_machine_cant_take_are_said_not_clamped(runs_dir: Path) -> No
     panel = wb.Panel(tiny(runs_dir, num_processes=1), estimate=False)
     too_many = detect().max_processes(panel.device) + 1
     panel.controls["num_processes"].value = too_many
-    assert (
-        panel.controls["num_processes"].value == too_many
-    )  # kept as typed, and refused with the reason
+    # kept as typed, and refused with the reason
+    assert panel.controls["num_processes"].value == too_many
     assert f"num_processes={too_many}: this machine has" in panel.state.problem
     assert panel.launch_button.disabled and "launching" not in panel.launch_info.value
     panel.controls["num_processes"].value = 1
@@ -451,6 +449,7 @@ def test_launching_zero3_from_the_panel_runs_sharded_ranks(runs_dir: Path) -> No
 def test_the_estimate_box_says_whether_it_fits_and_what_would_make_it_fit(runs_dir: Path) -> None:
     from tasks_for_tests import TinyBlocks
 
+    # 1.6B parameters
     big = wb.RunConfig(
         task="tiny-blocks",
         num_processes=1,
@@ -460,7 +459,7 @@ def test_the_estimate_box_says_whether_it_fits_and_what_would_make_it_fit(runs_d
         max_steps=1000,
         runs_dir=str(runs_dir),
         task_options={"width": 8192, "blocks": 6, "n": 8192},
-    )  # 1.6B parameters
+    )
     panel = wb.Panel(big, task=TinyBlocks())
     panel.target_controls.gpu.value = "L4-24GB"
     panel.target_controls.gpus_per_node.value = 1

@@ -139,9 +139,8 @@ def test_buttons_and_status_line_agree(runs_dir: Path) -> None:
 def test_the_parallelism_labels_fit_and_the_mode_is_explained(runs_dir: Path) -> None:
     panel = wb.Panel(gpt(runs_dir), display=False, estimate=False)
     labels = [label for label, _ in panel.controls["parallelism"].options]
-    assert max(map(len, labels)) <= 36, (
-        labels
-    )  # the dropdown is 380 px wide with a 140 px description
+    # the dropdown is 380 px wide with a 140 px description
+    assert max(map(len, labels)) <= 36, labels
     panel.controls["parallelism"].value = "zero2"
     assert "parameters gathered from forward to backward" in panel.mode_info.value
 

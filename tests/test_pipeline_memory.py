@@ -71,9 +71,8 @@ def test_pp_tracks_each_stage(runs: dict[str, wb.RunResult], name: str, method: 
         assert m["params"] == r["params_bytes"] > 0
         assert m["optimizer"] == r["optimizer_bytes"]
         assert m["peak"] >= r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
-        assert m["activations"] > 0 and m["buffers"] > 0, (
-            m
-        )  # buffers: the activations/gradients received
+        # buffers: the activations/gradients received
+        assert m["activations"] > 0 and m["buffers"] > 0, m
         parts = sum(
             m[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "temporaries")
         )
@@ -87,13 +86,11 @@ def test_pp_auto_agrees_on_one_micro_batch(runs: dict[str, wb.RunResult]) -> Non
     # the estimate traces the zero-bubble layout: its proposal starts the ranks' search in range
     assert isinstance(record["proposed"], int) and record["proposed"] > 1, record
     first, second = (r["tries"] for r in record["ranks"])
-    assert [t["micro_batch"] for t in first] == [
-        t["micro_batch"] for t in second
-    ]  # the stages tried together
+    # the stages tried together
+    assert [t["micro_batch"] for t in first] == [t["micro_batch"] for t in second]
     chosen = record["chosen"]
-    assert (
-        1 < chosen <= min(r["own_choice"] for r in record["ranks"])
-    )  # the smallest any stage fits
+    # the smallest any stage fits
+    assert 1 < chosen <= min(r["own_choice"] for r in record["ranks"])
     assert record["grad_accum_steps"] == 2 and record["global_batch"] == chosen * 2
     assert (run.summary["micro_batch_size"], run.summary["grad_accum_steps"]) == (chosen, 2)
     assert run.summary["global_batch_size"] == chosen * 2

@@ -29,9 +29,8 @@ class _Shell:
         self.history_manager = _History(hist_file)
 
 
-INTERACTIVE = (
-    Path.home() / ".ipython" / "profile_default" / "history.sqlite"
-)  # JupyterLab's kernels keep one
+# JupyterLab's kernels keep one
+INTERACTIVE = Path.home() / ".ipython" / "profile_default" / "history.sqlite"
 HEADLESS = ":memory:"  # what nbclient (papermill, nbconvert, workbench regress) starts kernels with
 
 

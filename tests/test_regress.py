@@ -84,18 +84,16 @@ def test_memory_fails_only_on_a_rise_beyond_tolerance() -> None:
 
 
 def test_two_sided_exact_and_info_rules() -> None:
-    assert (
-        Rule("abs", abs=0.1).check(1.1, 1.0)[0] == "pass"
-    )  # on the boundary, despite 1.1 - 1.0 > 0.1 in floats
+    # on the boundary, despite 1.1 - 1.0 > 0.1 in floats
+    assert Rule("abs", abs=0.1).check(1.1, 1.0)[0] == "pass"
     assert Rule("abs", abs=0.1).check(0.85, 1.0) == ("fail", "changed 0.15 (-15.0%) > allowed 0.1")
     assert Rule("rel", rel=0.05).check(1.06, 1.0)[0] == "fail"
     assert Rule("rel", rel=0.05).check(0.96, 1.0)[0] == "pass"
     assert Rule("exact").check(10, 10) == ("pass", "equal")
     assert Rule("exact").check(11, 10) == ("fail", "11 != 10")
     assert Rule("info").check(1e9, 1.0) == ("info", "reported only")
-    assert (
-        Rule("lower_is_better", abs=0.01, rel=0.1).allowance(1.0) == 0.1
-    )  # directional: the larger allowance
+    # directional: the larger allowance
+    assert Rule("lower_is_better", abs=0.01, rel=0.1).allowance(1.0) == 0.1
 
 
 def test_a_diverged_value_fails_every_rule_but_info() -> None:
@@ -120,10 +118,11 @@ def test_repeats_are_compared_by_their_median() -> None:
         baselines=Path("."),
         tolerances=({"*samples_per_s": {"mode": "higher_is_better", "rel": 0.5}},),
     )
+    # one slow outlier: a single run would fail
     runs = [
         rec.Records(metrics={"samples_per_s": rec.RecordedMetric("samples_per_s", v, "higher")})
         for v in (100.0, 10.0, 105.0)
-    ]  # one slow outlier: a single run would fail
+    ]
     [result] = compare(case, runs, {"metrics": {"samples_per_s": {"value": 100.0}}})
     assert (result.verdict, result.current, result.values) == ("pass", 100.0, [100.0, 10.0, 105.0])
     assert result.reason.startswith("median of 3:")
@@ -374,9 +373,8 @@ def test_cli_parameters_are_read_like_papermill() -> None:
 def test_shipped_smoke_suite_is_valid() -> None:
     suite = REPO / "regress" / "smoke.yaml"
     cases = load_targets([suite])  # raises if a notebook is missing
-    gallery = load_targets(
-        [REPO / "regress" / "gallery.yaml"]
-    )  # CI runs it as its own step (.ci/run)
+    # CI runs it as its own step (.ci/run)
+    gallery = load_targets([REPO / "regress" / "gallery.yaml"])
     # every notebook is in one suite or the other, with its committed CPU baseline
     assert sorted(c.notebook.name for c in [*cases, *gallery]) == sorted(
         p.name for p in (REPO / "notebooks").glob("*.ipynb")
@@ -455,6 +453,7 @@ def test_record_run_names_runs_in_launch_order_and_reads_back(
         if rec.METRIC_MIME in b
         for m in b[rec.METRIC_MIME].get("metrics", [b[rec.METRIC_MIME]])
     ]
+    # tokens_per_s is None: left out
     assert metrics[:6] == [
         "run.final_loss",
         "run.eval_accuracy",
@@ -462,7 +461,7 @@ def test_record_run_names_runs_in_launch_order_and_reads_back(
         "run.peak_memory_bytes",
         "run.wall_time_s",
         "run.eval_perplexity",
-    ]  # tokens_per_s is None: left out
+    ]
     assert len(metrics) == 18
     assert not any("text/plain" in b for b in fake_kernel), (
         "a saved notebook prints no raw record lines"
@@ -481,18 +480,15 @@ def test_record_run_names_runs_in_launch_order_and_reads_back(
     )
     assert math.isnan(found.metrics["run1.final_loss"].value)  # NaN survives JSON as a string
     assert found.metrics["run.peak_memory_bytes"].unit == "bytes"
-    assert found.curves["run.loss"] == [
-        [1, 2.0],
-        [2, 1.0],
-    ]  # eval rows are not part of the train curve
+    # eval rows are not part of the train curve
+    assert found.curves["run.loss"] == [[1, 2.0], [2, 1.0]]
 
 
 def test_record_outside_a_kernel_is_a_quiet_no_op(tmp_path: Path) -> None:
     assert rec.record_run(fake_result(tmp_path / "a", 1.0)) is None
     workbench.record("val_loss", 1.0, direction="lower")
-    workbench.record(
-        "val_loss", 2.0
-    )  # still the function after workbench.regress.recording was imported
+    # still the function after workbench.regress.recording was imported
+    workbench.record("val_loss", 2.0)
     rec.record_curve("loss", [[1, 2.0]])
 
 
@@ -598,9 +594,8 @@ def test_errors_and_timeouts_are_reported_and_the_suite_goes_on(tmp_path: Path) 
     assert timeout["kind"] == "timeout" and "timeout_s=2 s" in timeout["message"]
     assert timeout["cell_source"] == "import time\n\ntime.sleep(seconds)"
     assert results["t.kills_kernel"]["error"]["kind"] == "dead kernel"
-    assert (
-        results["t.records_metric"]["status"] == "new"
-    )  # ran after the failures; no baseline is not a failure
+    # ran after the failures; no baseline is not a failure
+    assert results["t.records_metric"]["status"] == "new"
     assert any("--update-baselines" in n for n in results["t.records_metric"]["notes"])
     for case in results.values():
         assert all(Path(p).is_file() for p in case["executed"])  # every executed notebook is kept
@@ -858,9 +853,8 @@ def test_update_baselines_of_a_notebook_that_records_nothing_writes_no_empty_bas
     tmp_path: Path,
 ) -> None:
     nb = nbformat.read(FIXTURES / "records_metric.ipynb", as_version=4)
-    nb.cells = [
-        cell for cell in nb.cells if "wb.record" not in cell.source
-    ]  # runs, records nothing
+    # runs, records nothing
+    nb.cells = [cell for cell in nb.cells if "wb.record" not in cell.source]
     nbformat.write(nb, tmp_path / "records_nothing.ipynb")
     suite = write_suite(tmp_path, [{"notebook": "records_nothing.ipynb"}])
     code = run_suite(

@@ -63,16 +63,14 @@ def test_a_tasks_own_optimizer_steps_checkpoints_and_resumes(runs_dir: Path) -> 
     assert any(k.endswith("momentum_buffer") for k in keys) and not any(
         "exp_avg" in k for k in keys
     ), keys
-    assert {r["lr"] for r in straight.metrics if "lr" in r} == {
-        5e-2
-    }  # the task's schedule, not warm-up/cosine
+    # the task's schedule, not warm-up/cosine
+    assert {r["lr"] for r in straight.metrics if "lr" in r} == {5e-2}
     half = wb.launch(cfg_for(runs_dir, run_name="halves", max_steps=4), task=SGDTask())
     resumed = half.resume(max_steps=8)
     # Bit for bit the uninterrupted run: the momentum buffers were saved and loaded, not restarted at zero.
     assert resumed.summary["weights_sha256"] == straight.summary["weights_sha256"]
-    assert [r["step"] for r in resumed.metrics if "loss" in r] == list(
-        range(1, 9)
-    )  # one curve, continued
+    # one curve, continued
+    assert [r["step"] for r in resumed.metrics if "loss" in r] == list(range(1, 9))
 
 
 def test_betas_and_eps_reach_the_default_adamw(runs_dir: Path) -> None:
@@ -89,9 +87,8 @@ class Chatty(TinyRegression):
     name = "chatty"
 
     def build_model(self, cfg: wb.RunConfig) -> torch.nn.Module:
-        print(
-            f"hello from rank {os.environ['RANK']}", end=""
-        )  # a partial line: ends when the rank closes it
+        # a partial line: ends when the rank closes it
+        print(f"hello from rank {os.environ['RANK']}", end="")
         print(" building the model")
         return super().build_model(cfg)
 
@@ -258,9 +255,8 @@ def test_data_that_isnt_available_offline_is_refused_before_launch(
         preflight(cfg_for(runs_dir, task="char-gpt"))
     panel = wb.Panel(cfg_for(runs_dir, task="char-gpt"), estimate=False)
     assert panel.launch_button.disabled and "not available offline" in panel.state.problem
-    assert (
-        "launching" not in panel.launch_info.value
-    )  # the implied launch doesn't contradict the refusal
+    # the implied launch doesn't contradict the refusal
+    assert "launching" not in panel.launch_info.value
 
 
 def test_ranks_forked_after_the_caller_used_openmp_do_not_hang(runs_dir: Path) -> None:

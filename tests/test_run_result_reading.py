@@ -80,9 +80,8 @@ def test_a_run_directory_still_loads_from_its_config_alone(runs_dir: Path) -> No
 
 def test_load_model_before_the_first_checkpoint_says_the_run_is_still_going(runs_dir: Path) -> None:
     run = made_up_run(runs_dir, "going", Status.RUNNING, cfg={"checkpoint_every": 50})
-    run.write_heartbeat(
-        0, {**this_process(), "step": 3, "time": time.time()}
-    )  # this process: alive
+    # this process: alive
+    run.write_heartbeat(0, {**this_process(), "step": 3, "time": time.time()})
     result = wb.RunResult(run.path, run.config(), task=TinyRegression())
     assert result.status is Status.RUNNING
     with pytest.raises(

@@ -144,9 +144,8 @@ def test_a_ddp_run_submitted_to_two_nodes_ends_completed_with_the_losses_of_the_
     run = wb.start(cfg, cluster=wb.Slurm(nodes=2, time="5:00"))
     cancel_after.append(run)
     assert isinstance(run, wb.SlurmRun) and run.job_id.isdigit()
-    there = run.wait(
-        timeout=90
-    )  # a TimeoutError with the job's state, before pytest-timeout's 120 s
+    # a TimeoutError with the job's state, before pytest-timeout's 120 s
+    there = run.wait(timeout=90)
     assert there.status is Status.COMPLETED and there.summary["world_size"] == 2
     here = wb.launch(cfg.replace(run_name="local"))
     losses = [(m["step"], m["loss"]) for m in there.metrics if "loss" in m]
@@ -518,9 +517,8 @@ def test_regress_on_slurm_runs_each_case_as_an_array_task_and_writes_one_report_
         timeout=115,
         check=False,
     )
-    assert done.returncode == 2, done.stderr[
-        -3000:
-    ]  # a case that errors wins over one that regressed
+    # a case that errors wins over one that regressed
+    assert done.returncode == 2, done.stderr[-3000:]
     assert "as job array" in done.stderr
     results = {
         c["case"]: c["status"] for c in json.loads((out / "results.json").read_text())["cases"]

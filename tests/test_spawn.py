@@ -118,9 +118,8 @@ def leftovers() -> list[str]:
 
 def fake_cuda_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(
-        spawn, "run_uses_cuda", lambda cfg: True
-    )  # a CUDA run, but the ranks train on CPU
+    # a CUDA run, but the ranks train on CPU
+    monkeypatch.setattr(spawn, "run_uses_cuda", lambda cfg: True)
 
 
 # ---- for real, on CPU ranks ----------------------------------------------------------------------
@@ -149,9 +148,8 @@ def test_task_from_a_notebook_cell_trains_spawned_on_two_cpu_ranks(
         # A fresh interpreter running the worker under torchrun, which this process started: not a fork of it.
         assert seen["main"] == "workbench.worker" and "workbench.worker" in seen["cmdline"]
         assert "torch.distributed.run" in seen["parent"] and seen["grandparent_pid"] == os.getpid()
-    out = (
-        capsys.readouterr().out
-    )  # the ranks' prints reach the caller's sys.stdout (in a notebook: the cell)
+    # the ranks' prints reach the caller's sys.stdout (in a notebook: the cell)
+    out = capsys.readouterr().out
     assert f"cell says {marker} from rank 0" in out and f"cell says {marker} from rank 1" in out
     assert leftovers() == []
 
@@ -171,9 +169,8 @@ def test_cuda_initialised_here_makes_auto_spawn_and_the_ranks_train(
     )
     assert cfg.start_method == "auto"
     with caplog.at_level(logging.INFO, logger="workbench"):
-        run = wb.start(
-            cfg, task=TinyRegression()
-        )  # importable by name: pickled by reference, found in the rank
+        # importable by name: pickled by reference, found in the rank
+        run = wb.start(cfg, task=TinyRegression())
     with killed_on_failure(run):
         assert run.start_method == "spawn"
         assert (

@@ -100,10 +100,8 @@ def test_values_outside_the_declaration_are_refused_by_name(
     cases(
         [
             ("char-gpt", {"n_layer": None, "preset": "small"}),
-            (
-                "char-gpt",
-                {"dropout": 0, "n_layer": 96, "bias": True, "eval_fraction": 0.5},
-            ),  # an int is a fine float
+            # an int is a fine float
+            ("char-gpt", {"dropout": 0, "n_layer": 96, "bias": True, "eval_fraction": 0.5}),
             ("digits", {"hidden": 1, "dropout": 0.0, "eval_fraction": 0.01}),
         ],
         key=1,
@@ -303,10 +301,8 @@ def test_subclasses_extend_and_override_declared_options_through_default_options
     class MoreSpecs(OldStyle):
         option_specs = (TaskOption("depth", int, 2, "layers", min=1),)
 
-    assert MoreSpecs.default_options == {
-        **OldStyle.default_options,
-        "depth": 2,
-    }  # the parent's keys stay
+    # the parent's keys stay
+    assert MoreSpecs.default_options == {**OldStyle.default_options, "depth": 2}
     with pytest.raises(ValueError, match=r"^task_options\.depth=0: must be an integer >= 1$"):
         MoreSpecs().check_options(wb.RunConfig(task="x", task_options={"depth": 0}))
 
@@ -402,9 +398,8 @@ def test_switching_task_rebuilds_the_controls() -> None:
 
 def test_keys_the_task_does_not_take_are_kept_and_named() -> None:
     controls = TaskControls(get_task("digits"), {"hiden": 64})
-    assert controls.values() == {
-        "hiden": 64
-    }  # the panel's check refuses it by name rather than dropping it
+    # the panel's check refuses it by name rather than dropping it
+    assert controls.values() == {"hiden": 64}
     assert "not options of this task: &#x27;hiden&#x27;" in controls.extra_box.value
     assert controls.parameters is None and "unknown key(s) ['hiden']" in controls.problem
 
@@ -450,9 +445,8 @@ def test_param_count_builds_on_the_meta_device() -> None:
     build = task.build_model
     task.build_model = lambda cfg: built.append(build(cfg)) or built[-1]  # type: ignore[method-assign]
     n = param_count(task, wb.RunConfig(task="char-gpt", task_options={"preset": "gpt2-small"}))
-    assert (
-        n == 85_790_208
-    )  # GPT-2 small's blocks, a char vocabulary, the head tied to the token embedding
+    # GPT-2 small's blocks, a char vocabulary, the head tied to the token embedding
+    assert n == 85_790_208
     assert {p.device.type for p in built[0].parameters()} == {"meta"}
 
 

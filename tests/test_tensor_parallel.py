@@ -35,12 +35,8 @@ from workbench.tasks.gpt_model import GPT
 pytestmark = pytest.mark.slow
 
 STEPS = 10
-SPLIT_ROWS = (
-    "attn.q",
-    "attn.k",
-    "attn.v",
-    "mlp.0",
-)  # ColwiseParallel: output features split, Shard(0)
+# ColwiseParallel: output features split, Shard(0)
+SPLIT_ROWS = ("attn.q", "attn.k", "attn.v", "mlp.0")
 SPLIT_COLS = ("attn.proj", "mlp.2")  # RowwiseParallel: input features split, Shard(1)
 SPIKE_AT = 7
 """The training forward (per rank) whose loss SpikedCharGPT blows up: step 4's first micro-batch."""
@@ -233,9 +229,8 @@ def _ranks_of_a_hybrid(
     assert run.summary["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, **mesh}
     assert worst_relative(losses(run), losses(single)) < 1e-5
     ranks = run.summary["ranks"]
-    dims = ParallelDims(
-        **mesh
-    )  # the trainer's arithmetic, against the coordinates torch's DeviceMesh gave
+    # the trainer's arithmetic, against the coordinates torch's DeviceMesh gave
+    dims = ParallelDims(**mesh)
     assert [r["coordinates"] for r in ranks] == [
         {k: v for k, v in dims.coordinates(r).items() if k in mesh} for r in range(len(ranks))
     ]

@@ -95,9 +95,8 @@ def test_auto_means_tensorboard_when_installed_else_none(monkeypatch) -> None:
     assert tracking.resolve("auto") == ["tensorboard"]
     monkeypatch.setattr(tracking, "installed", lambda name: False)
     assert tracking.resolve("auto") == [] and tracking.missing("auto") == []
-    preflight(
-        wb.RunConfig(task="digits", device="cpu"), hardware=CPU2
-    )  # 'auto' without tensorboard is no error
+    # 'auto' without tensorboard is no error
+    preflight(wb.RunConfig(task="digits", device="cpu"), hardware=CPU2)
     assert tracking.resolve(["mlflow"]) == ["mlflow"] and tracking.missing(["mlflow"]) == ["mlflow"]
 
 
@@ -106,9 +105,8 @@ def test_pin_memory_on_cpu_is_warned_about_not_silently_dropped() -> None:
         preflight(wb.RunConfig(task="digits", device="cpu", pin_memory=True), hardware=CPU2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        preflight(
-            wb.RunConfig(task="digits", device="cpu"), hardware=CPU2
-        )  # 'auto' says nothing on CPU
+        # 'auto' says nothing on CPU
+        preflight(wb.RunConfig(task="digits", device="cpu"), hardware=CPU2)
 
 
 def test_loader_options_resolve_auto_per_device_and_workers() -> None:
@@ -228,9 +226,8 @@ def test_tensorboard_holds_the_metrics_rows_and_the_config(runs: dict) -> None:
     for row in result.metrics:  # training and eval rows, per-rank lists as name/rank_i
         for name, value in scalars(row).items():
             logged = {e.step: e.value for e in events.Scalars(name)}
-            assert logged[row["step"]] == pytest.approx(value, rel=1e-6), (
-                name
-            )  # TensorBoard keeps float32
+            # TensorBoard keeps float32
+            assert logged[row["step"]] == pytest.approx(value, rel=1e-6), name
     assert "peak_memory_bytes_per_rank/rank_1" in events.Tags()["scalars"]
     [hparams_file] = logdir.glob("*/events.out.tfevents.*")
     meta = EventAccumulator(str(hparams_file.parent))

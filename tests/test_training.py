@@ -49,9 +49,8 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> None:
 def _running(process: psutil.Process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except (
-        psutil.NoSuchProcess
-    ):  # it exited between the listing and this look (seen once in a full run)
+    except psutil.NoSuchProcess:
+        # it exited between the listing and this look (seen once in a full run)
         return False
 
 
@@ -463,9 +462,8 @@ def test_workbench_train_runs_from_the_shell(
     assert failing.returncode == 1
     assert "rank 1 failed with ValueError: injected failure on call 2" in failing.stderr
 
-    from workbench.cli import (
-        main,
-    )  # the shell's entry point, in process: nothing starts before the refusal
+    # the shell's entry point, in process: nothing starts before the refusal
+    from workbench.cli import main
 
     assert main(["train", str(path), "--set", "num_processes=0"]) == 2
     assert "num_processes=0: must be at least 1" in capsys.readouterr().err

@@ -270,14 +270,12 @@ def _regress(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from workbench.commands.bench.results import default_result_path
-    from workbench.commands.bench_command import run_bench
+    from workbench.commands.bench_command import result_name, run_bench
 
     if args.no_json:
         args.json = None
     elif args.json is None:
-        # `bench estimate --cited-only` is a result of its own kind: its rows are the published runs
-        cited_only = getattr(args, "cited_only", False)
-        args.json = default_result_path("estimate-cited" if cited_only else args.bench_command)
+        args.json = default_result_path(result_name(args))
     code = run_bench(args)
     if args.json is not None and Path(args.json).exists():
         print(f"result: {args.json}")

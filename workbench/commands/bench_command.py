@@ -8,6 +8,17 @@ import argparse
 from typing import Any
 
 
+def result_name(args: argparse.Namespace) -> str:
+    """The folder under benchmarks/results/ a bench keeps its result in: the bench's name, with what
+    makes a result of another kind: `estimate --cited-only` (its rows are the published runs) and
+    `overhead`'s mode other than ddp (each mode has its own budget: one file per mode and day)."""
+    if args.bench_command == "estimate" and getattr(args, "cited_only", False):
+        return "estimate-cited"
+    if args.bench_command == "overhead" and args.mode != "ddp":
+        return f"overhead-{args.mode}"
+    return args.bench_command
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench `args.bench_command` names and print its table; 1 when it has a verdict and
     failed."""

@@ -72,9 +72,8 @@ def cache_path(ident: dict[str, str] | None = None) -> Path:
     """~/.cache/workbench/machine-<hash>.json (the folder: WORKBENCH_CACHE_DIR when set)."""
     import platformdirs
 
-    digest = hashlib.sha256(json.dumps(ident or machine_id(), sort_keys=True).encode()).hexdigest()[
-        :16
-    ]
+    key = json.dumps(ident or machine_id(), sort_keys=True).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     folder = Path(
         os.environ.get("WORKBENCH_CACHE_DIR") or platformdirs.user_cache_dir("workbench")
     ).expanduser()

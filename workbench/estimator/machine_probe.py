@@ -307,14 +307,13 @@ def _collective_times(
     barrier before it); a send is half its round trip."""
     part = torch.ones(max(1, nbytes // 4 // ranks))
     full = torch.ones(part.numel() * ranks)
+    # the flat-tensor collectives, by their `_single` names where torch has those
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     ops = {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(
-            full, part
-        ),
-        "reduce_scatter": lambda: getattr(
-            dist, "reduce_scatter_single", dist.reduce_scatter_tensor
-        )(part, full),
+        "all_gather": lambda: all_gather(full, part),
+        "reduce_scatter": lambda: reduce_scatter(part, full),
         "broadcast": lambda: dist.broadcast(full, 0),
         "send": lambda: _ping(dist, full, rank),
     }

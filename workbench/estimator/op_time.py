@@ -148,9 +148,8 @@ def slowdown(profile: MachineProfile) -> tuple[float, str]:
     mean over best in profiles without one."""
     ref = profile.reference
     if not ref:
-        return profile.jitter[
-            0
-        ], "as much slower than its best as the same work runs here on average (measured)"
+        why = "as much slower than its best as the same work runs here on average (measured)"
+        return profile.jitter[0], why
     priced = _kernels(_counts(ref), "fp32", profile).total
     factor = max(1.0, ref["step_s"] / priced) if priced > 0 else 1.0
     return factor, (
@@ -180,9 +179,8 @@ def layout_factor(profile: MachineProfile, family: str | None) -> float:
     ref = profile.layouts.get(family or "")
     if not ref:
         return 1.0
-    priced = _kernels(_counts(ref), "fp32", profile).total * _slowdown_beside(
-        profile, ref
-    ) + _reference_comm_s(profile, ref)
+    kernels = _kernels(_counts(ref), "fp32", profile).total
+    priced = kernels * _slowdown_beside(profile, ref) + _reference_comm_s(profile, ref)
     return min(MAX_FACTOR, max(1 / MAX_FACTOR, ref["step_s"] / priced)) if priced > 0 else 1.0
 
 

@@ -192,8 +192,7 @@ def past_run_estimator(
             trace = cached_trace(
                 run, get_task(run.task), world=world, gpu_target=gpu, gpus_per_node=world
             )
-        return raw_step(run, trace, replicated_comm(run, trace, world, 1), target, 1, network)[
-            0
-        ].step_s
+        comm = replicated_comm(run, trace, world, 1)
+        return raw_step(run, trace, comm, target, 1, network)[0].step_s
 
     return estimate_of

@@ -142,9 +142,8 @@ class RankWatch:
                     "signal": signal.Signals(self.signal).name if self.signal else None,
                 },
             )
-        except (
-            OSError
-        ) as e:  # a full disk must not kill the rank from a side thread; the loop reports it
+        except OSError as e:
+            # a full disk must not kill the rank from a side thread; the loop reports it
             if not self._write_failed:
                 log.warning("[rank %d] heartbeat: %s", self.rank, e)
             self._write_failed = True

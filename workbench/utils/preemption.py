@@ -18,6 +18,7 @@ USR1) mean "preempted: checkpoint and exit now". The path of one such signal:
 
 from __future__ import annotations
 
+import inspect
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -59,9 +60,8 @@ class KeptSignal:
     taken."""
 
     def __init__(self) -> None:
-        self._kept: list[
-            int
-        ] = []  # a list: a handler appends without a lock (at most one: the first)
+        # a list: a handler appends without a lock (at most one: the first)
+        self._kept: list[int] = []
 
     def keep(self, signum: int, frame: Any = None) -> None:
         """A signal handler: keep the first signal."""
@@ -97,8 +97,22 @@ def install(handler: Handler, cfg: RunConfig | None, *, leave_ignored: bool) -> 
     for sig in preempt_signals(cfg):
         if leave_ignored and signal.getsignal(sig) is signal.SIG_IGN:
             continue
-        previous[sig] = signal.signal(sig, handler)
+        previous[sig] = signal.signal(sig, _plain(handler))
     return previous
+
+
+def _plain(handler: Handler) -> Handler:
+    """`handler` as a plain function. signal.signal answers the handler it replaces as an enum when
+    it is one, and finds out by formatting a ValueError with the handler's repr: a bound method's
+    repr is its object's, and a Run's reads its run directory (11 ms; twice per launch, as
+    `restore` puts the defaults back)."""
+    if not inspect.ismethod(handler):
+        return handler
+
+    def on_signal(signum: int, frame: Any) -> Any:
+        return handler(signum, frame)
+
+    return on_signal
 
 
 def restore(previous: dict[int, Any]) -> None:

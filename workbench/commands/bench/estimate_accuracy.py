@@ -249,9 +249,8 @@ def _measure(
                     if device == "cuda":
                         cfg = on_these_gpus(cfg, hw.max_processes("cuda"))
                     rows.append(_compare(shape, layout, cfg, hw, device == "cuda"))
-                except (
-                    ValueError
-                ) as e:  # the task can't run this layout: said in words by the config checks
+                except ValueError as e:
+                    # the task can't run this layout: said in words by the config checks
                     rows.append(
                         EstimateRow(
                             shape,

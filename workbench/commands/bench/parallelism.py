@@ -177,9 +177,8 @@ def parallelism(
                 continue
             result = launch(layout)
             s, ranks = result.summary, result.summary["ranks"]
-            times = read_json(result.dir.timings_path)["step_time_s"][WARMUP_STEPS:] or [
-                float("nan")
-            ]
+            steps = read_json(result.dir.timings_path)["step_time_s"]
+            times = steps[WARMUP_STEPS:] or [float("nan")]
             rows.append(
                 ModeRow(
                     mode,

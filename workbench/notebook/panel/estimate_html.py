@@ -91,9 +91,8 @@ def _bars(est: Estimate) -> str:
     scale, to_scale = _scale(est)
     rows, breakdown = [], []
     for label, row in est.rank_groups():
-        params, grads_held, grads, optimizer, activations, buffers, temporaries, overhead, peak = (
-            row
-        )
+        *parts, peak = row
+        params, grads_held, grads, optimizer, activations, buffers, temporaries, overhead = parts
         values = {
             "params": params,
             "grads": grads,
