@@ -18,7 +18,6 @@ USR1) mean "preempted: checkpoint and exit now". The path of one such signal:
 
 from __future__ import annotations
 
-import inspect
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -102,12 +101,10 @@ def install(handler: Handler, cfg: RunConfig | None, *, leave_ignored: bool) -> 
 
 
 def _plain(handler: Handler) -> Handler:
-    """`handler` as a plain function. signal.signal answers the handler it replaces as an enum when
-    it is one, and finds out by formatting a ValueError with the handler's repr: a bound method's
-    repr is its object's, and a Run's reads its run directory (11 ms; twice per launch, as
-    `restore` puts the defaults back)."""
-    if not inspect.ismethod(handler):
-        return handler
+    """`handler` inside a plain function. signal.signal answers the handler it replaces as an enum
+    when it is one, and finds out by formatting a ValueError with the handler's repr: a bound
+    method's repr is its object's, and a Run's reads its run directory (11 ms; twice per launch, as
+    `restore` puts the defaults back). A function's repr costs nothing, whatever it wraps."""
 
     def on_signal(signum: int, frame: Any) -> Any:
         return handler(signum, frame)
