@@ -1,7 +1,7 @@
 """The package's shape, as docs/reference/structure.md draws it: no import cycle (lazy imports
-included), the rank side importing only itself, a root of a few files, one name per module, and
-modules, functions and lines small enough to read, linted and formatted as CI checks. And the suite's
-own: test ids that can't differ between two collections."""
+included), the rank side importing only itself, a root of a few files, a long module saying why it
+stays whole, linted and formatted as CI checks. And the suite's own: test ids that can't differ
+between two collections."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ import tomllib
 from conftest import REPO
 
 PACKAGE = REPO / "workbench"
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 60
+LONG_MODULE = 500
 MAX_ROOT_FILES = 8
 LINE_WIDTH = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["line-length"]
 
@@ -206,35 +205,27 @@ def test_import_workbench_is_cheap_and_the_public_names_resolve() -> None:
     assert callable(wb.launch) and callable(wb.estimate) and callable(wb.start)
 
 
-def test_the_root_holds_a_few_files_and_no_two_modules_share_a_name() -> None:
+def test_the_root_holds_a_few_files() -> None:
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root) <= MAX_ROOT_FILES, root
-    by_name: dict[str, list[str]] = {}
-    for name, path in MODULES.items():
-        if path.name != "__init__.py":
-            by_name.setdefault(path.stem, []).append(name)
-    # a package and a module of one name side by side are the same thing split (panel/panel.py)
-    assert {stem: names for stem, names in by_name.items() if len(names) > 1} == {}
 
 
-def test_modules_functions_and_lines_stay_small() -> None:
-    too_long = []
+def test_a_long_module_says_why_and_lines_fit_the_width() -> None:
+    """No god modules: a module is one concern, and one over LONG_MODULE lines says in its docstring
+    why it stays whole (the word 'whole' or 'together'); no line is wider than the formatter's."""
+    unexplained, wide = [], []
     for name, path in MODULES.items():
         source = path.read_text()
         lines = source.splitlines()
-        if len(lines) > MAX_MODULE_LINES:
-            too_long.append(f"{name}: {len(lines)} lines")
-        too_long += [
+        doc = (ast.get_docstring(ast.parse(source)) or "").lower()
+        if len(lines) > LONG_MODULE and not ("whole" in doc or "together" in doc):
+            unexplained.append(f"{name}: {len(lines)} lines")
+        wide += [
             f"{name}:{i}: {len(line)} characters"
             for i, line in enumerate(lines, 1)
             if len(line) > LINE_WIDTH
         ]
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    too_long.append(f"{name}.{node.name}: {length} lines")
-    assert too_long == []
+    assert unexplained == [] and wide == []
 
 
 def test_the_tree_is_linted_and_formatted_as_ci_checks() -> None:

@@ -29,6 +29,7 @@ from workbench.rundir.summary import Status, Summary
 from workbench.utils.files import (
     DamagedFileError,
     append_jsonl,
+    atomic_write_bytes,
     atomic_write_text,
     read_json,
     read_json_checked,
@@ -62,6 +63,10 @@ PROFILE = "profile"
 RunConfig.profile_steps names."""
 WEIGHTS = "model.safetensors"
 """The full weights at the end of a run (any parallelism), loadable without torch.distributed."""
+AUTOBATCH = "autobatch.json"
+"""micro_batch_size='auto': the caller's proposal, then what each rank measured and the size chosen."""
+TASK = "task.pkl"
+"""A spawned run's task, pickled by the caller (cloudpickle) for fresh interpreters to load."""
 COMPLETE_MARKER = "manifest.json"
 """Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not
 complete."""
@@ -303,6 +308,41 @@ class RunDir:
             write_jsonl(aside, later)
             write_jsonl(self.metrics_path, [r.to_dict() for r in rows if r.step <= step])
         return aside
+
+    def autobatch(self) -> dict[str, Any] | None:
+        """autobatch.json: the caller's proposal and, once the ranks chose, their record."""
+        found = read_json(self.path / AUTOBATCH)
+        return found if isinstance(found, dict) else None
+
+    def write_autobatch(self, record: dict[str, Any]) -> None:
+        path = self.path / AUTOBATCH
+        with self.writing(path, "the micro-batch choice"):
+            write_json(path, record)
+
+    def write_stacks(self, rank: int, text: str) -> Path:
+        """stacks/rank_<r>.txt: a hung rank's Python stacks; returns the file."""
+        path = self.stacks_path / f"rank_{rank}.txt"
+        with self.writing(path, f"rank {rank}'s stacks"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, text)
+        return path
+
+    def write_rank_value(self, rank: int, data: bytes) -> None:
+        """rank_values/rank_<r>.pt: what Task.rank_value returned on that rank (torch.save'd)."""
+        path = self.rank_values_path / f"rank_{rank}.pt"
+        with self.writing(path, f"rank {rank}'s value"):
+            atomic_write_bytes(path, data)
+
+    def write_weights(self, data: bytes) -> None:
+        """model.safetensors: the full weights at the end of a session."""
+        with self.writing(self.weights_path, "the exported weights"):
+            atomic_write_bytes(self.weights_path, data)
+
+    def write_task(self, payload: bytes) -> None:
+        """task.pkl: the pickled task a spawned rank loads."""
+        path = self.path / TASK
+        with self.writing(path, "the pickled task"):
+            atomic_write_bytes(path, payload)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def checkpoints(self, complete: bool = True) -> list[tuple[int, Path]]:
