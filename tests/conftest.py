@@ -139,8 +139,8 @@ def cpu_refusals_lifted() -> Iterator[None]:
         patch.setattr(
             launching,
             "preflight",
-            lambda cfg, task=None: checked(
-                cfg.replace(precision="fp32", cpu_offload=False), task=task
+            lambda cfg, task=None, device=None: checked(
+                cfg.replace(precision="fp32", cpu_offload=False), task=task, device=device
             ),
         )
         yield
@@ -151,7 +151,7 @@ def ring_lifted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Context parallel on gloo CPU ranks (tests/test_context_parallel.py, test_sync_free_step.py): the estimator's
     CPU ring attention stands in for the CUDA kernels, and preflight's CPU refusal of cp, only that, is lifted."""
     ring = pytest.importorskip(
-        "workbench.estimator.ring_trace", reason="PyTorch's ring templates moved"
+        "workbench.estimator.trace.ring", reason="PyTorch's ring templates moved"
     )
     from workbench.config.preflight import check_context_parallel_task
     from workbench.launcher import launch as launching
@@ -159,8 +159,8 @@ def ring_lifted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     checked = launching.preflight
 
-    def lifted(cfg, task=None) -> None:  # preflight's own signature
-        checked(cfg.replace(cp=1), task=task)
+    def lifted(cfg, task=None, device=None) -> None:  # preflight's own signature
+        checked(cfg.replace(cp=1), task=task, device=device)
         check_context_parallel_task(cfg, task or get_task(cfg.task))
 
     monkeypatch.setattr(launching, "preflight", lifted)

@@ -1,6 +1,6 @@
 """A stand-in for the pynvml module (nvidia-ml-py) with scriptable readings, so the GPU monitoring path runs on CPU.
 
-It implements the calls workbench.training.monitor makes, with pynvml's names, argument orders and units (memory in
+It implements the calls workbench.training.observe.monitor makes, with pynvml's names, argument orders and units (memory in
 bytes, power in milliwatts, temperature in C), and records the calls so tests can check initialisation,
 the device chosen and shutdown.
 """
@@ -37,7 +37,7 @@ class FakeGpu:
 
 @dataclass
 class FakeNvml:
-    """Pass an instance where workbench.training.monitor expects the pynvml module."""
+    """Pass an instance where workbench.training.observe.monitor expects the pynvml module."""
 
     gpus: list[FakeGpu] = field(
         default_factory=lambda: [FakeGpu(f"GPU-0000000{i}-fake") for i in range(4)]

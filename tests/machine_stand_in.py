@@ -1,4 +1,4 @@
-"""A machine profile of round figures, standing in for this machine's measured one (estimator/machine.py) where
+"""A machine profile of round figures, standing in for this machine's measured one (estimator/machine/profile.py) where
 a test's subject isn't this machine's speed: the estimate's memory against real runs, say. Measuring this 2-core
 box as 4 or 8 ranks takes 10-20 s of both cores; the memory an estimate gives is the same whatever its time."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from workbench.estimator.machine import MachineProfile
-from workbench.estimator.machine_probe import COLLECTIVES, KINDS
+from workbench.estimator.machine.probe import COLLECTIVES, KINDS
+from workbench.estimator.machine.profile import MachineProfile
 
 
 def made_up_profile(**changes: Any) -> MachineProfile:
@@ -43,7 +43,7 @@ def sized(
 def stand_in_machine() -> Iterator[None]:
     """Estimates made inside price their step time on made_up_profile (for the ranks and threads asked) instead
     of measuring this machine."""
-    from workbench.estimator import timing
+    from workbench.estimator.timing import step as timing
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(

@@ -10,7 +10,13 @@ from tasks_for_tests import TinyRegression
 
 import workbench as wb
 from workbench.rundir import MetricsRow
-from workbench.training.verdicts import PHASES, STRAGGLER_WINDOWS, diagnose, per_rank, straggler
+from workbench.training.observe.verdicts import (
+    PHASES,
+    STRAGGLER_WINDOWS,
+    diagnose,
+    per_rank,
+    straggler,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from tasks_for_tests import TinyRegression
 
 import workbench as wb
 from workbench.rundir import RunDir
-from workbench.training.checkpoint_async import writes_async
+from workbench.training.checkpoint.background import writes_async
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from collected_ids import cases
 
 import workbench as wb
-from workbench.config.imported import read_accelerate, read_deepspeed
+from workbench.config.accelerate_deepspeed import read_accelerate, read_deepspeed
 
 FSDP2 = """\
 compute_environment: LOCAL_MACHINE

@@ -3,7 +3,7 @@
 PyTorch 2.13 runs ring attention through the CUDA kernels of scaled_dot_product_attention only, so on CPU cp > 1 is
 refused before launch with PyTorch's reason, and the real test is GPU-marked: char-gpt with cp=2 trains like one
 process (fp32, 1e-5 relative per step), each rank holding half of every sequence. On CPU, the estimator's
-`ring_trace` stands in for the CUDA kernels (PyTorch's own ring templates around the CPU kernel), so a gloo run
+`estimator/trace/ring.py` stands in for the CUDA kernels (PyTorch's own ring templates around the CPU kernel), so a gloo run
 proves the rest: the sequence and position buffers sharded with load balancing, FSDP2 over dp_shard x cp, the loss
 averaged over the group. The layout's refusals (field, value, fix) are pinned here too. The runs are the pipeline
 tests' (char-gpt tiny, 32-character windows: 4 chunks of 8 under cp=2, dropout off, so CP must match exactly).
@@ -237,10 +237,10 @@ ESTIMATED = {
 def test_the_estimate_traces_ring_attention_and_holds_what_the_ranks_held(
     runs_dir: Path, ring_lifted: None, layout: str
 ) -> None:
-    """The estimate's trace runs the step through PyTorch's ring templates (ring_trace.py), on each rank's share
+    """The estimate's trace runs the step through PyTorch's ring templates (estimator/trace/ring.py), on each rank's share
     of the sequences: its model state per rank is the real run's, byte for byte, and its tracked peak within 2%
     (4% for a pipeline stage, as without cp: tests/test_estimate_layouts.py)."""
-    from workbench.estimator.trace import trace_step
+    from workbench.estimator.trace.step import trace_step
 
     fields, tolerance = ESTIMATED[layout]
     options = {"block_size": 64, "train_stride": 64, "dropout": 0.0, "n_embd": 128}
@@ -282,7 +282,7 @@ def test_the_estimate_prices_the_rings_exchanges_and_each_ranks_share_of_the_wor
     """Against the same ranks without cp: each attention layer adds an all-gather of the keys and values of the
     whole sequence in its forward and again in its backward (PyTorch's default rotation), and a rank computes
     about half of the step (its queries against every key, the rest per token)."""
-    from workbench.estimator.trace import trace_step
+    from workbench.estimator.trace.step import trace_step
 
     options = {"block_size": 64, "train_stride": 64, "dropout": 0.0, "n_embd": 128, "n_layer": 2}
     cfg = wb.RunConfig(

@@ -288,7 +288,7 @@ def test_a_cost_under_a_cent_reads_as_under_a_cent_not_as_free() -> None:
 
 
 def test_the_tracked_steps_peak_is_torchs_own_with_only_the_global_peak_kept_up_to_date() -> None:
-    """training/memory.py keeps only MemTracker's global peak up to date at each op (its per-module peaks, of
+    """training/observe/memory.py keeps only MemTracker's global peak up to date at each op (its per-module peaks, of
     every module at every op, were half an estimate's trace): the peak snapshot and the activations after
     forward it reports are those of torch's own update."""
     import types
@@ -296,7 +296,7 @@ def test_the_tracked_steps_peak_is_torchs_own_with_only_the_global_peak_kept_up_
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from workbench.training import memory
+    from workbench.training.observe import memory
 
     def measure(own_update: bool) -> tuple[dict[str, int], bool]:
         torch.manual_seed(0)

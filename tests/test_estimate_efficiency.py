@@ -16,8 +16,8 @@ from workbench.commands.bench.estimate_cited import cited_rows, standin
 from workbench.estimator import estimate
 from workbench.estimator.catalog import load_catalog, load_measurements, lookup
 from workbench.estimator.efficiency import DEFAULT_EFFICIENCY, Efficiency, matmul_efficiency
-from workbench.estimator.gpu_time import gpu_step
-from workbench.estimator.trace import StepTrace
+from workbench.estimator.timing.gpu import gpu_step
+from workbench.estimator.trace.step import StepTrace
 
 GPU = """  - name: {name}
     memory_gib: 80

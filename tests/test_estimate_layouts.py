@@ -109,11 +109,11 @@ def _schedule_worker(rank: int, world: int, port: int, fields: dict[str, Any], o
     import torch
     import torch.distributed as dist
 
-    from workbench.estimator.fake_world import Placement, optimizer_for
+    from workbench.estimator.trace.fake_world import Placement, optimizer_for
     from workbench.tasks import get_task
     from workbench.training.batches import ShardedBatches
-    from workbench.training.memory import next_micro_batch, tracked
-    from workbench.training.parallel.pipeline import PipelineParallel
+    from workbench.training.observe.memory import next_micro_batch, tracked
+    from workbench.training.parallel import parallelize
     from workbench.training.step import accumulate
 
     torch.set_num_threads(1)
@@ -123,7 +123,7 @@ def _schedule_worker(rank: int, world: int, port: int, fields: dict[str, Any], o
     try:
         cfg = wb.RunConfig(**fields)
         task = get_task(cfg.task)
-        strategy = PipelineParallel(
+        strategy = parallelize(
             cfg,
             Placement(torch.device("cpu"), world, rank, tracing=False),
             task.build_model(cfg),
@@ -166,7 +166,7 @@ def _real_schedule_peaks(fields: dict[str, Any], timeout: float = 120.0) -> dict
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from workbench.estimator.machine import resource_tracker_pid, stop_resource_tracker
+    from workbench.estimator.machine.profile import resource_tracker_pid, stop_resource_tracker
 
     tracker_was_running = resource_tracker_pid() is not None
     # forked: each worker runs on one thread (OpenMP's pool is never used, so the fork is safe) and skips the

@@ -13,15 +13,15 @@ import pytest
 from machine_stand_in import made_up_profile, sized
 
 import workbench as wb
-from workbench.estimator import machine_cache
 from workbench.estimator.catalog import lookup
 from workbench.estimator.efficiency import matmul_efficiency
-from workbench.estimator.gpu_time import GPU_LAUNCH_S, GPU_STEP_S, gpu_step
-from workbench.estimator.machine import MachineProfile
-from workbench.estimator.machine_probe import COLLECTIVES, KINDS
-from workbench.estimator.op_kinds import op_kind
-from workbench.estimator.op_time import cpu_step, dtensor_op_cost, layout_factor, slowdown
-from workbench.estimator.trace import StepTrace
+from workbench.estimator.machine import cache as machine_cache
+from workbench.estimator.machine.probe import COLLECTIVES, KINDS
+from workbench.estimator.machine.profile import MachineProfile
+from workbench.estimator.timing.cpu import cpu_step, dtensor_op_cost, layout_factor, slowdown
+from workbench.estimator.timing.gpu import GPU_LAUNCH_S, GPU_STEP_S, gpu_step
+from workbench.estimator.timing.op_kinds import op_kind
+from workbench.estimator.trace.step import StepTrace
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ def test_kernels_at_their_best_are_scaled_by_how_much_slower_the_real_reference_
 
 
 def _priced(profile: MachineProfile, counts: dict[str, Any]) -> float:
-    from workbench.estimator.op_time import _kernels
+    from workbench.estimator.timing.cpu import _kernels
 
     keys = ("ops", "op_bytes", "flops", "flop_calls")
     return _kernels(
@@ -322,7 +322,7 @@ def test_an_op_on_dtensors_costs_what_the_tensor_parallel_reference_left_over_pe
 def test_the_trace_counts_the_steady_step_and_keeps_the_first_for_the_gpu_constants_fitted_to_it() -> (
     None
 ):
-    from workbench.estimator.trace import trace_step
+    from workbench.estimator.trace.step import trace_step
     from workbench.tasks import get_task
 
     trace = trace_step(CFG.replace(parallelism="zero3"), get_task("digits"), world=2)
@@ -373,7 +373,7 @@ def test_collectives_cost_the_time_measured_for_their_size_and_none_hides_on_cpu
 def test_a_gpu_target_is_priced_from_its_datasheet_not_this_machine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workbench.estimator import timing
+    from workbench.estimator.timing import step as timing
 
     monkeypatch.setattr(
         timing, "machine_profile", lambda *a, **k: pytest.fail("measured this machine")
@@ -402,7 +402,7 @@ def test_a_completed_run_corrects_the_estimate_and_the_estimate_says_which(
     learning_cache: Path, tmp_path: Path
 ) -> None:
     from workbench.estimator import estimate
-    from workbench.estimator.learning import measured_step_s
+    from workbench.estimator.timing.learning import measured_step_s
 
     runs = tmp_path / "runs"
     cfg = wb.RunConfig(
@@ -440,7 +440,7 @@ def test_a_completed_run_corrects_the_estimate_and_the_estimate_says_which(
 def test_on_a_gpu_any_run_of_the_device_class_teaches_and_on_this_cpu_only_the_same_task_and_layout(
     tmp_path: Path,
 ) -> None:
-    from workbench.estimator.learning import learn
+    from workbench.estimator.timing.learning import learn
     from workbench.rundir import RunDir, Status
 
     for device_class in ("cpu", "cuda-H100"):
@@ -458,7 +458,7 @@ def test_on_a_gpu_any_run_of_the_device_class_teaches_and_on_this_cpu_only_the_s
 
 
 def test_a_damaged_run_among_the_runs_teaches_nothing_and_stops_nothing(tmp_path: Path) -> None:
-    from workbench.estimator.learning import completed_runs
+    from workbench.estimator.timing.learning import completed_runs
     from workbench.rundir import RunDir, Status
 
     for name, damage in (
@@ -485,7 +485,7 @@ def test_the_runs_read_are_the_most_recent_by_age_not_the_last_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A folder with more runs than are read: the newest are read, whatever their names sort as."""
-    from workbench.estimator import learning
+    from workbench.estimator.timing import learning
     from workbench.rundir import RunDir, Status
 
     monkeypatch.setattr(learning, "SCAN", 4)
@@ -513,7 +513,7 @@ def test_the_runs_read_are_the_most_recent_by_age_not_the_last_by_name(
 def test_what_was_learnt_is_remembered_on_disk_and_tied_to_the_model(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    from workbench.estimator.learning import PastRun, _remembered, memo_path
+    from workbench.estimator.timing.learning import PastRun, _remembered, memo_path
 
     run = PastRun("r", tmp_path, CFG, 2, 0.02, 5.0)
     calls: list[int] = []
@@ -535,7 +535,7 @@ def test_what_was_learnt_is_remembered_on_disk_and_tied_to_the_model(
 
 
 def test_a_pipeline_run_teaches_nothing_yet(tmp_path: Path) -> None:
-    from workbench.estimator.learning import learn
+    from workbench.estimator.timing.learning import learn
     from workbench.rundir import RunDir, Status
 
     run = RunDir(tmp_path / "pp")
@@ -550,7 +550,7 @@ def test_a_pipeline_run_teaches_nothing_yet(tmp_path: Path) -> None:
 
 
 def test_step_time_keeps_its_fields_for_the_layouts_built_on_it() -> None:
-    from workbench.estimator.timing import StepTime
+    from workbench.estimator.timing.step import StepTime
 
     names = {f.name for f in dataclasses.fields(StepTime)}
     assert {"compute_s", "comm_s", "exposed_comm_s", "efficiency", "assumptions"} <= names
@@ -561,7 +561,7 @@ def test_step_time_keeps_its_fields_for_the_layouts_built_on_it() -> None:
 def test_an_estimate_traces_at_most_one_new_past_run_and_learns_the_rest_later(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    from workbench.estimator.learning import learn
+    from workbench.estimator.timing.learning import learn
     from workbench.rundir import RunDir, Status
 
     for i, seconds in enumerate((0.02, 0.03, 0.04)):
@@ -615,7 +615,7 @@ def test_measuring_in_spawned_children_leaves_no_process_behind() -> None:
     """Spawning starts multiprocessing's resource tracker; a measurement that started it stops it."""
     import psutil
 
-    from workbench.estimator.machine import measure
+    from workbench.estimator.machine.profile import measure
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     measure(1, 2, {"cpu": "test"}, fork=False, stall_s=90)
@@ -629,7 +629,7 @@ def _parts_that_take(
     in the forked children too, with figures of the right shape."""
     import time
 
-    from workbench.estimator import machine_probe
+    from workbench.estimator.machine import probe as machine_probe
 
     point = {"fp32": [[1.0, 1.0], [2.0, 1.0]]}
     results = {
@@ -657,7 +657,7 @@ def test_a_measurement_that_keeps_finishing_parts_outlasts_its_stall_limit(
     limit of 2.5 s is measured, where a deadline on the whole would have failed it."""
     import time
 
-    from workbench.estimator.machine import measure
+    from workbench.estimator.machine.profile import measure
 
     _parts_that_take(monkeypatch, 0.6)
     started = time.perf_counter()
@@ -672,7 +672,7 @@ def test_a_measurement_whose_child_hangs_fails_naming_where_and_leaves_no_proces
 
     import psutil
 
-    from workbench.estimator.machine import measure
+    from workbench.estimator.machine.profile import measure
 
     _parts_that_take(monkeypatch, 0.0, hang="_attention")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -692,7 +692,7 @@ def test_more_ranks_than_cores_take_fewer_samples_each(monkeypatch: pytest.Monke
     that need every rank by as much, to no fewer than MIN_SAMPLES."""
     import os
 
-    from workbench.estimator import machine_probe
+    from workbench.estimator.machine import probe as machine_probe
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert machine_probe.samples(30, 2) == 30

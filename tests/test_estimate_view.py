@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 import workbench as wb
-from workbench.estimator import Estimate, RankEstimate, estimate, lookup, trace_cache
+from workbench.estimator import Estimate, RankEstimate, estimate, lookup
 from workbench.estimator.alternatives import compare_table
 from workbench.estimator.catalog import BUILTIN
-from workbench.estimator.model import GRADS_LEGEND
+from workbench.estimator.report import GRADS_LEGEND
 from workbench.estimator.target import Target
-from workbench.estimator.trace import allow_traces
+from workbench.estimator.trace import cache as trace_cache
+from workbench.estimator.trace.step import allow_traces
 from workbench.notebook.panel.estimate_html import EstimateState, render
 from workbench.notebook.panel.estimates import EstimateBox
 from workbench.tasks import get_task
@@ -389,7 +390,7 @@ def test_the_speed_benchmark_times_a_fresh_first_estimate_and_answers_from_memor
 
 
 def test_a_gpu_target_counts_cublas_workspaces_with_the_tensors_and_a_cpu_target_does_not() -> None:
-    from workbench.estimator.model import CUBLAS_WORKSPACE_BYTES
+    from workbench.estimator.report import CUBLAS_WORKSPACE_BYTES
 
     # no DDP buckets: the only extra buffer on a GPU is cuBLAS's workspace
     cfg = cfg_of(parallelism="zero3", num_processes=2)

@@ -18,12 +18,12 @@ from fake_nvml import FakeNvml
 from matplotlib.figure import Figure
 
 import workbench as wb
-import workbench.training.monitor as monitor_mod
+import workbench.training.observe.monitor as monitor_mod
 from workbench import rundir
 from workbench.notebook.dashboard import Dashboard
 from workbench.notebook.plots import draw
-from workbench.training.device_samplers import nvml_target
-from workbench.training.monitor import FIELDS, DeviceMonitor, row_fields
+from workbench.training.observe.device_samplers import nvml_target
+from workbench.training.observe.monitor import FIELDS, DeviceMonitor, row_fields
 from workbench.utils import files
 
 MB = 2**20

@@ -28,7 +28,8 @@ from tasks_for_tests import TinyRegression
 
 import workbench as wb
 from workbench.launcher import spawn
-from workbench.worker import TASK_DIGEST_ENV, TASK_FILE, load_task
+from workbench.rundir import TASK as TASK_FILE
+from workbench.worker import TASK_DIGEST_ENV, load_task
 
 CELL = """
 import json, os, sys

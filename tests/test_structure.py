@@ -474,3 +474,164 @@ def test_the_parallel_layer_checks_can_fail() -> None:
         "class Mine(Strategy):\n    def load(self, p):\n        '''Why: x.'''\n"
         "    def save(self, p): ...\n"
     ) == {"Mine.load": "Why: x.", "Mine.save": ""}
+
+
+# ---- rooms by concern (issue 44) ------------------------------------------------------------------
+TRAINER_MODULE = "workbench.training.loop"
+SUBPACKAGES = (
+    "workbench.training.checkpoint",
+    "workbench.training.observe",
+    "workbench.estimator.trace",
+    "workbench.estimator.machine",
+)
+
+
+def trainer_takers(source: str) -> list[str]:
+    """Functions of `source` with a parameter annotated as the Trainer (`t: Trainer`, `"Trainer"`), and
+    calls that hand `self` to another function (`after_step(self, ...)`): the Trainer's behaviour living
+    outside its class."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            for arg in args:
+                note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if re.fullmatch(r"['\"]?(\w+\.)*Trainer['\"]?", note):
+                    found.append(f"{node.name}({arg.arg}: {note})")
+        elif isinstance(node, ast.Call):
+            given = [*node.args, *(k.value for k in node.keywords)]
+            if any(isinstance(a, ast.Name) and a.id == "self" for a in given):
+                found.append(f"line {node.lineno}: {ast.unparse(node.func)}(self, ...)")
+    return found
+
+
+def test_the_trainers_behaviour_lives_in_its_class() -> None:
+    takers = {
+        name: found
+        for name, path in MODULES.items()
+        if name != TRAINER_MODULE and (found := trainer_takers(path.read_text()))
+        if any("Trainer" in f for f in found)
+    }
+    assert takers == {}, f"functions taking the Trainer outside {TRAINER_MODULE}: {takers}"
+    handed = trainer_takers(MODULES[TRAINER_MODULE].read_text())
+    assert [f for f in handed if "(self, ...)" in f] == [], (
+        f"the Trainer hands itself to other modules' functions: {handed}"
+    )
+
+
+def test_the_trainer_check_can_fail() -> None:
+    assert trainer_takers("def after_step(t: Trainer, x): ...\n") == ["after_step(t: Trainer)"]
+    assert trainer_takers("def f(t: 'loop.Trainer'): ...\n") == ["f(t: 'loop.Trainer')"]
+    assert trainer_takers("class T:\n    def g(self):\n        finish(self, 1)\n") == [
+        "line 3: finish(self, ...)"
+    ]
+    assert trainer_takers("def f(cfg: RunConfig): ...\nx = g(self.run)\n") == []
+
+
+def test_related_modules_live_in_subpackages() -> None:
+    missing = [name for name in SUBPACKAGES if name not in MODULES]
+    assert missing == [], f"subpackages expected: {missing}"
+    prefixed = sorted(
+        name
+        for name in MODULES
+        if re.fullmatch(
+            r"workbench\.(training\.checkpoint_\w+|estimator\.(trace|machine)_\w+)", name
+        )
+        or re.fullmatch(r"workbench\.notebook\.panel\.panel_\w+", name)
+    )
+    assert prefixed == [], (
+        f"modules named by a prefix instead of living in a subpackage: {prefixed}"
+    )
+
+
+WRITERS = {"write_json", "write_jsonl", "append_jsonl", "atomic_write_bytes", "atomic_write_text"}
+"""workbench.utils.files' writers: the path is their first argument."""
+PATH_WRITERS = {"write_text", "write_bytes", "mkdir", "touch", "unlink", "rename", "rmdir"}
+"""pathlib's: the path is the object they are called on."""
+RUN_PATH = re.compile(r"\brun(_dir|dir)?\b|\.run\b|\brun\.\w+_path\b|\brun_path\b")
+"""A path expression rooted in a run directory: `run.path / X`, `run_dir / X`, `self.run.stacks_path`."""
+
+OTHER_WRITERS = {
+    "workbench.training.checkpoint": "checkpoints/: the checkpointer owns its step folders (DCP)"
+}
+"""Subpackages that write into a run directory through a library of their own, and why."""
+
+
+def run_dir_writes(source: str) -> list[str]:
+    """The lines of `source` that write into a run directory without RunDir: a writer called on a path
+    rooted in one, directly or through a local name (`marker = run.path / X; marker.write_text(...)`)."""
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        aliases = {
+            target.id
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Assign) and RUN_PATH.search(ast.unparse(node.value))
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            func, target = node.func, None
+            if isinstance(func, ast.Name) and func.id in WRITERS and node.args:
+                target = node.args[0]
+            elif isinstance(func, ast.Attribute) and func.attr in WRITERS and node.args:
+                target = node.args[0]
+            elif isinstance(func, ast.Attribute) and func.attr in PATH_WRITERS:
+                target = func.value
+            elif isinstance(func, ast.Name) and func.id == "open" and len(node.args) > 1:
+                mode = node.args[1]
+                if isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax"):
+                    target = node.args[0]
+            if target is None:
+                continue
+            text = ast.unparse(target)
+            if RUN_PATH.search(text) or text in aliases:
+                found.append(f"line {node.lineno}: {ast.unparse(func)}({text})")
+    return sorted(set(found))
+
+
+def test_only_rundir_writes_into_a_run_directory() -> None:
+    writes = {
+        name: found
+        for name, path in MODULES.items()
+        if not name.startswith(("workbench.rundir", *OTHER_WRITERS))
+        and (found := run_dir_writes(path.read_text()))
+    }
+    assert writes == {}, f"direct writes into a run directory (use a RunDir method): {writes}"
+
+
+def test_the_run_dir_writer_check_can_fail() -> None:
+    assert run_dir_writes("write_json(run.path / 'autobatch.json', {})\n") == [
+        "line 1: write_json(run.path / 'autobatch.json')"
+    ]
+    assert run_dir_writes(
+        "def f(run):\n    marker = run.path / ATTEMPT\n    marker.write_text('1')\n"
+    ) == ["line 3: marker.write_text(marker)"]
+    assert run_dir_writes("self.run.stacks_path.mkdir(parents=True)\n") == [
+        "line 1: self.run.stacks_path.mkdir(self.run.stacks_path)"
+    ]
+    assert run_dir_writes("atomic_write_bytes(run_dir / TASK, b'')\n") != []
+    assert run_dir_writes("write_json(out / 'bench.json', {})\nrun.write_autobatch({})\n") == []
+
+
+RECIPE = "apply_parallelism"
+"""training/parallel/apply.py's recipe: fp8, the pipeline split, tp, AC, compile, FSDP2/replicate/DDP,
+compile='model', in that order; the strategies receive its result."""
+
+
+def test_the_parallelize_recipe_has_one_call_site() -> None:
+    sites = {
+        name: lines
+        for name, path in MODULES.items()
+        if (lines := calls_of(path.read_text(), RECIPE))
+    }
+    assert list(sites) == ["workbench.training.parallel"] and len(sites[list(sites)[0]]) == 1, sites
+    defined = [
+        node.name
+        for node in ast.walk(ast.parse(MODULES["workbench.training.parallel.apply"].read_text()))
+        if isinstance(node, ast.FunctionDef)
+    ]
+    assert RECIPE in defined

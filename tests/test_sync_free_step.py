@@ -21,7 +21,7 @@ from torch.profiler import profile, record_function
 import workbench as wb
 from workbench.rundir import RunDir
 from workbench.training.nonfinite import NonFiniteWatch, judge
-from workbench.training.profiling import STEP_LABEL
+from workbench.training.observe.profiling import STEP_LABEL
 
 SYNC = "aten::_local_scalar_dense"
 CUDA_WAITS = (SYNC, "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")

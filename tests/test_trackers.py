@@ -16,8 +16,8 @@ import workbench as wb
 from workbench.config import trackers as tracking
 from workbench.config.preflight import preflight
 from workbench.training.batches import loader_options
-from workbench.training.profiling import STEP_LABEL
-from workbench.training.tracker_log import hyperparameters, scalars
+from workbench.training.observe.profiling import STEP_LABEL
+from workbench.training.observe.trackers import hyperparameters, scalars
 from workbench.utils.hardware import Hardware
 
 CPU2 = Hardware(cpu_count=2)

@@ -26,17 +26,15 @@ if TYPE_CHECKING:
 
 _PARENT = os.getppid()
 """The launcher that started this rank, as early as it can be read: a rank re-parented before main()
-ran is an orphan (its launcher died while it started)."""
-TASK_FILE = "task.pkl"
-"""The pickled task of a spawned launch, in the run directory: (the caller's sys.path, cloudpickle
-bytes)."""
+ran is an orphan (its launcher died while it started). main(parent=...) names another."""
 TASK_DIGEST_ENV = "WORKBENCH_TASK_SHA256"
 """The sha256 of the task file the launcher wrote; without it the worker never reads a task file."""
 
 
 def load_task(run_dir: Path, digest: str) -> Task:
-    """The task object the launcher pickled for this run, only if the file is the one it wrote."""
-    path = Path(run_dir) / TASK_FILE
+    """The task object the launcher pickled for this run (RunDir.task_path: the caller's sys.path
+    and the cloudpickle bytes), only if the file is the one it wrote."""
+    path = RunDir(run_dir).task_path
     data = path.read_bytes()
     actual = hashlib.sha256(data).hexdigest()
     if not hmac.compare_digest(actual, digest.strip().lower()):
@@ -61,12 +59,14 @@ def load_task(run_dir: Path, digest: str) -> Task:
     return task
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, parent: int | None = None) -> None:
+    """Run one rank of the run directory argv names. `parent`: the process the rank dies with (a
+    Slurm task's step daemon, cluster/job.py); by default the one that started this interpreter."""
     # First, before torch and the task load (seconds): a preemption signal from now on is kept
     # (preemption.py) (a signal that killed the rank here would read as an out-of-memory kill), and
     # the rank dies with its launcher, or exits now if that is gone already.
     catch_early()
-    die_with_parent(parent=_PARENT)
+    die_with_parent(parent=_PARENT if parent is None else parent)
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m workbench.worker RUN_DIR")

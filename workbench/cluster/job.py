@@ -26,8 +26,6 @@ from pathlib import Path
 WARNING_SIGNAL = "SIGUSR2"
 """The signal Slurm sends `grace_s` before the time limit (sbatch --signal=USR2@grace, submitit's):
 the ranks take it as a preemption (cfg.preempt_signal), checkpoint, and the job is requeued."""
-ATTEMPT_FILE = "slurm-attempt"
-"""In the run directory: the restart count whose attempt rank 0 has opened."""
 ATTEMPT_WAIT_S = 300.0
 
 
@@ -48,36 +46,34 @@ def run_rank(run_dir: str, token: str) -> None:
         next_attempt(Path(run_dir), token, restart, env.rank)
     from workbench import worker
 
-    # the worker watches its parent (a rank whose launcher died exits); here that is Slurm's step
-    # daemon
-    worker._PARENT = os.getppid()
     print(
         f"[workbench] rank {env.rank} of {env.world_size} on {os.uname().nodename}, rendezvous "
         f"{env.master_addr}:{env.master_port}, attempt {restart + 1}",
         flush=True,
     )
-    worker.main([run_dir])
+    # the worker watches its parent (a rank whose launcher died exits); here that is Slurm's step
+    # daemon
+    worker.main([run_dir], parent=os.getppid())
     if env.rank == 0:
         requeue_if_warned(Path(run_dir), restart)
 
 
 def next_attempt(run_dir: Path, token: str, restart: int, rank: int) -> None:
     """Rank 0 stores the next attempt's config (resume: auto, from the newest checkpoint); the
-    others wait for it, so every rank reads the same one."""
+    others wait for it (RunDir.open_slurm_attempt), so every rank reads the same one."""
     from workbench.rundir import RunDir, prepare
 
     run = RunDir(run_dir)
-    marker = run.path / ATTEMPT_FILE
     if rank == 0:
         cfg = run.config()
         if cfg is None:
             raise RuntimeError(f"{run.config_path}: no config to resume from")
         prepare(cfg.replace(resume="auto"), token)
         run.event("requeue_started", job_id=os.environ.get("SLURM_JOB_ID"), attempt=restart + 1)
-        marker.write_text(str(restart))
+        run.open_slurm_attempt(restart)
         return
     deadline = time.monotonic() + ATTEMPT_WAIT_S
-    while not (marker.is_file() and marker.read_text().strip() == str(restart)):
+    while run.slurm_attempt() != restart:
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"rank {rank}: rank 0 did not open attempt {restart + 1} of {run.path} within "

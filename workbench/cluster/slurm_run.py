@@ -19,16 +19,7 @@ from workbench.config import RunConfig
 from workbench.launcher.result import RunResult
 from workbench.launcher.run import raise_for_ending
 from workbench.rundir import RunDir, RunFiles, Status, lock
-from workbench.rundir.scheduler import (
-    ACTIVE,
-    GONE,
-    JOB_FILE,
-    UNKNOWN,
-    JobAnswer,
-    identity_of,
-    query,
-)
-from workbench.utils.files import read_json
+from workbench.rundir.scheduler import ACTIVE, GONE, UNKNOWN, JobAnswer, identity_of, query
 from workbench.utils.mounts import on_network_filesystem
 
 POLL_S = 1.0
@@ -73,7 +64,7 @@ class SlurmRun(RunFiles):
 
     def _identity(self) -> dict[str, Any]:
         """Who the run's job is, from slurm.json ({} for an old one that names it by id only)."""
-        info = read_json(self.run_dir / JOB_FILE)
+        info = self.dir.job()
         return (
             identity_of(info)
             if isinstance(info, dict) and str(info.get("job_id")) == self.job_id
@@ -233,8 +224,8 @@ class SlurmRun(RunFiles):
 
     def stderr_tail(self) -> str:
         """The end of the job's standard error, every task's (submitit's log files)."""
-        info = read_json(self.run_dir / JOB_FILE) or {}
-        folder = Path(info.get("folder", self.run_dir / "slurm"))
+        info = self.dir.job() or {}
+        folder = Path(info.get("folder", self.dir.slurm_path))
         parts = [
             p.read_text(errors="replace")[-STDERR_TAIL:]
             for p in sorted(folder.glob(f"{self.job_id}_*.err"))
@@ -258,8 +249,8 @@ def attach(run_dir: str | Path) -> SlurmRun:
     """The handle of a run submitted to Slurm, from its directory (a new kernel, another machine
     that sees the shared filesystem). ValueError when the directory holds no submitted run."""
     run = RunDir(run_dir)
-    info = read_json(run.path / JOB_FILE)
-    if not isinstance(info, dict) or not info.get("job_id"):
+    info = run.job()
+    if info is None or not info.get("job_id"):
         raise ValueError(
             f"{run.path}: no slurm.json naming a job; attach() follows runs submitted to a cluster "
             "(wb.start(cfg, cluster=wb.Slurm(...))); a local run's results are "

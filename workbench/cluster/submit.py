@@ -12,8 +12,7 @@ from workbench.cluster.job import WARNING_SIGNAL, run_rank
 from workbench.cluster.slurm import Slurm, check, executor_parameters, python_for_jobs
 from workbench.cluster.slurm_run import SlurmRun
 from workbench.rundir import Status, lock, prepare
-from workbench.rundir.scheduler import JOB_FILE, UNKNOWN, query
-from workbench.utils.files import write_json
+from workbench.rundir.scheduler import UNKNOWN, query
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -70,7 +69,7 @@ def _sbatch(cfg: RunConfig, slurm: Slurm, partition: str, run: RunDir, token: st
     import submitit
 
     try:
-        executor = submitit.SlurmExecutor(folder=run.path / "slurm", python=python_for_jobs())
+        executor = submitit.SlurmExecutor(folder=run.slurm_path, python=python_for_jobs())
         executor.update_parameters(
             **executor_parameters(
                 slurm,
@@ -101,17 +100,16 @@ def _record_job(
     """The job in the run directory: slurm.json names it (with its identity), an event says it was
     submitted, and the lock's runner is the job."""
     identity = job_identity(job_id, slurm.job_name or f"workbench-{cfg.run_name}")
-    write_json(
-        run.path / JOB_FILE,
+    run.write_job(
         {
             "job_id": job_id,
             **identity,
-            "folder": str(run.path / "slurm"),
+            "folder": str(run.slurm_path),
             "partition": partition,
             "nodes": slurm.nodes,
             "ranks_per_node": slurm.per_node(cfg),
             "submitted_at": time.time(),
-        },
+        }
     )
     run.event("submitted", job_id=job_id, partition=partition, nodes=slurm.nodes)
     lock.set_runner(run, token, {"slurm_job_id": job_id, **identity})

@@ -39,8 +39,7 @@ def run_demo(runs_dir: str = "runs", num_processes: int = 2, steps: int = 300) -
         warmup_steps=min(DEMO.warmup_steps, steps),
     )
     result = launch(cfg, progress=True)
-    plot_path = result.run_dir / "plot.png"
-    result.plot(path=plot_path)
+    plot_path = result.dir.write_plot(result.plot())
     s = result.summary
     ranks = s.get("ranks", [])
     same = len({r["weights_sha256"] for r in ranks}) == 1

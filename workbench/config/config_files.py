@@ -74,7 +74,7 @@ def from_accelerate(
 ) -> RunConfig:
     """An `accelerate config` YAML mapped to fields, `overrides` on top; what has no counterpart is
     warned about."""
-    from workbench.config.imported import read_accelerate
+    from workbench.config.accelerate_deepspeed import read_accelerate
 
     imported = read_accelerate(path)
     imported.warn()
@@ -86,7 +86,7 @@ def from_deepspeed(
 ) -> RunConfig:
     """A DeepSpeed JSON mapped to fields, `overrides` on top; what has no counterpart is warned
     about."""
-    from workbench.config.imported import read_deepspeed
+    from workbench.config.accelerate_deepspeed import read_deepspeed
 
     imported = read_deepspeed(path)
     imported.warn()

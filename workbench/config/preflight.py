@@ -19,17 +19,23 @@ if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
 
 
-def preflight(cfg: RunConfig, task: Task | None = None, hardware: Hardware | None = None) -> None:
+def preflight(
+    cfg: RunConfig,
+    task: Task | None = None,
+    hardware: Hardware | None = None,
+    device: str | None = None,
+) -> None:
     """Check `cfg` against this machine (or `hardware`) and the task (`task`, else the one cfg.task
     names): ValueError naming the field, the value and the fix, before anything starts. launch()
-    runs it first."""
+    runs it first, with the `device` it resolved once for the whole launch (resolved here when
+    None)."""
     check_runs_dir(cfg)
     hw = hardware or detect()
     if cfg.device == "cuda" and not hw.has_cuda:
         raise ValueError(
             f"device='cuda': no CUDA GPU is visible on {hw.where}; use device='auto' or 'cpu'"
         )
-    device = resolve_device(cfg, hw)
+    device = device or resolve_device(cfg, hw)
     check_process_count(cfg, hw, device)
     check_cpu_limits(cfg, device)
     check_tools(cfg, device)

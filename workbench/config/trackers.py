@@ -4,7 +4,7 @@ the ranks both use it.
 
 TensorBoard writes event files to <run>/tensorboard/<run name>/; MLflow writes a local file store to
 <run>/mlflow (a `file:` URI, never a server). The rank side that feeds them through accelerate is
-training/trackers.py.
+training/observe/trackers.py.
 """
 
 from __future__ import annotations

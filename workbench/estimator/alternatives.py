@@ -10,7 +10,7 @@ from workbench.estimator.catalog import load_catalog
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
-    from workbench.estimator.model import Estimate
+    from workbench.estimator.report import Estimate
     from workbench.tasks import Task
 
 LIMIT = 5
@@ -129,7 +129,7 @@ def compare(
     """The same run priced on every catalog accelerator (one trace: the step is the same, only the
     device differs), the ones that fit first, cheapest first."""
     from workbench.estimator.estimation import price
-    from workbench.estimator.trace_cache import cached_trace
+    from workbench.estimator.trace.cache import cached_trace
 
     world = gpus * nodes
     run = cfg.replace(num_processes=world, oversubscribe=True, device="cuda", track_memory=False)

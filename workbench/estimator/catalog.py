@@ -239,6 +239,6 @@ def this_machine() -> Accelerator:
         kind="cpu",
         notes=(
             "peak: a 512x512 matmul measured in this process, shared by all ranks; the step time "
-            "rests on this machine's measured profile instead (estimator/machine.py)",
+            "rests on this machine's measured profile instead (estimator/machine/profile.py)",
         ),
     )

@@ -1,5 +1,5 @@
-"""wb.estimate: trace one step on a fake world of the target size, then price it (memory, time,
-cost)."""
+"""wb.estimate itself: trace one step on a fake world of the target size, then price it (memory,
+time, cost) into the Estimate it returns (report.py)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ from typing import TYPE_CHECKING
 
 from workbench.config.mesh import ParallelDims, shards
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
-from workbench.estimator.held import held_for
-from workbench.estimator.model import (
+from workbench.estimator.report import (
     CPU_OVERHEAD_BYTES,
     CUBLAS_WORKSPACE_BYTES,
     GPU_OVERHEAD_BYTES,
     Estimate,
     RankEstimate,
 )
-from workbench.estimator.parallel_time import ParallelTime, parallel_time
 from workbench.estimator.target import Target, check_plan
-from workbench.estimator.timing import COMPRESSION, replicated_comm
-from workbench.estimator.trace import StepTrace
-from workbench.estimator.trace_cache import cached_trace
+from workbench.estimator.timing.parallel import ParallelTime, parallel_time
+from workbench.estimator.timing.step import COMPRESSION, replicated_comm
+from workbench.estimator.trace.cache import cached_trace
+from workbench.estimator.trace.held import held_for
+from workbench.estimator.trace.step import StepTrace
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -36,10 +36,10 @@ def _ranks(
     cfg: RunConfig, traces: list[StepTrace], world: int, overhead: int, buckets: int
 ) -> list[RankEstimate]:
     """Every rank from its stage's trace (one trace without a pipeline): the same activations; its
-    own model state from the trace's shapes and placements (held.py), or, for zero1, the optimizer
-    partition scaled from the traced rank's. FSDP2 pads every rank's parameter and gradient shards
-    to one size, so there only the optimizer state (which follows the unpadded shard) differs at the
-    peak."""
+    own model state from the trace's shapes and placements (trace/held.py), or, for zero1, the
+    optimizer partition scaled from the traced rank's. FSDP2 pads every rank's parameter and
+    gradient shards to one size, so there only the optimizer state (which follows the unpadded
+    shard) differs at the peak."""
     dims = ParallelDims.of(cfg, world)
     padded = cfg.pp == 1 and (shards(cfg.parallelism) or cfg.tp > 1) and world // cfg.tp > 1
     ranks = []
@@ -105,13 +105,13 @@ def stage_traces(
 
 
 def _refuse_context_parallel(cfg: RunConfig) -> None:
-    """cp > 1 is traced through PyTorch's ring-attention templates (ring_trace.py), which are
+    """cp > 1 is traced through PyTorch's ring-attention templates (trace/ring.py), which are
     private: where this torch has moved them, the estimate says so rather than tracing attention as
     if the sequences were whole."""
     if cfg.cp == 1:
         return
     try:
-        import workbench.estimator.ring_trace  # noqa: F401
+        import workbench.estimator.trace.ring  # noqa: F401
     except ImportError as e:
         import torch
 

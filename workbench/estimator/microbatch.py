@@ -1,12 +1,10 @@
 """The launcher's proposal for micro_batch_size='auto': the largest micro-batch the estimate says
-fits each rank of this machine (the ranks then confirm it on their devices; see
-training/autobatch.py)."""
+fits each rank of this machine (launch.propose_micro_batch writes it to autobatch.json; the ranks
+then confirm it on their devices, training/autobatch.py)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-
-from workbench.utils.hardware import resolve_device
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -16,13 +14,14 @@ MARGIN = 0.1
 
 
 def _limit(cfg: RunConfig) -> int:
+    """The bytes a rank may hold: its GPU's memory, else the memory budget or a share of what is
+    free."""
     import psutil
 
     from workbench.utils.hardware import detect
 
-    hw = detect()
-    if resolve_device(cfg, hw) == "cuda":
-        return min(g.memory_bytes for g in hw.gpus)
+    if cfg.device == "cuda":
+        return min(g.memory_bytes for g in detect().gpus)
     if cfg.memory_budget_gb:
         return int(cfg.memory_budget_gb * 2**30)
     return int(psutil.virtual_memory().available / cfg.num_processes)
@@ -30,8 +29,15 @@ def _limit(cfg: RunConfig) -> int:
 
 def propose(cfg: RunConfig, task: Task) -> dict[str, Any]:
     """Estimates at micro-batch 1 and 2 give the bytes per sample; the largest size under the limit
-    is checked with a third estimate and stepped down until it fits."""
+    is checked with a third estimate and stepped down until it fits. `cfg.device` is the launch's,
+    decided ('cpu' or 'cuda': the launcher resolved it once), not 'auto'."""
     from workbench.estimator import estimate
+
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device={cfg.device!r}: propose() takes the launch's device as resolved ('cpu' or "
+            "'cuda'); resolve it first (workbench.utils.hardware.resolve_device)"
+        )
 
     limit = _limit(cfg)
     usable = limit * (1 - MARGIN)

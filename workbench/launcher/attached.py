@@ -25,7 +25,6 @@ from workbench.launcher.result import RunResult, not_a_run_directory
 from workbench.launcher.run import raise_for_ending
 from workbench.rundir import RunDir, RunFiles
 from workbench.rundir.liveness import is_alive
-from workbench.rundir.scheduler import JOB_FILE
 
 if TYPE_CHECKING:
     from workbench.cluster.slurm_run import SlurmRun
@@ -115,7 +114,7 @@ def attach(run_dir: str | os.PathLike[str]) -> AttachedRun | SlurmRun:
     to a cluster, an `AttachedRun` for a local one (running or ended). ValueError when `run_dir` is
     not a run directory."""
     run = RunDir(Path(run_dir).expanduser())
-    if (run.path / JOB_FILE).exists():
+    if run.job_path.exists():
         from workbench.cluster.slurm_run import attach as attach_slurm
 
         return attach_slurm(run.path)

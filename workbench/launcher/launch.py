@@ -21,8 +21,9 @@ from workbench.launcher.processes import start_processes
 from workbench.launcher.result import RunResult
 from workbench.launcher.run import Run, raise_for_ending
 from workbench.launcher.spawn import plan_start
-from workbench.rundir import lock, prepare
+from workbench.rundir import RunDir, lock, prepare
 from workbench.tasks import Task, get_task
+from workbench.utils.hardware import resolve_device
 from workbench.utils.preemption import before_launch
 
 if TYPE_CHECKING:
@@ -32,8 +33,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("workbench")
 
 
-def check_launch(cfg: RunConfig, task: Task | None) -> tuple[RunConfig, Task]:
-    """The config and task to run, every check done before anything is created or started."""
+def check_launch(
+    cfg: RunConfig, task: Task | None, device: str | None = None
+) -> tuple[RunConfig, Task]:
+    """The config and task to run, every check done before anything is created or started, on the
+    `device` the launch resolved (resolved here when None)."""
     if task is not None:
         if not isinstance(task, Task):
             raise TypeError(
@@ -48,8 +52,17 @@ def check_launch(cfg: RunConfig, task: Task | None) -> tuple[RunConfig, Task]:
                 "and pass no task=, or use start_method='auto' for tasks defined in a notebook"
             )
     # hardware, precision, task and its options: all before anything starts
-    preflight(cfg, task=task)
+    preflight(cfg, task=task, device=device)
     return cfg, task or get_task(cfg.task)
+
+
+def propose_micro_batch(run: RunDir, cfg: RunConfig, task: Task, device: str) -> None:
+    """micro_batch_size='auto', the caller's half: the largest micro-batch the estimate says fits a
+    rank on `device` here, written to autobatch.json for the ranks, which confirm it on their
+    devices (the rank side's half)."""
+    from workbench.estimator import microbatch
+
+    run.write_autobatch(microbatch.propose(cfg.replace(device=device), task))
 
 
 def start(
@@ -80,15 +93,16 @@ def start(
         from workbench.cluster.submit import submit
 
         return submit(cfg, cluster, task)
-    cfg, task = check_launch(cfg, task)
-    plan = plan_start(cfg, task)  # may refuse: still nothing created
+    # 'cpu' or 'cuda', decided once for the launch: its checks, start plan, the micro-batch
+    # proposal and its processes (the launch line, the shell launcher, the supervisor, a restart)
+    # take it from here; each rank resolves its own (training/accelerator.py)
+    device = resolve_device(cfg)
+    cfg, task = check_launch(cfg, task, device)
+    plan = plan_start(cfg, task, device)  # may refuse: still nothing created
     cfg, run_dir, token = prepare(cfg)
     try:
         if cfg.micro_batch_size == "auto":
-            from workbench.estimator.microbatch import propose
-            from workbench.utils.files import write_json
-
-            write_json(run_dir.path / "autobatch.json", propose(cfg, task))
+            propose_micro_batch(run_dir, cfg, task, device)
         # `workbench train` was sent a preemption signal while it checked and prepared
         early = before_launch.take()
         if early:

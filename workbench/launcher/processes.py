@@ -45,11 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def describe_launch(cfg: RunConfig) -> str:
+def describe_launch(cfg: RunConfig, device: str | None = None) -> str:
     """What a launch of `cfg` starts on this machine, in one line: the processes, their device and
-    what they run (the panel's launch line, the CLI's `--prepare-only` answer, the launch log)."""
+    what they run (the panel's launch line, the CLI's `--prepare-only` answer, the launch log).
+    `device`: the launch's, as its caller resolved it (None: resolved here from cfg)."""
     hw = detect()
-    device = resolve_device(cfg, hw)
+    device = device or resolve_device(cfg, hw)
     if cfg.num_processes == 1:
         how = f"1 process on {hw.device_line(device)}"
     else:
@@ -90,7 +91,7 @@ def describe_launch(cfg: RunConfig) -> str:
     return ", ".join([f"launching {cfg.task}: {how}", cfg.precision, batch, *extras])
 
 
-def launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
+def launch_command(cfg: RunConfig, run_dir: Path, port: int, device: str) -> list[str]:
     """The shell launcher for one machine: `accelerate launch`, except for multi-process CPU runs.
 
     `accelerate launch --cpu` starts a single process unless MPI is configured, so N CPU ranks are
@@ -98,7 +99,7 @@ def launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
     then builds its Accelerator with cpu=True and the ranks form one gloo group.
     """
     worker = ["-m", "workbench.worker", str(run_dir)]
-    if resolve_device(cfg) == "cpu" and cfg.num_processes > 1:
+    if device == "cpu" and cfg.num_processes > 1:
         return [
             sys.executable,
             "-m",
@@ -128,7 +129,7 @@ def launch_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
         "--mixed_precision",
         accelerate_mixed_precision(cfg.precision),
     ]
-    if resolve_device(cfg) == "cpu":
+    if device == "cpu":
         cmd.append("--cpu")
     elif cfg.num_processes > 1:
         cmd.append("--multi_gpu")
@@ -142,7 +143,7 @@ def start_processes(
     (for the shell, or for ranks spawned from here, whose output is then copied to this process's
     sys.stdout/stderr)."""
     port = free_port()
-    log.info("%s -> %s", describe_launch(cfg), run.path)
+    log.info("%s -> %s", describe_launch(cfg, plan.device), run.path)
     if plan.method != "subprocess":
         log.log(plan.level, "%s: ranks start by %s (%s)", run.path.name, plan.method, plan.reason)
     # the launch's TMPDIR, removed once its processes are gone (scratch.py)
@@ -183,7 +184,18 @@ def _start(
         ctx = multiprocessing.get_context("fork")
         forked = ctx.Process(
             target=supervise,
-            args=(cfg, task, str(run.path), progress, port, token, os.getpid(), write_fd, scratch),
+            args=(
+                cfg,
+                task,
+                str(run.path),
+                progress,
+                port,
+                token,
+                os.getpid(),
+                write_fd,
+                plan.device,
+                scratch,
+            ),
             name=f"workbench-{cfg.run_name}",
         )
         in_a_lasting_thread(forked.start)  # the supervisor dies with this process (supervise)
@@ -196,10 +208,10 @@ def _start(
         "WORKBENCH_LOCK_TOKEN": token,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg),
     }
-    command = launch_command(cfg, run.path, port)
+    command = launch_command(cfg, run.path, port, plan.device)
     if plan.method == "spawn":
         assert plan.payload is not None
-        env.update(write_task(run.path, plan.payload))
+        env.update(write_task(run, plan.payload))
         return in_a_lasting_thread(
             lambda: SpawnedRanks(command, env, f"workbench-{cfg.run_name}", scratch)
         )

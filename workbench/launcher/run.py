@@ -61,7 +61,7 @@ class Run(RunFiles):
     _progress: bool = False
     _token: str | None = field(default=None, repr=False)
     restarts: int = 0
-    _plan: StartPlan = field(default=StartPlan("fork", ""), repr=False)
+    _plan: StartPlan = field(default=StartPlan("fork", "", device="cpu"), repr=False)
     _result: RunResult | None = field(default=None, repr=False)
     _signalled: int = 0
     _signalled_between: bool = False

@@ -25,14 +25,14 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 import torch
 
 from workbench.launcher.scratch import ScratchProcess
-from workbench.utils.files import atomic_write_bytes
+from workbench.rundir import RunDir
 from workbench.utils.hardware import resolve_device
 from workbench.utils.lifecycle import ending_with_parent
 
@@ -49,7 +49,8 @@ record)."""
 
 @dataclass(frozen=True)
 class StartPlan:
-    """How the ranks of one launch start, why, and (spawn) the pickled task they load."""
+    """How the ranks of one launch start, why, on which device, and (spawn) the pickled task they
+    load."""
 
     method: Method
     reason: str
@@ -57,6 +58,9 @@ class StartPlan:
     level: int = logging.INFO
     """How loudly to log the choice: a warning when CUDA initialised in this process forced
     spawn."""
+    device: str = field(kw_only=True)
+    """'cpu' or 'cuda': the launch's device, resolved once by its caller (launch.start) and read
+    from here by the launch line, the shell launcher's command and the supervisor."""
 
 
 def watch_cuda_init() -> None:
@@ -122,19 +126,25 @@ def cuda_initialised_by() -> str | None:
     )
 
 
-def run_uses_cuda(cfg: RunConfig) -> bool:
-    return resolve_device(cfg) == "cuda"
+def run_uses_cuda(device: str) -> bool:
+    """Whether ranks on `device` use CUDA, so that forking them is unsafe: the one question the
+    start plan asks of the device (the tests answer it to plan a CUDA start for CPU ranks)."""
+    return device == "cuda"
 
 
-def plan_start(cfg: RunConfig, task: Task) -> StartPlan:
-    """Fork, spawn or subprocess, and why; raises before anything is created when none can work."""
+def plan_start(cfg: RunConfig, task: Task, device: str | None = None) -> StartPlan:
+    """Fork, spawn or subprocess, and why; raises before anything is created when none can work.
+    `device`: the launch's, as its caller resolved it (None: resolved here from cfg)."""
+    device = device or resolve_device(cfg)
     if cfg.start_method == "subprocess":
         return StartPlan(
             "subprocess",
             "start_method='subprocess': accelerate launch / torchrun starts fresh "
             "interpreters, the task by name",
+            device=device,
         )
-    cuda = cuda_initialised_by() if run_uses_cuda(cfg) else None
+    cuda_run = run_uses_cuda(device)
+    cuda = cuda_initialised_by() if cuda_run else None
     if cfg.start_method == "fork":
         if cuda:
             raise RuntimeError(
@@ -143,13 +153,16 @@ def plan_start(cfg: RunConfig, task: Task) -> StartPlan:
                 "as fresh interpreters), or restart the kernel and keep CUDA work inside your "
                 "Task"
             )
-        return StartPlan("fork", "start_method='fork'")
-    if cfg.start_method == "auto" and not run_uses_cuda(cfg):
+        return StartPlan("fork", "start_method='fork'", device=device)
+    if cfg.start_method == "auto" and not cuda_run:
         return StartPlan(
-            "fork", "start_method='auto': a CPU run, so the ranks fork", level=logging.DEBUG
+            "fork",
+            "start_method='auto': a CPU run, so the ranks fork",
+            level=logging.DEBUG,
+            device=device,
         )
     if cfg.start_method == "auto" and not cuda:
-        return _fresh_for_cuda(task)
+        return _fresh_for_cuda(task, device)
     if cuda:
         reason = (
             f"start_method={cfg.start_method!r}: CUDA is already initialised in this process "
@@ -158,11 +171,15 @@ def plan_start(cfg: RunConfig, task: Task) -> StartPlan:
     else:
         reason = "start_method='spawn': the ranks start as fresh interpreters"
     return StartPlan(
-        "spawn", reason, pickle_task(task, cuda), logging.WARNING if cuda else logging.INFO
+        "spawn",
+        reason,
+        pickle_task(task, cuda),
+        logging.WARNING if cuda else logging.INFO,
+        device=device,
     )
 
 
-def _fresh_for_cuda(task: Task) -> StartPlan:
+def _fresh_for_cuda(task: Task, device: str) -> StartPlan:
     """A CUDA run from a process where CUDA looks untouched still starts fresh interpreters: torch's
     device queries (torch.cuda.is_available(), device_count()) leave a fork unable to use CUDA
     without initialising it, and torch.cuda.is_initialized() can't tell. Only a task that can't be
@@ -177,12 +194,14 @@ def _fresh_for_cuda(task: Task) -> StartPlan:
             f"the task can't be pickled ({why}), so the ranks fork (they fail if this process "
             "queried CUDA first)",
             level=logging.WARNING,
+            device=device,
         )
     return StartPlan(
         "spawn",
         "start_method='auto': a CUDA run, so the ranks start as fresh interpreters (CUDA "
         "does not survive fork)",
         payload,
+        device=device,
     )
 
 
@@ -222,14 +241,14 @@ def _refusal(task: Task, error: Exception, cuda: str | None) -> Exception:
     )
 
 
-def write_task(run_dir: Path, payload: bytes) -> dict[str, str]:
-    """Write the pickled task into the run directory; returns the environment that lets the ranks
-    load it."""
+def write_task(run_dir: RunDir | Path, payload: bytes) -> dict[str, str]:
+    """Write the pickled task into the run directory (RunDir.write_task: task.pkl); returns the
+    environment that lets the ranks load it."""
     # Not at the top: `python -m workbench.worker` must not find the worker imported already by the
     # package.
-    from workbench.worker import TASK_DIGEST_ENV, TASK_FILE
+    from workbench.worker import TASK_DIGEST_ENV
 
-    atomic_write_bytes(run_dir / TASK_FILE, payload)
+    RunDir(run_dir).write_task(payload)
     return {TASK_DIGEST_ENV: hashlib.sha256(payload).hexdigest()}
 
 

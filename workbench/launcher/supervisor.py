@@ -26,7 +26,7 @@ from workbench.training.parallel import strategy_module
 from workbench.training.rank import RETURNED_FD, die_with_parent, expect_forked_ranks, rank_main
 from workbench.utils import preemption
 from workbench.utils.distributed import FORKED_RANKS
-from workbench.utils.hardware import detect, resolve_device
+from workbench.utils.hardware import detect
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -124,17 +124,18 @@ def supervise(
     token: str,
     caller: int,
     returned_fd: int,
+    device: str,
     scratch: Path | None = None,
 ) -> None:
     """Body of the supervisor process: run notebook_launcher, then record a failure the ranks
-    couldn't. The ranks write to `returned_fd` once training returned (forked.py). `scratch`: the
-    launch's TMPDIR (scratch.py)."""
+    couldn't. The ranks write to `returned_fd` once training returned (forked.py). `device`: the
+    launch's, as its caller resolved it. `scratch`: the launch's TMPDIR (scratch.py)."""
     global _supervisor_pid
     _supervisor_pid = os.getpid()
     # elastic's logs and error files go there; the caller removes it once this process exited
     use_scratch(scratch)
     _take_the_signals(cfg, caller)
-    _prepare_for_ranks(cfg, token, returned_fd)
+    _prepare_for_ranks(cfg, token, returned_fd, device)
     run = RunDir(run_dir)
     expect_forked_ranks(cfg.num_processes)
     error = _launch(cfg, task, run_dir, progress, port)
@@ -172,7 +173,7 @@ def _take_the_signals(cfg: RunConfig, caller: int) -> None:
     _leave_preemption_signals_to_us()
 
 
-def _prepare_for_ranks(cfg: RunConfig, token: str, returned_fd: int) -> None:
+def _prepare_for_ranks(cfg: RunConfig, token: str, returned_fd: int, device: str) -> None:
     """What the forked ranks find: the run directory locked by their launcher, a clean accelerate
     state, quiet elastic and multiprocessing loggers, and the environment rank.py reads."""
     # the ranks find the run directory locked by their launcher
@@ -189,7 +190,7 @@ def _prepare_for_ranks(cfg: RunConfig, token: str, returned_fd: int) -> None:
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (rank.py)
     os.environ[RETURNED_FD] = str(returned_fd)
-    if resolve_device(cfg) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.
         os.environ["OMP_NUM_THREADS"] = str(detect().threads_per_rank(cfg.num_processes))
 

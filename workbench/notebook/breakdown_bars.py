@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from workbench.training.verdicts import PHASES, busy, per_rank
+from workbench.training.observe.verdicts import PHASES, busy, per_rank
 
 if TYPE_CHECKING:
     from workbench.rundir import MetricsRow

@@ -52,8 +52,8 @@ MONITOR_PANELS: dict[str, tuple[MonitorPanel, ...]] = {
 
 
 def monitor_kind(rows: Sequence[MetricsRow]) -> str | None:
-    """'gpu' or 'cpu' when the rows carry device monitoring (monitor.py), else None: the figure
-    grows a row."""
+    """'gpu' or 'cpu' when the rows carry device monitoring (training/observe/monitor.py), else
+    None: the figure grows a row."""
     if any(r.gpu_util_pct_per_rank or r.gpu_mem_used_bytes_per_rank for r in rows):
         return "gpu"
     return "cpu" if any(r.cpu_pct_per_rank for r in rows) else None

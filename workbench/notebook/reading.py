@@ -236,7 +236,8 @@ def compile_line(
 def idle_warnings(
     events: Sequence[dict[str, Any]], session_step: int = 0, limit: int = 3
 ) -> tuple[str, ...]:
-    """The latest 'gpu_idle' events of this session as one line each (monitor.py writes them)."""
+    """The latest 'gpu_idle' events of this session as one line each (training/observe/monitor.py
+    writes them)."""
     idle = [
         e for e in events if e.get("event") == "gpu_idle" and (e.get("step") or 0) >= session_step
     ]

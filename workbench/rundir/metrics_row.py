@@ -1,8 +1,9 @@
 """metrics.jsonl: one schema (versioned) for its rows, as `Summary` is summary.json's.
 
-Rank 0 writes a training row every `log_every` steps (training/logger.py) and an eval row after each
-evaluation (training/evaluation.py); both are a `MetricsRow`. A row is written flat, one JSON object
-per line, with only the keys it has a value for: an eval row is {step, eval_loss, eval_<metric>...}.
+Rank 0 writes a training row every `log_every` steps (training/observe/metrics_log.py) and an eval
+row after each evaluation (training/evaluation.py); both are a `MetricsRow`. A row is written flat,
+one JSON object per line, with only the keys it has a value for: an eval row is {step, eval_loss,
+eval_<metric>...}.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ VERSION_KEY = "schema_version"
 EVAL_PREFIX = "eval_"
 """Eval metrics are written as top-level 'eval_<name>' keys."""
 PHASES = ("data", "compute", "comm", "optimizer", "other")
-"""The step-time breakdown's parts (training/breakdown.py measures them), in the order the dashboard
-stacks them; a row has a '<phase>_ms_per_rank' list for each."""
+"""The step-time breakdown's parts (training/observe/breakdown.py measures them), in the order the
+dashboard stacks them; a row has a '<phase>_ms_per_rank' list for each."""
 
 PerRank = list[float | int | None]
 """One value per rank, rank 0 first; None where that rank did not measure it."""
@@ -83,10 +84,11 @@ class MetricsRow:
     """Whether comm_ms_per_rank was measured (DDP); False: collectives are counted in compute."""
     slowest_rank: int | None = None
     """The straggler: the rank with the most time per step in its own work (data, compute,
-    optimizer), by enough and over enough windows to hold the others back (training/verdicts.py);
-    None when no rank does."""
+    optimizer), by enough and over enough windows to hold the others back
+    (training/observe/verdicts.py); None when no rank does."""
     verdicts: list[str] | None = None
-    """What limits the step, in words with the fix (training/verdicts.py); [] when nothing does."""
+    """What limits the step, in words with the fix (training/observe/verdicts.py); [] when nothing
+    does."""
     gpu_util_pct_per_rank: PerRank | None = None
     """Device monitor: GPU utilisation in %, the window's mean (NVML only)."""
     gpu_mem_used_bytes_per_rank: PerRank | None = None

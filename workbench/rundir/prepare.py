@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from workbench.rundir import lock
-from workbench.rundir.run_dir import RunDir, new_run_name
+from workbench.rundir.run_dir import CONFIG, SUMMARY, TRAINER_STATE, RunDir, new_run_name
 from workbench.rundir.summary import Status
 from workbench.utils.files import read_json
 
@@ -71,9 +71,9 @@ def _check_resume(cfg: RunConfig, run: RunDir) -> None:
     assert ckpt is not None
     from workbench.config import RunConfig
 
-    saved_path = ckpt / "config.yaml"
+    saved_path = ckpt / CONFIG
     saved = RunConfig.from_yaml(saved_path) if saved_path.exists() else run.config()
-    step = int((read_json(ckpt / "trainer_state.json") or {}).get("step", 0))
+    step = int((read_json(ckpt / TRAINER_STATE) or {}).get("step", 0))
     changes = config_changes(saved, cfg, step) if saved is not None else []
     if changes:
         allow = sorted(
@@ -155,9 +155,7 @@ def _remove_if_unused(run: RunDir) -> None:
     import shutil
 
     leftovers: list[Any] = [
-        p
-        for p in run.path.iterdir()
-        if p.name not in ("config.yaml", "summary.json", lock.LOCK, lock.LOCK_GUARD)
+        p for p in run.path.iterdir() if p.name not in (CONFIG, SUMMARY, lock.LOCK, lock.LOCK_GUARD)
     ]
     if not leftovers:
         shutil.rmtree(run.path, ignore_errors=True)

@@ -1,23 +1,30 @@
 """RunDir: the files of one run directory, and the only code that writes them.
 
 runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl (rows: MetricsRow), events.jsonl,
-summary.json, timings.json, model.safetensors, checkpoints/step_<N>/, errors/rank_<r>.json,
-ranks/rank_<r>.json (heartbeats), stacks/rank_<r>.txt, profile/rank_<r>.json (profile_steps),
-tensorboard/ and mlflow/ (trackers), LOCK, STOP. JSON files are replaced atomically; JSONL files are
-appended a whole line at a time (a line torn by a crash is ended first), and readers skip a line
-they can't parse, so a crash never leaves a file that can't be read. A write that fails (disk full,
-permissions) raises RunDirWriteError naming the run directory and the file; a file damaged by
-something else (summary.json that isn't a JSON object) reads as a ValueError (DamagedFileError)
-naming it.
+summary.json, timings.json, model.safetensors, autobatch.json (micro_batch_size='auto'), task.pkl
+(a spawned launch's task), slurm.json and slurm-attempt (a cluster run's job and its requeued
+attempt), plot.png (`workbench demo`), checkpoints/step_<N>/, errors/rank_<r>.json,
+ranks/rank_<r>.json (heartbeats), stacks/rank_<r>.txt, rank_values/rank_<r>.pt,
+profile/rank_<r>.json (profile_steps), tensorboard/ and mlflow/ (trackers), slurm/ (submitit's),
+LOCK, STOP. Every file is written by a method here (LOCK and its guard by lock.py, a new directory
+by prepare.py); what a library writes (DCP into checkpoints/, torch.profiler into profile/, the
+trackers, submitit) goes into the folders named here. JSON files are replaced atomically; JSONL
+files are appended a whole line at a time (a line torn by a crash is ended first), and readers skip
+a line they can't parse, so a crash never leaves a file that can't be read. A write that fails
+(disk full, permissions) raises RunDirWriteError naming the run directory and the file; a file
+damaged by something else (summary.json that isn't a JSON object) reads as a ValueError
+(DamagedFileError) naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +32,7 @@ from workbench.rundir import lock
 from workbench.rundir.lock import LOCK
 from workbench.rundir.metrics_row import MetricsRow
 from workbench.rundir.rank_files import is_fallout, ranks_at
+from workbench.rundir.scheduler import JOB_FILE
 from workbench.rundir.summary import Status, Summary
 from workbench.utils.files import (
     DamagedFileError,
@@ -64,9 +72,19 @@ RunConfig.profile_steps names."""
 WEIGHTS = "model.safetensors"
 """The full weights at the end of a run (any parallelism), loadable without torch.distributed."""
 AUTOBATCH = "autobatch.json"
-"""micro_batch_size='auto': the caller's proposal, then what each rank measured and the size chosen."""
+"""micro_batch_size='auto': the caller's proposal, then what each rank measured and the size
+chosen."""
 TASK = "task.pkl"
 """A spawned run's task, pickled by the caller (cloudpickle) for fresh interpreters to load."""
+SLURM_ATTEMPT = "slurm-attempt"
+"""A requeued Slurm job: the restart count whose attempt rank 0 has opened (the others wait for
+it)."""
+SLURM_FOLDER = "slurm"
+"""submitit's folder of a cluster run: the job's pickled call and each task's stdout and stderr."""
+PLOT = "plot.png"
+"""The run's curves as a PNG (`workbench demo` saves them)."""
+TRAINER_STATE = "trainer_state.json"
+"""In a checkpoint: the progress it carries (step, samples, ...), written by the checkpointer."""
 COMPLETE_MARKER = "manifest.json"
 """Written last into a checkpoint (files, sizes, sha256): a step_<N> directory without it is not
 complete."""
@@ -112,6 +130,10 @@ class RunDir:
     stacks_path = property(lambda self: self.path / STACKS)
     rank_values_path = property(lambda self: self.path / RANK_VALUES)
     profile_path = property(lambda self: self.path / PROFILE)
+    task_path = property(lambda self: self.path / TASK)
+    job_path = property(lambda self: self.path / JOB_FILE)
+    slurm_path = property(lambda self: self.path / SLURM_FOLDER)
+    plot_path = property(lambda self: self.path / PLOT)
 
     @contextlib.contextmanager
     def writing(self, path: Path, what: str) -> Iterator[None]:
@@ -193,6 +215,19 @@ class RunDir:
     def lock_owner(self) -> dict[str, Any] | None:
         """Who holds the lock (host, pid, ...); None when no one does, or LOCK can't be read."""
         return lock.owner(self)
+
+    def job(self) -> dict[str, Any] | None:
+        """slurm.json: the Slurm job that runs this run (scheduler.JOB_FILE); None for a run that
+        isn't one, or before it is written."""
+        found = read_json(self.job_path)
+        return found if isinstance(found, dict) else None
+
+    def slurm_attempt(self) -> int | None:
+        """The Slurm restart count whose attempt rank 0 has opened; None before one is."""
+        try:
+            return int((self.path / SLURM_ATTEMPT).read_text().strip())
+        except (OSError, ValueError):
+            return None
 
     def observe(self, settle: bool = False) -> Observation:
         """Whether the run's processes are still there (heartbeats, recorded pids, its Slurm job).
@@ -287,6 +322,13 @@ class RunDir:
         with self.writing(self.timings_path, "step timings"):
             write_json(self.timings_path, {"step_time_s": step_times})
 
+    def write_metrics(self, rows: Iterable[dict[str, Any]]) -> None:
+        """metrics.jsonl written whole from plain rows, one JSON line each: a run directory made
+        without training (bench big-run's synthetic run). A run's own rows are appended one at a
+        time (append_metrics)."""
+        with self.writing(self.metrics_path, "the metrics"):
+            atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+
     def write_heartbeat(self, rank: int, beat: dict[str, Any]) -> None:
         path = self.ranks_path / f"rank_{rank}.json"
         with self.writing(path, f"rank {rank}'s heartbeat"):
@@ -327,6 +369,13 @@ class RunDir:
             atomic_write_text(path, text)
         return path
 
+    def profile_trace_path(self, rank: int) -> Path:
+        """profile/rank_<r>.json, its folder made: torch.profiler writes the trace there itself."""
+        path = self.profile_path / f"rank_{rank}.json"
+        with self.writing(path.parent, "the profile folder"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
     def write_rank_value(self, rank: int, data: bytes) -> None:
         """rank_values/rank_<r>.pt: what Task.rank_value returned on that rank (torch.save'd)."""
         path = self.rank_values_path / f"rank_{rank}.pt"
@@ -340,9 +389,28 @@ class RunDir:
 
     def write_task(self, payload: bytes) -> None:
         """task.pkl: the pickled task a spawned rank loads."""
-        path = self.path / TASK
-        with self.writing(path, "the pickled task"):
-            atomic_write_bytes(path, payload)
+        with self.writing(self.task_path, "the pickled task"):
+            atomic_write_bytes(self.task_path, payload)
+
+    def write_job(self, record: dict[str, Any]) -> None:
+        """slurm.json: the Slurm job a submission made (its id, who it is, where its files go)."""
+        with self.writing(self.job_path, "the Slurm job"):
+            write_json(self.job_path, record)
+
+    def open_slurm_attempt(self, restart: int) -> None:
+        """slurm-attempt: rank 0 has opened the attempt of Slurm restart count `restart`."""
+        path = self.path / SLURM_ATTEMPT
+        with self.writing(path, "the Slurm attempt"):
+            atomic_write_text(path, str(restart))
+
+    def write_plot(self, figure: Any) -> Path:
+        """plot.png: `figure` (a matplotlib Figure: imported by the caller, not here) as a PNG at
+        100 dpi; returns the file."""
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=100)
+        with self.writing(self.plot_path, "the plot"):
+            atomic_write_bytes(self.plot_path, buffer.getvalue())
+        return self.plot_path
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def checkpoints(self, complete: bool = True) -> list[tuple[int, Path]]:

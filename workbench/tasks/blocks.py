@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from workbench.tasks import Task
+    from workbench.training.parallel.apply import ParallelPlan
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -35,9 +35,9 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return [u for u in units if id(u) not in inner]
 
 
-def shard_units(model: nn.Module, task: Task) -> list[nn.Module]:
-    """Task.shard_units(model) when the task defines it, else the repeated blocks; never the root
-    itself."""
+def shard_units(model: nn.Module, task: ParallelPlan) -> list[nn.Module]:
+    """Task.shard_units(model) (or another ParallelPlan's) when the task defines it, else the
+    repeated blocks; never the root itself."""
     units = task.shard_units(model)
     if units is None:
         return default_units(model)

@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from workbench.training.memory import tracked
-from workbench.training.stage_memory import live_tracked
-from workbench.utils.files import read_json, write_json
+from workbench.training.observe.memory import tracked
+from workbench.training.observe.stage_memory import live_tracked
 
 if TYPE_CHECKING:
     from workbench.config import ParallelDims, RunConfig
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
     from workbench.training.parallel import Strategy
 
 log = logging.getLogger("workbench")
-AUTOBATCH = "autobatch.json"
 MARGIN = 0.1
 """Keep 10% of the limit free: the real run's fragmentation and workspaces."""
 
@@ -93,7 +91,7 @@ def _trial_peak(
             torch.cuda.reset_peak_memory_stats(device)
             forward_backward()
             peak = float(torch.cuda.max_memory_allocated(device))
-        elif strategy.split_backward:  # MemTracker can't follow it (stage_memory.py)
+        elif strategy.split_backward:  # MemTracker can't follow it (observe/stage_memory.py)
             peak = float(live_tracked(strategy, forward_backward)[1]["peak"])
         else:
             peak = float(tracked(strategy, forward_backward)[1]["peak"])
@@ -161,7 +159,7 @@ def choose(
     chosen. `dims`: the run's layout; the batch arithmetic counts its data-parallel ranks (a TP
     group shares batches)."""
     world, data_ranks = dims.world_size, dims.dp
-    proposal = (read_json(run.path / AUTOBATCH) or {}).get("proposed")
+    proposal = (run.autobatch() or {}).get("proposed")
     # What doesn't grow with the batch: parameters, gradients and AdamW's two moments.
     fixed = 4 * strategy.measure_held_bytes()["params"]
     limit = memory_limit(strategy.device, cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -238,13 +236,13 @@ def _record(run: RunDir, world: int, data_ranks: int, chosen: int, accum: int, *
     if rank != 0:
         return
     record = {
-        **(read_json(run.path / AUTOBATCH) or {}),
+        **(run.autobatch() or {}),
         "ranks": everyone,
         "chosen": chosen,
         "grad_accum_steps": accum,
         "global_batch": chosen * accum * data_ranks,
     }
-    write_json(run.path / AUTOBATCH, record)
+    run.write_autobatch(record)
     run.event(
         "micro_batch_chosen",
         micro_batch=chosen,

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     import torch
 
     from workbench.config import RunConfig
-    from workbench.training.loop import Trainer
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -275,31 +274,3 @@ def compile_line(report: dict[str, Any]) -> str:
         f"{recompiles} recompilation{'s' * (recompiles != 1)} in later steps"
         + (f", {evals} for evaluation" if evals else "")
     )
-
-
-def said_compiled(t: Trainer, bar: Any) -> None:
-    """A step that compiled: said once (the first), and left out of the pace its window reports."""
-    t.metrics.untime_steps_so_far()
-    step, seconds = t.compiled.compiling_steps[-1]
-    if len(t.compiled.compiling_steps) == 1 and t.main:
-        t.run.event("compiled", step=step, seconds=round(seconds, 3))
-        t.log.info(
-            "compiled (%s, %s) in the first step: %.1f s",
-            t.cfg.compile,
-            t.cfg.compile_backend,
-            seconds,
-        )
-        if bar is not None:
-            bar.set_postfix_str(f"compiled in {seconds:.1f} s")
-
-
-def tell_report(t: Trainer) -> dict[str, Any]:
-    """Once per run (rank 0 tells): what compiling cost and found; graph breaks and recompilations
-    warned."""
-    report = t.compiled.report()
-    if t.main:
-        t.run.event("compile_report", **report)
-        if report["graph_breaks"] or report["recompiles"]:
-            breaks = "; ".join(f"{n} x {why}" for why, n in report["graph_breaks"].items())
-            t.log.warning("compile: %s (graph breaks: %s)", compile_line(report), breaks or "none")
-    return report

@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader, DistributedSampler
 
-from workbench.training.first_step import check_metrics, differing_keys
+from workbench.training.task_checks import check_metrics, differing_keys
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

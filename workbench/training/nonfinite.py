@@ -5,11 +5,12 @@ Reading a value on the host (`.item()`, `float(t)`, `bool(t)`) drains a GPU's qu
 for the device, then the device for the host. So each step only folds its loss and gradient norm
 into two numbers kept on the device, the first step at which each was not finite (a few tiny device
 operations, no wait). They are read where the loop waits anyway: a logging step (they ride in the
-metrics all-gather, logger.py), and a step that evaluates or checkpoints without logging (one
-all-gather of their own), so a checkpoint never holds a diverged state. Every rank then sees every
-rank's numbers and ends the run 'diverged' at the same first bad step, naming the rank whose loss it
-was. The steps between that step and the read point ran on the spoilt state in memory; they are
-neither logged nor saved, and the run reports the steps before the bad one as its trained steps.
+metrics all-gather, observe/metrics_log.py), and a step that evaluates or checkpoints without
+logging (one all-gather of their own), so a checkpoint never holds a diverged state. Every rank
+then sees every rank's numbers and ends the run 'diverged' at the same first bad step, naming the
+rank whose loss it was. The steps between that step and the read point ran on the spoilt state in
+memory; they are neither logged nor saved, and the run reports the steps before the bad one as its
+trained steps.
 """
 
 from __future__ import annotations

@@ -157,10 +157,8 @@ class RankWatch:
         if self._done.wait(self.cfg.preempt_grace_s):
             return
         name = signal.Signals(self.signal).name
-        self.run.stacks_path.mkdir(parents=True, exist_ok=True)
-        path = self.run.stacks_path / f"rank_{self.rank}.txt"
         stack = _stacks()
-        path.write_text(stack)
+        path = self.run.write_stacks(self.rank, stack)
         self.run.write_rank_error(
             self.rank,
             {

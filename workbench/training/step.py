@@ -10,13 +10,13 @@ import torch
 from accelerate.utils import send_to_device
 
 from workbench.training.evaluation import split_loss
-from workbench.training.first_step import explain_ddp_error
-from workbench.training.memory import next_micro_batch
+from workbench.training.observe.memory import next_micro_batch
+from workbench.training.task_checks import explain_ddp_error
 
 if TYPE_CHECKING:
     from workbench.tasks import Task
-    from workbench.training.first_step import CheckedTask
     from workbench.training.parallel import Strategy
+    from workbench.training.task_checks import CheckedTask
 
 
 def accumulate(
@@ -31,7 +31,7 @@ def accumulate(
     """Forward and backward over `accum` micro-batches, gradient sync held back until the last;
     returns the step's mean loss, on the device (nothing here reads it). `at` is told the phase (for
     a hang report); `before_last_backward` is called before the last backward, so the trainer's vote
-    (agreement.py) runs while backward does."""
+    (stop_vote.py) runs while backward does."""
     if strategy.pipelined:  # the pipeline schedule runs the micro-batches itself
         return strategy.pipeline_step(batches, accum, at, before_last_backward)
     step_loss = torch.zeros((), device=device)

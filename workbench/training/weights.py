@@ -4,11 +4,13 @@ them.
 The final weights are model.safetensors (written once by rank 0 from the full state, for every
 mode), and a chosen step's are the model part of its DCP checkpoint, resharded on load into one
 process. Neither path unpickles anything from the run directory but DCP's own metadata; rank values
-are read with `torch.load(weights_only=True)`.
+are read with `torch.load(weights_only=True)`. The rank side's half: a rank's value stored, the
+weights digest (`state_digest`), and the tensors model.safetensors is written from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.training.checkpoint_files import (
+from workbench.training.checkpoint.files import (
     CheckpointLoadError,
     ModelMismatchError,
     failure_summary,
@@ -26,7 +28,6 @@ from workbench.training.checkpoint_files import (
     shapes_of,
     verify_part,
 )
-from workbench.training.digests import state_digest
 from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
@@ -177,8 +178,6 @@ def _no_weights_yet(run: RunDir, step: int | None) -> str:
 def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
     """Store what a rank's Task.rank_value returned, refusing what the caller couldn't load
     safely."""
-    from workbench.utils.files import atomic_write_bytes
-
     buffer = io.BytesIO()
     try:
         # may already fail: pickle can't store everything (bound hooks, lambdas)
@@ -191,7 +190,7 @@ def save_rank_value(run: RunDir, rank: int, value: Any) -> None:
             "return tensors, numbers, "
             "strings, and lists/tuples/dicts of them"
         ) from e
-    atomic_write_bytes(run.rank_values_path / f"rank_{rank}.pt", buffer.getvalue())
+    run.write_rank_value(rank, buffer.getvalue())
 
 
 def rank_values(run: RunDir) -> list[Any]:
@@ -202,3 +201,25 @@ def rank_values(run: RunDir) -> list[Any]:
         path = Path(run.rank_values_path) / f"rank_{rank}.pt"
         values.append(torch.load(path, weights_only=True) if path.exists() else None)
     return values
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors of a state dict, by name, bit for bit: equal digests mean
+    bit-identical tensors (the replica check, exported weights, benches)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(state.items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def safetensors_ready(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full weights as model.safetensors takes them: on the CPU, contiguous, and tied weights
+    copied (safetensors refuses tensors that share memory; the copy keeps each name loadable)."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in full.items():
+        tensor = tensor.detach().cpu().contiguous()
+        tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
+    return tensors

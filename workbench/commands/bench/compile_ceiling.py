@@ -21,7 +21,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from workbench.config import RunConfig
-from workbench.estimator.flops import EXTRA_FLOP_FORMULAS
+from workbench.estimator.trace.flops import EXTRA_FLOP_FORMULAS
 from workbench.tasks import get_task
 from workbench.utils.hardware import detect, resolve_device
 

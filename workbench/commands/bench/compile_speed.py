@@ -25,6 +25,7 @@ from workbench.commands.bench.compile_ceiling import Floor, matmul_floor
 from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.launcher.launch import launch
+from workbench.rundir import TIMINGS
 from workbench.utils.files import read_json
 
 WARMUP_STEPS = 5
@@ -115,7 +116,7 @@ class CompileReport:
 
 def _step_times(run_dir: Path) -> tuple[float, float]:
     """(first step s, median ms of the steps after warm-up) from the run's timings."""
-    times = (read_json(run_dir / "timings.json") or {}).get("step_time_s") or [0.0]
+    times = (read_json(run_dir / TIMINGS) or {}).get("step_time_s") or [0.0]
     return float(times[0]), 1e3 * statistics.median(times[WARMUP_STEPS:] or times)
 
 

@@ -279,8 +279,8 @@ def on_these_gpus(cfg: RunConfig, gpus: int) -> RunConfig:
 
 def _compare(shape: str, layout: str, cfg: RunConfig, hw: Any, cuda: bool) -> EstimateRow:
     from workbench.estimator import estimate
-    from workbench.estimator.learning import measured_step_s
-    from workbench.estimator.timing import cpu_profile
+    from workbench.estimator.timing.learning import measured_step_s
+    from workbench.estimator.timing.step import cpu_profile
 
     # Enough steps for a steady median, logged as often as by default (a logging step gathers over
     # the ranks).
@@ -331,7 +331,7 @@ def _learn_from_a_first_run(rows: list[EstimateRow], runs: Path, hw: Any) -> Non
     """Each row's estimate once its first run has completed (learnt from it, with every row's first
     run there), against a second real run of the same config."""
     from workbench.estimator import estimate
-    from workbench.estimator.learning import measured_step_s
+    from workbench.estimator.timing.learning import measured_step_s
     from workbench.rundir import RunDir
 
     done, again = runs / "done", runs / "again"

@@ -73,7 +73,7 @@ def cited_row(m: Measurement, catalog: str | Path | None, runs_dir: Path) -> Cit
     """The estimate of `m`'s stand-in (learning from `runs_dir`: keep it empty) against `m`."""
     from workbench.estimator import estimate
     from workbench.estimator.catalog import load_catalog
-    from workbench.estimator.gpu_time import matmul_precision
+    from workbench.estimator.timing.gpu import matmul_precision
 
     accelerators = load_catalog(catalog)
     cfg, target = standin(m), accelerators[m.accelerator]

@@ -193,7 +193,7 @@ def child(model: str, via: str, gpu: str, gpus: int, started: float) -> None:
 
     from workbench.config import RunConfig
     from workbench.estimator.target import Target
-    from workbench.estimator.trace_cache import stats
+    from workbench.estimator.trace.cache import stats
     from workbench.tasks import get_task
 
     imported = time.perf_counter() - started

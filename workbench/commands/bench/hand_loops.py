@@ -37,9 +37,9 @@ import torch
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.processes import free_port
 from workbench.tasks import Task, get_task
-from workbench.training.digests import state_digest
 from workbench.training.evaluation import split_loss
 from workbench.training.optim import build_optimizer
+from workbench.training.weights import state_digest
 from workbench.utils.hardware import detect, resolve_device
 
 if TYPE_CHECKING:

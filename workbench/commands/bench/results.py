@@ -52,7 +52,7 @@ def measured_on() -> dict[str, Any]:
     """The date (UTC), the machine (CPU model, cores, GPUs), the load average and the versions."""
     import torch
 
-    from workbench.estimator.machine_cache import machine_id
+    from workbench.estimator.machine.cache import machine_id
     from workbench.utils.hardware import detect
     from workbench.version import __version__
 

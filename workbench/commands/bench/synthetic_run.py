@@ -6,8 +6,8 @@ KB a row) and an eval row every `eval_every` steps.
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +31,11 @@ def write_big_run(run_dir: Path, rows: int = ROWS, eval_every: int = EVAL_EVERY)
     from workbench.rundir import RunDir
 
     run = RunDir(run_dir)
-    run.path.mkdir(parents=True, exist_ok=True)
-    _write_config(run, rows)
-    lines = _metrics_lines(rows, eval_every)
-    run.metrics_path.write_text("\n".join(lines) + "\n")
-    _complete(run, rows, final_loss=json.loads(lines[-2])["loss"])
+    _write_config(run, rows)  # creates the directory
+    run.write_metrics(_metrics_rows(rows, eval_every))
+    last = run.last_train_row()
+    assert last is not None
+    _complete(run, rows, final_loss=last["loss"])
     return run.metrics_path
 
 
@@ -56,22 +56,20 @@ def _write_config(run: RunDir, rows: int) -> None:
     )
 
 
-def _metrics_lines(rows: int, eval_every: int) -> list[str]:
-    """metrics.jsonl's lines: a training row each step, an eval row every `eval_every` steps and
-    at the last."""
+def _metrics_rows(rows: int, eval_every: int) -> Iterator[dict[str, Any]]:
+    """metrics.jsonl's rows, made as they are written (200,000 dicts at once would take ~750 MB): a
+    training row each step, an eval row every `eval_every` steps and at the last."""
     from workbench.rundir.metrics_row import MetricsRow
 
-    rnd, elapsed, lines = random.Random(0), 0.0, []
+    rnd, elapsed = random.Random(0), 0.0
     for step in range(1, rows + 1):
         row = _train_row(rnd, step, rows, elapsed)
+        if step == 1:
+            assert MetricsRow.from_dict(row).to_dict() == row, "a row of the schema"
         elapsed += row["step_time_s"]
-        lines.append(json.dumps(row))
+        yield row
         if step % eval_every == 0 or step == rows:
-            lines.append(json.dumps(_eval_row(step, rows)))
-    assert MetricsRow.from_dict(json.loads(lines[0])).to_dict() == json.loads(lines[0]), (
-        "a row of the schema"
-    )
-    return lines
+            yield _eval_row(step, rows)
 
 
 def _train_row(rnd: random.Random, step: int, rows: int, elapsed: float) -> dict[str, Any]:
@@ -122,7 +120,6 @@ def _eval_row(step: int, rows: int) -> dict[str, Any]:
 def _complete(run: RunDir, rows: int, final_loss: float) -> None:
     """The run's events and status as a completed run's, and its (empty) timings."""
     from workbench.rundir import Status
-    from workbench.utils.files import write_json
 
     run.event("started", step=0)
     run.set_status(
@@ -136,4 +133,4 @@ def _complete(run: RunDir, rows: int, final_loss: float) -> None:
         samples_per_s=12_000.0,
     )
     run.event("completed", step=rows)
-    write_json(run.path / "timings.json", {"step_time_s": []})
+    run.write_timings([])

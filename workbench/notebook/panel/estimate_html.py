@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import traitlets
 
-from workbench.estimator.model import GRADS_LEGEND
+from workbench.estimator.report import GRADS_LEGEND
 from workbench.utils.units import fmt_bytes, fmt_seconds
 
 if TYPE_CHECKING:

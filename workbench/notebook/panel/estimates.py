@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from workbench.estimator.model import settings_line
+from workbench.estimator.report import settings_line
 from workbench.estimator.target import Target
 from workbench.notebook.panel.estimate_html import EstimateState, render
 
@@ -29,8 +29,9 @@ DEBOUNCE_S = 0.6
 class EstimateBox:
     """The estimate HTML and the background worker behind it."""
 
-    def __init__(self) -> None:
-        self.state = EstimateState()
+    def __init__(self, state: EstimateState | None = None) -> None:
+        self.state = state if state is not None else EstimateState()
+        """What the box shows (the panel passes its own state's `estimate`)."""
         self.html = widgets.HTML(render(self.state))
         self.html.add_class("wb-estimates")
         self.widget = widgets.VBox([self.html])
@@ -115,7 +116,7 @@ class EstimateBox:
         cores). Returns once the estimate's thread is done: forking the run while that thread builds
         batches or forks its trace child would hand the run's processes locks held mid-use (a hang
         at their start)."""
-        from workbench.estimator.trace import abort_trace
+        from workbench.estimator.trace.step import abort_trace
 
         with self._lock:
             self._generation += 1
@@ -138,7 +139,7 @@ class EstimateBox:
     def _work(
         self, generation: int, cfg: RunConfig, task: Task | None, target: Target, not_before: float
     ) -> None:
-        from workbench.estimator.trace import allow_traces
+        from workbench.estimator.trace.step import allow_traces
 
         with self._lock:
             if generation != self._generation:  # cancelled (a launch) or superseded before it began
@@ -161,7 +162,7 @@ class EstimateBox:
         self, generation: int, cfg: RunConfig, task: Task | None, target: Target, not_before: float
     ) -> None:
         from workbench.estimator.alternatives import alternatives
-        from workbench.estimator.trace_cache import NotCached, cache_only, warm
+        from workbench.estimator.trace.cache import NotCached, cache_only, warm
         from workbench.tasks import get_task
 
         task = task or get_task(cfg.task)

@@ -1,44 +1,52 @@
 """wb.Panel: pick a run's settings in widgets, see what they imply, launch, stop, and watch it
 train.
 
-State lives in a traitlets model (`PanelState`); one observer re-derives every widget from it, so
-the view can't drift from the state whichever way it changed: a control, a button, a method call, or
-the thread that waits for the run. The logic needs no browser: tests drive the widgets' values and
-methods. The controls and the RunConfig are kept in step by `ConfigControls` (panel_config.py), the
-buttons' actions are `RunActions` (running.py), and panel_widgets.py arranges the widgets.
+All of the panel's state lives in one traitlets model (`PanelState`, state.py): the settings' config
+and problem, the status, the run's handle and how it ended, the estimate box's traits. One observer
+re-derives every widget from it, so the view can't drift from the state whichever way it changed: a
+control, a button, a method call, or the thread that waits for the run. The logic needs no browser:
+tests drive the widgets' values and methods. The controls and the RunConfig are kept in step by
+`SettingsForm` (settings.py), the run is started, watched and stopped by `RunControl` (running.py),
+and widgets.py arranges the widgets.
 """
 
 from __future__ import annotations
 
 import contextlib
-import html
 import logging
+import os
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
 
 from workbench.cluster.slurm import Slurm
-from workbench.config import PARALLELISM_MODES, RunConfig
-from workbench.config.mesh import INTERLEAVED
+from workbench.config import RunConfig
 from workbench.estimator.target import Target, check_plan
 from workbench.launcher.launch import Run
-from workbench.launcher.processes import describe_launch
 from workbench.launcher.result import RunResult
 from workbench.notebook.dashboard import Dashboard
-from workbench.notebook.panel.controls import build_controls
 from workbench.notebook.panel.estimates import EstimateBox
 from workbench.notebook.panel.mesh_view import layout_html
-from workbench.notebook.panel.panel_config import ConfigControls
-from workbench.notebook.panel.panel_state import ACTIVE, PanelState
-from workbench.notebook.panel.panel_widgets import html_box, make_button, panel_box
-from workbench.notebook.panel.running import RunActions
+from workbench.notebook.panel.running import RunControl, error_text
+from workbench.notebook.panel.settings import SettingsForm
+from workbench.notebook.panel.state import ACTIVE, PanelState
 from workbench.notebook.panel.target_controls import TargetControls
 from workbench.notebook.panel.task_controls import TaskControls
-from workbench.notebook.panel.view import batch_html, blocked_reason, error_html, status_html
+from workbench.notebook.panel.view import (
+    batch_html,
+    blocked_reason,
+    error_html,
+    launch_html,
+    problem_html,
+    save_yaml,
+    status_html,
+)
+from workbench.notebook.panel.widgets import html_box, make_button, panel_box
 from workbench.rundir import Status
 from workbench.tasks import Task
-from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.kernel import in_kernel
 
 log = logging.getLogger("workbench")
@@ -60,7 +68,7 @@ def _check_arguments(cfg: Any, task: Any, cluster: Any) -> None:
         )
 
 
-class Panel(ConfigControls, RunActions):
+class Panel:
     """Controls for a RunConfig, what they imply, Launch/Stop, and the live dashboard of the run.
 
     `Panel(cfg)` fills the controls from `cfg`; fields without a control keep cfg's values. Pass
@@ -83,31 +91,47 @@ class Panel(ConfigControls, RunActions):
         estimate: bool = True,
     ) -> None:
         _check_arguments(cfg, task, cluster)
-        self.user_task = task
         base = cfg or (RunConfig(task=task.name) if task else RunConfig())
         if task is not None and base.task != task.name:
             base = base.replace(task=task.name)
-        self._base = base
         self.state = PanelState()
-        self.run: Run | None = None
-        self.result: RunResult | None = None
-        self.dashboard: Dashboard | None = None
-        self._failure: BaseException | None = None
-        self._finished = threading.Event()
-        self._final_shown = False
-        self._filling = False
-        self._processes_here: int | None = None
-        """The processes box's value on this machine while the target is elsewhere (restored on
-        return)."""
         self._lock = threading.RLock()  # the waiting thread and the kernel both change status
         self.live_estimate = estimate
         """Estimate memory, time and cost as the controls change (it traces a step in this
         process)."""
-        self._build_widgets(
-            base, Target(gpu=target) if isinstance(target, str) else target, cluster
+        self.form = SettingsForm(
+            base,
+            self.state,
+            self._derive,
+            user_task=task,
+            target=Target(gpu=target) if isinstance(target, str) else target,
+            cluster=cluster,
+        )
+        self._build_outputs()
+        self._build_buttons()
+        self.runs = RunControl(
+            self.state,
+            self.form,
+            self.estimate_box,
+            self.dashboard_box,
+            self._lock,
+            ended=self._request_estimate,
+        )
+        self.widget = panel_box(
+            self.form.widget,
+            [self.batch_info, self.launch_info, self.layout_box, self.estimate_box.widget],
+            self.problem_box,
+            [
+                self.launch_button,
+                self.stop_button,
+                self.resume_button,
+                self.yaml_path,
+                self.save_button,
+            ],
+            [self.status_box, self.error_box, self.dashboard_box],
         )
         self.state.observe(self._render)
-        self._fill(base)
+        self.form.fill(base)
         self._displayed_in: int | None = None
         self._display: Any = None  # the handle that refreshes the static snapshot when a run ends
         self.estimate_box.state.observe(self._estimate_arrived, names="status")
@@ -128,34 +152,13 @@ class Panel(ConfigControls, RunActions):
         self._displayed_in = get_ipython().execution_count
 
     # ---- widgets ---------------------------------------------------------------------------------
-    def _build_widgets(self, base: RunConfig, target: Target | None, cluster: Slurm | None) -> None:
-        self._build_inputs(base, target, cluster)
-        self._build_outputs()
-        self._build_buttons()
-        self.widget = panel_box(self)
-
-    def _build_inputs(self, base: RunConfig, target: Target | None, cluster: Slurm | None) -> None:
-        """Where the run goes, a control per RunConfig field the panel edits, the task's options."""
-        self.target_controls = TargetControls(target, cluster, base)
-        self.target_controls.on_change(self._on_target)
-        self.device = resolve_device(base, detect())
-        self.controls, self.precision_reasons = build_controls(
-            self.device, self._task_options(base.task)
-        )
-        for control in self.controls.values():
-            control.observe(self._on_control, names="value")
-        self.task_controls = TaskControls(self._task_object(base.task), base.task_options)
-        self.task_controls.on_change(lambda values: None if self._filling else self._derive())
-
     def _build_outputs(self) -> None:
         """The boxes `_render` fills: what the settings imply, the problem, status and error lines,
         and the room for the run's dashboard."""
-        self.limit = widgets.HTML()
-        self.mode_info = html_box("wb-mode-info")
         self.batch_info = html_box("wb-batch")
         self.launch_info = html_box("wb-launch-info")
         self.layout_box = html_box("wb-layout-box")
-        self.estimate_box = EstimateBox()
+        self.estimate_box = EstimateBox(self.state.estimate)
         self.problem_box = html_box("wb-problem")
         self.status_box = html_box("wb-status-line")
         self.error_box = html_box("wb-error")
@@ -193,6 +196,161 @@ class Panel(ConfigControls, RunActions):
         ):
             button.on_click(self._on_click(action))
 
+    # ---- the settings' widgets and what they form (SettingsForm) ---------------------------------
+    @property
+    def controls(self) -> dict[str, widgets.ValueWidget]:
+        """The controls, keyed by the RunConfig field each sets."""
+        return self.form.controls
+
+    @property
+    def task_controls(self) -> TaskControls:
+        """The controls for the task's options (TaskControls)."""
+        return self.form.task_controls
+
+    @property
+    def target_controls(self) -> TargetControls:
+        """Where the run goes: this machine, catalog GPUs, or a Slurm partition
+        (TargetControls)."""
+        return self.form.target_controls
+
+    @property
+    def limit(self) -> widgets.HTML:
+        """What the target offers, beside the processes box."""
+        return self.form.limit
+
+    @property
+    def mode_info(self) -> widgets.HTML:
+        """The chosen parallelism mode in a line."""
+        return self.form.mode_info
+
+    @property
+    def device(self) -> str:
+        """This machine's device for the config the panel was made with."""
+        return self.form.device
+
+    @property
+    def user_task(self) -> Task | None:
+        """The Task object passed as `task=`, offered beside the built-in tasks."""
+        return self.form.user_task
+
+    @property
+    def config(self) -> RunConfig:
+        """The RunConfig as the controls stand; ValueError (RunConfig's message) when they don't
+        form one."""
+        return self.form.config
+
+    @config.setter
+    def config(self, cfg: RunConfig) -> None:
+        if self.state.status in ACTIVE:
+            raise RuntimeError(
+                "the settings are frozen while a run is going: stop it or wait for it first"
+            )
+        self.form.fill(cfg)
+
+    @property
+    def target(self) -> Target:
+        """The hardware the run is planned for (the target controls)."""
+        return self.form.target
+
+    def task_for(self, name: str) -> Task | None:
+        """The user's Task object when `name` is its name; None means the registry resolves it."""
+        return self.form.task_for(name)
+
+    # ---- the run (RunControl; its handle and ending are in the state) ----------------------------
+    @property
+    def run(self) -> Run | None:
+        """The last run launched from the panel."""
+        return self.state.run
+
+    @property
+    def result(self) -> RunResult | None:
+        """How the last run ended, once it has and didn't fail."""
+        return self.state.result
+
+    @property
+    def dashboard(self) -> Dashboard | None:
+        """The last run's live dashboard."""
+        return self.state.dashboard
+
+    @dashboard.setter
+    def dashboard(self, dashboard: Dashboard | None) -> None:
+        self.state.dashboard = dashboard
+
+    def _on_click(self, action: Callable[[], Any]) -> Callable[[Any], None]:
+        def handler(_button: Any) -> None:
+            # ipywidgets would send a callback's exception to the browser console, where nobody
+            # looks.
+            self.state.busy = True
+            try:
+                self.state.error = ""
+                action()
+            except Exception as e:  # noqa: BLE001  (shown in the panel instead)
+                self.state.error = error_text(e)
+            finally:
+                self.state.busy = False
+
+        return handler
+
+    def launch(self) -> Run:
+        """Launch the run the controls describe (the Launch button); returns the Run handle at
+        once."""
+        return self.runs.launch(self.poll_interval)
+
+    def resume(self, **changes: Any) -> Run:
+        """Continue the last run from its newest checkpoint (the Resume button), in its run
+        directory, with the settings the controls show now plus `changes`; what differs from the
+        run's config may change."""
+        return self.runs.resume(changes, self.poll_interval)
+
+    def stop(self) -> None:
+        """Ask the ranks to save a checkpoint and exit (the Stop button); returns at once, see
+        wait()."""
+        self.runs.stop()
+
+    def wait(self, timeout: float | None = None, *, show: bool = True) -> RunResult:
+        """Block until the run ends; returns its RunResult or raises RunFailedError, like
+        Run.wait().
+
+        In a notebook the final figure is displayed as a static image, so the saved notebook keeps
+        it. Interrupting the kernel while waiting asks the run to stop (checkpoint), then re-raises.
+        """
+        self.runs.join(timeout)
+        s = self.state
+        if show and not s.final_shown and s.dashboard is not None:
+            s.final_shown = True
+            s.dashboard.show_final()
+            if self._display is not None:
+                # a saved notebook shows the panel as it ended, not as it began
+                from workbench.regress.recording import headless
+
+                if headless():
+                    # with the estimate the run's end asked for, not "estimating..."
+                    # (Panel.__init__)
+                    with contextlib.suppress(TimeoutError):
+                        self.estimate_box.wait(timeout=60)
+                self._display.update(self._repr_mimebundle_(), raw=True)
+        if s.failure is not None:
+            raise s.failure
+        assert s.result is not None
+        return s.result
+
+    def measures_the_settings(self) -> bool:
+        """The last run ran what the controls say now (here or on the cluster planned for): its
+        figures belong beside the estimate."""
+        return self.runs.measures_the_settings()
+
+    def save_yaml(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the config as YAML (the Save button, to the path in the text box) for `workbench
+        train`."""
+        cfg = self.config
+        target, self.state.message = save_yaml(
+            cfg,
+            str(path if path is not None else self.yaml_path.value),
+            own_task=self.task_for(cfg.task) is not None,
+        )
+        return target
+
+    # ---- the estimate ----------------------------------------------------------------------------
     @property
     def estimates(self) -> widgets.HTML:
         """The estimate box's HTML: memory per rank against the target, time and cost, what to
@@ -212,23 +370,37 @@ class Panel(ConfigControls, RunActions):
             cfg = self.state.config
             self.estimate_box.request(cfg, self.task_for(cfg.task) if cfg else None, self.target)
 
+    def _estimate_arrived(self, change: dict[str, Any]) -> None:
+        """Executed headless (papermill), the saved snapshot is the last displayed: refresh it when
+        an estimate arrives after the cell ended. Only there: re-displaying re-creates the live
+        widget under a person's cursor."""
+        from workbench.regress.recording import headless
+
+        if change["new"] in ("done", "error") and self._display is not None and headless():
+            self._display.update(self._repr_mimebundle_(), raw=True)
+
+    # ---- the state from the settings -------------------------------------------------------------
     def _derive(self) -> None:
+        """The settings changed (SettingsForm calls this once per change): their config, target and
+        problem into the state, then a new estimate."""
         # first, before anything that takes time: what the panel shows is for the settings before
         # this change
         self.estimate_box.mark_stale()
         cfg: RunConfig | None = None
+        target = self.target
         try:
             cfg = self.config
             # where the run goes comes first: a plan for a cluster that can't be read says that, not
             # a size
             problem = self.target_controls.problem()
             if not problem:
-                check_plan(cfg, self.target, self.task_for(cfg.task))
+                check_plan(cfg, target, self.task_for(cfg.task))
         except ValueError as e:  # cfg stays None when RunConfig itself refused the values
             problem = str(e)
         with self.state.hold_trait_notifications():
             self.state.config = cfg
             self.state.problem = problem
+            self.state.target = target
         if not self.measures_the_settings():  # a run's figures belong to the settings it ran with
             self.estimate_box.show_measured(None, None, None)
         self._render()
@@ -239,68 +411,25 @@ class Panel(ConfigControls, RunActions):
         with self._lock:
             s = self.state
             frozen = s.status in ACTIVE or s.busy
-            for control in self.controls.values():
-                control.disabled = frozen
-            self.task_controls.disabled = frozen
-            blocked = blocked_reason(s, self.target)
+            self.form.show(s.config, s.target, frozen=frozen)
+            blocked = blocked_reason(s)
             self.launch_button.disabled = frozen or bool(blocked)
             self.launch_button.button_style = "" if self.launch_button.disabled else "success"
             self.stop_button.disabled = s.status != Status.RUNNING or s.busy
             # a disabled button keeps its colour in ipywidgets; an orange Stop reads as "press me"
             self.stop_button.button_style = "" if self.stop_button.disabled else "warning"
-            self.resume_button.disabled = frozen or not self._resumable() or bool(blocked)
+            self.resume_button.disabled = frozen or not s.resumable or bool(blocked)
             self.save_button.disabled = s.busy or s.config is None
             self.yaml_path.disabled = s.busy
-            cfg = s.config
-            self.batch_info.value = batch_html(cfg)
-            self.launch_info.value = self._launch_html(cfg, s.problem)
-            self.limit.value = self.target_controls.limit_html(cfg)
-            self._show_fields(cfg)
-            self.layout_box.value = layout_html(cfg, s.problem)
-            self.problem_box.value = (
-                ""
-                if not s.problem
-                else "<div style='color:#b00020;white-space:pre-wrap'>⚠ "
-                f"{html.escape(s.problem)}</div>"
-            )
+            self.batch_info.value = batch_html(s.config)
+            self.launch_info.value = launch_html(s)
+            self.layout_box.value = layout_html(s.config, s.problem)
+            self.problem_box.value = problem_html(s.problem)
             # the problem line says why a plan can't run; the status line only points at it
             self.status_box.value = status_html(
-                s,
-                self.run.run_dir.name if self.run else "",
-                resumable=self._resumable(),
-                blocked="see the problem above" if s.problem else blocked,
+                s, blocked="see the problem above" if s.problem else blocked
             )
             self.error_box.value = error_html(s.error)
-
-    def _launch_html(self, cfg: RunConfig | None, problem: str) -> str:
-        """How Launch starts the run: its processes here, the Slurm job it submits, or only a
-        plan."""
-        target = self.target
-        if cfg is None:
-            return ""
-        if problem:
-            return ""
-        if target.local:
-            return html.escape(describe_launch(cfg))
-        if target.partition:
-            return f"Launch submits a Slurm job: {html.escape(target.describe(cfg))}"
-        return f"planned for {html.escape(target.describe(cfg))}"
-
-    def _show_fields(self, cfg: RunConfig | None) -> None:
-        """Controls that mean something only for some settings are shown only then."""
-        c = self.controls
-        parallelism = c["parallelism"].value
-        c["dp_shard"].layout.display = None if parallelism == "hsdp" else "none"
-        piped = (cfg.pp if cfg else c["pp"].value) > 1
-        c["pp_schedule"].layout.display = None if piped else "none"
-        c["pp_virtual_stages"].layout.display = (
-            None if piped and c["pp_schedule"].value in INTERLEAVED else "none"
-        )
-        cpu_here = self.target.local and not detect().has_cuda
-        c["oversubscribe"].layout.display = None if cpu_here else "none"
-        self.mode_info.value = (
-            f"<small>{html.escape(PARALLELISM_MODES.get(parallelism, ''))}</small>"
-        )
 
     # ---- display ---------------------------------------------------------------------------------
     def _ipython_display_(self) -> None:
@@ -314,10 +443,7 @@ class Panel(ConfigControls, RunActions):
             self._display = display(self._repr_mimebundle_(), raw=True, display_id=True)
 
     def __repr__(self) -> str:
-        return (
-            f"<workbench.Panel status={self.state.status!r} "
-            f"run={self.run.run_dir.name if self.run else None!r}>"
-        )
+        return f"<workbench.Panel status={self.state.status!r} run={self.state.run_name or None!r}>"
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         """The live widget, plus a static snapshot for frontends without a kernel (papermill output,

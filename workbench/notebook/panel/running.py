@@ -1,30 +1,27 @@
-"""The panel's buttons and what they start: launch, resume, stop and wait for a run, save its YAML.
-A mixin of Panel (panel.py), which owns the widgets and the state these methods change."""
+"""The panel's run: launch or resume it, watch it in a thread, stop it, wait for it. `RunControl`
+records everything it learns of the run (its handle, its status and Slurm job, how it ended, whether
+it saved a checkpoint) in the panel's state, from which the panel's observer draws the view."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import ipywidgets as widgets
 
 from workbench.config import RunConfig
-from workbench.estimator.model import settings_line
+from workbench.estimator.report import settings_line
 from workbench.estimator.target import check_here
 from workbench.launcher.launch import Run, start
-from workbench.launcher.result import RunResult
 from workbench.notebook.dashboard import Dashboard
-from workbench.notebook.panel.panel_state import ACTIVE
-from workbench.notebook.panel.view import RESUMABLE, save_yaml
+from workbench.notebook.panel.estimates import EstimateBox
+from workbench.notebook.panel.settings import SettingsForm
+from workbench.notebook.panel.state import ACTIVE, PanelState
 from workbench.rundir import ENDED, RunFailedError, Status
 from workbench.rundir.run_files import resume_config
-
-if TYPE_CHECKING:
-    from workbench.notebook.panel.panel import Panel
 
 log = logging.getLogger("workbench")
 JOB_POLL_S = 2.0
@@ -35,109 +32,104 @@ def error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RunFailedError) else f"{type(exc).__name__}: {exc}"
 
 
-class RunActions:
-    """Launch, Resume, Stop, wait and Save, on the panel's state."""
+class RunControl:
+    """Launch, Resume, Stop and wait, on the panel's state: the settings come from `form`, the
+    run's dashboard goes into `dashboard_box`, and `ended()` is called once a run has ended."""
 
-    # ---- actions ---------------------------------------------------------------------------------
-    def _on_click(self: Panel, action: Callable[[], Any]) -> Callable[[Any], None]:
-        def handler(_button: Any) -> None:
-            # ipywidgets would send a callback's exception to the browser console, where nobody
-            # looks.
-            self.state.busy = True
-            try:
-                self.state.error = ""
-                action()
-            except Exception as e:  # noqa: BLE001  (shown in the panel instead)
-                self.state.error = error_text(e)
-            finally:
-                self.state.busy = False
+    def __init__(
+        self,
+        state: PanelState,
+        form: SettingsForm,
+        estimate_box: EstimateBox,
+        dashboard_box: widgets.Box,
+        lock: threading.RLock,
+        ended: Callable[[], None],
+    ) -> None:
+        self.state = state
+        self.form = form
+        self.estimate_box = estimate_box
+        self.dashboard_box = dashboard_box
+        self.lock = lock
+        """Held while the status changes: the waiting thread and the kernel both change it."""
+        self._ended = ended
 
-        return handler
+    def launch(self, poll_interval: float) -> Run:
+        """Launch the run the controls describe; returns the Run handle at once."""
+        return self._go(lambda: self.form.config, "launching", poll_interval)
 
-    def launch(self: Panel) -> Run:
-        """Launch the run the controls describe (the Launch button); returns the Run handle at
-        once."""
-        return self._go(lambda: self.config, "launching")
-
-    def _resumable(self: Panel) -> bool:
-        return (
-            self.run is not None
-            and self.state.status in RESUMABLE
-            and self.run.dir.latest_checkpoint() is not None
-        )
-
-    def resume(self: Panel, **changes: Any) -> Run:
-        """Continue the last run from its newest checkpoint (the Resume button), in its run
-        directory, with the settings the controls show now plus `changes`; what differs from the
-        run's config may change."""
+    def resume(self, changes: dict[str, Any], poll_interval: float) -> Run:
+        """Continue the last run from its newest checkpoint, in its run directory, with the settings
+        the controls show now plus `changes`."""
+        s = self.state
 
         def config() -> RunConfig:
-            if self.run is None or not self._resumable():
+            if s.run is None or not s.resumable:
                 raise RuntimeError(
                     "nothing to resume: Resume continues a stopped, preempted, failed or completed "
                     "run that saved a checkpoint; Launch starts a new run"
                 )
-            old, new = self.run.config, self.config.replace(**changes)
+            old, new = s.run.config, self.form.config.replace(**changes)
             differ = {
                 f.name: getattr(new, f.name)
                 for f in fields(new)
                 if getattr(new, f.name) != getattr(old, f.name)
                 and f.name not in ("run_name", "runs_dir", "resume", "resume_allow")
             }
-            self.state.message = (
+            s.message = (
                 "resuming with " + ", ".join(f"{k}={v!r}" for k, v in differ.items())
                 if differ
                 else ""
             )
-            return resume_config(old, self.run.run_dir, differ)
+            return resume_config(old, s.run.run_dir, differ)
 
-        return self._go(config, "resuming")
+        return self._go(config, "resuming", poll_interval)
 
-    def _go(self: Panel, make_config: Callable[[], RunConfig], status: str) -> Run:
-        with self._lock:
-            if self.state.status in ACTIVE:
+    def _go(self, make_config: Callable[[], RunConfig], status: str, poll_interval: float) -> Run:
+        s = self.state
+        with self.lock:
+            if s.status in ACTIVE:
                 raise RuntimeError(
-                    f"a run is going ({self.run.run_dir.name if self.run else '?'}): stop it or "
+                    f"a run is going ({s.run_name or '?'}): stop it or "
                     "wait for it (panel.wait()) before launching another"
                 )
-            if self.state.problem:
-                raise ValueError(self.state.problem)
-            self.state.message = ""
+            if s.problem:
+                raise ValueError(s.problem)
+            s.message = ""
             cfg = make_config()
-            check_here(cfg, self.target)
+            check_here(cfg, self.form.target)
             # a Slurm job Launch submits, or None: this machine
-            cluster = self.target_controls.cluster()
-            self.state.error, self.state.job = "", ""
-            before, self.state.status = self.state.status, status
+            cluster = self.form.target_controls.cluster()
+            s.error, s.job = "", ""
+            before, s.status = s.status, status
             self.estimate_box.cancel()
         try:
-            run = start(cfg, task=self.task_for(cfg.task), cluster=cluster)
+            run = start(cfg, task=self.form.task_for(cfg.task), cluster=cluster)
         except BaseException:
-            self.state.status = before if status == "resuming" else "ready"
+            s.status = before if status == "resuming" else "ready"
             raise
-        self.run, self.result, self._failure, self._final_shown = run, None, None, False
-        self._finished = finished = threading.Event()
         # the panel shows the error once, itself
-        self.dashboard = Dashboard(
-            run.run_dir,
-            max_steps=run.config.max_steps,
-            interval=self.poll_interval,
-            show_error=False,
+        dashboard = Dashboard(
+            run.run_dir, max_steps=run.config.max_steps, interval=poll_interval, show_error=False
         )
-        self.dashboard_box.children = [self.dashboard.widget]
+        finished = threading.Event()
+        with s.hold_trait_notifications():
+            s.run, s.run_name, s.dashboard = run, run.run_dir.name, dashboard
+            s.result, s.failure, s.checkpoint, s.final_shown = None, None, False, False
+            s.finished = finished
+        self.dashboard_box.children = [dashboard.widget]
         self.estimate_box.show_measured(None, None, None)
-        self.dashboard.observe(self._on_reading, names="reading")
-        self.dashboard.start()
-        self.state.status = Status.RUNNING.value
+        dashboard.observe(self._on_reading, names="reading")
+        dashboard.start()
+        s.status = Status.RUNNING.value
         threading.Thread(
             target=self._watch,
-            args=(run, self.dashboard, finished),
+            args=(run, dashboard, finished),
             daemon=True,
             name=f"wb-panel-{run.run_dir.name}",
         ).start()
         return run
 
-    def _watch(self: Panel, run: Run, dashboard: Dashboard, finished: threading.Event) -> None:
+    def _watch(self, run: Run, dashboard: Dashboard, finished: threading.Event) -> None:
         """Wait for the run in a thread, so the kernel stays free; then record how it ended."""
         result, failure = None, None
         # a Slurm run: its job's state, Slurm's reason while it waits
@@ -161,101 +153,65 @@ class RunActions:
             dashboard.stop()
         except Exception:  # noqa: BLE001
             log.exception("dashboard of %s: final refresh failed", run.run_dir)
-        with self._lock:
-            self.result, self._failure = result, failure
+        # what the view needs of the ended run, read here once: rendering reads no files
+        checkpoint = run.dir.latest_checkpoint() is not None
+        with self.lock:
+            s = self.state
             status = result.status if result is not None else run.dir.observed_status()[0]
-            with self.state.hold_trait_notifications():
-                self.state.error = "" if failure is None else error_text(failure)
-                self.state.job = ""
-                self.state.status = str(status if status in ENDED else Status.FAILED)
+            with s.hold_trait_notifications():
+                s.result, s.failure, s.checkpoint = result, failure, checkpoint
+                s.error = "" if failure is None else error_text(failure)
+                s.job = ""
+                s.status = str(status if status in ENDED else Status.FAILED)
         finished.set()
-        self._request_estimate()  # the cores are free again: the box shows what the settings imply
+        self._ended()  # the cores are free again: the box shows what the settings imply
 
-    def _on_reading(self: Panel, change: Any) -> None:
+    def _on_reading(self, change: Any) -> None:
         """The run's latest logged step, beside the estimate it was launched with."""
-        rows = self.dashboard.train_rows if self.dashboard is not None else []
+        dashboard = self.state.dashboard
+        rows = dashboard.train_rows if dashboard is not None else []
         if rows and self.measures_the_settings():
             last = rows[-1]
             self.estimate_box.show_measured(
                 last.step_time_s, last.peak_memory_bytes, last.samples_per_s
             )
 
-    def measures_the_settings(self: Panel) -> bool:
+    def measures_the_settings(self) -> bool:
         """The last run ran what the controls say now (here or on the cluster planned for): its
         figures belong beside the estimate."""
-        cfg = self.state.config
-        if self.run is None or cfg is None or not self.target.launchable:
+        cfg, run = self.state.config, self.state.run
+        if run is None or cfg is None or not self.form.target.launchable:
             return False
-        ran = self.run.config
+        ran = run.config
         return settings_line(cfg.to_dict(), cfg.num_processes) == settings_line(
             ran.to_dict(), ran.num_processes
         )
 
-    def stop(self: Panel) -> None:
-        """Ask the ranks to save a checkpoint and exit (the Stop button); returns at once, see
-        wait()."""
-        with self._lock:
-            if self.run is None or self.state.status not in (Status.RUNNING, "stopping"):
-                self.state.message = "nothing is running to stop"
+    def stop(self) -> None:
+        """Ask the ranks to save a checkpoint and exit; returns at once, see wait()."""
+        s = self.state
+        with self.lock:
+            if s.run is None or s.status not in (Status.RUNNING, "stopping"):
+                s.message = "nothing is running to stop"
                 return
-            self.run.stop()
-            if self.state.status == Status.RUNNING:
-                self.state.status = "stopping"
+            s.run.stop()
+            if s.status == Status.RUNNING:
+                s.status = "stopping"
 
-    def wait(self: Panel, timeout: float | None = None, *, show: bool = True) -> RunResult:
-        """Block until the run ends; returns its RunResult or raises RunFailedError, like
-        Run.wait().
-
-        In a notebook the final figure is displayed as a static image, so the saved notebook keeps
-        it. Interrupting the kernel while waiting asks the run to stop (checkpoint), then re-raises.
-        """
-        if self.run is None:
+    def join(self, timeout: float | None) -> None:
+        """Block until the run has ended and the state says how; TimeoutError after `timeout`
+        seconds. Interrupting the kernel while waiting asks the run to stop (checkpoint), then
+        re-raises."""
+        s = self.state
+        if s.run is None:
             raise RuntimeError(
                 "nothing to wait for: launch a run first (panel.launch() or the Launch button)"
             )
         try:
-            if not self._finished.wait(timeout):
+            if not s.finished.wait(timeout):
                 raise TimeoutError(
-                    f"run {self.run.run_dir.name} still running after {timeout}s; call wait() "
-                    "again or stop()"
+                    f"run {s.run_name} still running after {timeout}s; call wait() again or stop()"
                 )
         except KeyboardInterrupt:
             self.stop()
             raise
-        if show and not self._final_shown and self.dashboard is not None:
-            self._final_shown = True
-            self.dashboard.show_final()
-            if self._display is not None:
-                # a saved notebook shows the panel as it ended, not as it began
-                from workbench.regress.recording import headless
-
-                if headless():
-                    # with the estimate the run's end asked for, not "estimating..."
-                    # (Panel.__init__)
-                    with contextlib.suppress(TimeoutError):
-                        self.estimate_box.wait(timeout=60)
-                self._display.update(self._repr_mimebundle_(), raw=True)
-        if self._failure is not None:
-            raise self._failure
-        assert self.result is not None
-        return self.result
-
-    def _estimate_arrived(self: Panel, change: dict[str, Any]) -> None:
-        """Executed headless (papermill), the saved snapshot is the last displayed: refresh it when
-        an estimate arrives after the cell ended. Only there: re-displaying re-creates the live
-        widget under a person's cursor."""
-        from workbench.regress.recording import headless
-
-        if change["new"] in ("done", "error") and self._display is not None and headless():
-            self._display.update(self._repr_mimebundle_(), raw=True)
-
-    def save_yaml(self: Panel, path: str | os.PathLike[str] | None = None) -> Path:
-        """Write the config as YAML (the Save button, to the path in the text box) for `workbench
-        train`."""
-        cfg = self.config
-        target, self.state.message = save_yaml(
-            cfg,
-            str(path if path is not None else self.yaml_path.value),
-            own_task=self.task_for(cfg.task) is not None,
-        )
-        return target

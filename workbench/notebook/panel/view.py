@@ -1,4 +1,5 @@
-"""The panel's status and error lines: HTML derived from the state alone."""
+"""The panel's lines about the settings and the run (global batch, how Launch starts it, the
+problem, status and error): HTML derived from the state alone; and saving the settings as YAML."""
 
 from __future__ import annotations
 
@@ -6,18 +7,9 @@ import html
 from pathlib import Path
 
 from workbench.config import RunConfig
-from workbench.estimator.target import Target
-from workbench.notebook.panel.panel_state import ACTIVE, PanelState
+from workbench.launcher.processes import describe_launch
+from workbench.notebook.panel.state import ACTIVE, PanelState
 from workbench.rundir import Status
-
-RESUMABLE = (
-    Status.COMPLETED.value,
-    Status.STOPPED.value,
-    Status.PREEMPTED.value,
-    Status.FAILED.value,
-    Status.DIVERGED.value,
-)
-"""Endings after which Resume continues the run from its newest checkpoint (when it has one)."""
 
 
 def batch_html(cfg: RunConfig | None) -> str:
@@ -45,8 +37,9 @@ def batch_html(cfg: RunConfig | None) -> str:
     )
 
 
-def blocked_reason(s: PanelState, target: Target) -> str:
+def blocked_reason(s: PanelState) -> str:
     """Why Launch is off while the panel is ready ('' when it can launch)."""
+    target = s.target
     if s.config is None:
         return s.problem or "the settings don't form a run"
     if s.problem:
@@ -60,9 +53,9 @@ def blocked_reason(s: PanelState, target: Target) -> str:
     return ""
 
 
-def status_html(s: PanelState, run_name: str, *, resumable: bool, blocked: str = "") -> str:
-    name = html.escape(run_name)
-    resume = "Resume continues it from its last checkpoint, " if resumable else ""
+def status_html(s: PanelState, *, blocked: str = "") -> str:
+    name = html.escape(s.run_name)
+    resume = "Resume continues it from its last checkpoint, " if s.resumable else ""
     first = blocked.splitlines()[0] if blocked else ""
     text = {
         "ready": (
@@ -96,6 +89,27 @@ def status_html(s: PanelState, run_name: str, *, resumable: bool, blocked: str =
             f"<br><span class='wb-status-blocked'>Launch is off: {html.escape(first)}</span>{note}"
         )
     return f"<span class='wb-status' data-status='{html.escape(s.status)}'>{text}</span>{note}"
+
+
+def launch_html(s: PanelState) -> str:
+    """How Launch starts the run: its processes here, the Slurm job it submits, or only a
+    plan."""
+    cfg, target = s.config, s.target
+    if cfg is None:
+        return ""
+    if s.problem:
+        return ""
+    if target.local:
+        return html.escape(describe_launch(cfg))
+    if target.partition:
+        return f"Launch submits a Slurm job: {html.escape(target.describe(cfg))}"
+    return f"planned for {html.escape(target.describe(cfg))}"
+
+
+def problem_html(problem: str) -> str:
+    if not problem:
+        return ""
+    return f"<div style='color:#b00020;white-space:pre-wrap'>⚠ {html.escape(problem)}</div>"
 
 
 def error_html(error: str) -> str:

@@ -12,9 +12,9 @@ averages the gradients over dp_shard x cp (flattened into 'dp_shard_cp', apply.p
 them the gradients of the mean over the whole sequence. The logged loss is the mean over ranks, so
 over the whole sequence too.
 
-The parallel layers are TensorParallel's (apply.py: TP over 'tp' when tp > 1, then FSDP2), so
-clipping, fp16 scaling and checkpoints are the same. PyTorch runs ring attention through the CUDA
-kernels only (flash, efficient, cuDNN): preflight refuses cp > 1 on CPU.
+The recipe (apply.py) lays the model out as for TensorParallel (TP over 'tp' when tp > 1, then
+FSDP2), so clipping, fp16 scaling and checkpoints are the same. PyTorch runs ring attention through
+the CUDA kernels only (flash, efficient, cuDNN): preflight refuses cp > 1 on CPU.
 """
 
 from __future__ import annotations
@@ -29,26 +29,39 @@ from torch.distributed.tensor.experimental import context_parallel
 from workbench.training.parallel.tensor import TensorParallel
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
 
     from workbench.config import RunConfig
     from workbench.tasks import Task
+    from workbench.training.parallel.apply import ParallelModel
+    from workbench.training.parallel.placement import Placement
 
 
 class ContextParallel(TensorParallel):
     """Sequences split over the 'cp' dimension of the mesh, parameters sharded over dp_shard x cp
     (and TP'd)."""
 
+    @classmethod
+    def around(
+        cls,
+        cfg: RunConfig,
+        where: Placement,
+        parallel: ParallelModel,
+        task: Task,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    ) -> ContextParallel:
+        """The task names the sequence tensors to split (Task.context_parallel_buffers)."""
+        return cls(cfg, where, parallel.model, task, make_optimizer)
+
     def __init__(
         self,
         cfg: RunConfig,
-        accelerator: Accelerator,
+        where: Placement,
         model: torch.nn.Module,
         task: Task,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     ) -> None:
-        super().__init__(cfg, accelerator, model, task, make_optimizer)
+        super().__init__(cfg, where, model, make_optimizer)
         self.task = task
         self.name = " x ".join([cfg.parallelism, f"cp{cfg.cp}", *([f"tp{cfg.tp}"] * (cfg.tp > 1))])
         self.split = SequenceSplit(self.mesh["cp"], task, cfg.cp)

@@ -36,6 +36,7 @@ from workbench.tasks.blocks import shard_units
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
+    from workbench.training.parallel.apply import ParallelPlan
 
 log = logging.getLogger("workbench")
 
@@ -101,9 +102,10 @@ def fp8_shaped(module: torch.nn.Module) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def fp8_linears(model: torch.nn.Module, task: Task) -> list[str]:
-    """The names of the Linear layers the swap takes: inside the model's blocks, and fp8-shaped."""
-    inside = {id(m) for unit in shard_units(model, task) for m in unit.modules()}
+def fp8_linears(model: torch.nn.Module, plan: ParallelPlan) -> list[str]:
+    """The names of the Linear layers the swap takes: inside the model's blocks (the plan's shard
+    units), and fp8-shaped."""
+    inside = {id(m) for unit in shard_units(model, plan) for m in unit.modules()}
     return [
         name
         for name, m in model.named_modules()
@@ -122,27 +124,28 @@ def check_task(cfg: RunConfig, task: Task) -> None:
         raise ValueError(_nothing_to_swap(model, task))
 
 
-def _nothing_to_swap(model: torch.nn.Module, task: Task) -> str:
+def _nothing_to_swap(model: torch.nn.Module, plan: ParallelPlan) -> str:
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     return (
-        f"precision='fp8': task {task.name!r} has no Linear layer fp8 can train (those inside "
+        f"precision='fp8': task {plan.name!r} has no Linear layer fp8 can train (those inside "
         "the model's repeated blocks, Task.shard_units, with input and output features "
         f"multiples of 16); its Linear layers: {linears or 'none'}; use precision='bf16'"
     )
 
 
 def swap_linears(
-    cfg: RunConfig, model: torch.nn.Module, task: Task, device: torch.device
+    cfg: RunConfig, model: torch.nn.Module, plan: ParallelPlan, device: torch.device
 ) -> Float8Swap:
-    """Swap the Linear layers fp8_linears names to torchao's Float8Linear, in place."""
+    """Swap the Linear layers fp8_linears names to torchao's Float8Linear, in place (the recipe's
+    first step, apply.apply_fp8)."""
     emulate = emulating()
     check_device(device, emulate)
     config = float8_config(cfg, emulate)
     from torchao.float8 import convert_to_float8_training
 
-    names = fp8_linears(model, task)
+    names = fp8_linears(model, plan)
     if not names:
-        raise ValueError(_nothing_to_swap(model, task))
+        raise ValueError(_nothing_to_swap(model, plan))
     before = dict(model.named_modules())
     chosen = set(names)
     convert_to_float8_training(

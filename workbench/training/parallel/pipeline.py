@@ -5,10 +5,11 @@ The mesh is ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp'), pp outermost: rank =
 stage) + column, a column being one data-parallel, context-parallel and tensor-parallel coordinate,
 i.e. one whole pipeline. Each rank holds one model chunk (gpipe, 1f1b) or several (interleaved_1f1b,
 zero_bubble: virtual stages), cut by Task.pipeline_stages under the full model's parameter names and
-made parallel in torchtitan's order (pipeline_parts.py). The data-parallel ranks of a stage see
-different batches: FSDP2 reduces their gradients itself (zero2, zero3, hsdp; PipelineStage holds its
-gradient sync back to the last micro-batch); replicated pipelines ('ddp') average theirs in one flat
-all-reduce after the schedule (DDP breaks under the schedules' repeated backward passes).
+made parallel in torchtitan's order by the recipe (apply.py) before this strategy receives them.
+The data-parallel ranks of a stage see different batches: FSDP2 reduces their gradients itself
+(zero2, zero3, hsdp; PipelineStage holds its gradient sync back to the last micro-batch); replicated
+pipelines ('ddp') average theirs in one flat all-reduce after the schedule (DDP breaks under the
+schedules' repeated backward passes).
 
 A step is one schedule run over the step's grad_accum_steps micro-batches, concatenated and split
 again by the schedule into the same micro-batches; scale_grads divides the gradients by their
@@ -49,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from workbench.config.mesh import INTERLEAVED, shards, virtual_stages
 from workbench.training.evaluation import split_loss
-from workbench.training.memory import next_micro_batch, stage_point
+from workbench.training.observe.memory import next_micro_batch, stage_point
 from workbench.training.parallel.context import SequenceSplit
 from workbench.training.parallel.param_groups import split_groups_by_mesh
 from workbench.training.parallel.pipeline_parts import (
@@ -58,7 +59,6 @@ from workbench.training.parallel.pipeline_parts import (
     held_prefixes,
     local_grad,
     local_rank,
-    make_chunks,
     tied_names,
 )
 from workbench.training.parallel.pipeline_state import PipelineCheckpoints
@@ -71,10 +71,10 @@ from workbench.training.parallel.tensor import (
 )
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-
     from workbench.config import RunConfig
     from workbench.tasks import Task
+    from workbench.training.parallel.apply import ParallelModel
+    from workbench.training.parallel.placement import Placement
 
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -90,7 +90,7 @@ class _TrackedStage(PipelineStage):
     """A PipelineStage that tells the memory tracker (track_memory) where the schedule is: PyTorch's
     MemTracker refuses a root module forwarded again in the same step unless its module counts
     restart before each micro-batch; the zero-bubble schedule's tracker samples after each forward
-    and backward (stage_memory.py)."""
+    and backward (training/observe/stage_memory.py)."""
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         next_micro_batch(self.submod)
@@ -112,15 +112,28 @@ class PipelineParallel(PipelineCheckpoints):
     sharded = True
     pipelined = True
 
+    @classmethod
+    def around(
+        cls,
+        cfg: RunConfig,
+        where: Placement,
+        parallel: ParallelModel,
+        task: Task,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    ) -> PipelineParallel:
+        """The stages, their ids and the full model's tied names come from the recipe; the loss on
+        the last stage from the task."""
+        return cls(cfg, where, parallel, task, make_optimizer)
+
     def __init__(
         self,
         cfg: RunConfig,
-        accelerator: Accelerator,
-        model: torch.nn.Module,
+        where: Placement,
+        parallel: ParallelModel,
         task: Task,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     ) -> None:
-        super().__init__(cfg, accelerator)
+        super().__init__(cfg, where)
         self.task, self.stages, self.chunks_per_rank = task, cfg.pp, virtual_stages(cfg)
         self.columns = self.accelerator.num_processes // self.stages
         self.stage_index = local_rank(self.mesh, "pp")
@@ -132,13 +145,11 @@ class PipelineParallel(PipelineCheckpoints):
         # zero-bubble splits each backward into autograd.grad calls that MemTracker's hooks can't
         # follow
         self.split_backward = cfg.pp_schedule == "zero_bubble"
-        self.stage_ids = [self.stage_index + k * self.stages for k in range(self.chunks_per_rank)]
+        self.stage_ids = parallel.stage_ids
         self.name = self._schedule_name()
-        tied = tied_names(model)
+        tied = parallel.tied
         self._canonical = {name: names[0] for names in tied for name in names}
-        self.model = self.module = make_chunks(
-            cfg, task, model, self.stage_ids, self.total_stages, self.mesh, self.accelerator
-        )
+        self.model = self.module = parallel.module
         self._tied = TiedCopies(
             self.module,
             tied,

@@ -1,9 +1,6 @@
-"""The pieces of a pipeline rank: its mesh, its model chunks (virtual stages), each made parallel
-inside its stage in torchtitan's order (tensor parallel, then activation checkpointing and
-compilation per block, then FSDP), and the parameters tied across stages.
+"""The pieces of a pipeline rank: its place in the mesh, the names of its model chunks (virtual
+stages, cut and made parallel by the recipe, apply.py) and the parameters tied across stages.
 
-A rank holds chunks r, r + pp, r + 2 pp, ... of the pp x virtual_stages stages the task cuts
-(PyTorch's loop placement, which ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble expect).
 The chunks sit in one nn.ModuleList, so one optimizer steps them all; `full_name` turns the list's
 parameter names back into the full model's, which checkpoints use, so any layout loads them.
 """
@@ -16,18 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from workbench.config.mesh import shards
-from workbench.tasks.blocks import shard_units
-from workbench.training.compiling import compile_model
-from workbench.training.parallel.apply import apply_parallelism
-from workbench.training.parallel.placement import Placement
-from workbench.training.parallel.strategy import on_device
-
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from workbench.config import RunConfig
-    from workbench.tasks import Task
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -69,79 +56,6 @@ def held_prefixes(chunks: torch.nn.Module) -> list[str]:
         parts = full_name(name).split(".")
         held.add(".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0])
     return sorted(held, key=lambda s: (s.split(".")[0], int(s.split(".")[1]) if "." in s else -1))
-
-
-def make_chunks(
-    cfg: RunConfig,
-    task: Task,
-    model: torch.nn.Module,
-    stage_ids: list[int],
-    total: int,
-    mesh: DeviceMesh,
-    where: Placement,
-) -> torch.nn.ModuleList:
-    """This rank's stages of `model`, each made parallel over the mesh's other dimensions."""
-    chunks = []
-    for stage in stage_ids:
-        chunk = task.pipeline_stages(model, cfg, stage, total)
-        if chunk is None:
-            raise ValueError(f"pp={cfg.pp}: task {task.name!r} has no pipeline stages")
-        chunks.append(chunk)
-    _refuse_shared(chunks, stage_ids)
-    return torch.nn.ModuleList([_parallel_chunk(cfg, task, model, c, mesh, where) for c in chunks])
-
-
-def _refuse_shared(chunks: list[torch.nn.Module], stage_ids: list[int]) -> None:
-    """Two chunks of one rank holding one parameter would step it twice (and FSDP can't own it
-    twice)."""
-    seen: dict[int, int] = {}
-    for chunk, stage in zip(chunks, stage_ids):
-        for p in chunk.parameters():
-            if seen.setdefault(id(p), stage) != stage:
-                raise ValueError(
-                    f"pipeline stages {seen[id(p)]} and {stage} sit on one rank and share a "
-                    "parameter (tied weights); use fewer virtual stages (pp_virtual_stages) or "
-                    "more stages (pp)"
-                )
-
-
-def _parallel_chunk(
-    cfg: RunConfig,
-    task: Task,
-    model: torch.nn.Module,
-    chunk: torch.nn.Module,
-    mesh: DeviceMesh,
-    where: Placement,
-) -> torch.nn.Module:
-    """apply.apply_parallelism on the stage's own dimensions, as every other mode runs it: tensor
-    parallel over 'tp', activation checkpointing and compilation per block, then FSDP2 over the
-    data-parallel dimensions for the sharded modes (HSDP: 'dp_replicate' x 'dp_shard'; with cp,
-    'dp_shard' x 'cp'); compile='model' last, per chunk. Replicated pipelines ('ddp') are averaged
-    by the pipeline, never wrapped."""
-    tracing = where.tracing
-    if not cfg.cpu_offload:
-        chunk = on_device(chunk, where)
-    names = [
-        *(("dp_replicate",) * (cfg.parallelism == "hsdp")),
-        *(("dp_shard",) * shards(cfg.parallelism)),
-        *(("cp",) * (dim_size(mesh, "cp") > 1)),
-        *(("tp",) * (dim_size(mesh, "tp") > 1)),
-    ]
-    held = {id(m) for m in chunk.modules()}
-    units = [u for u in shard_units(model, task) if id(u) in held]
-    if not units and cfg.activation_checkpointing != "none":
-        # a stage without blocks: nothing to checkpoint
-        cfg = cfg.replace(activation_checkpointing="none")
-    modules = {name for name, _ in chunk.named_modules()}
-    plan = (
-        {k: v for k, v in (task.tensor_parallel_plan(model, cfg) or {}).items() if k in modules}
-        if "tp" in names
-        else None
-    )
-    stage_mesh = (mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]) if names else None
-    apply_parallelism(chunk, stage_mesh, cfg, plan, units, tracing=tracing)
-    compile_model(cfg, chunk, tracing=tracing)
-    return chunk
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:

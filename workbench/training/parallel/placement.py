@@ -1,8 +1,8 @@
-"""Where a rank sits, as a strategy needs to know it: the few things it asks of accelerate's
-Accelerator, and what a traced estimate adds (a mesh built before fake mode, the stages' parameters
-its fake group can't gather). Every strategy reads these as declared attributes; accelerate's
-Accelerator becomes one in `Placement.of`, the estimator's fake rank is one
-(estimator/fake_world.py)."""
+"""Where a rank sits, as the recipe and a strategy need to know it: the few things they ask of
+accelerate's Accelerator, and what a traced estimate adds (a mesh built before fake mode, the
+stages' parameters its fake group can't gather). Every strategy reads these as declared attributes;
+accelerate's Accelerator becomes one in `Placement.of`, the estimator's fake rank is one
+(estimator/trace/fake_world.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Placement:
     process_index: int = 0
     mesh: DeviceMesh | None = None
     """The run's mesh when built beforehand (a traced estimate: DeviceMesh needs real tensors);
-    None: the strategy builds it (device_mesh.build_mesh)."""
+    None: parallelize builds it (device_mesh.build_mesh) before the recipe runs."""
     tracing: bool = False
     """A traced estimate: fake tensors and a fake process group, so no DDP, compile or fp8 swap."""
     stage_params: list[set[str]] | None = None

@@ -1,6 +1,6 @@
-"""Replicated modes: every rank holds the full model. 'ddp' all-reduces gradients (DDP, optionally
-with a compression hook); 'zero1' also shards the optimizer state (ZeroRedundancyOptimizer); 'none'
-is one process."""
+"""Replicated modes: every rank holds the full model. 'ddp' all-reduces gradients (DDP, which the
+recipe wraps the model in, optionally with a compression hook registered here); 'zero1' also shards
+the optimizer state (ZeroRedundancyOptimizer); 'none' is one process."""
 
 from __future__ import annotations
 
@@ -15,46 +15,40 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
-from workbench.training.breakdown import DDPCommStats
-from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
+from workbench.training.observe.breakdown import DDPCommStats
+from workbench.training.parallel.strategy import DTYPES, Strategy
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from accelerate import Accelerator
-
     from workbench.config import RunConfig
+    from workbench.training.parallel.placement import Placement
 
 log = logging.getLogger("workbench")
 
 
 class Replicated(Strategy):
-    """DDP when there is more than one rank (a plain module otherwise), autocast for bf16/fp16."""
+    """The model whole on every rank, in the DistributedDataParallel the recipe wrapped it in when
+    there is more than one rank (apply.apply_ddp); autocast for bf16/fp16."""
 
     name = "ddp"
 
     def __init__(
         self,
         cfg: RunConfig,
-        accelerator: Accelerator,
+        where: Placement,
         model: torch.nn.Module,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     ) -> None:
-        super().__init__(cfg, accelerator)
-        self.module = on_device(model, self.accelerator)
-        self.model = self.module
-        tracing = self.accelerator.tracing
-        # A traced estimate leaves DDP out: its buckets live in C++, out of the trace's sight; the
-        # estimate adds them (one copy of the gradients) and their all-reduce from their known size.
-        if self.accelerator.num_processes > 1 and not tracing:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(
-                self.module, device_ids=ids, find_unused_parameters=cfg.find_unused_parameters
-            )
+        super().__init__(cfg, where)
+        self.model = model
+        ddp = isinstance(model, DistributedDataParallel)
+        self.module = model.module if ddp else model
+        if ddp:
             self.comm_stats = DDPCommStats(self.model)
             if cfg.grad_compression != "none":
                 self._register_hook(cfg)
-        elif cfg.find_unused_parameters and not tracing:  # one rank: no DDP
+        elif cfg.find_unused_parameters and not self.accelerator.tracing:  # one rank: no DDP
             log.warning(
                 "find_unused_parameters=True: this run has one rank, hence no "
                 "DistributedDataParallel to pass it to; the setting does nothing here"
@@ -125,7 +119,7 @@ class ZeroOne(Replicated):
     def __init__(
         self,
         cfg: RunConfig,
-        accelerator: Accelerator,
+        where: Placement,
         model: torch.nn.Module,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     ) -> None:
@@ -141,7 +135,7 @@ class ZeroOne(Replicated):
                 **defaults,
             )
 
-        super().__init__(cfg, accelerator, model, zero)
+        super().__init__(cfg, where, model, zero)
         self._names = {p: n for n, p in self.module.named_parameters()}
 
     def local_optimizer(self) -> torch.optim.Optimizer:

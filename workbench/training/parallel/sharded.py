@@ -1,8 +1,9 @@
 """Sharded modes on PyTorch's FSDP2 (`fully_shard`): 'zero2', 'zero3' (alias 'fsdp') and 'hsdp'.
 
-Each shard unit (the model's repeated blocks, or what Task.shard_units names), then the root,
-becomes an FSDP2 module whose parameters are DTensors sharded over the data-parallel mesh; the
-optimizer state follows the parameters. zero2 keeps the gathered parameters from forward to backward
+The recipe (apply.py) has sharded the model before this strategy receives it: each shard unit
+(the model's repeated blocks, or what Task.shard_units names), then the root, became an FSDP2 module
+whose parameters are DTensors sharded over the data-parallel mesh; the optimizer state follows the
+parameters. zero2 keeps the gathered parameters from forward to backward
 (reshard_after_forward=False), zero3 frees them after each unit's forward; hsdp shards within groups
 of dp_shard ranks and replicates across groups (a 2-D mesh). Gradients are reduce-scattered after
 every micro-batch, so they stay sharded during accumulation (torchtitan does the same: holding them
@@ -17,40 +18,30 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.tasks.blocks import shard_units
-from workbench.training.parallel.apply import apply_parallelism
-from workbench.training.parallel.strategy import Strategy, on_device
+from workbench.training.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-
     from workbench.config import RunConfig
-    from workbench.tasks import Task
+    from workbench.training.parallel.placement import Placement
 
 
 class Sharded(Strategy):
-    """apply.apply_parallelism over ('dp_shard',) or ('dp_replicate', 'dp_shard'): AC and compile
-    per block, then FSDP2 on each block and the root."""
+    """A model the recipe sharded over ('dp_shard',) or ('dp_replicate', 'dp_shard'): FSDP2 on each
+    block and the root (apply.apply_fsdp)."""
 
     sharded = True
 
     def __init__(
         self,
         cfg: RunConfig,
-        accelerator: Accelerator,
+        where: Placement,
         model: torch.nn.Module,
-        task: Task,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     ) -> None:
-        super().__init__(cfg, accelerator)
+        super().__init__(cfg, where)
         self.name = cfg.parallelism
-        if not cfg.cpu_offload:
-            model = on_device(model, self.accelerator)
-        apply_parallelism(
-            model, self.mesh, cfg, None, shard_units(model, task), tracing=self.accelerator.tracing
-        )
         self.model = self.module = model
-        # after fully_shard: its parameters are the sharded DTensors
+        # after fully_shard (the recipe): its parameters are the sharded DTensors
         self.optimizer = make_optimizer(model)
         if cfg.precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

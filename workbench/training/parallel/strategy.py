@@ -26,28 +26,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from workbench.training.digests import state_digest
-from workbench.training.parallel.device_mesh import build_mesh
 from workbench.training.parallel.param_groups import merge_split_groups, resplit_groups
 from workbench.training.parallel.placement import Placement
+from workbench.training.weights import state_digest
 from workbench.utils.distributed import single_process_dcp
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
 
     from workbench.config import RunConfig
-    from workbench.training.breakdown import DDPCommStats
+    from workbench.tasks import Task
+    from workbench.training.observe.breakdown import DDPCommStats
+    from workbench.training.parallel.apply import ParallelModel
     from workbench.training.parallel.float8 import Float8Swap
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 """The dtype each precision computes in: fp8 is bf16 but for Float8Linear's matmuls (float8.py)."""
-
-
-def on_device(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
-    """The model on the rank's device; a traced estimate's model already has (fake) storage
-    there."""
-    return model if where.tracing else model.to(where.device)
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -63,9 +57,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class Strategy:
-    """The training-step operations that depend on how the model is parallel; subclasses wrap the
-    model. What a strategy can do is declared here, as attributes every strategy has: callers read
-    them, never probe for them."""
+    """The training-step operations that depend on how the model is parallel; subclasses receive
+    the model already parallel (apply.py's recipe) and build the optimizer and contexts around it.
+    What a strategy can do is declared here, as attributes every strategy has: callers read them,
+    never probe for them."""
 
     name = "base"
     sharded = False
@@ -85,14 +80,29 @@ class Strategy:
     """An evaluation forward of the strategy's own (a pipeline's, through its stages); None: the
     model's."""
 
-    def __init__(self, cfg: RunConfig, accelerator: Accelerator | Placement) -> None:
+    @classmethod
+    def around(
+        cls,
+        cfg: RunConfig,
+        where: Placement,
+        parallel: ParallelModel,
+        task: Task,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    ) -> Strategy:
+        """The strategy around the recipe's parallel model (apply.apply_parallelism), taking of it
+        what it needs: the model the loop calls, here; a subclass that needs the task or the
+        pipeline's stages says so."""
+        return cls(cfg, where, parallel.model, make_optimizer)  # type: ignore[call-arg]
+
+    def __init__(self, cfg: RunConfig, where: Placement) -> None:
         self.cfg = cfg
-        self.accelerator = Placement.of(accelerator)
+        # A Placement as it is; anything with an Accelerator's device and num_processes as one.
+        self.accelerator = Placement.of(where)
+        """Where this rank sits (named for accelerate's Accelerator, which it stands for)."""
         self.device = self.accelerator.device
-        # The one mesh of the run (a traced estimate's is built beforehand, outside fake mode).
+        # The one mesh of the run, the one the recipe made the model parallel over (parallelize
+        # builds it; a traced estimate's is built beforehand, outside fake mode).
         self.mesh: DeviceMesh | None = self.accelerator.mesh
-        if self.mesh is None:
-            self.mesh = build_mesh(cfg, self.device.type, self.accelerator.num_processes)
         self.model: torch.nn.Module
         # the model without a DDP wrapper (FSDP2 modules are their own)
         self.module: torch.nn.Module

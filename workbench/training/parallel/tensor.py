@@ -1,13 +1,13 @@
 """Tensor parallelism (Megatron style, torch.distributed.tensor.parallel), alone or with data
 parallelism.
 
-The task's plan (Task.tensor_parallel_plan) splits its matrices over the 'tp' dimension of the mesh:
-each rank of a TP group holds a slice of every planned Linear (a DTensor), the rest stays
-replicated. With a data-parallel size above 1 the TP'd model is then made data parallel over the
-mesh's other dimensions (apply.py, torchtitan's order): FSDP x TP ('dp_shard', 'tp'), HSDP x TP
-('dp_replicate', 'dp_shard', 'tp') or DDP x TP ('dp_replicate', 'tp', PyTorch's FSDP2-based
-replicate). The ranks of one TP group see the same batches and draw the same dropout masks (the loop
-seeds by the data-parallel coordinate).
+The recipe (apply.py) has split the model before this strategy receives it: the plan
+(Task.tensor_parallel_plan) over the 'tp' dimension of the mesh, each rank of a TP group holding a
+slice of every planned Linear (a DTensor), the rest replicated; with a data-parallel size above 1
+the TP'd model then made data parallel over the mesh's other dimensions (torchtitan's order): FSDP
+x TP ('dp_shard', 'tp'), HSDP x TP ('dp_replicate', 'dp_shard', 'tp') or DDP x TP ('dp_replicate',
+'tp', PyTorch's FSDP2-based replicate). The ranks of one TP group see the same batches and draw the
+same dropout masks (the loop seeds by the data-parallel coordinate).
 
 Three things the built-ins don't do with a mix of DTensor and plain parameters, or DTensors on
 different meshes: foreach/fused optimizer kernels (so each param group is split by mesh),
@@ -28,17 +28,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from workbench.tasks.blocks import shard_units
-from workbench.training.parallel.apply import apply_parallelism, data_dims
+from workbench.training.parallel.apply import data_dims
 from workbench.training.parallel.param_groups import split_groups_by_mesh
-from workbench.training.parallel.strategy import DTYPES, Strategy, on_device
+from workbench.training.parallel.strategy import DTYPES, Strategy
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
 
     from workbench.config import RunConfig
-    from workbench.tasks import Task
+    from workbench.training.parallel.placement import Placement
 
 
 def placement_facts(
@@ -147,30 +145,21 @@ class LocalShardGradScaler(ShardedGradScaler):
 
 
 class TensorParallel(Strategy):
-    """The task's plan over 'tp', then data parallelism over the mesh's other dimensions
-    (apply.py)."""
+    """A model the recipe split over 'tp' by the plan, then made data parallel over the mesh's other
+    dimensions (apply.py)."""
 
     sharded = True
 
     def __init__(
         self,
         cfg: RunConfig,
-        accelerator: Accelerator,
+        where: Placement,
         model: torch.nn.Module,
-        task: Task,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     ) -> None:
-        super().__init__(cfg, accelerator)
-        world = accelerator.num_processes
+        super().__init__(cfg, where)
+        world = self.accelerator.num_processes
         self.name = f"tp{cfg.tp}" if world == cfg.tp else f"{cfg.parallelism} x tp{cfg.tp}"
-        if not cfg.cpu_offload:  # offloaded, FSDP2 moves each shard to the device as it's needed
-            model = on_device(model, self.accelerator)
-        plan = task.tensor_parallel_plan(model, cfg) if cfg.tp > 1 else None
-        if plan is None and cfg.tp > 1:
-            raise ValueError(f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan")
-        apply_parallelism(
-            model, self.mesh, cfg, plan, shard_units(model, task), tracing=self.accelerator.tracing
-        )
         self.data_parallel = data_dims(self.mesh)
         self.model = self.module = model
         self.optimizer = make_optimizer(model)

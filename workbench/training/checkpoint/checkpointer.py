@@ -1,0 +1,326 @@
+"""Checkpoints: the full training state under checkpoints/step_<N>/, written atomically, verified on
+resume.
+
+    step_<N>/model/, optim/    model and optimizer state keyed by parameter name
+                               (torch.distributed.checkpoint: sharded modes write shards; any
+                               mode and rank count can load them)
+    step_<N>/rank_<r>.pt       each rank's RNG states and loss-scaler state
+    step_<N>/trainer_state.json, config.yaml   progress, and the config that wrote it
+    step_<N>/manifest.json     every file's size and sha256; written last
+
+Every rank writes into checkpoints/.tmp-step_<N>; the ranks hash the files between them; rank 0
+writes the manifest and renames the directory, so a step_<N> name with a manifest always means a
+complete checkpoint. Resume verifies the newest one against its manifest and falls back to the
+previous on any damage, saying what is wrong; whatever a checkpoint claims (RNG states included)
+loads, or the resume fails loudly. With checkpoint_async the model and optimizer are written in the
+background (background.py), and sealed the same way once every rank's write is done: a crash
+before leaves only .tmp-step_<N>.
+
+What a failed write leaves and says is in failures.py, the rank files in rank_state.py, and the
+checks a resume makes before and after loading in resume.py. TrainerState, the progress saved as
+trainer_state.json, is defined here with the code that saves and restores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from accelerate.utils import gather_object
+
+from workbench.rundir.run_dir import COMPLETE_MARKER, TRAINER_STATE, RunDir
+from workbench.training.checkpoint.background import BackgroundWriter, Pending, writes_async
+from workbench.training.checkpoint.failures import (
+    SWEPT,
+    explained_write_failures,
+    removed_on_failure,
+    write_error,
+)
+from workbench.training.checkpoint.files import (
+    file_problems,
+    files_in,
+    read_manifest,
+    sha256,
+    shapes_of,
+)
+from workbench.training.checkpoint.rank_state import load_rank_state, save_rank_state
+from workbench.training.checkpoint.resume import (
+    check_model,
+    hyperparameters,
+    keep_configured,
+    load_into,
+    note_dropout,
+)
+from workbench.utils.files import write_json
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from workbench.config import RunConfig
+    from workbench.training.parallel import Strategy
+
+log = logging.getLogger("workbench")
+STATE = TRAINER_STATE  # the name rundir/prepare.py reads too
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """The progress a checkpoint carries (trainer_state.json), enough to continue a run bit for
+    bit."""
+
+    step: int = 0
+    micro_batches: int = 0
+    """Micro-batches each rank has consumed: the position in the deterministic data order."""
+    samples: int = 0
+    tokens: int = 0
+    skipped_steps: int = 0
+    train_time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+class Checkpointer:
+    """Saves and restores the strategy's model and optimizer (DCP), each rank's RNGs, and
+    TrainerState."""
+
+    def __init__(
+        self, accelerator: Accelerator, run: RunDir, cfg: RunConfig, strategy: Strategy
+    ) -> None:
+        self.accelerator, self.run, self.cfg, self.strategy = accelerator, run, cfg, strategy
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        background, self.why = writes_async(cfg, accelerator.device)
+        self.background = BackgroundWriter(cfg, accelerator.device) if background else None
+        self.pending: Pending | None = None
+        self.ends_session = False
+        self.stalls: list[float] = []
+        """Per checkpoint of this session: seconds the training loop was blocked by it."""
+        if accelerator.is_main_process:
+            # the default on a CPU (synchronous) is no news: said at debug level
+            quiet = not background and cfg.checkpoint_async == "auto"
+            log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "checkpoints are written %s (%s)",
+                "in the background" if background else "synchronously",
+                self.why,
+            )
+
+    def due(self, step: int, final: bool, stopping: bool) -> bool:
+        every = self.cfg.checkpoint_every
+        # A checkpoint that ends the session is waited for at once: the ending and status that
+        # follow name it.
+        self.ends_session = final or stopping
+        return final or stopping or bool(every and step % every == 0)
+
+    def _everyone(self, mine: Any) -> list[Any]:
+        return gather_object([mine]) if self.world > 1 else [mine]
+
+    # ---- saving ----------------------------------------------------------------------------------
+    def save(self, state: TrainerState) -> Path:
+        """Write a checkpoint of `state` (collective): whole before returning, or (checkpoint_async)
+        staged in host memory and written in the background, once the previous write is done."""
+        began = time.perf_counter()
+        self.wait()  # at most one write in flight
+        acc, main, step = self.accelerator, self.accelerator.is_main_process, state.step
+        root = self.run.checkpoints_path
+        tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
+        with self.run.writing(tmp, f"checkpoint step {step}"), removed_on_failure(tmp):
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            acc.wait_for_everyone()
+            if self.background is not None:
+                writes = self._write_state(tmp, state, self.background.start)
+                self.pending = Pending(
+                    step, lambda: self._complete(writes, tmp, final, step, began)
+                )
+                if self.ends_session:
+                    self.wait()
+            else:
+                self._write_state(tmp, state, lambda strategy, path: strategy.save(path))
+                acc.wait_for_everyone()
+                self._seal(tmp, final, step, self._everyone, time.perf_counter() - began)
+        if self.background is None:
+            acc.wait_for_everyone()
+        self.stalls.append(time.perf_counter() - began)
+        return final
+
+    def wait(self) -> float:
+        """Wait for the checkpoint being written in the background, if any: the seconds waited. Its
+        failure is raised here, in the training loop, as a synchronous save raises it."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return 0.0
+        began = time.perf_counter()
+        pending.wait()
+        return time.perf_counter() - began
+
+    def finish(self) -> dict[str, Any]:
+        """At the end of the session: wait for a write still in flight (its wait is the last
+        checkpoint's stall), give back the staging buffers; how this session's checkpoints went, for
+        the summary."""
+        waited = self.wait()
+        if self.stalls:
+            self.stalls[-1] += waited
+        if self.background is not None:
+            self.background.close()
+        return {
+            "async": self.background is not None,
+            "why": self.why,
+            "stall_s": [round(s, 4) for s in self.stalls],
+        }
+
+    def _complete(
+        self, writes: list[Future], tmp: Path, final: Path, step: int, began: float
+    ) -> None:
+        """In a background thread: once every rank's write is done, seal the checkpoint as a
+        synchronous save does; a failed write on any rank fails it on every rank, folder removed."""
+        assert self.background is not None
+        everyone = self.background.everyone
+        with self.run.writing(tmp, f"checkpoint step {step}"), removed_on_failure(tmp):
+            error = None
+            for write in writes:
+                try:
+                    write.result()
+                except BaseException as e:  # noqa: BLE001  (any failure fails the checkpoint)
+                    error = error or e
+            failed = [rank for rank, bad in enumerate(everyone(error is not None)) if bad]
+            if error is not None:
+                raise write_error(error, tmp) from error
+            if failed:
+                raise OSError(errno.EIO, f"{SWEPT} (rank {failed[0]})")
+            self._seal(tmp, final, step, everyone, time.perf_counter() - began)
+
+    def _seal(self, tmp: Path, final: Path, step: int, everyone: Any, write_s: float) -> None:
+        """Hash the files (the ranks share the work); rank 0 writes the manifest, renames the folder
+        and drops the checkpoints past keep_checkpoints."""
+        files = files_in(tmp)
+        digests = everyone(
+            {
+                f: {"size": (tmp / f).stat().st_size, "sha256": sha256(tmp / f)}
+                for f in files[self.rank :: self.world]
+            }
+        )
+        if self.accelerator.is_main_process:
+            manifest = {"step": step, "files": {k: v for part in digests for k, v in part.items()}}
+            write_json(tmp / COMPLETE_MARKER, manifest)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for _, old in self.run.checkpoints()[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+            self.run.event(
+                "checkpoint_saved",
+                step=step,
+                path=str(final),
+                write_s=round(write_s, 4),
+                background=self.background is not None,
+            )
+
+    def _write_state(
+        self, tmp: Path, state: TrainerState, write: Callable[[Strategy, Path], Any]
+    ) -> Any:
+        """`write` the model and optimizer (what it returns is returned), then each rank's RNG and
+        loss-scaler state, and rank 0 the trainer state and the config."""
+        with explained_write_failures(tmp):
+            written = write(self.strategy, tmp)
+            save_rank_state(
+                tmp / f"rank_{self.rank}.pt", self.accelerator.device, self.strategy.scaler
+            )
+        if self.accelerator.is_main_process:
+            write_json(
+                tmp / STATE,
+                {**state.to_dict(), "world_size": self.world, "parallelism": self.cfg.parallelism},
+            )
+            self.cfg.to_yaml(tmp / "config.yaml")
+        return written
+
+    # ---- resuming --------------------------------------------------------------------------------
+    def problems(self, ckpt: Path) -> list[str]:
+        """What is wrong with `ckpt` against its manifest ([] when it verifies). Collective: the
+        ranks share the hashing."""
+        try:
+            files = read_manifest(ckpt)
+        except ValueError as e:
+            return [str(e)]
+        mine = file_problems(ckpt, files, sorted(files)[self.rank :: self.world])
+        return sorted(p for part in self._everyone(mine) for p in part)
+
+    def _usable(self) -> Path:
+        """The newest checkpoint that verifies; damaged ones are skipped with a warning naming the
+        damage."""
+        skipped = []
+        # A write the run stopped in (killed, or a background write it never waited for): said,
+        # never loaded.
+        main = self.accelerator.is_main_process
+        for partial in sorted(self.run.checkpoints_path.glob(".tmp-step_*")) if main else []:
+            log.warning(
+                "checkpoint %s is incomplete (its write never finished) and is skipped", partial
+            )
+            number = partial.name.removeprefix(".tmp-step_")
+            self.run.event(
+                "checkpoint_skipped",
+                step=int(number) if number.isdigit() else number,
+                path=str(partial),
+                problems=["incomplete: its write never finished"],
+            )
+        # A step_<N> without its manifest (renamed only after the manifest is written) was damaged:
+        # named, not passed over.
+        for step, ckpt in reversed(self.run.checkpoints(complete=False)):
+            found = self.problems(ckpt)
+            if not found:
+                return ckpt
+            skipped.append(f"step_{step}: " + "; ".join(found))
+            if self.accelerator.is_main_process:
+                log.warning("checkpoint %s is damaged and skipped: %s", ckpt, "; ".join(found))
+                self.run.event("checkpoint_skipped", step=step, path=str(ckpt), problems=found)
+        raise RuntimeError(
+            f"no checkpoint in {self.run.checkpoints_path} can be used"
+            + (": " + " | ".join(skipped) if skipped else " (there is none)")
+        )
+
+    def _model_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        """Every name and full shape of the model this run built, for check_model. Collective: a
+        pipeline rank holds only its stages, so the ranks' entries are put together first."""
+        model: dict[str, tuple[int, ...] | None] = {}
+        for part in self._everyone(shapes_of(self.strategy.state_dict()["model"])):
+            model.update(part)
+        return model
+
+    def resume(self) -> tuple[TrainerState, Path]:
+        """Load the newest checkpoint that verifies, resharded to this run's mode and ranks."""
+        ckpt = self._usable()
+        saved = json.loads((ckpt / STATE).read_text())
+        strategy, main = self.strategy, self.accelerator.is_main_process
+        configured = (
+            hyperparameters(strategy.optimizer),
+            hyperparameters(strategy.local_optimizer()),
+        )
+        check_model(ckpt, self._model_shapes())
+        load_into(strategy, ckpt)
+        keep_configured(strategy, *configured, announce=main)
+        if main:
+            note_dropout(self.run, strategy.module, ckpt, saved, self.world)
+        load_rank_state(
+            ckpt, self.rank, saved.get("world_size"), self.accelerator.device, strategy.scaler
+        )
+        state = TrainerState.from_dict(saved)
+        # The data position counts samples, so a resume on another layout (same global batch)
+        # continues it.
+        state.micro_batches = state.step * self.cfg.grad_accum_steps
+        if main:
+            self.run.set_aside_metrics_after(state.step)
+        return state, ckpt
