@@ -144,7 +144,11 @@ def _check_checkpoint_units(cfg: RunConfig, task: Any) -> None:
     except Exception:  # noqa: BLE001
         # a model that can't be built on meta is checked in the ranks instead
         return
-    units = checkpoint_units(model, shard_units(model, task), cfg.activation_checkpointing)
+    from workbench.tasks.model_plans import ModelPlan
+
+    units = checkpoint_units(
+        model, shard_units(model, ModelPlan(task)), cfg.activation_checkpointing
+    )
     if cfg.compile == "blocks" and not units:
         raise ValueError(
             f"compile='blocks': the {cfg.task} model has no repeated blocks to compile (no "
@@ -190,12 +194,15 @@ def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
     """pp > 1: Task.pipeline_stages gives a stage for every stage index (pp x chunks per rank),
     built on the meta device."""
     from workbench.config.mesh import virtual_stages
+    from workbench.tasks.model_plans import ModelPlan, is_transformers_model
 
     total = cfg.pp * virtual_stages(cfg)
     for stage in range(total):
         with torch.device("meta"):
             model = task.build_model(cfg)
         part = task.pipeline_stages(model, cfg, stage, total)
+        if part is None and is_transformers_model(model):
+            raise ValueError(f"pp={cfg.pp}: " + ModelPlan(task).missing(model, "pipeline stages"))
         if part is None:
             raise ValueError(
                 f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "
@@ -207,9 +214,13 @@ def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
 def check_tensor_parallel_task(cfg: RunConfig, task: Any) -> None:
     """Before launch, with tp > 1: the task has a plan (Task.tensor_parallel_plan) that names real
     submodules, looked up on the model built on the meta device."""
+    from workbench.tasks.model_plans import ModelPlan, is_transformers_model
+
     with torch.device("meta"):
         model = task.build_model(cfg)
-    plan = task.tensor_parallel_plan(model, cfg)
+    plan = ModelPlan(task).tensor_parallel_plan(model, cfg)
+    if plan is None and is_transformers_model(model):
+        raise ValueError(f"tp={cfg.tp}: " + ModelPlan(task).missing(model, "tensor-parallel plan"))
     if plan is None:
         raise ValueError(
             f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan "

@@ -47,6 +47,25 @@ class RunResult(RunFiles):
 
         return load_model(self.dir, self._config(), self._task(), step=step, device=device)
 
+    def save_pretrained(self, path: str | os.PathLike[str], *, step: int | None = None) -> Path:
+        """Write this run's model as a transformers folder (config.json, safetensors weights,
+        generation config), loadable with `AutoModelForCausalLM.from_pretrained(path)` (or the
+        model's own class) without workbench; the weights of `load_model(step=step)`, gathered from
+        whatever layout trained them. The task's model must be a transformers PreTrainedModel.
+        Returns the folder."""
+        from workbench.tasks.model_plans import is_transformers_model
+
+        model = self.load_model(step=step)
+        if not is_transformers_model(model):
+            raise TypeError(
+                f"save_pretrained: task {self._config().task!r} built a {type(model).__name__}, "
+                "not a transformers PreTrainedModel; use load_model() and torch.save or "
+                f"safetensors for it (its final weights are {self.dir.weights_path})"
+            )
+        folder = Path(path)
+        model.save_pretrained(folder, safe_serialization=True)
+        return folder
+
     @property
     def rank_values(self) -> list[Any]:
         """What Task.rank_value returned on every rank at the end of the run, in rank order."""

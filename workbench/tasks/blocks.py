@@ -45,7 +45,8 @@ def shard_units(model: nn.Module, task: ParallelPlan) -> list[nn.Module]:
     for unit in units:
         if unit is model or id(unit) not in owned:
             raise ValueError(
-                f"{type(task).__name__}.shard_units returned {type(unit).__name__}, which is "
+                f"{getattr(task, 'owner', type(task).__name__)}.shard_units returned "
+                f"{type(unit).__name__}, which is "
                 + (
                     "the model itself (the root is always a unit; return its blocks)"
                     if unit is model

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workbench.config import SHARDED
+from workbench.tasks.model_plans import ModelPlan
 from workbench.training.parallel.apply import apply_parallelism
 from workbench.training.parallel.device_mesh import build_mesh
 from workbench.training.parallel.placement import Placement
@@ -117,7 +118,9 @@ def parallelize(
     strategy the loop trains through. `accelerator`: accelerate's Accelerator, or a Placement (an
     estimate's fake rank)."""
     where = placed(cfg, accelerator)
-    parallel = apply_parallelism(cfg, where, model, task)
+    # The Task's hooks first, then what the model declares for itself (a transformers model's
+    # blocks and tensor-parallel plan): tasks/model_plans.py.
+    parallel = apply_parallelism(cfg, where, model, ModelPlan(task))
     strategy = strategy_class(cfg).around(cfg, where, parallel, task, make_optimizer)
     strategy.float8 = parallel.float8
     return strategy

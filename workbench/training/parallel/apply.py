@@ -43,6 +43,7 @@ import torch
 
 from workbench.config.mesh import shards, virtual_stages
 from workbench.tasks.blocks import checkpoint_units, shard_units
+from workbench.tasks.model_plans import divide_heads, is_transformers_model
 from workbench.training.compiling import compile_blocks, compile_model
 from workbench.training.parallel.device_mesh import DATA_DIMS
 from workbench.training.parallel.pipeline_parts import dim_size, local_rank, tied_names
@@ -250,9 +251,13 @@ def data_dims(mesh: DeviceMesh | None) -> tuple[str, ...]:
 
 
 def apply_tp(module: torch.nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
+    """The plan over 'tp'; a transformers model's attention modules then count their own share of
+    the heads (tasks/model_plans.divide_heads)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(module, mesh["tp"], plan)
+    if is_transformers_model(module):
+        divide_heads(module, mesh["tp"].size())
 
 
 def apply_ac(
