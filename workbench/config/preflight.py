@@ -218,9 +218,10 @@ def check_tensor_parallel_task(cfg: RunConfig, task: Any) -> None:
 
     with torch.device("meta"):
         model = task.build_model(cfg)
-    plan = ModelPlan(task).tensor_parallel_plan(model, cfg)
+    declared = ModelPlan(task)
+    plan = declared.tensor_parallel_plan(model, cfg)
     if plan is None and is_transformers_model(model):
-        raise ValueError(f"tp={cfg.tp}: " + ModelPlan(task).missing(model, "tensor-parallel plan"))
+        raise ValueError(f"tp={cfg.tp}: " + declared.missing(model, "tensor-parallel plan"))
     if plan is None:
         raise ValueError(
             f"tp={cfg.tp}: task {task.name!r} has no tensor-parallel plan "

@@ -69,7 +69,6 @@ if TYPE_CHECKING:
     from workbench.training.parallel import Strategy
 
 log = logging.getLogger("workbench")
-STATE = TRAINER_STATE  # the name rundir/prepare.py reads too
 
 
 @dataclasses.dataclass
@@ -242,7 +241,7 @@ class Checkpointer:
             )
         if self.accelerator.is_main_process:
             write_json(
-                tmp / STATE,
+                tmp / TRAINER_STATE,
                 {**state.to_dict(), "world_size": self.world, "parallelism": self.cfg.parallelism},
             )
             self.cfg.to_yaml(tmp / "config.yaml")
@@ -303,7 +302,7 @@ class Checkpointer:
     def resume(self) -> tuple[TrainerState, Path]:
         """Load the newest checkpoint that verifies, resharded to this run's mode and ranks."""
         ckpt = self._usable()
-        saved = json.loads((ckpt / STATE).read_text())
+        saved = json.loads((ckpt / TRAINER_STATE).read_text())
         strategy, main = self.strategy, self.accelerator.is_main_process
         configured = (
             hyperparameters(strategy.optimizer),
