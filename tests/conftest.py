@@ -32,6 +32,8 @@ LONGEST_FIRST = (
     "test_regress.py",
     "test_pipeline_layouts.py",
     "test_hf_models.py",
+    "test_hf_tasks.py",
+    "test_estimate_hf.py",
 )
 """Test files by their time in the suite, longest first (2 cores, a fresh cache). Two xdist workers take whole
 files in collection order (addopts: --dist loadfile --no-loadscope-reorder), so these go first and the many

@@ -11,6 +11,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     _overhead_bench(bsub)
+    _hf_overhead_bench(bsub)
     _run_benches(bsub)
     _start_up_benches(bsub)
     _estimate_benches(bsub)
@@ -71,6 +72,25 @@ def _overhead_bench(bsub: argparse._SubParsersAction) -> None:
         help="where both loops train (default: the CPU, whatever the machine has)",
     )
     _result_args(o)
+
+
+def _hf_overhead_bench(bsub: argparse._SubParsersAction) -> None:
+    """`bench hf-overhead`: a transformers model, workbench against the plain Accelerate loop."""
+    h = bsub.add_parser(
+        "hf-overhead",
+        help="a transformers Llama-shaped model stepped by workbench and by the plain Accelerate "
+        "loop from accelerate's docs (ddp, fp32, CPU ranks), side by side",
+    )
+    h.add_argument("--steps", type=int, default=60, help="steps of each run (10 are warm-up)")
+    h.add_argument(
+        "--pairs",
+        type=int,
+        default=7,
+        help="back-to-back pairs of runs, order alternating (the overhead is the median of their "
+        "differences)",
+    )
+    h.add_argument("--num-processes", type=int, default=2)
+    _result_args(h)
 
 
 def _run_benches(bsub: argparse._SubParsersAction) -> None:

@@ -55,6 +55,17 @@ def run_bench(args: argparse.Namespace) -> int:
         from workbench.commands.bench.big_run import big_run
 
         return _verdict(big_run(rows=args.rows, json_path=args.json, keep=args.keep))
+    if args.bench_command == "hf-overhead":
+        from workbench.commands.bench.hf_overhead import hf_overhead
+
+        return _verdict(
+            hf_overhead(
+                steps=args.steps,
+                pairs=args.pairs,
+                num_processes=args.num_processes,
+                json_path=args.json,
+            )
+        )
     if args.bench_command == "dashboard":
         from workbench.commands.bench.dashboard_cost import dashboard_cost
 

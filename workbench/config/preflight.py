@@ -171,8 +171,22 @@ def check_parallel_task(cfg: RunConfig, task: Any) -> None:
 def check_context_parallel_task(cfg: RunConfig, task: Any) -> None:
     """cp > 1: the task names its sequence tensors (Task.context_parallel_buffers), and its sequence
     splits into 2 x cp chunks: PyTorch's load balancing pairs a chunk from the head with one from
-    the tail on each rank, so every rank gets the same share of causal attention's work."""
+    the tail on each rank, so every rank gets the same share of causal attention's work. A
+    transformers model is refused without the hook, saying why (ModelPlan.missing): context
+    parallel for it is not proven equal to one process."""
     if type(task).context_parallel_buffers is Task.context_parallel_buffers:
+        from workbench.tasks.model_plans import ModelPlan, is_transformers_model
+
+        try:
+            with torch.device("meta"):
+                model = task.build_model(cfg)
+        except Exception:  # noqa: BLE001
+            # a model that can't be built on meta: the refusal below, without its name
+            model = None
+        if model is not None and is_transformers_model(model):
+            raise ValueError(
+                f"cp={cfg.cp}: " + ModelPlan(task).missing(model, "context-parallel buffers")
+            )
         raise ValueError(
             f"cp={cfg.cp}: task {task.name!r} doesn't say where its sequence dimension is "
             f"({type(task).__name__}.context_parallel_buffers returns None); set cp=1, or "
@@ -197,12 +211,13 @@ def check_pipeline_task(cfg: RunConfig, task: Any) -> None:
     from workbench.tasks.model_plans import ModelPlan, is_transformers_model
 
     total = cfg.pp * virtual_stages(cfg)
+    declared = ModelPlan(task)
     for stage in range(total):
         with torch.device("meta"):
             model = task.build_model(cfg)
-        part = task.pipeline_stages(model, cfg, stage, total)
+        part = declared.pipeline_stages(model, cfg, stage, total)
         if part is None and is_transformers_model(model):
-            raise ValueError(f"pp={cfg.pp}: " + ModelPlan(task).missing(model, "pipeline stages"))
+            raise ValueError(f"pp={cfg.pp}: " + declared.missing(model, "pipeline stages"))
         if part is None:
             raise ValueError(
                 f"pp={cfg.pp}: task {task.name!r} can't be split into pipeline stages "

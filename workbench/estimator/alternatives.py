@@ -87,9 +87,10 @@ def alternatives(
 
     from workbench.estimator import estimate
     from workbench.tasks.blocks import shard_units
+    from workbench.tasks.model_plans import ModelPlan
 
     with torch.device("meta"):
-        has_blocks = bool(shard_units(task.build_model(cfg), task))
+        has_blocks = bool(shard_units(task.build_model(cfg), ModelPlan(task)))
     found: list[tuple[str, Estimate]] = []
     gpu = est.target.name if est.target.kind == "cuda" else None
     for what, changed, gpus, nodes in _candidates(cfg, est, has_blocks):

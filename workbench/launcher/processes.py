@@ -27,6 +27,7 @@ from workbench.launcher.spawn import SpawnedRanks, StartPlan, die_with_caller, w
 from workbench.rundir import RunDir, lock
 from workbench.rundir.liveness import this_process
 from workbench.tasks import Task
+from workbench.tasks.hf.sources import HUB_OFFLINE
 from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.preemption import elastic_signals
 
@@ -207,6 +208,7 @@ def _start(
         "PYTHONUNBUFFERED": "1",
         "WORKBENCH_LOCK_TOKEN": token,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg),
+        **HUB_OFFLINE,  # nothing is fetched from the Hugging Face Hub in a rank
     }
     command = launch_command(cfg, run.path, port, plan.device)
     if plan.method == "spawn":

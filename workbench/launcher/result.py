@@ -4,6 +4,7 @@ side with what the run directory itself must not import: the task's model (load_
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,8 @@ from workbench.utils.jsonl import JsonlRows
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
+
+log = logging.getLogger("workbench")
 
 
 @dataclass(repr=False)  # RunFiles' one-line repr, not every field's
@@ -47,12 +50,21 @@ class RunResult(RunFiles):
 
         return load_model(self.dir, self._config(), self._task(), step=step, device=device)
 
-    def save_pretrained(self, path: str | os.PathLike[str], *, step: int | None = None) -> Path:
-        """Write this run's model as a transformers folder (config.json, safetensors weights,
-        generation config), loadable with `AutoModelForCausalLM.from_pretrained(path)` (or the
-        model's own class) without workbench; the weights of `load_model(step=step)`, gathered from
-        whatever layout trained them. The task's model must be a transformers PreTrainedModel.
+    def save_pretrained(
+        self, path: str | os.PathLike[str], *, merged: bool = False, step: int | None = None
+    ) -> Path:
+        """Write this run's model as a transformers folder, loadable without workbench: config,
+        safetensors weights (those of `load_model(step=step)`, gathered from whatever layout
+        trained them), generation config, and the tokenizer the run trained with (its run
+        directory's `tokenizer/`, when the task kept one).
+
+        A LoRA run writes its adapter (adapter_config.json, adapter_model.safetensors: load it
+        with `PeftModel.from_pretrained(base, path)`); with `merged=True`, the model with the
+        adapters folded in, a plain transformers folder. A base built at random init (an
+        architecture name, no folder) is written beside the adapter, in `path/base`, and the
+        adapter names it as its base. The task's model must be a transformers PreTrainedModel.
         Returns the folder."""
+        from workbench.tasks.hf import lora
         from workbench.tasks.model_plans import is_transformers_model
 
         model = self.load_model(step=step)
@@ -63,7 +75,28 @@ class RunResult(RunFiles):
                 f"safetensors for it (its final weights are {self.dir.weights_path})"
             )
         folder = Path(path)
-        model.save_pretrained(folder, safe_serialization=True)
+        # one bar per shard in the cell says nothing for a folder written in a second
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if lora.is_peft(model):
+            if merged:
+                lora.merged(model).save_pretrained(folder)
+            else:
+                lora.save_adapter(model, folder)
+        else:
+            if merged:
+                log.warning(
+                    "save_pretrained(merged=True): %s has no adapters to merge", self.dir.name
+                )
+            model.save_pretrained(folder)
+        if self.dir.tokenizer_path.is_dir():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                self.dir.tokenizer_path, local_files_only=True
+            )
+            tokenizer.save_pretrained(folder)
         return folder
 
     @property

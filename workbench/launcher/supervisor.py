@@ -22,6 +22,7 @@ from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.postmortem import finalize, record_signal_deaths
 from workbench.launcher.scratch import remove_scratch, use_scratch
 from workbench.rundir import RunDir, lock
+from workbench.tasks.hf.sources import offline
 from workbench.training.parallel import strategy_module
 from workbench.training.rank import RETURNED_FD, die_with_parent, expect_forked_ranks, rank_main
 from workbench.utils import preemption
@@ -189,6 +190,7 @@ def _prepare_for_ranks(cfg: RunConfig, token: str, returned_fd: int, device: str
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (rank.py)
+    offline()  # nothing is fetched from the Hugging Face Hub in a rank
     os.environ[RETURNED_FD] = str(returned_fd)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; accelerate would set 1 thread per rank and warn about it.

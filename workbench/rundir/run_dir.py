@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -83,6 +84,8 @@ SLURM_FOLDER = "slurm"
 """submitit's folder of a cluster run: the job's pickled call and each task's stdout and stderr."""
 PLOT = "plot.png"
 """The run's curves as a PNG (`workbench demo` saves them)."""
+TOKENIZER = "tokenizer"
+"""The tokenizer a Hugging Face task trained with (its save_pretrained folder)."""
 TRAINER_STATE = "trainer_state.json"
 """In a checkpoint: the progress it carries (step, samples, ...), written by the checkpointer."""
 COMPLETE_MARKER = "manifest.json"
@@ -125,6 +128,7 @@ class RunDir:
     errors_path = property(lambda self: self.path / ERRORS)
     stop_path = property(lambda self: self.path / STOP_REQUEST)
     weights_path = property(lambda self: self.path / WEIGHTS)
+    tokenizer_path = property(lambda self: self.path / TOKENIZER)
     lock_path = property(lambda self: self.path / LOCK)
     ranks_path = property(lambda self: self.path / RANKS)
     stacks_path = property(lambda self: self.path / STACKS)
@@ -386,6 +390,22 @@ class RunDir:
         """model.safetensors: the full weights at the end of a session."""
         with self.writing(self.weights_path, "the exported weights"):
             atomic_write_bytes(self.weights_path, data)
+
+    def write_tokenizer(self, tokenizer: Any) -> None:
+        """tokenizer/: a transformers tokenizer's save_pretrained folder, written once (the first
+        process to get here; the folder appears whole, by a rename)."""
+        if self.tokenizer_path.is_dir():
+            return
+        staging = self.path / f".{TOKENIZER}.{os.getpid()}.tmp"
+        with self.writing(self.tokenizer_path, "the tokenizer"):
+            tokenizer.save_pretrained(staging)
+            try:
+                staging.rename(self.tokenizer_path)
+            except OSError:
+                # another rank's rename won: its folder is the same tokenizer
+                shutil.rmtree(staging, ignore_errors=True)
+                if not self.tokenizer_path.is_dir():
+                    raise
 
     def write_task(self, payload: bytes) -> None:
         """task.pkl: the pickled task a spawned rank loads."""

@@ -6,8 +6,9 @@ A transformers `PreTrainedModel` declares its layout: `_no_split_modules` names 
 class (the FSDP2 / activation-checkpointing / compile unit) and `config.base_model_tp_plan` (the
 model-level `tp_plan`, prefixed with the base model's attribute) says which Linear is split by
 column and which by row. These are translated to torch's ColwiseParallel / RowwiseParallel here, so
-no architecture needs a table of ours. A model without a plan is refused before launch, naming what
-is missing and the way out.
+no architecture needs a table of ours. `config.base_model_pp_plan` gives the pipeline order
+(embed_tokens -> layers -> norm), cut into stages by tasks/hf/stages.py. A model without a plan is
+refused before launch, naming what is missing and the way out.
 
 Kept outside training/ so that the preflight checks (config/preflight.py) can ask it of a model
 built on the meta device without importing the trainer; transformers is never imported here: a
@@ -16,6 +17,7 @@ model is one of its models only if transformers is already loaded (the task buil
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -56,16 +58,66 @@ def declared_units(model: nn.Module) -> list[nn.Module] | None:
 
 def declared_tp_plan(model: nn.Module) -> dict[str, Any] | None:
     """A transformers model's own tensor-parallel plan (model-level names, `*` for the layer index)
-    as torch plan entries; None when the model declares none."""
+    as torch plan entries; None when the model declares none. Under peft's LoRA, the entries follow
+    the adapters (adapted_plan)."""
     if not is_transformers_model(model):
         return None
     plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
-    if not plan:
+    entries = {name: style for name, style in plan.items() if style in TP_STYLES}
+    if not entries:
         return None
+    if callable(getattr(model, "get_base_model", None)):
+        return adapted_plan(model, entries) or None
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return {name: styles[style]() for name, style in plan.items() if style in TP_STYLES} or None
+    return {name: styles[style]() for name, style in entries.items()}
+
+
+def adapted_plan(model: nn.Module, entries: dict[str, str]) -> dict[str, Any]:
+    """The plan of a peft-wrapped model: the model's names sit under the wrapper's prefix
+    ('base_model.model.'), and an adapted Linear is a LoRA layer around it (`base_layer`, with
+    `lora_A` and `lora_B` per adapter). The base layer is split as the plan says; the adapter's
+    path is split to match, so that its output adds to the base's shard: beside a column-wise
+    layer, lora_B column-wise (lora_A, whole, reads the whole input); beside a row-wise layer,
+    lora_A row-wise (it reads the sharded input; its small output is all-reduced) and lora_B
+    whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    base = model.get_base_model()  # type: ignore[operator]
+    prefix = next(name for name, module in model.named_modules() if module is base)
+    modules = dict(model.named_modules())
+    out: dict[str, Any] = {}
+    for pattern, style in entries.items():
+        full = re.compile(re.escape(f"{prefix}.{pattern}").replace(r"\*", r"[^.]+") + "$")
+        for name, module in modules.items():
+            if not full.match(name):
+                continue
+            if getattr(module, "base_layer", None) is None:
+                out[name] = styles[style]()
+                continue
+            out[f"{name}.base_layer"] = styles[style]()
+            part = "lora_B" if style == "colwise" else "lora_A"
+            for adapter in getattr(module, part, {}):
+                out[f"{name}.{part}.{adapter}"] = styles[style]()
+    return out
+
+
+def splits_heads(module: nn.Module) -> bool:
+    """Whether `module`'s attention modules are a transformers model's (the model, or a pipeline
+    stage of one), whose head counts follow a tensor-parallel split (divide_heads)."""
+    return is_transformers_model(module) or getattr(module, "splits_heads", False) is True
+
+
+def declared_stage(model: nn.Module, stage: int, stages: int) -> nn.Module | None:
+    """Pipeline stage `stage` of `stages` of a transformers model, cut along the order its config
+    declares (base_model_pp_plan); None for other models or a model that declares none."""
+    if not is_transformers_model(model):
+        return None
+    from workbench.tasks.hf.stages import declared_stage as cut
+
+    return cut(model, stage, stages)
 
 
 def divide_heads(model: nn.Module, tp: int) -> None:
@@ -101,30 +153,42 @@ class ModelPlan:
     def pipeline_stages(
         self, model: nn.Module, cfg: RunConfig, stage: int, stages: int
     ) -> nn.Module | None:
-        return self.task.pipeline_stages(model, cfg, stage, stages)
+        part = self.task.pipeline_stages(model, cfg, stage, stages)
+        return part if part is not None else declared_stage(model, stage, stages)
 
     def missing(self, model: nn.Module, what: str) -> str:
-        """Why there is no `what` ('tensor-parallel plan', 'pipeline stages') for this model, and
-        the way out, for a refusal."""
-        hook = {
-            "tensor-parallel plan": "tensor_parallel_plan",
-            "pipeline stages": "pipeline_stages",
-        }
+        """Why there is no `what` ('tensor-parallel plan', 'pipeline stages', 'context-parallel
+        buffers') for this model, and the way out, for a refusal."""
+        hook, dim, declares = _MISSING[what]
+        owner = type(self.task).__name__
         if is_transformers_model(model):
-            declares = (
-                "declares no tensor-parallel plan (config.base_model_tp_plan)"
-                if what == "tensor-parallel plan"
-                else "has no pipeline split in workbench yet (base_model_pp_plan is not read)"
-            )
-            return (
-                f"{type(model).__name__} {declares}; set {_dim(what)}=1, or define "
-                f"{type(self.task).__name__}.{hook[what]}"
-            )
-        return (
-            f"task {self.name!r} has no {what} ({type(self.task).__name__}.{hook[what]} returns "
-            "None)"
-        )
+            return f"{type(model).__name__} {declares}; set {dim}=1, or define {owner}.{hook}"
+        return f"task {self.name!r} has no {what} ({owner}.{hook} returns None)"
 
 
-def _dim(what: str) -> str:
-    return "tp" if what == "tensor-parallel plan" else "pp"
+_MISSING = {
+    "tensor-parallel plan": (
+        "tensor_parallel_plan",
+        "tp",
+        "declares no tensor-parallel plan (config.base_model_tp_plan)",
+    ),
+    "pipeline stages": (
+        "pipeline_stages",
+        "pp",
+        "declares no pipeline plan (config.base_model_pp_plan)",
+    ),
+    # Why a transformers model can't simply be given the sequence split: its forward makes the
+    # position ids itself (arange over the sequence it sees), and from them its rotary (or learned)
+    # position embeddings, so each rank of a CP group would embed its chunks of the sequence as if
+    # they began at position 0 (and were contiguous), unlike one process.
+    "context-parallel buffers": (
+        "context_parallel_buffers",
+        "cp",
+        "computes its token positions inside its forward (position_ids = arange over the "
+        "sequence it is given, then its rotary or learned position embeddings), which context "
+        "parallel's sequence split can't reach: each rank would embed its chunks of the sequence "
+        "as if they started at position 0, unlike one process",
+    ),
+}
+"""For each thing a model may lack: the Task hook that provides it, the mesh dimension that needs
+it, and what a transformers model lacks, in words."""

@@ -12,6 +12,8 @@ from workbench.utils.suggest import did_you_mean
 BUILTIN: dict[str, str] = {
     "digits": "workbench.tasks.digits:DigitsTask",
     "char-gpt": "workbench.tasks.char_gpt:CharGPTTask",
+    "hf-causal-lm": "workbench.tasks.hf.causal_lm:CausalLMTask",
+    "hf-sequence-classification": "workbench.tasks.hf.classification:SequenceClassificationTask",
 }
 """Built-in tasks by import path: imported when first asked for, so `import workbench` stays
 light."""

@@ -26,6 +26,7 @@ from workbench.training.checkpoint.files import (
     model_differences,
     saved_model_shapes,
     shapes_of,
+    trained_state,
     verify_part,
 )
 from workbench.utils.distributed import single_process_dcp
@@ -48,12 +49,15 @@ def load_model(
 ) -> torch.nn.Module:
     """`task`'s model with the run's final weights (step=None) or those of the checkpoint at `step`,
     on `device`, in eval mode."""
-    model = task.build_model(cfg)
-    state = model.state_dict()
+    # seeded as the ranks build it: what a checkpoint leaves out (frozen parameters: a LoRA run's
+    # base) is the same here
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = task.build_model(cfg)
     if step is None and run.weights_path.exists():
-        _load_final(run, state)
+        _load_final(run, model.state_dict())
     else:
-        _load_checkpoint(run, state, step)
+        _load_checkpoint(run, trained_state(model), step)
     return model.to(device).eval()
 
 

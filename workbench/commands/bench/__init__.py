@@ -1,5 +1,6 @@
-"""Benchmarks, each measured side by side in one run: `workbench bench overhead | precision |
-parallelism | compile | launch | estimate | estimate-speed | dashboard | big-run | imports`."""
+"""Benchmarks, each measured side by side in one run: `workbench bench overhead | hf-overhead |
+precision | parallelism | compile | launch | estimate | estimate-speed | dashboard | big-run |
+imports`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """`workbench bench estimate`: the estimate against the measured peak per rank, for every layout the
 trainer runs (data parallel, tensor parallel, pipeline, FSDP x TP, pipelines with replicas) and two
-model shapes, side by side in one run.
+model shapes, side by side in one run; on CPU also a transformers model (hf-causal-lm, a tiny
+Llama), trained fully and with LoRA under zero3.
 
 Measured is PyTorch's memory tracker on the real run on CPU (track_memory),
 torch.cuda.max_memory_allocated on a GPU. The estimate compared is its tensor bytes (the runtime
@@ -86,6 +87,40 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp 2 x ddp 2": {"pp": 2, "grad_accum_steps": 2, "num_processes": 4, "oversubscribe": True},
 }
 """Each layout as the RunConfig fields it changes from the shape's config."""
+HF_SHAPE = "hf Llama tiny (2 x 64, seq 64)"
+_HF_OPTIONS: dict[str, Any] = {
+    "model": "llama",
+    "model_config": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    },
+    "dataset": "tinyshakespeare",
+    "tokenizer": "train:512",
+    "seq_len": 64,
+}
+HF_ROWS: dict[str, RunConfig] = {
+    layout: RunConfig(
+        task="hf-causal-lm",
+        num_processes=2,
+        micro_batch_size=8,
+        max_steps=4,
+        log_every=2,
+        eval_every=0,
+        parallelism="zero3",
+        task_options={**_HF_OPTIONS, "lora": lora},
+    )
+    for layout, lora in (
+        ("zero3", None),
+        ("zero3 + LoRA r8", {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}),
+    )
+}
+"""A transformers model (the built-in hf-causal-lm task, a Llama at random init from its config,
+a BPE tokenizer trained on the corpus), fully and with LoRA's frozen base, on CPU only: its own
+rows, not crossed with LAYOUTS (hf_models' tests cover the other layouts' model state)."""
 TIMED_STEPS = 60
 """Steps each real run takes: six logged windows, the first left out as warm-up."""
 _MEASURED: set[tuple[str, int]] = set()
@@ -238,29 +273,31 @@ def _measure(
     they ran on."""
     device = "cpu"
     on_gpus = resolve_device(RunConfig(), hw) == "cuda"
+    planned = [
+        (shape, layout, base.replace(**fields))
+        for shape, base in (shapes or (GPU_SHAPES if on_gpus else SHAPES)).items()
+        for layout, fields in (layouts or LAYOUTS).items()
+    ]
+    if shapes is None and layouts is None and not on_gpus:
+        planned += [(HF_SHAPE, layout, cfg) for layout, cfg in HF_ROWS.items()]
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
-        for shape, base in (shapes or (GPU_SHAPES if on_gpus else SHAPES)).items():
-            for layout, fields in (layouts or LAYOUTS).items():
-                try:
-                    cfg = base.replace(
-                        **fields, runs_dir=tmp, run_name=None, track_memory=fields.get("pp", 1) == 1
+        for shape, layout, planned_cfg in planned:
+            try:
+                cfg = planned_cfg.replace(
+                    runs_dir=tmp, run_name=None, track_memory=planned_cfg.pp == 1
+                )
+                device = resolve_device(cfg, hw)
+                if device == "cuda":
+                    cfg = on_these_gpus(cfg, hw.max_processes("cuda"))
+                rows.append(_compare(shape, layout, cfg, hw, device == "cuda"))
+            except (ValueError, ImportError) as e:
+                # the task can't run this layout (said in words by the config checks), or its
+                # extra (workbench[hf]) isn't installed
+                rows.append(
+                    EstimateRow(
+                        shape, layout, None, None, None, note=str(e).split(";")[0].split(" (")[0]
                     )
-                    device = resolve_device(cfg, hw)
-                    if device == "cuda":
-                        cfg = on_these_gpus(cfg, hw.max_processes("cuda"))
-                    rows.append(_compare(shape, layout, cfg, hw, device == "cuda"))
-                except ValueError as e:
-                    # the task can't run this layout: said in words by the config checks
-                    rows.append(
-                        EstimateRow(
-                            shape,
-                            layout,
-                            None,
-                            None,
-                            None,
-                            note=str(e).split(";")[0].split(" (")[0],
-                        )
-                    )
+                )
         _learn_from_a_first_run(rows, Path(tmp), hw)
     return device
 

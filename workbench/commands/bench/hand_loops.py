@@ -326,27 +326,35 @@ def hand_loop(cfg: RunConfig, task: Task, out_dir: str, mode: str) -> None:
     acc.wait_for_everyone()
 
 
-def _notebook_launch(cfg: RunConfig, out_dir: str, mode: str) -> None:
+HandLoop = Callable[["RunConfig", Task, str, str], None]
+"""One rank of a loop: (cfg, task, out_dir, mode); rank 0 writes HAND_RESULT and HAND_WEIGHTS into
+out_dir."""
+
+
+def _notebook_launch(cfg: RunConfig, out_dir: str, mode: str, loop: HandLoop) -> None:
     from accelerate import notebook_launcher
 
     with contextlib.redirect_stdout(io.StringIO()):  # accelerate says "2 CUDAs" even on a CPU box
         notebook_launcher(
-            hand_loop,
+            loop,
             args=(cfg, get_task(cfg.task), out_dir, mode),
             num_processes=cfg.num_processes,
             use_port=str(free_port()),
         )
 
 
-def run_hand_loop(cfg: RunConfig, out_dir: str, mode: str) -> dict[str, Any]:
-    """The hand-written loop on cfg.num_processes forked ranks; {'step_time_s', 'weights_sha256',
-    'weights' (the path of rank 0's full weights, torch.save'd)}."""
+def run_hand_loop(
+    cfg: RunConfig, out_dir: str, mode: str, loop: HandLoop = hand_loop
+) -> dict[str, Any]:
+    """The hand-written loop (`loop`, default hand_loop: the one of `mode`) on cfg.num_processes
+    forked ranks; {'step_time_s', 'weights_sha256', 'weights' (the path of rank 0's full weights,
+    torch.save'd)} and whatever else the loop wrote into HAND_RESULT."""
     # On CUDA through a fresh interpreter: the process running the bench may have asked for the GPUs
     # already (torch.cuda.is_available()), and notebook_launcher's ranks forked from it could not
     # use them.
     method = "spawn" if resolve_device(cfg) == "cuda" else "fork"
     proc = multiprocessing.get_context(method).Process(
-        target=_notebook_launch, args=(cfg, out_dir, mode)
+        target=_notebook_launch, args=(cfg, out_dir, mode, loop)
     )
     proc.start()
     proc.join()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.commands.bench.hand_loops import HAND_MODES, run_hand_loop
+from workbench.commands.bench.hand_loops import HAND_MODES, HandLoop, hand_loop, run_hand_loop
 from workbench.commands.bench.results import write_result
 from workbench.config import RunConfig
 from workbench.config.preflight import preflight
@@ -188,6 +188,9 @@ class _Side:
     times: list[float]
     digests: set[str]
     weights: dict[str, torch.Tensor]
+    final_loss: float | None = None
+    """The loss of the last logging window (the trainer's last metrics row), where the side reports
+    one."""
 
 
 def _trainer(cfg: RunConfig, tmp: str, i: int) -> _Side:
@@ -204,17 +207,19 @@ def _trainer(cfg: RunConfig, tmp: str, i: int) -> _Side:
         read_json(result.dir.timings_path)["step_time_s"][WARMUP_STEPS:],
         digests,
         load_file(str(result.dir.weights_path)),
+        summary.get("final_loss"),
     )
 
 
-def _hand(cfg: RunConfig, tmp: str, i: int, mode: str) -> _Side:
+def _hand(cfg: RunConfig, tmp: str, i: int, mode: str, loop: HandLoop = hand_loop) -> _Side:
     hand_dir = Path(tmp, f"hand-{i}")
     hand_dir.mkdir()
-    out = run_hand_loop(cfg, str(hand_dir), mode)
+    out = run_hand_loop(cfg, str(hand_dir), mode, loop)
     return _Side(
         out["step_time_s"][WARMUP_STEPS:],
         {out["weights_sha256"]},
         torch.load(out["weights"], weights_only=True),
+        out.get("final_loss"),
     )
 
 
@@ -254,8 +259,8 @@ def overhead(
     preflight(cfg)
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps={steps}: must exceed the {WARMUP_STEPS} warm-up steps")
-    pairs = _run_pairs(cfg, repeats, mode)
-    report = _report(pairs, cfg, steps, repeats, num_processes, mode)
+    pairs = run_pairs(cfg, repeats, mode)
+    report = pairs_report(pairs, cfg, steps, repeats, num_processes, mode)
     if json_path is not None:
         write_result(json_path, {**asdict(report), "passed": report.passed})
     return report
@@ -274,6 +279,8 @@ class _Pairs:
     """Largest |trainer - hand| over the full weights, worst pair."""
     scale: float = 0.0
     """Largest |weight| of the trainer's, any pair."""
+    final_losses: list[tuple[float | None, float | None]] = field(default_factory=list)
+    """Each pair's final losses, (trainer's, hand loop's): None where a side reports none."""
 
     def add(self, i: int, t: _Side, h: _Side) -> None:
         self.trainer_times += t.times
@@ -285,27 +292,29 @@ class _Pairs:
             "pair %d (%s first): %+.3f ms", i, "hand" if i % 2 else "trainer", 1e3 * self.paired[-1]
         )
         self.digests |= t.digests | h.digests
+        self.final_losses.append((t.final_loss, h.final_loss))
         pair_diff, pair_scale = weights_difference(t.weights, h.weights)
         self.diff, self.scale = max(self.diff, pair_diff), max(self.scale, pair_scale)
 
 
-def _run_pairs(cfg: RunConfig, repeats: int, mode: str) -> _Pairs:
-    """`repeats` pairs of runs, the trainer's and the hand loop's, back to back."""
+def run_pairs(cfg: RunConfig, repeats: int, mode: str, loop: HandLoop = hand_loop) -> _Pairs:
+    """`repeats` pairs of runs, the trainer's and the hand loop's (`loop`, default the one of
+    `mode`), back to back."""
     pairs = _Pairs()
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         for i in range(repeats):
             # Alternate which goes first: the second of a pair may find the machine warmer (or
             # busier).
             if i % 2 == 0:
-                t, h = _trainer(cfg, tmp, i), _hand(cfg, tmp, i, mode)
+                t, h = _trainer(cfg, tmp, i), _hand(cfg, tmp, i, mode, loop)
             else:
-                h = _hand(cfg, tmp, i, mode)
+                h = _hand(cfg, tmp, i, mode, loop)
                 t = _trainer(cfg, tmp, i)
             pairs.add(i, t, h)
     return pairs
 
 
-def _report(
+def pairs_report(
     pairs: _Pairs, cfg: RunConfig, steps: int, repeats: int, num_processes: int, mode: str
 ) -> OverheadReport:
     """The pairs' medians and means, the overhead (the median of the pairs' differences) against

@@ -31,6 +31,7 @@ from workbench.config.mesh import ParallelDims, virtual_stages
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.tasks import Task
+    from workbench.tasks.model_plans import ModelPlan
 
 
 def schedule_order(
@@ -92,14 +93,26 @@ def rank_order(cfg: RunConfig, strategy: Any) -> list[tuple[str, int, int]]:
 
 def stage_params(task: Task, cfg: RunConfig) -> list[set[str]]:
     """The parameter names each stage holds (a meta-device model: nothing allocated), virtual stages
-    included."""
-    total = cfg.pp * virtual_stages(cfg)
+    included, cut as the recipe cuts them (ModelPlan: the Task's hook, then the model's own
+    pipeline plan)."""
+    from workbench.tasks.model_plans import ModelPlan
+
+    total, plan = cfg.pp * virtual_stages(cfg), ModelPlan(task)
     with torch.device("meta"):
         model = task.build_model(cfg)
     return [
-        {n for n, _ in task.pipeline_stages(model, cfg, s, total).named_parameters()}
-        for s in range(total)
+        {n for n, _ in _stage(plan, model, cfg, s, total).named_parameters()} for s in range(total)
     ]
+
+
+def _stage(
+    plan: ModelPlan, model: torch.nn.Module, cfg: RunConfig, s: int, total: int
+) -> torch.nn.Module:
+    """Stage `s` of `total` by `plan` (preflight refused a layout without one before a trace)."""
+    chunk = plan.pipeline_stages(model, cfg, s, total)
+    if chunk is None:
+        raise ValueError(f"pp={cfg.pp}: " + plan.missing(model, "pipeline stages"))
+    return chunk
 
 
 def trace_stage(
@@ -180,9 +193,11 @@ def _stage_outputs(
     """(shape, dtype) of one micro-batch's output of every stage but the last (what stage s sends
     and stage s + 1 receives), run forward without autograd as the schedule's shape inference does
     (on a CP rank's share of the sequence)."""
+    from workbench.tasks.model_plans import ModelPlan
     from workbench.training.parallel.strategy import DTYPES
 
     dtype, total = DTYPES.get(cfg.precision), cfg.pp * virtual_stages(cfg)
+    plan = ModelPlan(task)
     x = first_input
     if cfg.cp > 1:  # a CP rank's stages run its share of each sequence
         (_, dim), *_ = task.context_parallel_buffers(model, (x, None)) or [(x, 1)]
@@ -190,7 +205,7 @@ def _stage_outputs(
     shapes: list[tuple[torch.Size, torch.dtype]] = []
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         for s in range(total - 1):
-            x = task.pipeline_stages(model, cfg, s, total)(x)
+            x = _stage(plan, model, cfg, s, total)(x)
             shapes.append((x.shape, x.dtype))
     return shapes
 

@@ -317,8 +317,11 @@ def _zero_partition(strategy: Any) -> list[tuple[int, int]]:
 
 
 def _units_of(task: Task, cfg: RunConfig) -> Iterator[torch.nn.Module]:
+    """The model's shard units as the recipe finds them: the Task's hook, then what the model
+    declares (a transformers model's decoder layers), then its repeated blocks."""
     from workbench.tasks.blocks import shard_units
+    from workbench.tasks.model_plans import ModelPlan
 
     with torch.device("meta"):
         model = task.build_model(cfg)
-    yield from shard_units(model, task)
+    yield from shard_units(model, ModelPlan(task))

@@ -23,6 +23,15 @@ def param_count(task: Task, cfg: RunConfig) -> int:
     """Parameters of the model `task` builds for `cfg`, made on the meta device: no memory, no
     initialisation, so GPT-2-sized models count at once. ValueError (the task's own words) when the
     options don't form a model; whatever else the build raises passes through."""
+    return model_facts(task, cfg)[1]
+
+
+def model_facts(task: Task, cfg: RunConfig) -> tuple[str, int, int]:
+    """The model `task` builds for `cfg`, made on the meta device (see param_count): its name (a
+    transformers model's class, '+ LoRA' when peft wraps it; '' for others), its parameters and
+    the ones that train."""
+    from workbench.tasks.model_plans import is_transformers_model
+
     task.check_options(cfg)
     # char-gpt reads its text for the vocabulary: never fetch data from a widget's event
     task.check_datasets(cfg)
@@ -30,7 +39,13 @@ def param_count(task: Task, cfg: RunConfig) -> int:
         model = task.build_model(cfg)
     # parameters() yields a shared tensor once: char-gpt's head is its token embedding (GPT-2's
     # weight tying).
-    return sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    name = ""
+    if is_transformers_model(model):
+        base = getattr(model, "get_base_model", None)
+        name = type(base() if callable(base) else model).__name__
+        name += " + LoRA" if callable(base) else ""
+    return name, sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 def count_text(n: int) -> str:
@@ -144,6 +159,8 @@ class TaskControls:
         self.widget = widgets.VBox([])
         self.widget.add_class("wb-task-options")
         self.parameters: int | None = None
+        self.model_name = ""
+        """A transformers model's class (and '+ LoRA'), shown beside the count."""
         """The last parameter count; None when the options don't form a model (count_box says
         why)."""
         self.problem = ""
@@ -230,7 +247,8 @@ class TaskControls:
         try:
             cfg = RunConfig(task=self.task.name, task_options=self.values())
             self._placeholders(cfg)
-            self.parameters, self.problem = param_count(self.task, cfg), ""
+            self.model_name, self.parameters, trained = model_facts(self.task, cfg)
+            self.problem = ""
         except ValueError as e:
             self.parameters, self.problem = None, str(e)
         except Exception as e:  # noqa: BLE001
@@ -238,9 +256,15 @@ class TaskControls:
             self.parameters = None
             self.problem = f"the model can't be built on the meta device ({type(e).__name__}: {e})"
         if self.parameters is not None:
+            named = f"{html.escape(self.model_name)}, " if self.model_name else ""
+            frozen = (
+                f" ({count_text(trained).replace(' parameters', '')} trained)"
+                if trained < self.parameters
+                else ""
+            )
             self.count_box.value = (
-                f"<span title='{self.parameters:,} parameters'>model: "
-                f"<b>{count_text(self.parameters)}</b></span>"
+                f"<span title='{self.parameters:,} parameters'>model: {named}"
+                f"<b>{count_text(self.parameters)}</b>{frozen}</span>"
             )
         else:
             self.count_box.value = (

@@ -105,6 +105,13 @@ SHOWN = 8
 """Names listed per kind of difference; the rest are counted."""
 
 
+def trained_state(module: Any) -> dict[str, Any]:
+    """`module.state_dict()` without its frozen parameters: what a checkpoint holds of the model
+    (strategy.TRAINED, for the modules DCP's state-dict API doesn't handle, and load_model)."""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in module.state_dict().items() if k not in frozen}
+
+
 def shapes_of(state: Mapping[str, Any]) -> Shapes:
     """The full shape of every tensor in a model state dict (a DTensor's global shape, not its local
     shard)."""

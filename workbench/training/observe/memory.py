@@ -174,6 +174,27 @@ def _global_peak_only(tracker: Any) -> None:
     tracker._update_peak_stats = update
 
 
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _no_hooks_on_frozen(tracker: Any, module: Any) -> None:
+    """MemTracker registers a gradient hook on every parameter it meets, and registering one on a
+    parameter that doesn't require gradients raises ("cannot register a hook on a tensor that
+    doesn't require gradient"): a frozen base under LoRA, outside FSDP2 (ddp, zero1, tp). A frozen
+    parameter never gets a gradient, so there is nothing to hook: it is entered as hooked already,
+    with handles that remove nothing (the tracker removes every handle it holds on exit)."""
+    handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if handles is None:  # a torch whose tracker keeps its hooks elsewhere
+        return
+    for p in module.parameters():
+        if not p.requires_grad:
+            handles[p] = (_NoHook(), _NoHook())
+
+
 def tracked(
     strategy: Strategy, step: Callable[[], T], inputs: tuple[Any, ...] = ()
 ) -> tuple[T, dict[str, int]]:
@@ -194,6 +215,7 @@ def tracked(
             tracker.track_inputs((*inputs, *received))
     else:
         tracker = MemTracker()
+        _no_hooks_on_frozen(tracker, strategy.module)
         tracker.track_external(strategy.module, strategy.local_optimizer(), *inputs, *received)
     _global_peak_only(tracker)
     with watching(tracker):

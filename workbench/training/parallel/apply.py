@@ -43,7 +43,7 @@ import torch
 
 from workbench.config.mesh import shards, virtual_stages
 from workbench.tasks.blocks import checkpoint_units, shard_units
-from workbench.tasks.model_plans import divide_heads, is_transformers_model
+from workbench.tasks.model_plans import divide_heads, splits_heads
 from workbench.training.compiling import compile_blocks, compile_model
 from workbench.training.parallel.device_mesh import DATA_DIMS
 from workbench.training.parallel.pipeline_parts import dim_size, local_rank, tied_names
@@ -224,16 +224,30 @@ def _stage(
     if not units and cfg.activation_checkpointing != "none":
         # a stage without blocks: nothing to checkpoint
         cfg = cfg.replace(activation_checkpointing="none")
-    modules = {name for name, _ in chunk.named_modules()}
-    tp_plan = (
-        {k: v for k, v in (plan.tensor_parallel_plan(model, cfg) or {}).items() if k in modules}
-        if "tp" in names
-        else None
-    )
+    tp_plan = stage_tp_plan(plan.tensor_parallel_plan(model, cfg), chunk) if "tp" in names else None
     stage_mesh = (mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]) if names else None
     _apply_steps(chunk, stage_mesh, cfg, tp_plan, units, where.tracing)
     compile_model(cfg, chunk, tracing=where.tracing)
     return chunk
+
+
+def stage_tp_plan(plan: dict[str, Any] | None, chunk: torch.nn.Module) -> dict[str, Any]:
+    """The entries of the model's tensor-parallel plan that name modules of this stage: a key may
+    hold `*` for any name at its level (transformers' 'model.layers.*.self_attn.q_proj'), matched
+    level by level with fnmatch as parallelize_module matches it; the others belong to other
+    stages (parallelize_module would warn about each)."""
+    from fnmatch import fnmatch
+
+    names = [name.split(".") for name, _ in chunk.named_modules()]  # '' (the stage) included
+
+    def held(key: str) -> bool:
+        parts = key.split(".")
+        return any(
+            len(name) == len(parts) and all(fnmatch(n, p) for n, p in zip(name, parts))
+            for name in names
+        )
+
+    return {k: v for k, v in (plan or {}).items() if held(k)}
 
 
 # ---- the steps ---------------------------------------------------------------------------------
@@ -256,7 +270,7 @@ def apply_tp(module: torch.nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) ->
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(module, mesh["tp"], plan)
-    if is_transformers_model(module):
+    if splits_heads(module):
         divide_heads(module, mesh["tp"].size())
 
 

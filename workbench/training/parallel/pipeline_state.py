@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from workbench.training.parallel.param_groups import merge_split_groups, resplit_groups
 from workbench.training.parallel.pipeline_parts import full_name
-from workbench.training.parallel.strategy import Strategy
+from workbench.training.parallel.strategy import LOAD_TRAINED, TRAINED, Strategy
 from workbench.utils.distributed import single_process_dcp
 
 
@@ -50,7 +50,7 @@ class PipelineCheckpoints(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """Model keyed by full names; optimizer state under canonical names (a tied parameter once);
         the param groups merged over the stages (collective)."""
-        model, optim = get_state_dict(self.module, self.optimizer)
+        model, optim = get_state_dict(self.module, self.optimizer, options=TRAINED)
         uncounted = {id(p) for p in self.module.parameters()} & self._tied.uncounted()
         skipped = {n for n, p in self.module.named_parameters() if id(p) in uncounted}
         state = {self._canon(n): v for n, v in optim["state"].items() if n not in skipped}
@@ -72,7 +72,7 @@ class PipelineCheckpoints(Strategy):
         ('1.blocks.3._checkpoint_wrapped_module...') and holds one copy of a tied parameter per
         stage, while the checkpoint keys by the full model's names, each tied parameter once: the
         names are mapped here, around get_state_dict/set_state_dict."""
-        model, optim = get_state_dict(self.module, self.optimizer)
+        model, optim = get_state_dict(self.module, self.optimizer, options=TRAINED)
         full = {full_name(k): v for k, v in model.items()}
         template = {
             "state": {self._canon(n): v for n, v in optim["state"].items()},
@@ -91,6 +91,7 @@ class PipelineCheckpoints(Strategy):
             self.optimizer,
             model_state_dict={k: full[full_name(k)] for k in model},
             optim_state_dict={"state": state, "param_groups": groups},
+            options=LOAD_TRAINED,
         )
 
     def full_weights(self) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
+from workbench.training.checkpoint.files import trained_state
 from workbench.training.observe.breakdown import DDPCommStats
 from workbench.training.parallel.strategy import DTYPES, Strategy
 
@@ -164,7 +165,7 @@ class ZeroOne(Replicated):
             for group, local_group in zip(self.optimizer.param_groups, local.param_groups)
         ]
         return {
-            "model": self.module.state_dict(),
+            "model": trained_state(self.module),
             "optim": {"state": state, "param_groups": groups},
         }
 
@@ -177,7 +178,7 @@ class ZeroOne(Replicated):
         metadata = dcp.FileSystemReader(str(path / "optim")).read_metadata().state_dict_metadata
         local = self.local_optimizer()
         owned = [p for g in local.param_groups for p in g["params"]]
-        model = {"model": self.module.state_dict()}
+        model = {"model": trained_state(self.module)}
         dcp.load(model, checkpoint_id=str(path / "model"))
         state: dict[str, Any] = {"optim": {"state": {}}}
         for p in owned:
@@ -192,7 +193,8 @@ class ZeroOne(Replicated):
                 for k, m in entries.items()
             }
         dcp.load(state, checkpoint_id=str(path / "optim"))
-        self.module.load_state_dict(model["model"])
+        # frozen parameters (not checkpointed: TRAINED) stay as built
+        self.module.load_state_dict(model["model"], strict=False)
         index = {p: i for i, p in enumerate(owned)}
         local.load_state_dict(
             {

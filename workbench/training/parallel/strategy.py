@@ -56,6 +56,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+"""A checkpoint holds what trains: frozen parameters (a LoRA run's base) are rebuilt by the task's
+build_model (one seed on every rank, in a resume and in load_model), not written at every
+checkpoint."""
+LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading such a checkpoint: the frozen parameters stay as built. DCP has already refused a
+checkpoint that lacks a trained one."""
+
+
 class Strategy:
     """The training-step operations that depend on how the model is parallel; subclasses receive
     the model already parallel (apply.py's recipe) and build the optimizer and contexts around it.
@@ -206,7 +215,7 @@ class Strategy:
         state-dict
         API: plain, DDP, FSDP2 and tensor-parallel modules alike), with the task's own param
         groups."""
-        model, optim = get_state_dict(self.module, self.optimizer)
+        model, optim = get_state_dict(self.module, self.optimizer, options=TRAINED)
         groups = merge_split_groups(optim["param_groups"], self._origin)
         return {"model": model, "optim": {**optim, "param_groups": groups}}
 
@@ -228,7 +237,7 @@ class Strategy:
         """Load a checkpoint saved by any mode and number of ranks; DCP reshards it into this
         layout, its
         param groups split again where this optimizer's are split by mesh."""
-        model, optim = get_state_dict(self.module, self.optimizer)
+        model, optim = get_state_dict(self.module, self.optimizer, options=TRAINED)
         split = copy.deepcopy(optim["param_groups"])  # DCP fills the merged groups' lists in place
         optim = {**optim, "param_groups": merge_split_groups(optim["param_groups"], self._origin)}
         with single_process_dcp():
@@ -237,7 +246,13 @@ class Strategy:
         if self._origin is not None:
             groups = resplit_groups(split, optim["param_groups"], self._origin)
             optim = {**optim, "param_groups": groups}
-        set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=optim)
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=model,
+            optim_state_dict=optim,
+            options=LOAD_TRAINED,
+        )
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full weights on CPU, on rank 0 (other ranks get {})."""
