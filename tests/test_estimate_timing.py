@@ -484,11 +484,12 @@ def test_a_damaged_run_among_the_runs_teaches_nothing_and_stops_nothing(tmp_path
 def test_the_runs_read_are_the_most_recent_by_age_not_the_last_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A folder with more runs than are read: the newest are read, whatever their names sort as."""
+    """A folder with more usable runs than are read: the newest are read, whatever their names sort
+    as."""
     from workbench.estimator.timing import learning
     from workbench.rundir import RunDir, Status
 
-    monkeypatch.setattr(learning, "SCAN", 4)
+    monkeypatch.setattr(learning, "SCAN", 1)
     now = 1_700_000_000.0
 
     def completed(name: str, device_class: str, age_s: float) -> None:
@@ -502,7 +503,7 @@ def test_the_runs_read_are_the_most_recent_by_age_not_the_last_by_name(
         os.utime(run.summary_path, (now - age_s, now - age_s))
 
     completed("digits-new", "cpu", 0)  # the run just made: its name sorts first
-    completed("digits-old", "cpu", 10_000)  # older than SCAN others: not read
+    completed("digits-old", "cpu", 10_000)  # older than the SCAN usable run(s) read: not read
     for i in range(5):  # names that sort after both, written in between
         completed(f"zz-other-{i}", "cuda-H100", 100 + i)
     assert [r.name for r in learning.completed_runs(tmp_path, "cpu")] == ["digits-new"]

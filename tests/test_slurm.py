@@ -179,12 +179,15 @@ def test_an_unknown_partition_and_too_many_gpus_are_refused_before_anything_is_s
         r"num_processes=4",
     ):
         wb.start(_cfg(tmp_path), cluster=wb.Slurm(nodes=2, processes_per_node=2))
+    # a folder below a file: unwritable even for root (CI runs as root)
+    (tmp_path / "a-file").write_text("")
+    unwritable = tmp_path / "a-file" / "wb-runs"
     with pytest.raises(
         ValueError,
-        match=r"runs_dir='/proc/wb-runs': can't write there \(.*\); a cluster run's "
-        r"directory is the only channel back .* set runs_dir to a writable folder",
+        match=rf"runs_dir='{re.escape(str(unwritable))}': can't write there \(.*\); a cluster "
+        r"run's directory is the only channel back .* set runs_dir to a writable folder",
     ):
-        wb.start(_cfg(tmp_path, runs_dir="/proc/wb-runs"), cluster=wb.Slurm(nodes=2))
+        wb.start(_cfg(tmp_path, runs_dir=str(unwritable)), cluster=wb.Slurm(nodes=2))
     assert _jobs() == before and not (tmp_path / "runs").exists(), (
         "nothing submitted, no run directory"
     )

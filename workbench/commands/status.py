@@ -13,8 +13,8 @@ from workbench.utils.units import fmt_duration
 
 
 def describe_run(path: Path) -> tuple[str, int]:
-    """The report, and an exit code: 0 running or ended well, 1 failed/diverged/gone, 75 preempted,
-    2 not a run.
+    """The report, and an exit code: 0 running or ended well, 1 failed/diverged/gone (or a status
+    this version doesn't know), 75 preempted, 2 not a run.
 
     A summary that says 'running' for a run whose processes are all gone is reported as failed, with
     why; a summary.json that can't be read raises ValueError naming it (no status is guessed for
@@ -29,6 +29,11 @@ def describe_run(path: Path) -> tuple[str, int]:
     # read from the file's end: a run of 200,000 rows costs the rows shown
     newest = run.last_train_row()
     cfg = run.config()
+    if status is Status.UNKNOWN:
+        why = (
+            f"{run.summary_path.name} says {summary.status_text!r}, which this version of "
+            "workbench doesn't know (a newer one wrote it?): upgrade workbench to read it"
+        )
     lines = [f"{run.name}: {status.value}" + (f" ({why})" if why else "")]
     if newest is not None:
         last = MetricsRow.from_dict(newest)
@@ -59,7 +64,12 @@ def describe_run(path: Path) -> tuple[str, int]:
             f"  started {fmt_duration(time.time() - summary.started_at)} ago, attempt "
             f"{summary.attempt or 1}"
         )
-    code = {Status.FAILED: 1, Status.DIVERGED: 1, Status.PREEMPTED: EXIT_PREEMPTED}.get(status, 0)
+    code = {
+        Status.FAILED: 1,
+        Status.DIVERGED: 1,
+        Status.UNKNOWN: 1,
+        Status.PREEMPTED: EXIT_PREEMPTED,
+    }.get(status, 0)
     return "\n".join(lines), code
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.utils.files import parse_json, read_yaml
+from workbench.config.config_reading import read_config_bytes, read_config_text
+from workbench.utils.files import load_yaml, parse_json
 
 log = logging.getLogger("workbench")
 
@@ -89,10 +90,10 @@ class Imported:
 
 
 def _read(path: Path, kind: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file; pass the path of {kind}")
     data = (
-        parse_json(path.read_bytes(), path, object) if path.suffix == ".json" else read_yaml(path)
+        parse_json(read_config_bytes(path, kind), path, object)
+        if path.suffix == ".json"
+        else load_yaml(read_config_text(path, kind), str(path))
     )
     if not isinstance(data, dict):
         raise ValueError(

@@ -5,13 +5,15 @@ preflight.py's."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import fields
 from pathlib import PurePath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from workbench.utils.suggest import unknown_keys
-from workbench.utils.typecheck import short_repr
+from workbench.utils.typecheck import short_repr, type_ok
 
 if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
@@ -31,6 +33,39 @@ patient."""
 NAME_MAX = 255
 """Bytes in one path component on Linux, macOS and Windows file systems (ext4, XFS, APFS, NTFS): a
 longer run name is refused by the OS (ENAMETOOLONG) when the run directory is created."""
+
+
+def check_whole_number(name: str, value: Any, tp: Any, example: Any) -> None:
+    """A float, or a number YAML 1.1 read as text ('1e300': no dot), given to a field that takes a
+    whole number: ValueError saying so, and that the number is past any integer setting's range
+    when it is (rather than 'expected int, got str'). Anything else (a fraction as a float, text
+    that is no number) is left to the type check."""
+    if isinstance(value, bool) or not isinstance(value, (float, str)):
+        return
+    if not type_ok(1, tp) or type_ok(0.5, tp) or type_ok(value, tp):
+        return
+    try:
+        number = float(value)
+    except ValueError:
+        return  # text, not a number: the type check names it
+    if isinstance(value, str):
+        shown = repr(value if len(value) <= 40 else f"{value[:40]}...")
+        how = " (a number as text: YAML 1.1 reads 1e300 or 1.0e3 so)"
+    else:
+        shown, how = repr(value), ""
+    like = f"; e.g. {name}={example}" if isinstance(example, int) else ""
+    if math.isnan(number):
+        raise ValueError(f"{name}={shown}: not a number; {name} takes a whole number{like}")
+    if math.isinf(number) or abs(number) > MAX_INT:
+        raise ValueError(
+            f"{name}={shown}{how}: too {'large' if number > 0 else 'small'}; integer settings lie "
+            f"within +-(2**31-1) ({MAX_INT:,}), far past any real run{like}"
+        )
+    if number.is_integer():
+        raise ValueError(f"{name}={shown}{how}: {name} takes a whole number; write {int(number)}")
+    if isinstance(value, str):
+        raise ValueError(f"{name}={shown}{how}: {name} takes a whole number, not a fraction{like}")
+    # a fraction as a float: the type check's 'expected int, got float' says it
 
 
 def check_numbers(cfg: RunConfig) -> None:
@@ -245,8 +280,49 @@ def check_memory_tracking(cfg: RunConfig) -> None:
         )
 
 
+PSEUDO_FILESYSTEM_DIRS = ("/proc", "/sys", "/dev")
+"""The kernel's views of processes, devices and itself: nothing is stored there (a run directory
+under /proc/self would be refused by the kernel, or land in a process's own entries). /dev/shm, a
+tmpfs, is storage and allowed."""
+
+
+def check_runs_dir(cfg: RunConfig) -> None:
+    """runs_dir names a directory: not empty or blank, no control characters (a newline, a NUL),
+    not under /proc, /sys or /dev. Where a symbolic link leads is prepare.py's to check, when the
+    run directory is made."""
+    runs_dir = cfg.runs_dir
+    like = "e.g. runs_dir='runs' (the default) or '~/runs'"
+    if not runs_dir.strip():
+        what = "blank (only whitespace)" if runs_dir else "empty"
+        raise ValueError(
+            f"runs_dir={runs_dir!r}: {what}; name the folder run directories go in, {like}"
+        )
+    control = next((c for c in runs_dir if ord(c) < 32 or ord(c) == 127), None)
+    if control is not None:
+        raise ValueError(
+            f"runs_dir={runs_dir!r}: holds the control character {control!r}, which no shell or "
+            f"listing shows as typed (a stray newline from a file or a paste?); {like}"
+        )
+    path = os.path.normpath(os.path.expanduser(runs_dir))
+    inside = next(
+        (
+            top
+            for top in PSEUDO_FILESYSTEM_DIRS
+            if (path == top or path.startswith(top + "/"))
+            and not (path == "/dev/shm" or path.startswith("/dev/shm/"))
+        ),
+        None,
+    )
+    if inside is not None:
+        raise ValueError(
+            f"runs_dir={runs_dir!r}: {inside} is a view the kernel makes of processes and "
+            f"devices, not storage; {like}"
+        )
+
+
 def check_names(cfg: RunConfig, field_names: list[str]) -> None:
-    """Names: run name, task, preempt signal, resume_allow."""
+    """Names: runs directory, run name, task, preempt signal, resume_allow."""
+    check_runs_dir(cfg)
     check_path_lengths(cfg)
     if cfg.run_name is not None and not _RUN_NAME.fullmatch(cfg.run_name):
         raise ValueError(

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from workbench.utils.files import atomic_write_text, load_yaml, read_yaml
+from workbench.config.checks import MAX_INT
+from workbench.config.config_reading import read_config_text
+from workbench.utils.files import atomic_write_text, load_yaml
 from workbench.utils.suggest import unknown_keys
-from workbench.utils.typecheck import plain
+from workbench.utils.typecheck import plain, type_ok
 
 if TYPE_CHECKING:
     from workbench.config.run_config import RunConfig
@@ -63,7 +65,8 @@ def to_yaml(cfg: RunConfig, path: str | os.PathLike[str] | None = None) -> str:
 
 def from_yaml(cls: type[RunConfig], path: str | os.PathLike[str]) -> RunConfig:
     """Load from YAML; unknown keys are rejected and listed, with the closest field names."""
-    data = read_yaml(Path(path).expanduser()) or {}
+    source = Path(path).expanduser()
+    data = load_yaml(read_config_text(source), str(source)) or {}
     if isinstance(data, dict):
         data = {key: coerce(cls, key, value) for key, value in data.items()}
     return from_dict(cls, data, source=str(path))
@@ -118,8 +121,8 @@ def with_overrides(cfg: RunConfig, assignments: list[str]) -> RunConfig:
 def coerce(cls: type[RunConfig], key: Any, value: Any) -> Any:
     """YAML 1.1 reads '3e-4' (no dot) as a string; in a YAML file or --set, users mean a number when
     the field is a float. Text that is no finite number ('1e400', 'nan') stays text, for validation
-    to name as written. And it reads `off`/`on` as booleans: a choice field that has them (compile)
-    gets the word back."""
+    to name as written; so for a whole-number field ('1e3' is 1000; '1e300' stays text). And it
+    reads `off`/`on` as booleans: a choice field that has them (compile) gets the word back."""
     tp = field_types(cls).get(key) if isinstance(key, str) else None
     if tp is float and isinstance(value, str):
         try:
@@ -127,11 +130,26 @@ def coerce(cls: type[RunConfig], key: Any, value: Any) -> Any:
         except ValueError:
             return value
         return number if math.isfinite(number) else value
+    if isinstance(value, str) and _takes_int_not_float(tp) and not type_ok(value, tp):
+        # '1e3' for an integer field: the whole number meant, when it is one an int field can
+        # hold; else the text stays, for validation to say what is wrong with it as written
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if math.isfinite(number) and number.is_integer() and abs(number) <= MAX_INT:
+            return int(number)
+        return value
     if isinstance(value, bool) and typing.get_origin(tp) is Literal:
         # YAML 1.1 reads off/on as booleans
         word = "on" if value else "off"
         return word if word in typing.get_args(tp) else value
     return value
+
+
+def _takes_int_not_float(tp: Any) -> bool:
+    """A field whose type admits an int but no float (max_steps, micro_batch_size, seed, ...)."""
+    return tp is not None and type_ok(1, tp) and not type_ok(0.5, tp)
 
 
 def reject_unknown(cls: type[RunConfig], data: dict[str, Any], source: str) -> None:

@@ -4,6 +4,7 @@ task's model on the meta device and look at this machine's devices, tools and pr
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ def preflight(
         )
     device = device or resolve_device(cfg, hw)
     check_process_count(cfg, hw, device)
+    check_preempt_grace(cfg)
     check_cpu_limits(cfg, device)
     check_tools(cfg, device)
     problem = hw.precision_problem(cfg.precision, device)
@@ -52,6 +54,43 @@ def preflight(
         from workbench.training.parallel.float8 import check_task
 
         check_task(cfg, task)
+
+
+def check_preempt_grace(cfg: RunConfig) -> None:
+    """A preemption ends 'preempted' only if the ranks agree (within about half a second, or right
+    after the checkpoint in progress), write one checkpoint and finish within preempt_grace_s; the
+    hang watchdog ends them otherwise. Warned about before launch from what an earlier session of
+    this run measured (a resume: its steps and its checkpoints' write times); a fresh run has no
+    such times yet. A background write in flight is waited for before the ending's own, so with
+    checkpoint_async a checkpoint counts twice. checkpoint_every doesn't enter: the ranks vote
+    after every checkpoint, so at most one is written after a signal, however often they come."""
+    if not cfg.resume or cfg.run_dir is None or not cfg.run_dir.is_dir():
+        return
+    from workbench.rundir import RunDir
+
+    run = RunDir(cfg.run_dir)
+    try:
+        saved = [e for e in run.events() if e.get("event") == "checkpoint_saved"][-3:]
+        row = run.last_train_row()
+    except (OSError, ValueError):
+        return  # a damaged history is the resume's to report, with its path
+    if not saved:
+        return
+    write_s = max(float(e.get("write_s") or 0.0) for e in saved)
+    writes = 2 if any(e.get("background") for e in saved) else 1
+    step_s = float((row or {}).get("step_time_s") or 0.0)
+    need = writes * write_s + 2 * step_s + 0.5
+    if need <= cfg.preempt_grace_s:
+        return
+    warnings.warn(
+        f"preempt_grace_s={cfg.preempt_grace_s:g}: this run's checkpoints took up to "
+        f"{write_s:.1f} s to write{' in the background' if writes == 2 else ''} and its steps "
+        f"{step_s:.2f} s, so ending on a preemption needs about {need:.0f} s "
+        f"({writes} checkpoint write(s) and a step or two); a signal would end as a hang. Raise "
+        f"preempt_grace_s to {math.ceil(1.5 * need)} or more (with the scheduler's notice to "
+        "match, e.g. Slurm's --signal=USR1@SECONDS), or make checkpoints faster",
+        stacklevel=3,
+    )
 
 
 def check_process_count(cfg: RunConfig, hw: Hardware, device: str) -> None:

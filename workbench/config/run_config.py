@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from workbench.config import config_files
-from workbench.config.checks import check_memory_tracking, check_names, check_numbers
+from workbench.config.checks import (
+    check_memory_tracking,
+    check_names,
+    check_numbers,
+    check_whole_number,
+)
 from workbench.config.choices import (
     ActivationCheckpointing,
     Device,
@@ -293,6 +298,7 @@ class RunConfig:
         for f in fields(self):
             # a value that works, for messages
             example = None if f.default is dataclasses.MISSING else f.default
+            check_whole_number(f.name, getattr(self, f.name), types[f.name], example)
             check_type(f.name, getattr(self, f.name), types[f.name], example)
         check_numbers(self)
         check_layout(self)

@@ -22,7 +22,11 @@ class ManifestError(ValueError):
 
 
 class IntegrityError(ValueError):
-    """A file's size or sha256 differs from its manifest; the file was not used."""
+    """A file's size or sha256 differs from its manifest; the file was not used.
+
+    `actual`: the digest of the first copy rejected, when it was downloaded or generated; None when
+    it was a local file (a mirror's, a package's, a file:// URL's), whose digest is not disclosed.
+    """
 
     def __init__(
         self, message: str, *, expected: str | None, actual: str | None, location: str

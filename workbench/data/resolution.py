@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -96,7 +97,34 @@ class _Attempt:
 
 
 def _corrupt(where: str, sha: str, size: int) -> _Attempt:
+    """A downloaded or generated copy that doesn't match: its digest and size are the copy's own
+    (what came over the network, or what the generator wrote)."""
     return _Attempt(where, f"corrupt: got sha256 {sha} ({size:,} bytes)", sha, corrupt=True)
+
+
+def _local_mismatch(where: str, path: Path, which: str) -> _Attempt:
+    """A local file (a mirror's, a package's, a file:// URL's) that doesn't match: named, with what
+    differs and where to look, but not its digest or size. A manifest can name any local file, and
+    its message travels (regress reports, CI logs): it must not disclose what the file holds."""
+    return _Attempt(
+        where,
+        f"corrupt: its {which} differs from the manifest's (compare `sha256sum {path}` with "
+        "it); replace or remove that file",
+        corrupt=True,
+    )
+
+
+def _which_differs(spec: FileSpec, size: int) -> str:
+    """'size' or 'sha256': what of a local copy differs from `spec` (size first: it is cheaper)."""
+    return "size" if spec.size is not None and size != spec.size else "sha256"
+
+
+def _file_url_path(url: str) -> Path | None:
+    """The local path a file:// URL names; None for any other URL."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "file":
+        return None
+    return Path(urllib.request.url2pathname(parts.path))
 
 
 class _Resolver:
@@ -190,9 +218,13 @@ class _Resolver:
             src, target.parent, limit=spec.size, desc=self._label(spec), progress=self.progress
         )
 
-    def _accept(self, spec: FileSpec, target: Path, copied: Copied, where: str) -> str | _Attempt:
-        """Move a verified temp file into the cache, or reject it."""
+    def _accept(
+        self, spec: FileSpec, target: Path, copied: Copied, where: str, local: Path | None = None
+    ) -> str | _Attempt:
+        """Move a verified temp file into the cache, or reject it. `local`: the local file it was
+        copied from, whose digest and size a rejection doesn't show."""
         if copied.tmp is None:
+            # the manifest's size, not the file's: nothing of a local file is disclosed
             return _Attempt(
                 where,
                 f"corrupt: more than the expected {spec.size:,} bytes (stopped reading)",
@@ -202,6 +234,15 @@ class _Resolver:
             spec.sha256 and copied.sha256 != spec.sha256
         ):
             copied.tmp.unlink()
+            if local is not None:
+                which = _which_differs(spec, copied.size)
+                log.warning(
+                    "data %s: rejected %s (its %s differs from the manifest's)",
+                    self._label(spec),
+                    where,
+                    which,
+                )
+                return _local_mismatch(where, local, which)
             log.warning(
                 "data %s: rejected %s (expected sha256 %s, got %s)",
                 self._label(spec),
@@ -217,13 +258,13 @@ class _Resolver:
         try:
             size = src.stat().st_size
             if spec.size is not None and size != spec.size:
-                # Hash in place rather than copy a file we already know is wrong.
-                return _corrupt(where, sha256_file(src), size)
+                # neither copied nor hashed: it is known to be wrong
+                return _local_mismatch(where, src, "size")
             with open(src, "rb") as f:
                 copied = self._copy(f, spec, target)
         except OSError as e:
             return _Attempt(where, one_line(e))
-        result = self._accept(spec, target, copied, where)
+        result = self._accept(spec, target, copied, where, local=src)
         if isinstance(result, str):
             log.info("data %s: copied from %s", self._label(spec), src)
         return result
@@ -260,7 +301,7 @@ class _Resolver:
                 copied = self._copy(response, spec, target)
         except (OSError, HTTPException, ValueError) as e:  # URLError and timeouts are OSErrors
             return _Attempt(url, _download_reason(e))
-        return self._accept(spec, target, copied, url)
+        return self._accept(spec, target, copied, url, local=_file_url_path(url))
 
     def _generate(self, spec: FileSpec, target: Path, attempts: list[_Attempt]) -> tuple[str, str]:
         params = spec.generator_spec()["params"]

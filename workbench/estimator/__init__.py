@@ -14,6 +14,7 @@ to max_steps, with the accelerator catalog (catalog.py).
   efficiency.py: the fraction of their peak published runs reach.
 - alternatives.py: what to change when a run doesn't fit, and which accelerator to rent.
 - microbatch.py: the launcher's proposal for micro_batch_size='auto'.
+- cancel.py: ending an estimate in flight (a launch, Python's exit): its children killed.
 - trace/: the traced step on a fake world, and the cache of traces.
 - timing/: a traced step's time on a target, and what a layout adds.
 - machine/: this machine's measured profile, for a CPU target.

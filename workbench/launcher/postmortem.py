@@ -55,12 +55,52 @@ def _silent_ranks(run: RunDir, errors: list[dict[str, Any]]) -> list[int]:
     return sorted(set(range(cfg.num_processes)) - {e.get("rank") for e in errors})
 
 
+KILLED_EVENT = "killed"
+"""The event kill() records before it signals anything: whoever then records the ending (the killer,
+or the launching process that saw its ranks die) names the kill as the cause, so both tell one
+story."""
+
+
+def kill_of_this_attempt(run: RunDir) -> dict[str, Any] | None:
+    """The cause a kill() recorded for this attempt of the run (after its start), if one did."""
+    started = run.summary().started_at or 0.0
+    kills = [
+        e
+        for e in run.events()
+        if e.get("event") == KILLED_EVENT and (e.get("time") or 0.0) >= started
+    ]
+    if not kills:
+        return None
+    kill = kills[-1]
+    return {
+        "rank": None,
+        "type": "Killed",
+        "traceback": "",
+        "message": f"killed by {kill.get('by') or 'kill()'} from pid {kill.get('pid')} on "
+        f"{kill.get('host')}",
+    }
+
+
 def _cause(
     run: RunDir,
     errors: list[dict[str, Any]],
     launcher_error: BaseException | None,
     exitcode: int | None,
 ) -> dict[str, Any]:
+    killed = kill_of_this_attempt(run)
+    if killed is not None and all(is_fallout(e) or e.get("type") == "Killed" for e in errors):
+        # what a rank that lost its killed peer wrote is the kill's fallout, kept beside it
+        return (
+            {
+                **killed,
+                "other_ranks": [
+                    {"rank": e.get("rank"), "type": e.get("type"), "message": e.get("message")}
+                    for e in errors
+                ],
+            }
+            if errors
+            else killed
+        )
     silent = _silent_ranks(run, errors)
     if silent and all(is_fallout(e) for e in errors):
         # Every recorded error is a rank losing its peer; the peer that recorded nothing died first.
@@ -110,6 +150,16 @@ def finalize(
     be dead). Returns the failure when it could not be written (a full disk): the caller still
     reports it, rather than the write error that hid it."""
     status = run.summary().status
+    if status is Status.UNKNOWN:
+        # a status this version can't read (a newer workbench's): not written over
+        log.warning(
+            "%s: %s says status %r, which this version of workbench doesn't know; the run's "
+            "ending is not recorded over it",
+            run.path,
+            run.summary_path.name,
+            run.summary().status_text,
+        )
+        return None
     errors = run.rank_errors()
     # Both the supervisor and Run.wait() call this; whoever comes second finds the ending recorded.
     # Rank 0 records the ending of a run that ends as a whole; a rank's error after that is still a

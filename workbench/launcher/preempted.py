@@ -21,6 +21,8 @@ def record_preemption(run: RunDir, signum: int, why: str, *, after_failure: bool
     after the run had failed, while it waited to restart; it ends preempted, the failure kept in the
     ending. The run resumes from its newest checkpoint."""
     summary, name = run.summary(), signal.Signals(signum).name
+    if summary.status is Status.UNKNOWN:
+        return False  # a status this version can't read is not written over (finalize says so)
     if after_failure:
         if summary.status is Status.PREEMPTED:
             return True  # the ranks' own ending says it better

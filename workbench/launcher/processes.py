@@ -28,6 +28,7 @@ from workbench.rundir import RunDir, lock
 from workbench.rundir.liveness import this_process
 from workbench.tasks import Task
 from workbench.tasks.hf.sources import HUB_OFFLINE
+from workbench.utils.distributed import LOOPBACK, single_node_listeners
 from workbench.utils.hardware import detect, resolve_device
 from workbench.utils.preemption import elastic_signals
 
@@ -42,7 +43,7 @@ _starter_lock = threading.Lock()
 def free_port() -> int:
     """A TCP port nobody listens on now (notebook_launcher's fixed 29500 collides across runs)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
@@ -100,29 +101,31 @@ def launch_command(cfg: RunConfig, run_dir: Path, port: int, device: str) -> lis
     then builds its Accelerator with cpu=True and the ranks form one gloo group.
     """
     worker = ["-m", "workbench.worker", str(run_dir)]
+    # One machine: the launcher's rendezvous store listens on loopback only (launcher/loopback.py).
+    bound = [sys.executable, "-m", "workbench.launcher.loopback"]
     if device == "cpu" and cfg.num_processes > 1:
         return [
-            sys.executable,
-            "-m",
+            *bound,
             "torch.distributed.run",
             "--nproc_per_node",
             str(cfg.num_processes),
             "--nnodes",
             "1",
             "--master_addr",
-            "127.0.0.1",
+            LOOPBACK,
             "--master_port",
             str(port),
             *worker,
         ]
     cmd = [
-        sys.executable,
-        "-m",
+        *bound,
         "accelerate.commands.launch",
         "--num_processes",
         str(cfg.num_processes),
         "--num_machines",
         "1",
+        "--main_process_ip",
+        LOOPBACK,
         "--main_process_port",
         str(port),
         "--dynamo_backend",
@@ -210,6 +213,8 @@ def _start(
         "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals(cfg),
         **HUB_OFFLINE,  # nothing is fetched from the Hugging Face Hub in a rank
     }
+    # gloo's and NCCL's listeners in the ranks on loopback too: every launch here is one machine's
+    env.update(single_node_listeners(env))
     command = launch_command(cfg, run.path, port, plan.device)
     if plan.method == "spawn":
         assert plan.payload is not None

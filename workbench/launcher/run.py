@@ -8,6 +8,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -20,8 +21,9 @@ from typing import Any
 import psutil
 
 from workbench.config import RunConfig
-from workbench.launcher.postmortem import finalize
+from workbench.launcher.postmortem import KILLED_EVENT, finalize
 from workbench.launcher.preempted import record_preemption
+from workbench.launcher.process_tree import end_tree
 from workbench.launcher.processes import start_processes
 from workbench.launcher.result import RunResult
 from workbench.launcher.spawn import StartPlan
@@ -107,9 +109,15 @@ class Run(RunFiles):
             self.dir.request_stop()
 
     def kill(self) -> None:
-        """Hard stop: end the supervisor and every rank now. The last complete checkpoint stays."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._process.pid, signal.SIGKILL)
+        """Hard stop: end the supervisor (or torchrun) and every rank now, the ranks' own process
+        groups included, and return once they are gone. The last complete checkpoint stays."""
+        runner = self._runner()
+        if runner is not None:
+            with contextlib.suppress(OSError):  # before any signal: whoever records the ending
+                self.dir.event(
+                    KILLED_EVENT, by="Run.kill()", pid=os.getpid(), host=socket.gethostname()
+                )
+            end_tree(runner, timeout=30, reap_root=False)  # our child: reaped by _join
         self._join(timeout=30)
         self._close_output()
         finalize(self.dir, RuntimeError("killed by Run.kill()"))
@@ -124,8 +132,9 @@ class Run(RunFiles):
                     self.run_dir.name,
                 )
                 self._kill_at = None
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self._process.pid, signal.SIGKILL)
+                runner = self._runner()
+                if runner is not None:  # the ranks in groups of their own (torchrun's) too
+                    end_tree(runner, timeout=0, reap_root=False)
             left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if left <= 0:
                 return
@@ -316,6 +325,16 @@ def raise_for_ending(run: RunDir, unrecorded: dict[str, Any] | None = None) -> N
         raise RunFailedError(run.path, unrecorded)
     summary = run.summary()
     status = run.observed_status()[0]
+    if summary.status is Status.UNKNOWN:
+        raise RunFailedError(
+            run.path,
+            {
+                "type": "UnknownStatus",
+                "message": f"{run.summary_path} says status {summary.status_text!r}, which this "
+                "version of workbench doesn't know (a newer one wrote it?); upgrade workbench to "
+                "read how the run ended",
+            },
+        )
     if summary.status is Status.DIVERGED:
         raise RunDivergedError(run.path, summary.ending or {})
     if summary.status is Status.PREEMPTED:

@@ -26,7 +26,12 @@ from workbench.tasks.hf.sources import offline
 from workbench.training.parallel import strategy_module
 from workbench.training.rank import RETURNED_FD, die_with_parent, expect_forked_ranks, rank_main
 from workbench.utils import preemption
-from workbench.utils.distributed import FORKED_RANKS
+from workbench.utils.distributed import (
+    FORKED_RANKS,
+    LOOPBACK,
+    bind_store_servers,
+    single_node_listeners,
+)
 from workbench.utils.hardware import detect
 
 if TYPE_CHECKING:
@@ -190,6 +195,10 @@ def _prepare_for_ranks(cfg: RunConfig, token: str, returned_fd: int, device: str
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ[FORKED_RANKS] = "1"  # the ranks limit their OpenMP use (rank.py)
+    # One machine: the rendezvous store this process hosts, and the ranks' gloo/NCCL listeners, on
+    # loopback only (torch's store would listen on every interface).
+    bind_store_servers(LOOPBACK)
+    os.environ.update(single_node_listeners())
     offline()  # nothing is fetched from the Hugging Face Hub in a rank
     os.environ[RETURNED_FD] = str(returned_fd)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -214,6 +223,7 @@ def _launch(
                 args=(cfg, task, run_dir, progress),
                 num_processes=cfg.num_processes,
                 mixed_precision=accelerate_mixed_precision(cfg.precision),
+                master_addr=LOOPBACK,
                 use_port=str(port),
                 monitor_interval=0.02,
             )

@@ -39,7 +39,15 @@ def _execute(
         work.mkdir(parents=True)
         executed = work / case.notebook.name
         result.notebooks.append(executed)
-        error = execute(case.notebook, executed, work, params, case.timeout_s)
+        error = execute(
+            case.notebook,
+            executed,
+            work,
+            params,
+            case.timeout_s,
+            output_limit_mb=case.output_limit_mb,
+            notes=result.notes,
+        )
         if error is not None:
             result.status, result.error = ERROR, error
             break

@@ -21,12 +21,14 @@ from workbench.regress.judging import (
     CaseResult,
     exit_code,
 )
+from workbench.regress.out_lock import hold_out
 from workbench.regress.report import write_junit, write_report
 from workbench.regress.suite import Case, load_targets, parse_parameters, select_profile
 from workbench.utils.hardware import detect
 
 if TYPE_CHECKING:
     from workbench.cluster import Slurm
+    from workbench.utils.hardware import Hardware
 
 log = logging.getLogger("workbench")
 
@@ -99,10 +101,24 @@ def run(
     # --update-baselines rewrites
     broken = {} if update_baselines else unusable_baselines(cases, hw.device_class)
     out.mkdir(parents=True, exist_ok=True)
-    if slurm is not None:
-        return _run_on_slurm(
-            cases, overrides, out, slurm, update_baselines, broken, junit, hw.device_class
-        )
+    with hold_out(out):  # a second run on this --out would delete this one's case directories
+        if slurm is not None:
+            return _run_on_slurm(
+                cases, overrides, out, slurm, update_baselines, broken, junit, hw.device_class
+            )
+        return _run_here(cases, overrides, out, update_baselines, broken, junit, hw)
+
+
+def _run_here(
+    cases: list[Case],
+    overrides: dict[str, Any],
+    out: Path,
+    update_baselines: bool,
+    broken: dict[str, str],
+    junit: Path | None,
+    hw: Hardware,
+) -> int:
+    """Every case one after the other in this process, then the report."""
     results = []
     for i, case in enumerate(cases, 1):
         log.info("[%d/%d] %s: %s", i, len(cases), case.id, case.notebook)

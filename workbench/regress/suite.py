@@ -8,17 +8,18 @@ A suite is data, a YAML file (paths relative to it):
       profile: smoke
       tolerances: {"*.samples_per_s": {mode: higher_is_better, rel: 0.5}}
     cases:
-      - notebook: ../notebooks/01_quickstart.ipynb name: quickstart             # default: the
-        notebook's stem parameters: {max_steps: 30}  # papermill parameters; `-p NAME VALUE` on the
-        CLI wins profile: smoke               # or a list; `--profile` runs only the cases that have
-        it timeout_s: 600               # all cells together (kernel start not counted) needs_gpu:
-        false             # without CUDA the case is skipped, not failed repeats: 1
-        # run N times and compare the median (noisy timings) # metric name or glob -> rule; beats
-        the notebook's own tolerance tolerances:
+      - notebook: ../notebooks/01_quickstart.ipynb
+        name: quickstart             # default: the notebook's stem
+        parameters: {max_steps: 30}  # papermill parameters; `-p NAME VALUE` on the CLI wins
+        profile: smoke               # or a list; `--profile` runs only the cases that have it
+        timeout_s: 600               # all cells together (kernel start not counted)
+        output_limit_mb: 50          # output kept per execution; past it the case is stopped
+        needs_gpu: false             # without CUDA the case is skipped, not failed
+        repeats: 1                   # run N times and compare the median (noisy timings)
+        tolerances:                  # metric name or glob -> rule; beats the notebook's own
           "*.final_loss": {mode: abs, abs: 0.05}
           "*.wall_time_s": info
-        # device class (or glob) -> tolerances there; beat the ones above
-        device_tolerances:
+        device_tolerances:           # device class (or glob) -> tolerances there; beat the above
           cpu: {"*.samples_per_s": {mode: higher_is_better, rel: 0.85}}
 
 Baselines live in <baselines>/<device class>/<case id>.json ('cpu', 'cuda-H100', ...) and are
@@ -40,11 +41,15 @@ from workbench.utils.files import load_yaml, read_yaml
 from workbench.utils.suggest import reject_unknown
 
 DEFAULT_TIMEOUT_S = 3600.0
+DEFAULT_OUTPUT_LIMIT_MB = 50.0
+"""Output one execution of a notebook may keep (text and data of all its cells, in MiB); past it
+the kernel is stopped and the case is an 'output limit' error (output_cap.py)."""
 _SUITE_KEYS = ("name", "description", "baselines", "defaults", "cases")
 _DEFAULT_KEYS = (
     "parameters",
     "profile",
     "timeout_s",
+    "output_limit_mb",
     "needs_gpu",
     "repeats",
     "tolerances",
@@ -67,6 +72,7 @@ class Case:
     parameters: dict[str, Any] = field(default_factory=dict)
     profiles: tuple[str, ...] = ()
     timeout_s: float = DEFAULT_TIMEOUT_S
+    output_limit_mb: float = DEFAULT_OUTPUT_LIMIT_MB
     needs_gpu: bool = False
     repeats: int = 1
     tolerances: tuple[dict[str, Any], ...] = ()
@@ -127,6 +133,14 @@ def _check_fields(data: Mapping[str, Any], where: str) -> None:
     t = data.get("timeout_s")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
         raise ValueError(f"{where}: timeout_s={t!r}: use seconds > 0, e.g. 600")
+    cap = data.get("output_limit_mb")
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf")
+    ):
+        raise ValueError(
+            f"{where}: output_limit_mb={cap!r}: use MiB > 0, e.g. {DEFAULT_OUTPUT_LIMIT_MB:g} "
+            "(the default)"
+        )
     if "needs_gpu" in data and not isinstance(data["needs_gpu"], bool):
         raise ValueError(f"{where}: needs_gpu={data['needs_gpu']!r}: use true or false")
     n = data.get("repeats")
@@ -247,6 +261,7 @@ def _load_case(
         parameters={**defaults.get("parameters", {}), **raw.get("parameters", {})},
         profiles=tuple([profile] if isinstance(profile, str) else profile or ()),
         timeout_s=float(merged.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        output_limit_mb=float(merged.get("output_limit_mb", DEFAULT_OUTPUT_LIMIT_MB)),
         needs_gpu=merged.get("needs_gpu", False),
         repeats=merged.get("repeats", 1),
         tolerances=tuple(t for t in (raw.get("tolerances"), defaults.get("tolerances")) if t),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workbench.rundir.metrics_row import newest_train_row
 from workbench.rundir.run_dir import RunDir
 from workbench.rundir.run_files import STATUS_COLORS
 
@@ -66,7 +67,8 @@ def _row(folder: RunDir) -> dict[str, Any]:
             "started_at": None,
         }
     tail = list(folder.tail_rows())  # read once for both rows
-    train = next((r for r in tail if "loss" in r), {})
+    # a badly typed row is skipped with a warning, as `workbench status` does
+    train = newest_train_row(tail, folder.metrics_path) or {}
     evaluated = next((r for r in tail if any(k.startswith("eval_") for k in r)), None)
     loss = summary.final_loss if summary.final_loss is not None else train.get("loss")
     rate = (

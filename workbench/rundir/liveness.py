@@ -81,6 +81,27 @@ def is_alive(identity: dict[str, Any] | None) -> bool | None:
         return False
 
 
+def proven_process(identity: dict[str, Any] | None) -> psutil.Process | None:
+    """The live process of this host that `identity` names by pid AND start time; None when there is
+    none (gone, a zombie, another host, a record without a start time, or a reused pid: a process
+    that started at another time). What a process may signal on a record's word: a pid alone
+    proves nothing."""
+    if not identity or identity.get("host") != socket.gethostname():
+        return None
+    pid, started = identity.get("pid"), identity.get("create_time")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    if isinstance(started, bool) or not isinstance(started, (int, float)):
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - started) >= 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except (psutil.Error, OverflowError):
+        return None
+    return proc
+
+
 @dataclass(frozen=True)
 class Observation:
     """What a reader can tell about a run that says it is starting or running."""

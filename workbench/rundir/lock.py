@@ -256,9 +256,16 @@ def acquire(run: RunDir, token: str | None = None) -> str:
 def owner(run: RunDir) -> dict[str, Any] | None:
     """The lock's record; None when there is no lock or it can't be read (then it names no one)."""
     try:
-        return read_json_checked(run.lock_path)
+        return owner_checked(run)
     except DamagedFileError:
         return None
+
+
+def owner_checked(run: RunDir) -> dict[str, Any] | None:
+    """The lock's record; None when there is no lock; DamagedFileError (naming LOCK and what is
+    wrong) when it is there but can't be read: for a reader that must not take a damaged lock for
+    no lock (kill(): a run whose lock names no one may still be training)."""
+    return read_json_checked(run.lock_path)
 
 
 def set_runner(run: RunDir, token: str, runner: dict[str, Any]) -> None:

@@ -8,13 +8,17 @@ eval_<metric>...}.
 
 from __future__ import annotations
 
+import logging
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from workbench.utils.typecheck import type_ok
+
+log = logging.getLogger("workbench")
 
 METRICS_SCHEMA_VERSION = 1
 """Bumped when a key changes meaning or type; readers accept older versions (missing keys are None).
@@ -206,6 +210,35 @@ class MetricsRow:
         if row.extra:
             raise ValueError(f"eval metrics are numbers named '{EVAL_PREFIX}<metric>': {row.extra}")
         return row
+
+
+def newest_train_row(rows: Iterable[dict[str, Any]], path: Path) -> dict[str, Any] | None:
+    """Of `rows` (metrics.jsonl's, newest first: RunDir.tail_rows), the first training row that
+    fits the schema; None when there is none. A row with a loss that doesn't fit (a value of the
+    wrong type, written by hand or by a tool) is skipped with a warning naming the file and why:
+    the readers of the newest row (`workbench status`, a run's repr, the dashboard) show the one
+    before it rather than fail."""
+    for row in rows:
+        if "loss" not in row:
+            continue
+        try:
+            MetricsRow.from_dict(row)
+        except ValueError as e:
+            _warn_skipped(path, str(e))
+            continue
+        return row
+    return None
+
+
+_SKIPPED: set[tuple[str, str]] = set()
+"""Rows already warned about: a reader that polls (the dashboard) warns about each once."""
+
+
+def _warn_skipped(path: Path, problem: str) -> None:
+    key = (str(path), problem)
+    if key not in _SKIPPED:
+        _SKIPPED.add(key)
+        log.warning("%s: skipped a metrics row that doesn't fit the schema: %s", path, problem)
 
 
 def _number(value: Any) -> bool:

@@ -8,6 +8,7 @@ overwritten.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from workbench.rundir import lock
 from workbench.rundir.run_dir import CONFIG, SUMMARY, TRAINER_STATE, RunDir, new_run_name
 from workbench.rundir.summary import Status
 from workbench.utils.files import read_json
+from workbench.utils.mounts import filesystem_type
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -118,6 +120,7 @@ def prepare(cfg: RunConfig, token: str | None = None) -> tuple[RunConfig, RunDir
     if cfg.run_name is None:
         cfg = cfg.replace(run_name=new_run_name(cfg))
     run = RunDir(cfg.runs_dir_path / str(cfg.run_name))
+    _refuse_pseudo_filesystem(cfg)
     with run.writing(run.path, "the run directory"):
         run.path.parent.mkdir(parents=True, exist_ok=True)
         existed = False
@@ -125,6 +128,8 @@ def prepare(cfg: RunConfig, token: str | None = None) -> tuple[RunConfig, RunDir
             run.path.mkdir()
         except FileExistsError:
             existed = True
+    # before anything is written into it (the lock first)
+    _refuse_link(cfg, run)
     token = lock.acquire(run, token)
     try:
         resume = _wants_resume(cfg, run, existed)
@@ -148,6 +153,62 @@ def prepare(cfg: RunConfig, token: str | None = None) -> tuple[RunConfig, RunDir
             _remove_if_unused(run)
         raise
     return cfg, run, token
+
+
+PSEUDO_FILESYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "configfs",
+        "bpf",
+        "pstore",
+        "efivarfs",
+        "mqueue",
+        "fusectl",
+        "binfmt_misc",
+    }
+)
+"""Filesystem types the kernel makes up (processes, devices, its own settings): nothing a run
+writes can be stored there."""
+
+
+def _refuse_pseudo_filesystem(cfg: RunConfig) -> None:
+    """runs_dir, where its links lead (checks.py refused /proc, /sys and /dev as written), on a
+    kernel filesystem: ValueError naming it, before any directory is made."""
+    where = os.path.realpath(cfg.runs_dir_path)
+    kind = filesystem_type(where)
+    if kind in PSEUDO_FILESYSTEMS:
+        raise ValueError(
+            f"runs_dir={cfg.runs_dir!r} is {where}, on the kernel's {kind} filesystem (a view of "
+            "processes and devices, not storage); set runs_dir to a folder on a disk, e.g. "
+            "'runs' or '~/runs'"
+        )
+
+
+def _refuse_link(cfg: RunConfig, run: RunDir) -> None:
+    """A run directory that is a symbolic link: ValueError, nothing followed. A link could lead
+    anywhere (outside runs_dir, into another run), and the run would write, resume and clean up
+    there; runs_dir itself may be a link (that is the user's choice of where runs go)."""
+    if run.path.is_symlink():
+        target = os.readlink(run.path)
+        raise ValueError(
+            f"run_name={cfg.run_name!r}: {run.path} is a symbolic link (to {target}), not a run "
+            "directory; a run is written only into a real directory inside runs_dir. Pick another "
+            "run_name, remove the link, or name the real directory with runs_dir and run_name "
+            f"({os.path.realpath(run.path)})"
+        )
+    if not run.path.is_dir():
+        raise ValueError(
+            f"run_name={cfg.run_name!r}: {run.path} exists and is not a directory; pick another "
+            "run_name or move the file away"
+        )
 
 
 def _remove_if_unused(run: RunDir) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from workbench.rundir import lock
 from workbench.rundir.lock import LOCK
-from workbench.rundir.metrics_row import MetricsRow
+from workbench.rundir.metrics_row import MetricsRow, newest_train_row
 from workbench.rundir.rank_files import is_fallout, ranks_at
 from workbench.rundir.scheduler import JOB_FILE
 from workbench.rundir.summary import Status, Summary
@@ -189,8 +189,9 @@ class RunDir:
         return read_jsonl(self.metrics_path)
 
     def last_train_row(self) -> dict[str, Any] | None:
-        """The newest metrics row with a loss; None before the first."""
-        return next((row for row in self.tail_rows(limit=None) if "loss" in row), None)
+        """The newest metrics row with a loss that fits the schema (one that doesn't is skipped
+        with a warning); None before the first."""
+        return newest_train_row(self.tail_rows(limit=None), self.metrics_path)
 
     def tail_rows(self, limit: int | None = TAIL_BYTES) -> Iterator[dict[str, Any]]:
         """The rows of metrics.jsonl from the newest back, those of its last `limit` bytes (None: as
@@ -390,6 +391,16 @@ class RunDir:
         """model.safetensors: the full weights at the end of a session."""
         with self.writing(self.weights_path, "the exported weights"):
             atomic_write_bytes(self.weights_path, data)
+
+    def drop_exports(self) -> bool:
+        """Remove what an earlier session exported at its end (model.safetensors, rank_values/): a
+        new session moves the weights on, and one that ends without exporting (diverged, failed,
+        killed) must not leave them passing as its own. True when there was something to remove."""
+        found = self.weights_path.exists() or self.rank_values_path.exists()
+        with self.writing(self.weights_path, "the earlier session's weights (removing them)"):
+            self.weights_path.unlink(missing_ok=True)
+            shutil.rmtree(self.rank_values_path, ignore_errors=True)
+        return found
 
     def write_tokenizer(self, tokenizer: Any) -> None:
         """tokenizer/: a transformers tokenizer's save_pretrained folder, written once (the first

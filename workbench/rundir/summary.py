@@ -25,6 +25,9 @@ class Status(str, Enum):
     DIVERGED = "diverged"
     """The loss or gradient norm became NaN/inf; no checkpoint was written after it."""
     FAILED = "failed"
+    UNKNOWN = "unknown"
+    """summary.json names a status this version doesn't know (a newer workbench wrote it, or it was
+    edited): read as it is, never taken for another, and no ending is written over it."""
 
     @property
     def ended(self) -> bool:
@@ -42,6 +45,9 @@ class Status(str, Enum):
 ENDED = frozenset(
     {Status.COMPLETED, Status.STOPPED, Status.PREEMPTED, Status.DIVERGED, Status.FAILED}
 )
+UNKNOWN_STATUS = "status_unknown"
+"""Where Summary.extra keeps the status of a summary.json that names one this version doesn't
+know."""
 RESUMABLE = frozenset({Status.STOPPED, Status.PREEMPTED, Status.FAILED})
 """Endings a run can continue from (its newest complete checkpoint)."""
 
@@ -124,6 +130,13 @@ class Summary:
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys this version doesn't know (written by a newer workbench), kept on rewrite."""
 
+    @property
+    def status_text(self) -> str:
+        """The status as summary.json says it: for an unknown one, the word written there."""
+        if self.status is Status.UNKNOWN:
+            return str(self.extra.get(UNKNOWN_STATUS))
+        return self.status.value
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):
@@ -132,7 +145,12 @@ class Summary:
             value = getattr(self, f.name)
             out[f.name] = value.value if isinstance(value, Status) else value
         out.update({k if k.startswith("eval_") else f"eval_{k}": v for k, v in self.eval.items()})
-        return {**self.extra, **out}
+        extra = dict(self.extra)
+        if UNKNOWN_STATUS in extra:
+            written = extra.pop(UNKNOWN_STATUS)
+            if self.status is Status.UNKNOWN:
+                out["status"] = written
+        return {**extra, **out}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Summary:
@@ -143,8 +161,12 @@ class Summary:
         kwargs["extra"] = data
         try:
             kwargs["status"] = Status(kwargs.get("status", Status.STARTING))
-        except ValueError:
-            kwargs["extra"]["status_unknown"] = kwargs.pop("status")
+            if kwargs["status"] is Status.UNKNOWN:
+                raise ValueError("'unknown' is a reader's word, never written")
+        except (ValueError, TypeError):
+            # kept as written, and written back so on a rewrite (to_dict)
+            kwargs["extra"][UNKNOWN_STATUS] = kwargs.pop("status")
+            kwargs["status"] = Status.UNKNOWN
         for key in ("data", "peak_memory_bytes_per_rank", "ranks"):
             if kwargs.get(key) is None:
                 kwargs.pop(key, None)

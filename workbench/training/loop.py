@@ -262,7 +262,14 @@ class Trainer:
             device=str(self.device),
             checkpoint=resumed_from,
         )
-        self.run.set_status(Status.RUNNING, **self._running_fields())
+        # The weights an earlier session exported describe that session only: removed before the
+        # summary drops their hash, so a crash between leaves the hash beside the newest checkpoint
+        # (what load_model() then loads), never weights beside another session's steps.
+        if self.run.drop_exports():
+            self.log.info(
+                "removed the earlier session's exported weights: this session replaces them"
+            )
+        self.run.set_status(Status.RUNNING, **self._running_fields(), weights_sha256=None)
         self.log.info(
             "training %s: %d ranks on %s, %s, global batch %d, %d params",
             cfg.task,
@@ -431,9 +438,65 @@ class Trainer:
         if checkpoint_now:
             self.at(step, "checkpoint")
             self.state.train_time_s = self.elapsed_s()
-            self.checkpoints.save(self.state)
-            self.metrics.restart_clock()
+            with self.metrics.paused():
+                self.checkpoints.save(self.state)
+            if len(self.checkpoints.stalls) == 1:
+                self._check_grace_fits(self.checkpoints.stalls[0])
+            if not (final or verdict.ends):
+                # A checkpoint is the long pause the vote schedule can't foresee: a stop request or
+                # a signal that came while it was written ends the run on it, now, rather than
+                # after more steps and another checkpoint (which would not fit preempt_grace_s).
+                late = self.stop_vote.after_checkpoint()
+                if late.ends:
+                    return self._ended_on_checkpoint(late, grad_norm, bar, evaluated=evaluate_now)
         return self._agreed_ending(verdict, final)
+
+    def _check_grace_fits(self, checkpoint_s: float) -> None:
+        """Rank 0, after the session's first checkpoint (a fresh run has no earlier times for
+        preflight to judge by): a preemption needs a checkpoint and a step or two within
+        preempt_grace_s, or it ends as a hang; said once (logged, and an event) when this one didn't
+        fit. Synchronous checkpoints only: a background write's time is not known here."""
+        if not self.main or self.checkpoints.background is not None:
+            return
+        step_s = self.step_times[-1] if self.step_times else 0.0
+        need = checkpoint_s + 2 * step_s
+        if need > self.cfg.preempt_grace_s:
+            self.run.event(
+                "preempt_grace_short",
+                step=self.state.step,
+                checkpoint_s=round(checkpoint_s, 3),
+                needed_s=round(need, 3),
+                preempt_grace_s=self.cfg.preempt_grace_s,
+            )
+            self.log.warning(
+                "the checkpoint of step %d took %.1f s: with preempt_grace_s=%g a preemption "
+                "would end as a hang (it needs a checkpoint and a step or two, about %.0f s); "
+                "raise preempt_grace_s, or make checkpoints faster",
+                self.state.step,
+                checkpoint_s,
+                self.cfg.preempt_grace_s,
+                need,
+            )
+
+    def _ended_on_checkpoint(
+        self, verdict: VoteResult, grad_norm: torch.Tensor | None, bar: Any, *, evaluated: bool
+    ) -> Status:
+        """The vote after the step's checkpoint ended the run: it ends on that checkpoint (waited
+        for when written in the background, so the ending names it sealed), with the metrics row
+        and, for a stop, the evaluation an ending at a voted step has."""
+        step = self.state.step
+        self.checkpoints.wait()
+        if not self.metrics.due(step, False):
+            row = self.metrics.log(self.state, grad_norm, self.elapsed_s(), self.lr)
+            # the flags were read before the checkpoint and no step ran since
+            assert not isinstance(row, Divergence), row
+            if bar is not None:
+                bar.set_postfix(loss=f"{row.loss:.4f}", samples_s=f"{row.samples_per_s:.0f}")
+        if verdict.stop and not verdict.signal and self.eval_ds is not None and not evaluated:
+            self._evaluate(step)
+        status = self._agreed_ending(verdict, False)
+        assert status is not None  # the vote ended the run
+        return status
 
     def _evaluate(self, step: int) -> None:
         """Evaluate this rank's shard of the eval set under the strategy's contexts, and write the
@@ -496,10 +559,18 @@ class Trainer:
         return status
 
     def _diverged(self, found: Divergence) -> Status:
-        """The run diverged at `found.step`: record it, nothing saved. The steps from it on (read at
-        a later read point, nonfinite.py) trained on a spoilt state: the counters go back to the
-        last good step, which is what the summary reports as trained."""
+        """The run diverged at `found.step`: record it, nothing more saved. The steps from it on
+        (read at a later read point, nonfinite.py) trained on a spoilt state: the counters go back
+        to the last good step, which is what the summary reports as trained. A checkpoint still
+        being written in the background holds a state from before the bad step (read points come
+        before every save): it is waited for first, so the ending names the last sealed checkpoint,
+        or says what became of that write. Nothing is exported (_finish); the weights of an
+        earlier session were removed when this one started (_announce), so load_model() loads
+        the last good checkpoint."""
         cfg, state = self.cfg, self.state
+        if self.checkpoints.pending is not None:
+            self.at(state.step, "checkpoint")
+        unsealed = self.checkpoints.settle()
         spoilt = max(0, state.step - (found.step - 1))
         state.step -= spoilt
         state.micro_batches -= spoilt * cfg.grad_accum_steps
@@ -507,11 +578,14 @@ class Trainer:
         state.tokens -= spoilt * self.global_batch * (self.tokens_per_sample or 0)
         ckpt = self.run.latest_checkpoint()
         where = f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint was saved before it"
+        if unsealed:
+            where += f" ({unsealed})"
         self.ending = {
             "step": found.step,
             "reason": found.reason,
             "last_checkpoint": str(ckpt) if ckpt else None,
             "message": f"diverged at step {found.step}: {found.reason}; {where}",
+            **({"unsealed_checkpoint": unsealed} if unsealed else {}),
         }
         if self.main:
             self.run.event("diverged", **self.ending)
@@ -698,5 +772,12 @@ def train(cfg: RunConfig, task: Task, run_dir: Path, *, progress: bool = False) 
     trainer = Trainer(cfg, task, run_dir, progress=progress)
     try:
         return trainer.fit()
+    except Exception as e:
+        # On a full disk, the ending names the checkpoint being written in the background (what
+        # filled it), not whichever write of this rank's loop met the full disk first.
+        write = trainer.checkpoints.filled_the_disk(e)
+        if write is None:
+            raise
+        raise write from e
     finally:
         trainer.close()

@@ -171,8 +171,10 @@ def rank_main(cfg: RunConfig, task: Task, run_dir: str, progress: bool) -> None:
     die_with_parent()
     wait_for_forked_siblings()
     rank = int(os.environ.get("RANK", "0"))
-    from workbench.utils.distributed import FORKED_RANKS  # torch: after the signals are caught
+    # torch: after the signals are caught
+    from workbench.utils.distributed import FORKED_RANKS, bind_rank_store
 
+    bind_rank_store()  # a store this rank hosts (no agent's: Slurm) listens where the nodes meet
     if os.environ.get(FORKED_RANKS):
         import torch
 

@@ -66,6 +66,15 @@ def _stacks() -> str:
     )
 
 
+AFTER_STEP = ("checkpoint", "evaluation", "finishing", "ended")
+"""Phases the loop enters once a step is counted (its `at` then names that step, not the next)."""
+
+
+def where(phase: str, step: int) -> str:
+    """The step a phase belongs to, in words: the step in progress, or the one just done."""
+    return f"after step {step}" if phase in AFTER_STEP else f"of step {step + 1}"
+
+
 class RankWatch:
     """Start on every rank before training; `close()` when the rank is done (normally or not)."""
 
@@ -157,6 +166,7 @@ class RankWatch:
         if self._done.wait(self.cfg.preempt_grace_s):
             return
         name = signal.Signals(self.signal).name
+        phase, step = self.phase, self.step
         stack = _stacks()
         path = self.run.write_stacks(self.rank, stack)
         self.run.write_rank_error(
@@ -165,13 +175,25 @@ class RankWatch:
                 "type": "Hung",
                 "pid": os.getpid(),
                 "traceback": stack,
-                "message": f"rank {self.rank} hung: still in {self.phase!r} of step "
-                f"{self.step + 1} {time.time() - started:.0f} s after {name} "
+                "message": f"rank {self.rank} hung: still in {phase!r} {where(phase, step)} "
+                f"{time.time() - started:.0f} s after {name} "
                 f"(preempt_grace_s={self.cfg.preempt_grace_s:g}); its stack is in "
-                f"{path}",
+                f"{path}{self._abandoned(phase, step)}",
             },
         )
         os._exit(EXIT_HUNG)
+
+    def _abandoned(self, phase: str, step: int) -> str:
+        """A checkpoint the rank was writing when the grace ran out is abandoned, not sealed: said,
+        with what a resume does with it."""
+        tmp = self.run.checkpoints_path / f".tmp-step_{step}"
+        if phase != "checkpoint" or not tmp.exists():
+            return ""
+        return (
+            f"; the checkpoint of step {step} was abandoned half written ({tmp}: a resume skips "
+            "it and starts from the newest complete checkpoint). A checkpoint and a step must fit "
+            "preempt_grace_s: raise it, or make checkpoints faster (checkpoint_async)"
+        )
 
     def close(self) -> None:
         self._done.set()

@@ -1,13 +1,20 @@
 """The stop vote: do all ranks go on? Rank 0's stop request and any rank's preemption signal must
 end the run on the same step everywhere.
 
-They wait for a vote every few steps, about every VOTE_EVERY_S seconds (the interval is rank 0's,
-carried in the vote so every rank counts the same steps): a per-step collective, even a tiny
-asynchronous one, cost this trainer more than all its other bookkeeping together. A vote is one
-all-reduce of host-side numbers over a gloo group of its own, CPU tensors even on GPU ranks,
-started before the last backward and waited for before the update: reading its result never waits
-for the device. It is a sum: each rank writes only its own slots, so a sum tells every rank's signal
-apart. Divergence is not voted on: the device carries it to the next read point (nonfinite.py).
+They wait for a vote every few steps, about every VOTE_EVERY_S seconds of training steps (the
+interval is rank 0's, carried in the vote so every rank counts the same steps): a per-step
+collective, even a tiny asynchronous one, cost this trainer more than all its other bookkeeping
+together. A checkpoint is the one long pause the schedule can't see coming, so every checkpoint the
+run goes on from is followed by a vote of its own (`after_checkpoint`): a request or a signal that
+came while it was written ends the run on it, with no step or checkpoint more, and one that comes
+during the steps is voted on within about VOTE_EVERY_S, at worst at the next checkpoint's vote.
+Either way at most one checkpoint is written after it, which is what makes a preemption fit
+preempt_grace_s whatever checkpoint_every is (config/preflight.py warns when one checkpoint
+doesn't). A vote is one all-reduce of host-side numbers over a gloo group of its own, CPU tensors
+even on GPU ranks, started before the last backward and waited for before the update: reading its
+result never waits for the device. It is a sum: each rank writes only its own slots, so a sum
+tells every rank's signal apart. Divergence is not voted on: the device carries it to the next read
+point (nonfinite.py).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ if TYPE_CHECKING:
     from workbench.training.rank_watch import RankWatch
 
 VOTE_EVERY_S = 0.5
-"""How long a stop request or a signal may wait for the next vote, roughly (at least one step)."""
+"""How long a stop request or a signal may wait for the next vote, roughly (at least one step; or
+the checkpoint being written, which a vote of its own follows)."""
 MAX_VOTE_INTERVAL = 1000
 
 
@@ -71,7 +79,9 @@ class StopVote:
         self._last_vote: tuple[float, int] | None = None  # rank 0: (time, steps) at the last vote
         self._steps = 0
         self.votes = 0
-        """Votes taken (in this session)."""
+        """Votes taken on the step schedule (in this session)."""
+        self.checkpoint_votes = 0
+        """Votes taken right after a checkpoint (in this session)."""
 
     def start(self) -> None:
         """Once per step on every rank, before the last backward: starts a vote when one is due
@@ -86,14 +96,30 @@ class StopVote:
                 self.flags, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
 
-    def _votes(self) -> list[float]:
+    def _votes(self, *, scheduled: bool = True) -> list[float]:
         votes = [0.0] * len(self.flags)
         if self.accelerator.is_main_process:
             votes[0] = float(self.run.stop_requested())
-            votes[1] = float(self._next_interval())
+            votes[1] = float(self._next_interval()) if scheduled else 0.0
         if self.watch.signal:
             votes[2 + self.rank] = float(self.watch.signal)
         return votes
+
+    def after_checkpoint(self) -> VoteResult:
+        """Collective (every rank, right after a checkpoint the run would go on from): a vote of its
+        own, blocking, off the schedule, which it leaves as it was. The schedule's clock restarts
+        here, so the checkpoint's time doesn't shorten the next interval."""
+        flags = torch.tensor(self._votes(scheduled=False))
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
+        self.checkpoint_votes += 1
+        if self.accelerator.is_main_process:
+            self._last_vote = (time.perf_counter(), self._steps)
+        return self._result(flags.tolist())
+
+    @staticmethod
+    def _result(values: list[float]) -> VoteResult:
+        return VoteResult(stop=values[0] > 0.5, signal=int(max(values[2:], default=0)))
 
     def _next_interval(self) -> int:
         """Rank 0: steps until the next vote, from the time steps took since the last one."""
@@ -114,4 +140,4 @@ class StopVote:
         self._pending, self._voting = None, False
         values = self.flags.tolist()
         self._until_vote = int(values[1]) - 1
-        return VoteResult(stop=values[0] > 0.5, signal=int(max(values[2:], default=0)))
+        return self._result(values)

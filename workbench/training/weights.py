@@ -48,7 +48,13 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> torch.nn.Module:
     """`task`'s model with the run's final weights (step=None) or those of the checkpoint at `step`,
-    on `device`, in eval mode."""
+    on `device`, in eval mode.
+
+    The final weights are model.safetensors, which only the session that wrote the summary exports
+    (its sha256 is the summary's weights_sha256). A session that ends without exporting (diverged,
+    failed, killed) leaves neither: each session removes an earlier one's export as it starts. Then
+    the final weights are the newest complete checkpoint, which after a divergence is the last good
+    one (nothing is saved after a bad step); the warning names the divergence."""
     # seeded as the ranks build it: what a checkpoint leaves out (frozen parameters: a LoRA run's
     # base) is the same here
     with torch.random.fork_rng(devices=[]):
@@ -70,7 +76,9 @@ def _load_final(run: RunDir, state: dict[str, torch.Tensor]) -> None:
         raise ModelMismatchError(
             f"{run.weights_path} doesn't match the task's model: {differences}. {_CHANGED_CODE}"
         )
-    want = run.summary().to_dict().get("weights_sha256")
+    summary = run.summary()
+    _same_session(run, summary.steps, summary.status)
+    want = summary.weights_sha256
     if want and state_digest(saved) != want:
         raise ValueError(
             f"{run.weights_path} does not match the sha256 in summary.json (damaged or replaced); "
@@ -79,6 +87,24 @@ def _load_final(run: RunDir, state: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             tensor.copy_(saved[name])
+
+
+def _same_session(run: RunDir, steps: int | None, status: Any) -> None:
+    """Refuse model.safetensors written at another step than the summary's: an earlier session's
+    export in a run directory from before sessions removed it (a resumed run that then diverged)."""
+    from safetensors import safe_open
+
+    with safe_open(str(run.weights_path), framework="pt") as f:
+        written_at = (f.metadata() or {}).get("step")
+    if steps is None or written_at is None or not written_at.isdigit() or int(written_at) == steps:
+        return
+    found = [s for s, _ in run.checkpoints() if s <= steps]
+    hint = f"load_model(step={found[-1]})" if found else "load_model(step=N) with a kept step"
+    raise ValueError(
+        f"{run.weights_path} holds the weights of step {written_at}, but the run's summary says "
+        f"{steps} steps ({status}): they are an earlier session's, not this run's final weights; "
+        f"load a checkpoint instead: {hint}"
+    )
 
 
 def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | None) -> None:
@@ -90,9 +116,10 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
     if step is None:
         step = max(found)
         log.warning(
-            "%s has no %s; loading the newest checkpoint (step %d)",
+            "%s has no %s%s; loading the newest checkpoint (step %d)",
             run.name,
             run.weights_path.name,
+            _why_no_weights(run),
             step,
         )
     if step not in found:
@@ -122,6 +149,20 @@ def _load_checkpoint(run: RunDir, state: dict[str, torch.Tensor], step: int | No
         raise CheckpointLoadError(
             f"checkpoint {found[step]}: the model could not be loaded: {failure_summary(e)}"
         ) from e
+
+
+def _why_no_weights(run: RunDir) -> str:
+    """Why a run that has checkpoints exported no weights, when its ending says ('' otherwise): a
+    divergence is named, so the last good checkpoint is never taken for weights trained to the
+    end."""
+    try:
+        summary = run.summary()
+    except ValueError:  # a damaged summary: said where it is read
+        return ""
+    ending = summary.ending or {}
+    if summary.status == "diverged" and ending.get("message"):
+        return f" (the session {ending['message']}: it exported no weights)"
+    return ""
 
 
 def _not_complete(run: RunDir, step: int) -> str:

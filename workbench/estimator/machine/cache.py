@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from workbench.estimator import cancel
 from workbench.estimator.machine.probe import KINDS, VERSION
 from workbench.estimator.machine.profile import MachineProfile, measure
 from workbench.utils.files import DamagedFileError, read_json_checked, write_json
@@ -123,7 +124,16 @@ def _measuring_alone(path: Path) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(f"{path}.lock", timeout=LOCK_WAIT_S)
-        lock.acquire()
+        deadline = time.monotonic() + LOCK_WAIT_S
+        # in slices, so that a cancelled estimate (a launch, Python's exit) stops waiting at once
+        while True:
+            cancel.check("waiting for another process's measurement of this machine")
+            try:
+                lock.acquire(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                break
+            except filelock.Timeout:
+                if time.monotonic() >= deadline:
+                    raise
     except (OSError, filelock.Timeout) as e:
         log.info("measuring this machine without the profile's lock (%s)", e)
         yield

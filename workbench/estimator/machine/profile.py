@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from workbench.estimator import cancel
 from workbench.estimator.machine.probe import VERSION, compute_figures, distributed_figures
 from workbench.utils.units import fmt_bytes, fmt_seconds
 
@@ -153,6 +154,7 @@ def measure(
     children are killed)."""
     import psutil
 
+    cancel.check("measuring this machine")
     if fork:
         # what the children run imports these once here, not in each child (AdamW pulls in dynamo:
         # ~1.3 s)
@@ -174,13 +176,15 @@ def measure(
             for r, (_, w) in enumerate(pipes)
         ]
         try:
-            for child in children:
-                child.start()
-            for _, writer in pipes:
-                writer.close()
-            answers = _collect([reader for reader, _ in pipes], children, stall_s)
+            # cancel() (a launch, Python's exit) kills them: _collect then raises Cancelled
+            with cancel.started(children):
+                for _, writer in pipes:
+                    writer.close()
+                answers = _collect([reader for reader, _ in pipes], children, stall_s)
         finally:
             for child in children:
+                if child.pid is None:  # never started (cancelled first)
+                    continue
                 child.join(timeout=2.0)
                 if child.is_alive():
                     child.kill()
@@ -280,6 +284,7 @@ def _collect(readers: list[Any], children: list[Any], stall_s: float) -> list[di
             try:
                 kind, payload = reader.recv()
             except EOFError:
+                cancel.check("this machine's measurement ended")  # its children were killed
                 raise RuntimeError(
                     f"measuring this machine: child {rank} ended without an answer (exit code "
                     f"{children[rank].exitcode})"

@@ -45,8 +45,14 @@ log = logging.getLogger("workbench")
 MAX_RUNS = 5
 """Runs one lesson is drawn from, newest first."""
 SCAN = 200
-"""Run directories looked at: the most recently written (their summary.json's modification time),
-whatever their names."""
+"""Usable runs looked at (completed, on the device class asked about, with a measured step): the
+most recently written (their summary.json's modification time), whatever their names, and however
+many other runs (failed, stopped, on another device) sit among them."""
+_VERDICTS: dict[str, tuple[int, str, str | None]] = {}
+"""summary.json path -> (its modification time, status, device class) as last read: a run that can't
+teach is passed over by a stat alone until its summary changes, so a folder of many failed runs
+costs one read of each, once per process."""
+_MAX_VERDICTS = 100_000
 MIN_STEPS = 3
 NEW_TRACES = 1
 """Past runs a lesson may trace anew per call (about a second each); the rest wait for later
@@ -107,15 +113,27 @@ def measured_step_s(path: Path) -> float | None:
 
 
 def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
-    """Completed runs on `device_class` with a measured step time, among the SCAN run directories of
-    `runs_dir` written to most recently, newest (by recorded start) first."""
+    """The SCAN newest completed runs of `runs_dir` on `device_class` with a measured step time (the
+    newest by summary.json's modification time, however many runs of other statuses or devices are
+    newer), newest (by recorded start) first."""
     from workbench.rundir import RunDir
 
     found = []
-    for summary_path, _ in newest_summaries(runs_dir):
+    for summary_path, modified in newest_summaries(runs_dir):
+        if len(found) == SCAN:
+            break
+        key = str(summary_path)
+        seen = _VERDICTS.get(key)
+        if (
+            seen is not None
+            and seen[0] == modified
+            and (seen[1] != "completed" or seen[2] != device_class)
+        ):
+            continue  # unchanged since it was read, and it can't teach
         run = RunDir(summary_path.parent)
         try:
             s = run.summary()
+            _remember(key, modified, s.status, s.device_class)
             if s.status != "completed" or s.device_class != device_class or not s.world_size:
                 continue
             measured = measured_step_s(run.path)
@@ -134,8 +152,15 @@ def completed_runs(runs_dir: Path, device_class: str) -> list[PastRun]:
     return sorted(found, key=lambda r: r.started_at, reverse=True)
 
 
+def _remember(key: str, modified: int, status: object, device_class: str | None) -> None:
+    with _LOCK:
+        if len(_VERDICTS) >= _MAX_VERDICTS:
+            _VERDICTS.clear()  # a bound, not a policy: the next scan reads the summaries again
+        _VERDICTS[key] = (modified, str(getattr(status, "value", status)), device_class)
+
+
 def newest_summaries(runs_dir: Path) -> list[tuple[Path, int]]:
-    """The summary.json of the SCAN run directories written to most recently, newest first, each
+    """Every summary.json of `runs_dir`'s run directories, the most recently written first, each
     with its modification time (ns). By age, not by name: run names sort by task and timestamp, so a
     folder holding many runs of a task named later in the alphabet (or of a user's own naming) would
     otherwise hide every other task's runs, however recent. A summary is rewritten at each status
@@ -148,7 +173,7 @@ def newest_summaries(runs_dir: Path) -> list[tuple[Path, int]]:
         except OSError:  # removed since the listing
             continue
     dated.sort(key=lambda item: (item[1], item[0].parent.name), reverse=True)
-    return dated[:SCAN]
+    return dated
 
 
 def learn(

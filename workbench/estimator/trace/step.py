@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from workbench.estimator import cancel
 from workbench.estimator.trace.fake_world import Placement, wire_bytes
 from workbench.estimator.trace.held import StatePiece
 
@@ -107,52 +108,41 @@ def trace_step(
 
     # Real batches are built here, not in the child: a forked child that runs the data pipeline can
     # deadlock on a thread pool (OpenMP's, a loader's) inherited mid-use from this process.
-    if ABORTED.is_set():
-        raise RuntimeError("the estimate was cancelled (a run is launching)")
+    cancel.check("a trace")
     real = _real_batches(cfg, task, world, rank)
     with TRACE_LOCK:
-        if ABORTED.is_set():
-            raise RuntimeError("the estimate was cancelled (a run is launching)")
+        cancel.check("a trace")
         reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
         child = multiprocessing.get_context("fork").Process(
             target=_trace_child,
             args=(writer, cfg, task, real, world, rank, gpu_target, gpus_per_node),
             daemon=True,
         )
-        child.start()
-        RUNNING.append(child)
-        writer.close()
-        try:
-            ok, payload = reader.recv()
-        except EOFError:
-            child.join()
-            raise RuntimeError(
-                f"the estimate's trace ended without an answer (exit code {child.exitcode})"
-            ) from None
-        finally:
-            RUNNING.remove(child)
+        with cancel.started([child]):
+            writer.close()
+            try:
+                ok, payload = reader.recv()
+            except EOFError:
+                child.join()
+                cancel.check("the trace's answer")  # killed by cancel(): said as such
+                raise RuntimeError(
+                    f"the estimate's trace ended without an answer (exit code {child.exitcode})"
+                ) from None
         child.join()
     if not ok:
         raise payload
     return payload
 
 
-RUNNING: list[Any] = []
-"""The trace child in flight, if any (abort_trace ends it)."""
-ABORTED = threading.Event()
-"""Set by abort_trace: traces raise instead of starting, until allow_traces()."""
-
-
 def abort_trace() -> None:
     """End the trace in flight now, and refuse new ones (a run is launching: its processes must not
-    be forked while a trace forks or builds batches)."""
-    ABORTED.set()
-    for child in list(RUNNING):
-        child.kill()
+    be forked while a trace forks or builds batches). The estimator's cancel(), under its old
+    name."""
+    cancel.cancel()
 
 
 def allow_traces() -> None:
-    ABORTED.clear()
+    cancel.allow()
 
 
 def _without_cuda() -> None:

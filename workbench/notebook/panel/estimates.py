@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -24,6 +25,40 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("workbench")
 DEBOUNCE_S = 0.6
+EXIT_WAIT_S = 60.0
+"""How long the interpreter's exit waits for a cancelled estimate to reach its next stopping point
+(a trace child is killed at once; an import or a batch being built runs to its end)."""
+
+_BOXES: weakref.WeakSet[EstimateBox] = weakref.WeakSet()
+"""Every box with an estimate thread started (a running thread keeps its box alive)."""
+_EXITING = threading.Event()
+"""Set when the interpreter exits: no estimate starts after it."""
+
+
+def end_estimates_at_exit() -> None:
+    """Cancel every estimate in flight and wait for its thread, before the interpreter finalizes.
+    An estimate's thread is a daemon (a notebook never waits for it), but one still inside torch's
+    C++ when finalization begins is ended by pthread_exit as it asks for the GIL back, and that
+    unwinds through a noexcept frame of pybind11: std::terminate ("terminate called without an
+    active exception", rc 134). Registered with threading's exit hooks, which run before
+    finalization and before atexit's (whose torch handlers may already be tearing down)."""
+    _EXITING.set()
+    for box in list(_BOXES):
+        box.cancel(EXIT_WAIT_S)
+
+
+# threading's own hook list (what concurrent.futures uses for the same reason): it runs in
+# threading._shutdown, while daemon threads still run normally; atexit is the fallback.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    try:
+        _register(end_estimates_at_exit)
+    except RuntimeError:  # first imported while Python exits: no estimate may start
+        _EXITING.set()
+else:  # pragma: no cover  (CPython < 3.9)
+    import atexit
+
+    atexit.register(end_estimates_at_exit)
 
 
 class EstimateBox:
@@ -78,6 +113,10 @@ class EstimateBox:
                     self.state.measured = {}  # a run's figures belong to the settings it ran with
                 self.state.requested = f"{settings} on {target.describe(cfg)}"
                 self.state.stale, self.state.status = est is not None, "estimating"
+            if _EXITING.is_set():  # an observer at exit: nothing would wait for the answer
+                self._thread = None
+                return
+            _BOXES.add(self)
             self._thread = threading.Thread(
                 target=self._work,
                 args=(generation, cfg, task, target, time.monotonic() + delay),
@@ -142,14 +181,18 @@ class EstimateBox:
         from workbench.estimator.trace.step import allow_traces
 
         with self._lock:
-            if generation != self._generation:  # cancelled (a launch) or superseded before it began
+            # cancelled (a launch, the interpreter's exit) or superseded before it began
+            if generation != self._generation or _EXITING.is_set():
                 return
             self._working.add(threading.current_thread())
-        # a launch that cancelled an earlier estimate has waited for it: traces may run again
-        allow_traces()
+            # a launch that cancelled an earlier estimate has waited for it: traces may run again
+            allow_traces()
         try:
             self._estimate(generation, cfg, task, target, not_before)
         except Exception as e:
+            if generation != self._generation:  # cancelled: its trace was ended on purpose
+                log.debug("a cancelled estimate ended with %r", e)
+                return
             # said in the box in words (the traceback goes to the log): it never breaks the panel
             log.warning("the panel's estimate failed", exc_info=True)
             said = (str(e).strip().splitlines() or [f"the estimator raised {type(e).__name__}"])[0]
@@ -192,6 +235,8 @@ class EstimateBox:
                     progress=lambda so_far: self._publish(generation, alternatives=list(so_far)),
                 )
             except Exception:  # the estimate stands without its suggestions
+                if generation != self._generation:
+                    return  # cancelled: a trace among the alternatives was ended on purpose
                 log.warning("the estimate box found no alternatives", exc_info=True)
         self._publish(generation, alternatives=found, status="done")
 

@@ -67,11 +67,15 @@ class Pending:
         except BaseException as e:  # noqa: BLE001  (raised in the training thread by wait())
             self.error = e
 
-    def wait(self) -> None:
-        """Until the write is complete; its failure raised here, as a synchronous save raises it."""
-        self._thread.join()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until the write is complete (True), or `timeout_s` has passed (False: still in flight);
+        its failure raised here, as a synchronous save raises it."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return False
         if self.error is not None:
             raise self.error
+        return True
 
 
 class BackgroundWriter:

@@ -41,6 +41,7 @@ from workbench.rundir.run_dir import COMPLETE_MARKER, TRAINER_STATE, RunDir
 from workbench.training.checkpoint.background import BackgroundWriter, Pending, writes_async
 from workbench.training.checkpoint.failures import (
     SWEPT,
+    disk_full,
     explained_write_failures,
     removed_on_failure,
     write_error,
@@ -166,6 +167,57 @@ class Checkpointer:
         began = time.perf_counter()
         pending.wait()
         return time.perf_counter() - began
+
+    def settle(self, timeout_s: float | None = None) -> str | None:
+        """Before an ending that names the last sealed checkpoint (a divergence): wait for the write
+        in flight, up to `timeout_s` (default: dist_timeout_s, the bound of the write's own
+        collectives). None when nothing was in flight or it was sealed; otherwise what became of it,
+        for the ending to say: a failed write is named there rather than raised, as the run's ending
+        is the divergence, and a write still going is named as in flight (the session's finish
+        waits for it again)."""
+        pending = self.pending
+        if pending is None:
+            return None
+        where = self.run.checkpoints_path / f".tmp-step_{pending.step}"
+        bound = self.cfg.dist_timeout_s if timeout_s is None else timeout_s
+        began = time.perf_counter()
+        try:
+            done = pending.wait(bound)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001  (DCP's CheckpointException is no Exception)
+            self.pending = None
+            log.warning("checkpoint step %d's background write failed: %s", pending.step, e)
+            return f"the background write of checkpoint step {pending.step} failed: {e}"
+        if self.stalls:
+            self.stalls[-1] += time.perf_counter() - began
+        if not done:
+            return (
+                f"checkpoint step {pending.step} was still being written ({where}) {bound:g} s "
+                "later: it counts only once sealed (a resume takes the newest sealed one)"
+            )
+        self.pending = None
+        return None
+
+    def filled_the_disk(
+        self, error: BaseException, timeout_s: float = 60.0
+    ) -> BaseException | None:
+        """A failure on a full disk (a metrics row, a tracker's file) while a checkpoint is written
+        in the background: that write is what filled the disk, and its own failure, naming the
+        checkpoint's file, is the run's ending, whichever write hit the full disk first. Waits for
+        it up to `timeout_s`; None when no write was in flight, `error` was no ENOSPC, or the write
+        went through."""
+        pending = self.pending
+        if pending is None or not disk_full(error):
+            return None
+        try:
+            pending.wait(timeout_s)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as failed:  # noqa: BLE001  (the write's own failure, to raise)
+            self.pending = None
+            return failed
+        return None
 
     def finish(self) -> dict[str, Any]:
         """At the end of the session: wait for a write still in flight (its wait is the last

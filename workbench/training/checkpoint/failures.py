@@ -25,37 +25,84 @@ SWEPT = "its folder was removed as another rank's write failed"
 
 
 def write_error(error: BaseException, where: Path) -> OSError:
-    """An I/O failure inside torch's writers, as an OSError saying what failed and how much room is
-    left.
+    """An I/O failure while writing a checkpoint into `where`, as an OSError saying what failed,
+    which file, and how much room is left; the same whichever rank fails first.
 
     DCP collects each rank's failure as (exception, traceback) in CheckpointException.failures, and
-    torch.save on a full disk raises a RuntimeError from its zip writer ('unexpected pos'), not
-    ENOSPC."""
+    its writers turn a full disk into a RuntimeError ('unexpected pos') whose OSError, when there is
+    one, is only in the exception's chain. Any ENOSPC in the failures or their chains makes it
+    ENOSPC: a rank that hit the full disk after another rank's partial files were removed may see
+    only the RuntimeError, or a disk with room again."""
     failures = [
         f[0] if isinstance(f, tuple) and f else f
         for f in (getattr(error, "failures", None) or {}).values()
-    ]
-    cause = next(
-        (f for f in failures if isinstance(f, OSError)), failures[0] if failures else error
-    )
+    ] or [error]
+    chained = [e for f in failures for e in _chain(f)]
+    os_errors = [e for e in chained if isinstance(e, OSError) and e.errno]
     try:
         free: int | None = shutil.disk_usage(where if where.exists() else where.parent).free
     except OSError:
         free = None
-    code = getattr(cause, "errno", None) or errno.EIO
-    if code == errno.ENOENT and not where.exists():
-        return OSError(code, SWEPT)
-    if isinstance(cause, OSError):
-        text = cause.strerror or str(cause)
+    full = next((e for e in os_errors if e.errno == errno.ENOSPC), None)
+    cause = full or (os_errors[0] if os_errors else failures[0])
+    if isinstance(cause, OSError) and cause.errno == errno.ENOENT and not where.exists():
+        return OSError(errno.ENOENT, SWEPT)
+    if isinstance(cause, OSError) and cause.errno:
+        code, text = cause.errno, cause.strerror or str(cause)
     elif free is not None and free < FULL_BELOW_BYTES:
-        code, text = (
-            errno.ENOSPC,
-            f"{os.strerror(errno.ENOSPC)} ({type(cause).__name__} in torch's writer)",
-        )
+        code, text = errno.ENOSPC, os.strerror(errno.ENOSPC)
     else:
-        text = f"{type(cause).__name__}: {str(cause).strip()[:300]}"
+        code, text = errno.EIO, f"{type(cause).__name__}: {str(cause).strip()[:300]}"
+    if code == errno.ENOSPC:
+        text = f"{text} (ENOSPC, the disk is full)"
+    file = _failing_file(chained)
+    written = f" writing {file}" if file else ""
     room = f"; {free / 2**30:.1f} GiB free there" if free is not None else ""
-    return OSError(code, f"{text}{room}")
+    return OSError(code, f"{text}{written}{room}")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error`, or what it was raised from or while handling, is ENOSPC."""
+    return any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _chain(error))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and what it was raised from or while handling (its __cause__ and __context__)."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo and len(found) < 32:
+        e = todo.pop(0)
+        if e is None or any(e is seen for seen in found):
+            continue
+        found.append(e)
+        todo += [e.__cause__, e.__context__]
+    return found
+
+
+def _failing_file(errors: list[BaseException]) -> str | None:
+    """The file a failed write was writing: an OSError's filename, else the file DCP's writer had
+    open (`file_name` in its frame: its OSErrors from write() name none); None when neither is
+    known (a failure that reached this rank from another, pickled without its traceback)."""
+    for e in errors:
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename)
+    for e in errors:
+        tb = e.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_name == "_write_files_from_queue" and "file_name" in frame.f_locals:
+                return str(frame.f_locals["file_name"])
+            tb = tb.tb_next
+    return None
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """`data` written into `path` (a checkpoint's own file), a failure naming the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
 @contextlib.contextmanager
@@ -75,12 +122,9 @@ def explained_write_failures(tmp: Path) -> Iterator[None]:
     missing file in a folder another rank removed is that rank's fallout (SWEPT)."""
     try:
         yield
-    except OSError as e:
-        if e.errno == errno.ENOENT and not tmp.exists():
-            raise OSError(errno.ENOENT, SWEPT) from e
-        raise
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
-        # torch's writers turn a full disk into a RuntimeError in a CheckpointException
+        # torch's writers turn a full disk into a RuntimeError in a CheckpointException; an OSError
+        # of our own writes is named with its file and the room left, as theirs are
         raise write_error(e, tmp) from e

@@ -6,6 +6,7 @@ the checkpoint has no file for (more ranks than wrote it) starts with fresh rand
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from workbench.training.checkpoint.failures import write_file
 
 log = logging.getLogger("workbench")
 
@@ -50,8 +53,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def save_rank_state(path: Path, device: torch.device, scaler: Any) -> None:
-    """This rank's RNG states and its loss scaler's state (None without one) into `path`."""
-    torch.save({"rng": rng_state(device), "scaler": scaler.state_dict() if scaler else None}, path)
+    """This rank's RNG states and its loss scaler's state (None without one) into `path`. Saved to
+    memory, then written: torch.save into a path turns a full disk into a RuntimeError of its zip
+    writer ('unexpected pos'), where a plain write raises ENOSPC naming the file."""
+    buffer = io.BytesIO()
+    torch.save(
+        {"rng": rng_state(device), "scaler": scaler.state_dict() if scaler else None}, buffer
+    )
+    write_file(path, buffer.getvalue())
 
 
 def load_rank_state(

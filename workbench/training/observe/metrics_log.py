@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -115,6 +117,19 @@ class MetricsLogger:
         self.window_start = time.perf_counter()
         if self.breakdown is not None:
             self.breakdown.restart()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time in the block (a checkpoint) is not step time, and the window's steps before it keep
+        theirs: a row logged right after it (a run that ends on that checkpoint) times its steps
+        as they ran."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_start += time.perf_counter() - began
+            if self.breakdown is not None:
+                self.breakdown.restart()
 
     def untime_steps_so_far(self) -> None:
         """The window's steps so far compiled: their time is compile time, not the training pace the
