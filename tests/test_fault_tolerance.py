@@ -5,19 +5,18 @@ NaN injected, a rank put to sleep), and every test that starts processes kills t
 from __future__ import annotations
 
 import _thread
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from own_session import ENV, spawned
 from tasks_for_tests import TinyRegression
 
 import workbench as wb
@@ -25,8 +24,6 @@ from workbench.rundir import RunDir
 from workbench.utils import files
 
 pytestmark = pytest.mark.slow
-TESTS = Path(__file__).parent
-ENV = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1"}
 
 
 def cfg_for(runs_dir: Path, **fields: Any) -> wb.RunConfig:
@@ -65,30 +62,6 @@ def alive(pids: list[int]) -> list[int]:
             return []
         time.sleep(0.2)
     return left
-
-
-@contextlib.contextmanager
-def spawned(args: list[str], cwd: Path, **env: str) -> Iterator[subprocess.Popen]:
-    """A process in its own session (its own signal dispositions: ours don't leak in); killed with everything
-    it started if the test fails or times out."""
-    proc = subprocess.Popen(
-        args,
-        cwd=cwd,
-        env={**ENV, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.kill()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 def wait_for_steps(run: RunDir, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -13,10 +13,8 @@ import json
 import math
 import os
 import signal
-import subprocess
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +28,6 @@ from workbench.config.preflight import check_preempt_grace
 from workbench.rundir import RunDir
 from workbench.rundir.metrics_row import MetricsRow
 from workbench.training.rank_watch import RankWatch, where
-
-TESTS = Path(__file__).parent
-ENV = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1"}
 
 
 class SlowCheckpoints(TinyRegression):
@@ -105,30 +100,6 @@ def rank_processes(run: RunDir) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error, ValueError, KeyError, OSError):
             found.append(psutil.Process(json.loads(beat.read_text())["pid"]))
     return found
-
-
-@contextlib.contextmanager
-def spawned(args: list[str], cwd: Path) -> Iterator[subprocess.Popen]:
-    """`workbench train` in its own session; killed with everything it started however the test
-    ends."""
-    proc = subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.kill()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from workbench.tasks.hf.task import HFTask
+from workbench.tasks.hf.text import tokenized
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -59,7 +60,7 @@ class CausalLMTask(HFTask):
                 ids = tokenizer(batch[field], add_special_tokens=True)["input_ids"]
                 return {"input_ids": [x + [eos] for x in ids]}
 
-            data = _tokenized(rows, key, split, work)
+            data = tokenized(rows, key, split, work, ["input_ids"])
             flat = data.data.column("input_ids").combine_chunks().flatten()
             _STREAMS[(key, split)] = torch.from_numpy(flat.to_numpy().astype("int32"))
         return _STREAMS[(key, split)]
@@ -89,9 +90,3 @@ class CausalLMTask(HFTask):
         # it) the logits
         logits = getattr(out, "logits", out)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
-def _tokenized(rows: Any, key: str, split: str, work: Any) -> Any:
-    from workbench.tasks.hf.text import tokenized
-
-    return tokenized(rows, key, split, work, ["input_ids"])

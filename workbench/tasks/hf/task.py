@@ -103,6 +103,11 @@ _TOKENIZERS: dict[tuple[Any, ...], Any] = {}
 them, forked ranks inherit them."""
 
 
+_ROWS: dict[tuple[Any, ...], tuple[Any, Any | None]] = {}
+"""The rows by the files' fingerprint and the split, kept for the process (memory-mapped arrow
+tables: cheap to keep)."""
+
+
 class HFTask(Task):
     """A built-in task around a transformers model; subclasses say which head and which data."""
 
@@ -240,7 +245,7 @@ class HFTask(Task):
                 made = text.load_tokenizer(spec, source, trust_remote_code=o["trust_remote_code"])
             else:
                 train, _ = self.rows(cfg)
-                digest = text._digest([data.fingerprint(), o["text_field"], o["eval_fraction"]])
+                digest = text.digest([data.fingerprint(), o["text_field"], o["eval_fraction"]])
                 made = text.trained_tokenizer(vocab, train[o["text_field"]], f"bpe{vocab}-{digest}")
             if made.pad_token is None:
                 made.pad_token = made.eos_token
@@ -248,18 +253,22 @@ class HFTask(Task):
         return _TOKENIZERS[key]
 
     def rows(self, cfg: RunConfig) -> tuple[Any, Any | None]:
-        """The dataset's rows, split into training and evaluation rows."""
+        """The dataset's rows, split into training and evaluation rows: read once per process for
+        the files as they are (the tokenizer, the labels and the datasets all ask for them)."""
         o = self.options(cfg)
         source = text.TextSource.of(o["dataset"])
-        rows = source.rows()
-        text.check_field(rows, o["text_field"], "text_field", source)
-        return text.split_rows(rows, o["eval_fraction"])
+        key = (source.fingerprint(), o["text_field"], o["eval_fraction"])
+        if key not in _ROWS:
+            rows = source.rows()
+            text.check_field(rows, o["text_field"], "text_field", source)
+            _ROWS[key] = text.split_rows(rows, o["eval_fraction"])
+        return _ROWS[key]
 
     def tokenize_key(self, cfg: RunConfig, *settings: Any) -> str:
         """What a tokenized split depends on: the files, the tokenizer, the fields, `settings`."""
         o = self.options(cfg)
         data = text.TextSource.of(o["dataset"])
-        return text._digest(
+        return text.digest(
             [
                 type(self).__name__,
                 data.fingerprint(),

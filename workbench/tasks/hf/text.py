@@ -89,7 +89,7 @@ class TextSource:
     def fingerprint(self) -> str:
         """The files as they are now: a changed file is tokenized again."""
         stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files]
-        return _digest({"files": stats, "builder": self.builder})
+        return digest({"files": stats, "builder": self.builder})
 
     def rows(self) -> Any:
         """The rows, read by `datasets` (a text file: one row per paragraph, line breaks kept)."""
@@ -245,7 +245,7 @@ def _train_bpe(vocab: int, texts: Any) -> Any:
 
 def tokenizer_digest(tokenizer: Any) -> str:
     """The tokenizer's content: a different one tokenizes again."""
-    return _digest(json.loads(tokenizer.backend_tokenizer.to_str()))
+    return digest(json.loads(tokenizer.backend_tokenizer.to_str()))
 
 
 # ---- the tokenization cache ------------------------------------------------------------------
@@ -310,6 +310,7 @@ class held_lock:  # noqa: N801  (used as a context manager, like a function)
         self.lock.release()
 
 
-def _digest(value: Any) -> str:
+def digest(value: Any) -> str:
+    """A short, stable hash of `value` (JSON-able), for cache keys."""
     text = json.dumps(value, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
