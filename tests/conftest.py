@@ -19,6 +19,7 @@ LONGEST_FIRST = (
     "test_estimate_layouts.py",
     "test_compile.py",
     "test_fault_tolerance.py",
+    "test_s3_checkpoints.py",
     "test_training.py",
     "test_context_parallel.py",
     "test_tensor_parallel.py",
@@ -34,6 +35,9 @@ LONGEST_FIRST = (
     "test_hf_models.py",
     "test_hf_tasks.py",
     "test_estimate_hf.py",
+    "test_launch_view.py",
+    "test_time_verdict.py",
+    "test_estimate_progress.py",
 )
 """Test files by their time in the suite, longest first (2 cores, a fresh cache). Two xdist workers take whole
 files in collection order (addopts: --dist loadfile --no-loadscope-reorder), so these go first and the many

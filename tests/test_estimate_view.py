@@ -9,6 +9,7 @@ import html
 import json
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,8 @@ def test_the_speed_benchmark_times_a_fresh_first_estimate_and_answers_from_memor
             "digits",
             "--repeats",
             "1",
+            "--conditions",
+            "quiet",
             "--json",
             str(out),
         ],
@@ -357,16 +360,27 @@ def test_the_speed_benchmark_times_a_fresh_first_estimate_and_answers_from_memor
     )
     # 1: over budget on a busy machine, said in the table
     assert run.returncode in (0, 1), run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert [r["via"] for r in rows] == ["estimate()", "panel box"] and "digits" in run.stdout
+    assert {r["condition"] for r in rows} == {"quiet"} and "quiet" in result["loads"]
     for r in rows:
         assert r["first_s"][0] > 0 and r["first_cpu_s"][0] > 0
         assert len(r["cached_s"]) == 4 and r["cached_traces"] == 0, (
             "every change answered from the trace"
         )
+        # digits has no tensor-parallel plan: zero3 stands for tp=2, then 2 nodes, then fp16
+        assert sorted(r["retrace_s"]) == ["2 nodes", "fp16", "tp=2"]
+        assert all(v[0] > 0 for v in r["retrace_s"].values()) and r["budget_s"] == 3.0
     # the verdict: first estimate within its budget, each change within 0.3 s, and no new trace
     fast = SpeedRow("digits", "8 x H100", "estimate()", [2.5], [2.0], [1.0], {"steps": [0.05]})
     assert SpeedReport([fast]).passed
+    # a retrace has the first estimate's budget; loaded rows 3x it, and 1 s for a cached change
+    slow_retrace = {"tp=2": [3.5]}
+    assert not SpeedReport([replace(fast, retrace_s=slow_retrace)]).passed
+    assert SpeedReport([replace(fast, retrace_s=slow_retrace, condition="loaded")]).passed
+    assert not SpeedReport([replace(fast, retrace_s={"tp=2": [9.5]}, condition="loaded")]).passed
+    assert SpeedReport([replace(fast, cached_s={"s": [0.8]}, condition="loaded")]).passed
     assert not SpeedReport(
         [SpeedRow("digits", "8 x H100", "estimate()", [3.5], [3.0], [1.0], {"s": [0.05]})]
     ).passed

@@ -192,7 +192,7 @@ def test_fp8_off_an_8_9_gpu_is_refused_with_the_reason(
         ValueError,
         match=rf"precision='fp8' on {where}: fp8 needs a CUDA GPU of "
         r"compute capability 8.9\+ \(H100/L40/4090\): its matmuls "
-        r"run on their fp8 tensor cores.*use bf16",
+        r"run on their fp8 tensor cores.*use (bf16|fp32)",
     ):
         preflight(cfg, hardware=hardware)
 

@@ -34,7 +34,15 @@ def _kernel_messages(code: str, deadline_s: float = 100.0) -> tuple[list[dict[st
             msg = client.get_iopub_msg(timeout=left)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            messages.append({"type": msg["msg_type"], **msg["content"], "at": time.monotonic()})
+            messages.append(
+                {
+                    "type": msg["msg_type"],
+                    **msg["content"],
+                    "at": time.monotonic(),
+                    # the kernel's clock when it sent the message (time.time() in the cell's)
+                    "sent": msg["header"]["date"].timestamp(),
+                }
+            )
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 break
         status = client.get_shell_msg(timeout=30)["content"]["status"]
@@ -50,23 +58,84 @@ def _text(message: dict[str, Any]) -> str:
     )
 
 
-def test_a_launch_in_a_kernel_shows_a_line_that_follows_the_run_and_ends_as_its_summary(
+def _called_at(messages: list[dict[str, Any]], mark: str) -> float:
+    """The time.time() the cell printed as `mark <seconds>` right before its call."""
+    text = "".join(m["text"] for m in messages if m["type"] == "stream")
+    found = re.search(rf"{mark} ([\d.]+)", text)
+    assert found, f"the cell printed no {mark!r}: {text[-500:]}"
+    return float(found.group(1))
+
+
+def _lines(messages: list[dict[str, Any]], display_id: str) -> list[dict[str, Any]]:
+    return [
+        m
+        for m in messages
+        if m["type"] in ("display_data", "update_display_data")
+        and m["transient"]["display_id"] == display_id
+    ]
+
+
+PHASE = re.compile(r"data-phase='([^']+)'")
+
+
+def _phases_in_order(shown: list[dict[str, Any]]) -> list[str]:
+    """The phases the line went through, each once, in the order it first showed them."""
+    seen: list[str] = []
+    for m in shown:
+        found = PHASE.search(m["data"]["text/html"])
+        if found and found.group(1) not in seen:
+            seen.append(found.group(1))
+    return seen
+
+
+@pytest.mark.slow
+def test_a_launch_in_a_kernel_says_its_phase_at_once_then_follows_the_run_to_its_summary(
     runs_dir: Path,
 ) -> None:
+    """Within 0.5 s of `wb.launch(...)` the line says what the launch does (checking, preparing
+    data, starting 2 processes: each announced where that work happens) with the time since the
+    call, then the training line takes over and ends as the summary. `wb.start` speaks as soon, and
+    its line follows the run it returned to its end."""
     code = (
+        f"import time\n"
         f"import workbench as wb\n"
         # 1,500 steps, 6 s or more: updates (one a second) see it running on any machine
         f"cfg = wb.RunConfig(task='digits', num_processes=2, max_steps=1500, log_every=50, "
         f"runs_dir={str(runs_dir)!r}, run_name='live')\n"
+        f"print('launch-called', time.time(), flush=True)\n"
         f"result = wb.launch(cfg)\n"
+        f"print('start-called', time.time(), flush=True)\n"
+        f"run = wb.start(cfg.replace(run_name='started', max_steps=20, log_every=5))\n"
+        f"run.wait()\n"
+        # the start's line follows the run from its own thread: its last update, a second on
+        f"time.sleep(2.5)\n"
     )
-    messages, status = _kernel_messages(code)
+    messages, status = _kernel_messages(code, deadline_s=150)
     assert status == "ok", [m for m in messages if m["type"] == "error"]
-    shown = [m for m in messages if m["type"] in ("display_data", "update_display_data")]
-    assert shown and shown[0]["type"] == "display_data", "one display, then updates to it"
-    ids = {m["transient"]["display_id"] for m in shown}
-    assert len(ids) == 1, "every update goes to the one line"
-    running = [_text(m) for m in shown if "data-status='running'" in m["data"]["text/html"]]
+    displays = [m for m in messages if m["type"] == "display_data"]
+    assert len(displays) == 2, "one line per launch, then updates to it"
+    launch_id, start_id = (m["transient"]["display_id"] for m in displays)
+    shown = _lines(messages, launch_id)
+    assert shown[0]["type"] == "display_data"
+    # at once: the call's first line, before torch even loads
+    delay = shown[0]["sent"] - _called_at(messages, "launch-called")
+    assert delay < 0.5, f"the line came {delay:.2f} s after the call"
+    assert _text(shown[0]).startswith("live checking · 0.")
+    phases = _phases_in_order(shown)
+    assert phases == ["checking", "preparing data", "starting 2 processes"], phases
+    # each phase line has the time since the call, counting up
+    elapsed = [
+        float(m.group(1))
+        for s in shown
+        if (m := re.search(r" · ([\d.]+) s$", _text(s))) and PHASE.search(s["data"]["text/html"])
+    ]
+    assert elapsed == sorted(elapsed) and len(elapsed) >= 3, elapsed
+    # then the training line, never a phase again
+    first_training = next(
+        i for i, m in enumerate(shown) if "data-status='running'" in m["data"]["text/html"]
+    )
+    assert not any(PHASE.search(m["data"]["text/html"]) for m in shown[first_training:])
+    running = [_text(m) for m in shown[first_training:] if "'running'" in m["data"]["text/html"]]
     assert any(
         re.search(r"step \d+/1500 \(\d+%\) · ETA .* · loss [\d.]+ · [\d.]+ ms/step", t)
         for t in running
@@ -79,6 +148,14 @@ def test_a_launch_in_a_kernel_shows_a_line_that_follows_the_run_and_ends_as_its_
     assert not [m for m in messages if m["type"] == "stream" and m["text"].strip() == ""], (
         "no blank lines"
     )
+    started = _lines(messages, start_id)
+    delay = started[0]["sent"] - _called_at(messages, "start-called")
+    assert delay < 0.5 and _text(started[0]).startswith("started checking · 0."), (
+        delay,
+        _text(started[0]),
+    )
+    assert "starting 2 processes" in _phases_in_order(started)
+    assert "started completed" in _text(started[-1]), [_text(m) for m in started]
 
 
 def test_progress_false_shows_nothing_in_a_kernel(runs_dir: Path) -> None:

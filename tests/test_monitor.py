@@ -396,8 +396,12 @@ def test_overlaid_runs_show_each_runs_busiest_rank_in_the_runs_own_style() -> No
 
 # ---- for real ------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_cpu_run_records_process_cpu_and_rss_per_rank(runs_dir: Path) -> None:
-    # 100 steps: longer than one sampling interval (50 ms) even on a fast machine, so CPU % has a reading.
+def test_a_cpu_run_records_process_cpu_and_rss_per_rank_from_the_first_logged_step(
+    runs_dir: Path,
+) -> None:
+    """With the default sampling interval (2 s), a run of short steps logs every 25 steps before the
+    sampler's second sample: the first rows still carry each rank's CPU % (its CPU time over the
+    window) and RSS, so the figure's monitor panels start at the first logged step, not ~100."""
     cfg = wb.RunConfig(
         task="digits",
         num_processes=2,
@@ -406,24 +410,31 @@ def test_a_cpu_run_records_process_cpu_and_rss_per_rank(runs_dir: Path) -> None:
         micro_batch_size=16,
         device="cpu",
         runs_dir=str(runs_dir),
-        monitor_interval_s=0.05,
         eval_batches=1,
     )
+    assert cfg.monitor_interval_s == 2.0
     result = wb.launch(cfg)
     rows = [r for r in result.metrics if r.get("loss") is not None]
     assert result.summary["status"] == "completed" and len(rows) == 4
-    for row in rows[
-        1:
-    ]:  # a sample as soon as the ranks start training (the first window: if the thread ran)
+    for row in rows:
         assert len(row["rss_bytes_per_rank"]) == 2 and "gpu_util_pct_per_rank" not in row
-        assert all(10 * MB < b < 64 * 2**30 for b in row["rss_bytes_per_rank"]), row[
-            "rss_bytes_per_rank"
-        ]
-    cpu = rows[-1]["cpu_pct_per_rank"]
-    assert len(cpu) == 2 and all(0 < p <= 100 * 64 for p in cpu), cpu  # training ranks use CPU
+        assert all(10 * MB < b < 64 * 2**30 for b in row["rss_bytes_per_rank"]), row
+        cpu = row["cpu_pct_per_rank"]
+        assert len(cpu) == 2 and all(0 < p <= 100 * 64 for p in cpu), row  # training uses CPU
     assert not [e for e in result.events if e["event"] == "gpu_idle"]
     # in the ranks, not here
     assert not [t for t in threading.enumerate() if t.name.startswith("wb-monitor")]
+    # the figure's monitor panels (result.plot() and the dashboard's) from the first logged step
+    figure = result.plot()
+    monitor = [ax for ax in figure.axes if ax.get_title().startswith("process")]
+    assert len(monitor) == 2
+    for ax in monitor:
+        assert [line.get_xdata()[0] for line in ax.get_lines()] == [rows[0]["step"]] * 2
+    dashboard = wb.Dashboard(result)
+    assert dashboard.figure_png()
+    live = dashboard._live.figure.axes
+    for ax in [ax for ax in live if ax.get_title().startswith("process")]:
+        assert [line.get_xdata()[0] for line in ax.get_lines()] == [rows[0]["step"]] * 2
 
 
 @pytest.mark.gpu

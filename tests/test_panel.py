@@ -135,7 +135,10 @@ def test_invalid_combination_shows_runconfig_message_and_disables_launch(runs_di
 def test_fp8_is_offered_and_labelled_for_the_machine_or_the_target(runs_dir: Path) -> None:
     fp8 = wb.Panel(tiny(runs_dir, precision="fp8"), estimate=False)
     assert fp8.controls["precision"].value == "fp8" and fp8.config.precision == "fp8"
-    assert fp8.state.problem == expected_error(lambda: preflight(tiny(runs_dir, precision="fp8")))
+    # preflight's first refusal first, then the task's (every problem at once)
+    assert fp8.state.problems[0] == expected_error(
+        lambda: preflight(tiny(runs_dir, precision="fp8"))
+    )
     fp8.target_controls.gpu.value = (
         "H100-SXM-80GB"  # relabelled for the target, which has fp8 cores
     )
@@ -149,17 +152,23 @@ def test_task_options_problem_is_shown(runs_dir: Path) -> None:
     assert "hiden" in panel.state.problem and panel.launch_button.disabled
 
 
-def test_unavailable_precisions_are_labelled_with_the_reason(runs_dir: Path) -> None:
+def test_unavailable_precisions_have_short_labels_and_the_reason_beside(runs_dir: Path) -> None:
     panel = wb.Panel(tiny(runs_dir), estimate=False)
     hw = detect()
-    labels = dict((value, label) for label, value in panel.controls["precision"].options)
+    control = panel.controls["precision"]
+    labels = dict((value, label) for label, value in control.options)
     assert set(labels) == set(get_args(Precision))
+    note = html.unescape(panel.form.precision_note.value)
     for precision, label in labels.items():
         problem = hw.precision_problem(precision, panel.device)
-        assert (label == precision) == (problem is None)
+        # short enough for the dropdown: the reason goes to its tooltip and the note under it
+        assert label == (precision if problem is None else f"{precision} (unavailable)")
+        if problem is not None:
+            assert problem in control.tooltip
+            assert f"{precision}: {panel_mod.short_reason(precision, problem)}" in note
     if panel.device == "cpu":
-        assert labels["fp16"] == "fp16 (unavailable: needs a CUDA GPU)"
-        assert labels["bf16"] == "bf16"
+        assert labels["fp16"] == "fp16 (unavailable)" and labels["bf16"] == "bf16"
+        assert "fp16: needs a CUDA GPU" in note
 
 
 def test_precision_labels_on_an_old_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,9 +179,11 @@ def test_precision_labels_on_an_old_gpu(monkeypatch: pytest.MonkeyPatch) -> None
     options, reasons = panel_mod.precision_options("cuda", shown="fp8")
     labels = dict((value, label) for label, value in options)
     assert labels["fp16"] == "fp16" and labels["fp32"] == "fp32"
-    assert labels["bf16"] == "bf16 (unavailable: needs compute capability 8.0+ (A100 and newer))"
-    assert labels["fp8"].startswith("fp8 (unavailable: needs a CUDA GPU of compute capability 8.9+")
+    assert labels["bf16"] == "bf16 (unavailable)" and labels["fp8"] == "fp8 (unavailable)"
     assert reasons["bf16"] == v100.precision_problem("bf16", "cuda")
+    note = html.unescape(panel_mod.precision_note_html(reasons))
+    assert "bf16: needs compute capability 8.0+ (A100 and newer)" in note
+    assert "fp8: needs a CUDA GPU of compute capability 8.9+" in note
 
 
 def test_values_the_machine_cant_take_are_said_not_clamped(runs_dir: Path) -> None:

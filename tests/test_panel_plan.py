@@ -193,13 +193,13 @@ def test_a_change_marks_the_figures_stale_before_anything_slow(
     panel.estimate_box.wait(timeout=100)
     assert panel.estimate_box.state.result is not None and not panel.estimate_box.state.stale
     marked: list[bool] = []
-    real_check = panel_module.check_plan
+    real_check = panel_module.plan_problems
 
     def slow_check(*args: Any, **kwargs: Any) -> Any:  # the first slow step of a change's handler
         marked.append("wb-estimate-is-stale" in panel.estimates.value)
         return real_check(*args, **kwargs)
 
-    monkeypatch.setattr(panel_module, "check_plan", slow_check)
+    monkeypatch.setattr(panel_module, "plan_problems", slow_check)
     change(panel)
     assert marked and all(marked), (
         f"{what}: the old figures were unmarked while the change was checked"

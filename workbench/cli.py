@@ -97,10 +97,10 @@ def _train(args: argparse.Namespace) -> int:
     from workbench.launcher.launch import check_launch
 
     cfg = _shell_start_method(cfg, args.mode)
-    cfg, _ = check_launch(cfg, None)  # --prepare-only too: the same checks as a launch
     if args.prepare_only:
+        cfg, _ = check_launch(cfg, None)  # the same checks as a launch
         return _prepare_only(cfg)
-    return _launch(cfg, args)
+    return _launch(cfg, args)  # launch() checks first, and prints that it does
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -200,6 +200,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from workbench.estimator import estimate
     from workbench.estimator.alternatives import alternatives, compare, compare_table
     from workbench.tasks import get_task
+    from workbench.utils.units import fmt_seconds
 
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
     task = get_task(cfg.task)
@@ -212,7 +213,7 @@ def _estimate(args: argparse.Namespace) -> int:
     print(est.table())
     if args.suggest and not est.fits:
         for what, alt in alternatives(cfg, est, task, network=args.network):
-            print(f"  would fit with {what}: {alt.verdict()}, step {1e3 * alt.step_s:.1f} ms")
+            print(f"  would fit with {what}: {alt.verdict()}, step {fmt_seconds(alt.step_s)}")
     return 0 if est.fits else 1
 
 

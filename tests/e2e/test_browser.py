@@ -378,10 +378,14 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(
             page.locator(".wb-dashboard").scroll_into_view_if_needed()
             page.wait_for_timeout(300)
             page.screenshot(path=str(artifacts / "quickstart-stopped.png"))
-            # The estimate box fills once the cores are free: memory per rank, fits, time and cost.
+            # The estimate box fills once the cores are free: memory per rank, fits, then time and
+            # cost (the memory part shows first, the time part when it comes).
             _wait(
                 page,
-                lambda: "fits" in _text(page, ".wb-estimate-verdict"),
+                lambda: (
+                    "fits" in _text(page, ".wb-estimate-verdict")
+                    and "steps:" in _text(page, ".wb-estimate-time")
+                ),
                 120,
                 "the estimate box to fill",
                 artifacts,
@@ -485,6 +489,30 @@ OVERFLOW = """root => [...root.querySelectorAll('*')].filter(el => {
 'tag.classes "text" scrollWidth>clientWidth'."""
 
 
+def _open_notebook(page: Any, lab: Any, name: str, sidebar: bool, artifacts: Path) -> Any:
+    """Open notebook `name` in the module's JupyterLab with the file browser open (`sidebar`) or
+    closed, and wait for its own kernel: the notebook panel in view."""
+    page.set_default_timeout(60_000)
+    page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}")
+    # the notebook in view: the module's server keeps earlier tests' notebooks open in other tabs
+    shown = page.locator(".jp-NotebookPanel").filter(visible=True)
+    shown.locator(".jp-CodeCell").first.wait_for(state="visible", timeout=120_000)
+    _file_browser(page, sidebar, artifacts)
+    # this notebook's own kernel (the tabs the workspace restores start kernels of their own)
+    _wait(
+        page,
+        lambda: any(
+            s["path"].endswith(name) and s["kernel"]["execution_state"] == "idle"
+            for s in lab.api("GET", "/api/sessions") or []
+        ),
+        120,
+        "the notebook's kernel to start",
+        artifacts,
+    )
+    page.wait_for_timeout(500)  # the page's connection to it
+    return shown
+
+
 def _file_browser(page: Any, shown: bool, artifacts: Path) -> None:
     """Open or close JupyterLab's file browser (its tab in the left bar toggles it). The layout a workspace
     restores may still be settling: look again after each click, until it stays as asked."""
@@ -541,24 +569,7 @@ def test_the_panel_fits_a_normal_window_and_a_launch_shows_its_live_line(
         )
         try:
             page = browser.new_page()
-            page.set_default_timeout(60_000)
-            page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}")
-            # the notebook in view: the module's server keeps earlier tests' notebooks open in other tabs
-            shown = page.locator(".jp-NotebookPanel").filter(visible=True)
-            shown.locator(".jp-CodeCell").first.wait_for(state="visible", timeout=120_000)
-            _file_browser(page, sidebar, artifacts)
-            # this notebook's own kernel (the tabs the workspace restores start kernels of their own)
-            _wait(
-                page,
-                lambda: any(
-                    s["path"].endswith(name) and s["kernel"]["execution_state"] == "idle"
-                    for s in lab.api("GET", "/api/sessions") or []
-                ),
-                120,
-                "the notebook's kernel to start",
-                artifacts,
-            )
-            page.wait_for_timeout(500)  # the page's connection to it
+            shown = _open_notebook(page, lab, name, sidebar, artifacts)
             shown.locator(".jp-CodeCell").nth(1).click()
             page.keyboard.press("Shift+Enter")
             _wait(
@@ -598,5 +609,211 @@ def test_the_panel_fits_a_normal_window_and_a_launch_shows_its_live_line(
                 artifacts,
             )
             assert re.search(r"step 3000/3000 \(100%\) · completed in", _text(shown, ".wb-live"))
+        finally:
+            browser.close()
+
+
+TEXT_FITS = """select => {
+    // the widest option's text against the room the closed list gives it (its padding and arrow aside)
+    const style = getComputedStyle(select);
+    const ctx = document.createElement('canvas').getContext('2d');
+    ctx.font = `${style.fontWeight} ${style.fontSize} ${style.fontFamily}`;
+    const widest = Math.max(...[...select.options].map(o => ctx.measureText(o.text).width));
+    const room = select.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    return {widest, room, scroll: select.scrollWidth, client: select.clientWidth};
+}"""
+"""The precision list's widest option text and the room the closed list has for it (px)."""
+
+CLICK_TO_PHASE = """button => new Promise(resolve => {
+    // from the click to the first phase line of the launch, timed in the page: what the user sees
+    const phase = /^(checking|preparing data|starting \\d+ process|waiting for the cluster)/;
+    const shown = () => [...document.querySelectorAll('.wb-live-line .wb-live-phase')]
+        .map(el => el.textContent.trim()).find(t => phase.test(t));
+    const t0 = performance.now();
+    const observer = new MutationObserver(() => {
+        const text = shown();
+        if (text) { observer.disconnect(); resolve({ms: performance.now() - t0, text}); }
+    });
+    observer.observe(document.body, {childList: true, subtree: true, characterData: true});
+    button.click();
+    setTimeout(() => { observer.disconnect(); resolve({ms: null, text: shown() || ''}); }, 30000);
+})"""
+"""Click Launch and time, in the browser, until a phase line shows; {ms: null} after 30 s."""
+
+
+def _whole_panel_shot(page: Any, panel: Any, path: Path) -> None:
+    """The whole panel in one picture at the window's width: JupyterLab draws only the part of a
+    notebook in view, so the window grows to the panel's height for the shot, then goes back."""
+    size = page.viewport_size
+    height = int(panel.evaluate("el => el.getBoundingClientRect().height"))
+    page.set_viewport_size({"width": size["width"], "height": max(size["height"], height + 300)})
+    try:
+        panel.evaluate("el => el.scrollIntoView({block: 'start'})")
+        page.wait_for_timeout(300)
+        panel.screenshot(path=str(path))
+    finally:
+        page.set_viewport_size(size)
+
+
+def test_the_panels_details_in_a_1280_window(lab: Lab, artifacts: Path, tmp_path: Path) -> None:
+    """Issue 47's panel details at 1280 x 900 with the file browser open, on the CPU bf16 plan (char-gpt
+    small, this machine): the precision list isn't clipped; the time verdict warns (amber) and names the
+    faster choice; processes=12 and =7 on 2 nodes get hints that match the plan, and what moved says so in
+    place; a click on Launch shows the launch's phase within 0.5 s."""
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(os.environ.get("WORKBENCH_E2E_ARTIFACTS", artifacts))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import workbench as wb\n"
+            "cfg = wb.RunConfig(task='char-gpt', task_options={'preset': 'small'}, precision='bf16',\n"
+            f"                   num_processes=1, max_steps=50_000, runs_dir={str(lab.runs_dir)!r})\n"
+            "panel = wb.Panel(cfg)"
+        )
+    ]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
+    name = "details-1280.ipynb"
+    nbformat.write(nb, lab.root / name)
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1280, "height": 900},
+        )
+        try:
+            page = browser.new_page()
+            shown = _open_notebook(page, lab, name, True, artifacts)
+            shown.locator(".jp-CodeCell").first.click()
+            page.keyboard.press("Shift+Enter")
+            panel = shown.locator(".wb-panel")
+            panel.wait_for(state="visible", timeout=120_000)
+
+            # (a) the precision list: short labels that fit, the reasons in its tooltip and the note
+            select = panel.locator(".wb-precision select")
+            fit = select.evaluate(TEXT_FITS)
+            assert fit["widest"] <= fit["room"] and fit["scroll"] <= fit["client"] + 1, fit
+            labels = select.evaluate("s => [...s.options].map(o => o.text)")
+            unavailable = [label for label in labels if "unavailable" in label]
+            assert all(re.fullmatch(r"\w+\s\(unavailable\)", label) for label in unavailable), (
+                labels
+            )
+            if unavailable:
+                # JupyterLab puts no title on a described Dropdown: the note under it carries the
+                # full reasons as its tooltip, and a few words of each as its text
+                tooltip = panel.locator(".wb-precision-note small").get_attribute("title") or ""
+                assert "needs" in tooltip, f"no reason in the precision note's tooltip: {tooltip!r}"
+                assert "unavailable here:" in _text(panel, ".wb-precision-note")
+
+            # (c) the CPU bf16 plan: an amber time warning beside the memory verdict, with the faster
+            # choice
+            _wait(
+                page,
+                lambda: panel.locator(".wb-time-warning").count() > 0,
+                240,
+                "the time warning of the CPU bf16 plan",
+                artifacts,
+            )
+            warning = _text(panel, ".wb-time-warning")
+            assert re.search(r"use fp32|fewer max_steps|a GPU target", warning), warning
+            colour = panel.locator(".wb-time-warning").evaluate("el => getComputedStyle(el).color")
+            assert colour != "rgb(0, 128, 0)", f"the time warning is green: {colour}"
+            cut = panel.evaluate(OVERFLOW)
+            assert cut == [], f"at 1280 px: {cut}"
+            _whole_panel_shot(page, panel, shots / "details-cpu-bf16.png")
+
+            # (b) processes on a 2-node target: the hint states the plan, a moved control says so
+            panel.locator(".wb-target select").select_option("H100-SXM-80GB")
+            nodes = panel.locator(".wb-target-nodes input")
+            nodes.fill("2")
+            nodes.press("Enter")
+            processes = panel.locator(".wb-num-processes input")
+            _wait(
+                page,
+                lambda: processes.input_value() == "16",
+                20,
+                "the processes box to follow 8 GPUs x 2 nodes",
+                artifacts,
+            )
+            assert (
+                _text(panel, ".wb-processes-note")
+                == "↳ processes 8 → 16: the target's 8 GPUs × 2 nodes"
+            )
+            processes.fill("12")
+            processes.press("Enter")
+            _wait(
+                page,
+                lambda: panel.locator(".wb-target-gpus input").input_value() == "6",
+                20,
+                "GPUs per node to follow 12 processes",
+                artifacts,
+            )
+            _wait(
+                page,
+                lambda: (
+                    "× 12 data-parallel ranks" in _text(panel, ".wb-batch")
+                    and panel.locator(".wb-layout-rank").count() == 12
+                ),
+                20,
+                "the plan of 12 processes (batch and rank layout) to be derived",
+                artifacts,
+            )
+            assert _text(panel, ".wb-limit") == "= 6 GPUs × 2 nodes"
+            assert _text(panel, ".wb-gpus-note") == (
+                "↳ GPUs per node 8 → 6 to fit 12 processes on 2 nodes"
+            )
+            _whole_panel_shot(page, panel, shots / "details-processes-12.png")
+            processes.fill("7")
+            processes.press("Enter")
+            _wait(
+                page,
+                lambda: (
+                    _text(panel, ".wb-limit") == "≠ 12 = 6 GPUs × 2 nodes"
+                    and "num_processes=7" in _text(panel, ".wb-problem")
+                ),
+                20,
+                "the hint beside processes=7 and the problem",
+                artifacts,
+            )
+            assert panel.locator(".wb-target-gpus input").input_value() == "6"
+            assert "use num_processes=12" in _text(panel, ".wb-problem")
+            assert _text(panel, ".wb-gpus-note") == "", "a stale note"
+            _whole_panel_shot(page, panel, shots / "details-processes-7.png")
+
+            # (d) back on this machine, digits: a click on Launch shows its phase within 0.5 s
+            panel.locator(".wb-target select").select_option(index=0)  # this machine
+            _wait(
+                page,
+                lambda: processes.input_value() == "1",
+                20,
+                "this machine's processes back",
+                artifacts,
+            )
+            assert _text(panel, ".wb-processes-note").startswith("↳ processes 7 → 1: this machine")
+            panel.locator(".wb-task select").select_option("digits")
+            panel.locator(".wb-precision select").select_option("fp32")
+            steps = panel.locator(".wb-max-steps input")
+            steps.fill("30")
+            steps.press("Enter")
+            launch = panel.locator(".wb-launch")
+            _wait(page, lambda: not launch.is_disabled(), 30, "Launch to be on", artifacts)
+            timing = launch.evaluate(CLICK_TO_PHASE)
+            assert timing["ms"] is not None, f"no phase line within 30 s of the click: {timing}"
+            assert timing["ms"] < 500, f"the first phase line came {timing['ms']:.0f} ms after"
+            print(f"Launch click -> first phase line: {timing['ms']:.0f} ms ({timing['text']!r})")
+            _whole_panel_shot(page, panel, shots / "details-launch-phase.png")
+            _wait(
+                page,
+                lambda: panel.locator(".wb-status-line [data-status='completed']").count(),
+                180,
+                "the launched run to complete",
+                artifacts,
+            )
         finally:
             browser.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.config import RunConfig
+from workbench.launcher.phases import WAITING_FOR_CLUSTER, starting
 from workbench.launcher.result import RunResult
 from workbench.launcher.run import raise_for_ending
 from workbench.rundir import RunDir, RunFiles, Status, lock
@@ -77,6 +78,16 @@ class SlurmRun(RunFiles):
         state, reason = self.job()
         waiting = f" ({reason})" if reason and state == "PENDING" else ""
         return f"Slurm job {self.job_id} {state}{waiting}"
+
+    def launch_phase(self) -> tuple[str, str]:
+        """The launch's phase, for a run whose ranks haven't reported yet: ('waiting for the
+        cluster', 'Slurm job 42 PENDING: Resources') while Slurm queues the job, ('starting N
+        processes', 'Slurm job 42 RUNNING') once it runs them."""
+        state, reason = self.job()
+        detail = f"Slurm job {self.job_id} {state}" + (f": {reason}" if reason else "")
+        if state.split()[0] in ("RUNNING", "COMPLETING"):
+            return starting(self.config.num_processes), detail
+        return WAITING_FOR_CLUSTER, detail
 
     def describe(self) -> str:
         """One line: the run's status and the job's, with Slurm's reason while it waits."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from workbench.cluster.job import WARNING_SIGNAL, run_rank
 from workbench.cluster.slurm import Slurm, check, executor_parameters, python_for_jobs
 from workbench.cluster.slurm_run import SlurmRun
+from workbench.launcher.phases import WAITING_FOR_CLUSTER, announce
 from workbench.rundir import Status, lock, prepare
 from workbench.rundir.scheduler import UNKNOWN, query
 
@@ -28,8 +29,11 @@ def submit(cfg: RunConfig, slurm: Slurm, task: Task | None = None) -> SlurmRun:
     cfg = _checked(cfg, slurm, task)
     partition = check(cfg, slurm)
     cfg, run, token = prepare(cfg)
+    announce(WAITING_FOR_CLUSTER, "submitting the job")
     job_id = _sbatch(cfg, slurm, partition, run, token)
     _record_job(job_id, cfg, slurm, partition, run, token)
+    # the live line asks Slurm from here on (SlurmRun.launch_phase)
+    announce(WAITING_FOR_CLUSTER, f"Slurm job {job_id} submitted")
     log.info(
         "submitted %s to Slurm: job %s on partition %s, %d node(s) x %d rank(s) -> %s",
         cfg.run_name,
@@ -54,6 +58,9 @@ def _checked(cfg: RunConfig, slurm: Slurm, task: Task | None) -> RunConfig:
             "'module:Class' in cfg.task) and pass no task="
         )
     get_task(cfg.task)  # an unknown task is refused here, not on the nodes
+    from workbench.config.preflight import check_checkpoint_store
+
+    check_checkpoint_store(cfg)  # wrong keys or a missing bucket: refused here, not on the nodes
     if cfg.preempt_signal not in (None, WARNING_SIGNAL):
         raise ValueError(
             f"preempt_signal={cfg.preempt_signal!r}: Slurm warns a run with {WARNING_SIGNAL} "

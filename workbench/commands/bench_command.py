@@ -36,7 +36,7 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         return 0
     if args.bench_command == "estimate-speed":
-        from workbench.commands.bench.estimate_speed import MODELS, estimate_speed
+        from workbench.commands.bench.estimate_speed import CONDITIONS, MODELS, estimate_speed
 
         return _verdict(
             estimate_speed(
@@ -45,6 +45,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 gpus=args.gpus,
                 repeats=args.repeats,
                 json_path=args.json,
+                conditions=tuple(args.conditions or CONDITIONS),
             )
         )
     if args.bench_command == "launch":
@@ -107,7 +108,16 @@ def _run_config_bench(args: argparse.Namespace) -> int:
 
         cfg = RunConfig.from_yaml(args.config) if args.config else ck.CHECKPOINT_BENCH
         layouts = tuple(args.layouts or ck.LAYOUTS)
-        report = ck.checkpoint_stall(cfg.with_overrides(args.overrides), layouts, args.json)
+        cfg = cfg.with_overrides(args.overrides)
+        if args.local_store:
+            from workbench.commands.bench.local_store import DESCRIPTION, local_store
+
+            with local_store(args.url or "s3://workbench-bench") as url:
+                report = ck.checkpoint_stall(
+                    cfg, layouts, args.json, url=url, store=f"{url} on {DESCRIPTION}"
+                )
+        else:
+            report = ck.checkpoint_stall(cfg, layouts, args.json, url=args.url)
         print(report.table())
         return 0
     if args.bench_command in ("precision", "parallelism"):

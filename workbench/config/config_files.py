@@ -20,7 +20,7 @@ import yaml
 from workbench.config.checks import MAX_INT
 from workbench.config.config_reading import read_config_text
 from workbench.utils.files import atomic_write_text, load_yaml
-from workbench.utils.suggest import unknown_keys
+from workbench.utils.suggest import closest
 from workbench.utils.typecheck import plain, type_ok
 
 if TYPE_CHECKING:
@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 
 def field_names(cls: type[RunConfig]) -> list[str]:
     return [f.name for f in fields(cls)]
+
+
+@functools.cache
+def _field_set(cls: type[RunConfig]) -> frozenset[str]:
+    """The field names as a set: every RunConfig construction looks its keywords up in it."""
+    return frozenset(field_names(cls))
 
 
 @functools.cache
@@ -152,11 +158,57 @@ def _takes_int_not_float(tp: Any) -> bool:
     return tp is not None and type_ok(1, tp) and not type_ok(0.5, tp)
 
 
-def reject_unknown(cls: type[RunConfig], data: dict[str, Any], source: str) -> None:
+class UnknownFieldError(TypeError, ValueError):
+    """A RunConfig field name that doesn't exist: a misspelt keyword, YAML key or `--set` name. A
+    TypeError, as Python's own unexpected-keyword error is, and a ValueError, as the other config
+    errors of a file or the command line are (the CLI answers those with exit 2)."""
+
+
+def reject_unknown(cls: type[RunConfig], data: dict[str, Any], source: str | None = None) -> None:
+    """UnknownFieldError naming every key of `data` that is no field of `cls`, each with the closest
+    field; the whole list of fields only when some key has no close one. `source` (a file, '--set',
+    'RunConfig.replace()') starts the message."""
+    names = _field_set(cls)
+    unknown = [key for key in data if key not in names]
+    if not unknown:
+        return
     known = field_names(cls)
-    unknown = unknown_keys(data, known)
-    if unknown:
-        raise ValueError(
-            f"{source}: unknown RunConfig key(s): {', '.join(unknown)}. Known keys: "
-            f"{', '.join(known)}"
+    prefix = f"{source}: " if source else ""
+    matches = {key: _closest_field(key, known) for key in unknown}
+    if len(unknown) == 1 and matches[unknown[0]] is not None:
+        raise UnknownFieldError(
+            f"{prefix}{cls.__name__} has no field {unknown[0]!r}; did you mean "
+            f"{matches[unknown[0]]!r}?"
         )
+    listed = ", ".join(
+        f"{key!r}" + (f" (did you mean {matches[key]!r}?)" if matches[key] else "")
+        for key in unknown
+    )
+    message = f"{prefix}{cls.__name__} has no field{'s' if len(unknown) > 1 else ''} {listed}"
+    if None in matches.values():
+        message += f"; its fields: {', '.join(known)}"
+    raise UnknownFieldError(message)
+
+
+OTHER_NAMES = {
+    "learning_rate": "lr",
+    "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size",
+    "max_grad_norm": "grad_clip",
+    "nproc_per_node": "num_processes",
+    "world_size": "num_processes",
+    "mixed_precision": "precision",
+    # workbench counts optimizer steps, not epochs
+    "steps": "max_steps",
+    "epochs": "max_steps",
+    "num_epochs": "max_steps",
+    "num_train_epochs": "max_steps",
+}
+"""Names other tools (Hugging Face's Trainer, accelerate, torchrun) give to a RunConfig field, which
+spelling alone would not lead to."""
+
+
+def _closest_field(key: object, known: list[str]) -> str | None:
+    if isinstance(key, str) and OTHER_NAMES.get(key) in known:
+        return OTHER_NAMES[key]
+    return closest(key, known)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workbench.config.trackers import missing, pip_command
+from workbench.launcher.phases import PREPARING_DATA, announce
 from workbench.tasks import Task, get_task
 from workbench.tasks.blocks import checkpoint_units, shard_units
 from workbench.utils.hardware import Hardware, detect, resolve_device
@@ -30,22 +32,75 @@ def preflight(
     names): ValueError naming the field, the value and the fix, before anything starts. launch()
     runs it first, with the `device` it resolved once for the whole launch (resolved here when
     None)."""
-    check_runs_dir(cfg)
+    _run_checks(cfg, task, hardware, device, every=False)
+
+
+def preflight_problems(
+    cfg: RunConfig,
+    task: Task | None = None,
+    hardware: Hardware | None = None,
+    device: str | None = None,
+) -> list[str]:
+    """Every refusal preflight() would give, in its order and words ([] when it passes): the
+    panel lists a plan's problems at once, not one per fix. The machine's checks are independent,
+    so each is tried; the task's run in order and stop at the first (a model whose options don't
+    form it can't be checked for its layout)."""
+    return _run_checks(cfg, task, hardware, device, every=True)
+
+
+# The warnings' stacklevel points past _run_checks and preflight (and passes) at preflight's
+# caller.
+def _run_checks(
+    cfg: RunConfig, task: Task | None, hardware: Hardware | None, device: str | None, *, every: bool
+) -> list[str]:
+    """preflight's checks in order: raise the first refusal, or (`every`) collect them all."""
+    problems: list[str] = []
+
+    def passes(check: Callable[..., None], *args: Any) -> bool:
+        try:
+            check(*args)
+        except ValueError as e:
+            if not every:
+                raise
+            problems.append(str(e))
+            return False
+        return True
+
+    passes(check_runs_dir, cfg)
+    if not every:  # it asks the store (seconds when it is down): at launch, not in a plan's list
+        check_checkpoint_store(cfg)
     hw = hardware or detect()
+    if not passes(_check_cuda_visible, cfg, hw):
+        return problems  # the device the other checks are for doesn't exist
+    device = device or resolve_device(cfg, hw)
+    passes(check_process_count, cfg, hw, device)
+    check_preempt_grace(cfg)
+    passes(check_cpu_limits, cfg, device)
+    passes(check_tools, cfg, device)
+    passes(_check_precision, cfg, hw, device)
+    passes(_check_task, cfg, task)
+    return problems
+
+
+def _check_cuda_visible(cfg: RunConfig, hw: Hardware) -> None:
     if cfg.device == "cuda" and not hw.has_cuda:
         raise ValueError(
             f"device='cuda': no CUDA GPU is visible on {hw.where}; use device='auto' or 'cpu'"
         )
-    device = device or resolve_device(cfg, hw)
-    check_process_count(cfg, hw, device)
-    check_preempt_grace(cfg)
-    check_cpu_limits(cfg, device)
-    check_tools(cfg, device)
+
+
+def _check_precision(cfg: RunConfig, hw: Hardware, device: str) -> None:
     problem = hw.precision_problem(cfg.precision, device)
     if problem:
         raise ValueError(f"precision={cfg.precision!r} on {hw.device_line(device)}: {problem}")
+
+
+def _check_task(cfg: RunConfig, task: Task | None) -> None:
+    """The task's own checks, then whether it can be split and checkpointed as cfg asks."""
     task = task or get_task(cfg.task)
     task.check_options(cfg)
+    # a launch's live line says so: resolving, building and tokenizing a dataset can take minutes
+    announce(PREPARING_DATA)
     task.check_data(cfg)
     check_parallel_task(cfg, task)
     if cfg.activation_checkpointing != "none" or cfg.compile == "blocks":
@@ -89,7 +144,7 @@ def check_preempt_grace(cfg: RunConfig) -> None:
         f"({writes} checkpoint write(s) and a step or two); a signal would end as a hang. Raise "
         f"preempt_grace_s to {math.ceil(1.5 * need)} or more (with the scheduler's notice to "
         "match, e.g. Slurm's --signal=USR1@SECONDS), or make checkpoints faster",
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -102,7 +157,7 @@ def check_process_count(cfg: RunConfig, hw: Hardware, device: str) -> None:
             warnings.warn(
                 f"num_processes={cfg.num_processes} on {limit} CPU core(s) (oversubscribe=True): "
                 "the ranks share cores and run slower than they would on their own",
-                stacklevel=3,
+                stacklevel=5,
             )
         else:
             what = f"{limit} GPU(s)" if device == "cuda" else f"{limit} CPU core(s)"
@@ -139,6 +194,15 @@ def check_cpu_limits(cfg: RunConfig, device: str) -> None:
         )
 
 
+def check_checkpoint_store(cfg: RunConfig) -> None:
+    """checkpoint_url on an object store: reachable, the credentials accepted, the bucket there and
+    writable (a probe object), before anything starts; StorageError (a ValueError) with the fix."""
+    from workbench.storage.remote import check_writable, is_remote
+
+    if is_remote(cfg.checkpoint_url):
+        check_writable(cfg.checkpoint_url, "checkpoint_url")
+
+
 def check_runs_dir(cfg: RunConfig) -> None:
     """runs_dir is a directory, or can become one: not a file, nor under one (the OS would only say
     'File exists' or 'Not a directory' when the run directory is created, after the other
@@ -170,7 +234,7 @@ def check_tools(cfg: RunConfig, device: str) -> None:
         warnings.warn(
             "pin_memory=True on CPU: pinned memory only speeds up copies to a GPU; it is not used "
             "on this run (set pin_memory='auto' to silence this)",
-            stacklevel=3,
+            stacklevel=5,
         )
 
 

@@ -4,6 +4,7 @@ share."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field, fields
@@ -28,6 +29,7 @@ from workbench.config.mesh import ParallelDims
 from workbench.config.mesh_checks import check_layout
 from workbench.config.precision import Fp8Recipe, Precision, check_fp8_recipe
 from workbench.config.trackers import Tracker
+from workbench.storage.remote import check_url
 from workbench.utils.typecheck import check_type
 
 if TYPE_CHECKING:
@@ -169,6 +171,12 @@ class RunConfig:
     """'on': checkpoints are copied to host memory (pinned on GPUs) and written in the background
     while training goes on (DCP's async_save), one at a time; 'off': written whole before training
     goes on; 'auto': on GPUs, off on CPU."""
+    checkpoint_url: str | None = None
+    """Where checkpoints go: None, the run directory's checkpoints/; or an fsspec URL such as
+    's3://bucket/prefix' (the `s3` extra), under which each run writes <run_name>/step_<N>/, sealed
+    by a manifest written last. Endpoint and credentials come from the environment as for boto
+    (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws), never from
+    here; the rest of the run directory stays on its filesystem."""
     seed: int = 0
     """Seeds model init, data order and dropout; same seed, same run."""
     runs_dir: str = "runs"
@@ -305,12 +313,18 @@ class RunConfig:
         check_memory_tracking(self)
         check_names(self, config_files.field_names(RunConfig))
         check_fp8_recipe(self)
+        check_url("checkpoint_url", self.checkpoint_url)
 
     # ---- copies and files (config_files.py) ------------------------------------------------------
     def replace(self, **changes: Any) -> RunConfig:
         """A validated copy with `changes` applied; unknown field names are rejected."""
-        config_files.reject_unknown(RunConfig, changes, "RunConfig.replace()")
-        return dataclasses.replace(self, **changes)
+        try:
+            config_files.reject_unknown(RunConfig, changes, "RunConfig.replace()")
+            return dataclasses.replace(self, **changes)
+        except (TypeError, ValueError) as error:
+            # the frames of dataclasses' replace and of the checks (the generated __init__
+            # among them) would only bury the message, which names field, value and fix
+            raise error.with_traceback(None)
 
     def to_dict(self) -> dict[str, Any]:
         return config_files.to_dict(self)
@@ -346,3 +360,31 @@ class RunConfig:
         """Apply CLI-style 'key=value' strings (values parsed as YAML; 'task_options.n_layer=4'
         nests)."""
         return config_files.with_overrides(self, assignments)
+
+
+_dataclass_init = RunConfig.__init__
+
+
+def __init__(self: RunConfig, *args: Any, **values: Any) -> None:
+    """RunConfig.__init__: the dataclass-generated one, after a check of the keyword names (each
+    unknown one named with the closest field), its errors raised with their traceback cut to this
+    frame. Jupyter heads the generated __init__'s frame with its whole signature, 60 parameters
+    that bury the message, which already names the field, the value and what would work. Defined
+    at module level, as `__init__`, for tracebacks to name it so."""
+    try:
+        if args:
+            raise TypeError(
+                f"RunConfig takes keyword arguments only, got {len(args)} positional: write "
+                "RunConfig(task='digits', num_processes=2, ...)"
+            )
+        config_files.reject_unknown(RunConfig, values)
+        _dataclass_init(self, **values)
+    except (TypeError, ValueError) as error:
+        # the message names the field, its value and what would work
+        raise error.with_traceback(None)
+
+
+# set after the class, so that type checkers and IDEs still see the dataclass's signature;
+# functools.wraps keeps it for inspect.signature(RunConfig) too
+RunConfig.__init__ = functools.wraps(_dataclass_init)(__init__)  # type: ignore[method-assign]
+del __init__

@@ -1,8 +1,9 @@
 """Resolution: a manifest's files, verified, in the cache.
 
 Each file comes from the first place that has a verified copy: the cache, the installed
-package, a mirror, a URL, or a generator. The cache's layout and state are
-:mod:`workbench.data.cache`'s concern; this module decides where to look and in what order.
+package, a mirror (a local folder, or an object store's URL such as s3://bucket/prefix), a URL,
+or a generator. The cache's layout and state are :mod:`workbench.data.cache`'s concern; this
+module decides where to look and in what order.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from workbench.data.errors import DataUnavailableError, IntegrityError, Manifest
 from workbench.data.generators import GENERATORS
 from workbench.data.manifest import FileSpec, Manifest, relative_path
 from workbench.data.manifest_lookup import load_manifest
-from workbench.data.search_paths import PathLike, as_paths, env_paths
+from workbench.data.search_paths import Mirror, PathLike, as_mirrors, env_mirrors
+from workbench.storage.remote import StorageError, filesystem
 from workbench.utils.files import mkstemp_like_open
 
 __all__ = ["ResolvedData", "fetch", "reset_used_datasets", "resolve", "used_datasets"]
@@ -119,6 +121,16 @@ def _which_differs(spec: FileSpec, size: int) -> str:
     return "size" if spec.size is not None and size != spec.size else "sha256"
 
 
+def _store_reason(e: BaseException) -> str:
+    """Why an object store didn't serve a file, with the fix for what a user can fix."""
+    if isinstance(e, PermissionError):
+        return (
+            f"access denied ({one_line(e)}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
+            "AWS_PROFILE to keys that may read it"
+        )
+    return f"{type(e).__name__}: {one_line(e)} (check AWS_ENDPOINT_URL and that the store is up)"
+
+
 def _file_url_path(url: str) -> Path | None:
     """The local path a file:// URL names; None for any other URL."""
     parts = urllib.parse.urlsplit(url)
@@ -131,7 +143,7 @@ class _Resolver:
     """Resolves one manifest's files into the cache; runs under the dataset lock."""
 
     def __init__(
-        self, manifest: Manifest, cache: Path, mirrors: list[Path], offline: bool, progress: bool
+        self, manifest: Manifest, cache: Path, mirrors: list[Mirror], offline: bool, progress: bool
     ) -> None:
         self.m = manifest
         self.entry = DatasetCache(cache, manifest.name, manifest.version)
@@ -279,6 +291,11 @@ class _Resolver:
             )
         name = self.m.name
         for mirror in self.mirrors:
+            if isinstance(mirror, str):
+                found = self._from_store(spec, target, mirror, attempts)
+                if found is not None:
+                    return found
+                continue
             # <name>/<path> is the documented layout; <name>/<version>/<path> lets a copied
             # cache serve as a mirror.
             candidates = [mirror / name / spec.path, mirror / name / self.m.version / spec.path]
@@ -291,6 +308,37 @@ class _Resolver:
             if isinstance(result, str):
                 return result, str(hit)
             attempts.append(result)
+        return None
+
+    def _from_store(
+        self, spec: FileSpec, target: Path, url: str, attempts: list[_Attempt]
+    ) -> tuple[str, str] | None:
+        """(sha256, object URL) of a good copy in the object-store mirror `url`, laid out as a local
+        mirror; else None, with why appended to attempts. Its copy is verified like a download:
+        a mismatch shows the copy's digest, which is the store's, not a local file's."""
+        name = self.m.name
+        try:
+            fs, root = filesystem(url)
+        except StorageError as e:
+            attempts.append(_Attempt(f"mirror {url}", one_line(e)))
+            return None
+        for relative in (f"{name}/{spec.path}", f"{name}/{self.m.version}/{spec.path}"):
+            where = f"{url}/{relative}"
+            try:
+                with fs.open(f"{root.rstrip('/')}/{relative}", "rb") as src:
+                    copied = self._copy(src, spec, target)
+            except (FileNotFoundError, IsADirectoryError):
+                continue
+            except Exception as e:  # botocore's errors (endpoint, credentials) aren't OSErrors
+                attempts.append(_Attempt(f"mirror {where}", _store_reason(e)))
+                return None  # the store itself failed: the next layout would fail alike
+            result = self._accept(spec, target, copied, f"mirror {where}")
+            if isinstance(result, str):
+                log.info("data %s: copied from %s", self._label(spec), where)
+                return result, where
+            attempts.append(result)
+            return None
+        attempts.append(_Attempt(f"mirror {url}", f"has no {name}/{spec.path}"))
         return None
 
     def _from_url(self, spec: FileSpec, target: Path, url: str) -> str | _Attempt:
@@ -351,7 +399,8 @@ class _Resolver:
             ),
             (
                 "    (WORKBENCH_DATA_MIRROR=/path/to/mirror, holding "
-                f"/path/to/mirror/{name}/{spec.path}), or"
+                f"/path/to/mirror/{name}/{spec.path}; an object store's URL, "
+                "s3://bucket/prefix, is a mirror too), or"
             ),
             f"  - run `workbench data fetch {name}` on a machine with internet access and copy its",
             f"    cache directory {name}/ into {cache} (WORKBENCH_DATA_DIR sets where that is).",
@@ -400,16 +449,20 @@ def resolve(
     """Verified local files of dataset ``name``, fetched into the cache if needed.
 
     ``cache`` defaults to :func:`cache_dir`; ``mirrors`` to ``WORKBENCH_DATA_MIRROR``
-    (pass ``[]`` for none); ``offline`` to ``WORKBENCH_OFFLINE``. ``progress=False``
-    silences the progress bar (stderr). Raises DataUnavailableError when no source
-    has the file, IntegrityError when the only copies found are corrupt, and
+    (pass ``[]`` for none): local folders, or object-store URLs (``s3://bucket/prefix``, read
+    with the AWS_* environment's credentials); ``offline`` to ``WORKBENCH_OFFLINE``. Offline
+    means none of the manifests' URLs: a mirror is one you configured, and is used either way.
+    ``progress=False`` silences the progress bar (stderr). Raises DataUnavailableError when no
+    source has the file, IntegrityError when the only copies found are corrupt, and
     UnsafeArchiveError for archives with members escaping the dataset directory.
     Archives are extracted once per archive sha256; files extracted from them are
     not re-verified.
     """
     manifest = load_manifest(name, extra_dirs)
     cache_root = Path(cache).expanduser() if cache is not None else cache_dir()
-    mirror_dirs = as_paths(mirrors) if mirrors is not None else env_paths("WORKBENCH_DATA_MIRROR")
+    mirror_dirs = (
+        as_mirrors(mirrors) if mirrors is not None else env_mirrors("WORKBENCH_DATA_MIRROR")
+    )
     offline = _env_flag("WORKBENCH_OFFLINE") if offline is None else offline
     cache_root.mkdir(parents=True, exist_ok=True)
     with dataset_lock(cache_root, manifest.name):

@@ -15,6 +15,7 @@ to max_steps, with the accelerator catalog (catalog.py).
 - alternatives.py: what to change when a run doesn't fit, and which accelerator to rent.
 - microbatch.py: the launcher's proposal for micro_batch_size='auto'.
 - cancel.py: ending an estimate in flight (a launch, Python's exit): its children killed.
+- progress.py: what an estimate in flight is doing, and its memory before its time (the panel).
 - trace/: the traced step on a fake world, and the cache of traces.
 - timing/: a traced step's time on a target, and what a layout adds.
 - machine/: this machine's measured profile, for a CPU target.

@@ -80,9 +80,9 @@ def alternatives(
     progress: Callable[[list[tuple[str, Estimate]]], None] | None = None,
 ) -> list[tuple[str, Estimate]]:
     """Changes that make a run fit, each with its own estimate, cheapest first (cost, else
-    GPU-time). Each is a new trace: `progress`, when given, gets the list found so far after each
-    one (a box can show them as they come); `catalog` is the file the target's accelerator came
-    from, if not the built-in catalog."""
+    GPU-time), those that make it slow (Estimate.slow) last. Each is a new trace: `progress`, when
+    given, gets the list found so far after each one (a box can show them as they come); `catalog`
+    is the file the target's accelerator came from, if not the built-in catalog."""
     import torch
 
     from workbench.estimator import estimate
@@ -109,8 +109,12 @@ def alternatives(
             continue  # a change this config can't take (e.g. hsdp sizes)
         if alt.fits:
             found.append((what, alt))
+            # a change that makes the plan slow (bf16 on a CPU without a bf16 unit) comes last
             found.sort(
-                key=lambda item: item[1].cost if item[1].cost is not None else item[1].gpu_hours
+                key=lambda item: (
+                    item[1].slow,
+                    item[1].cost if item[1].cost is not None else item[1].gpu_hours,
+                )
             )
             if progress is not None:
                 progress(found[:LIMIT])

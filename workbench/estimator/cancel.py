@@ -5,6 +5,9 @@ the machine measurement's) are killed at once, and nothing new is forked, until 
 
 One flag for the whole process: the estimator runs one trace at a time and measures one machine
 profile at a time, and whoever cancels (the panel) waits for its estimate thread afterwards.
+
+A Scope ends one estimate only: the panel gives each request its own, and a newer request ends the
+superseded one's (its trace child killed at once) instead of queueing behind its trace.
 """
 
 from __future__ import annotations
@@ -14,13 +17,61 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CANCELLED", "Cancelled", "allow", "cancel", "check", "is_cancelled", "started"]
+__all__ = [
+    "CANCELLED",
+    "Cancelled",
+    "Scope",
+    "allow",
+    "cancel",
+    "check",
+    "is_cancelled",
+    "scope",
+    "started",
+]
 
 CANCELLED = threading.Event()
 """Set by cancel(): traces and measurements raise Cancelled instead of starting, until allow()."""
 _RUNNING: list[Any] = []
-"""The children (multiprocessing.Process) of the estimate in flight: cancel() kills them."""
+"""The children (multiprocessing.Process) of the estimates in flight: cancel() kills them all,
+Scope.end() its own."""
+_OWNERS: dict[int, Scope] = {}
+"""id() of a child in _RUNNING -> the Scope it was started in (absent: started outside any)."""
 _LOCK = threading.Lock()
+_LOCAL = threading.local()
+
+
+class Scope:
+    """One estimate's own cancellation (the panel's request): ended, its children are killed and
+    its thread raises Cancelled at its next check, while other estimates go on."""
+
+    def __init__(self, name: str = "an estimate") -> None:
+        self.name = name
+        self.ended = threading.Event()
+
+    def end(self) -> None:
+        """Kill this scope's children now; its thread stops at its next check."""
+        self.ended.set()
+        with _LOCK:  # as in cancel(): a started() under the lock registers before this reads
+            for child in _RUNNING:
+                if _OWNERS.get(id(child)) is self:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.kill()
+
+
+@contextlib.contextmanager
+def scope(owner: Scope) -> Iterator[Scope]:
+    """Within it (this thread), children started belong to `owner`, and check() raises once
+    `owner` has ended."""
+    before = getattr(_LOCAL, "scope", None)
+    _LOCAL.scope = owner
+    try:
+        yield owner
+    finally:
+        _LOCAL.scope = before
+
+
+def _current() -> Scope | None:
+    return getattr(_LOCAL, "scope", None)
 
 
 class Cancelled(RuntimeError):
@@ -44,7 +95,9 @@ def allow() -> None:
 
 
 def is_cancelled() -> bool:
-    return CANCELLED.is_set()
+    """The process-wide flag is set, or this thread's Scope has ended."""
+    owner = _current()
+    return CANCELLED.is_set() or (owner is not None and owner.ended.is_set())
 
 
 def check(what: str) -> None:
@@ -53,6 +106,9 @@ def check(what: str) -> None:
         raise Cancelled(
             f"the estimate was cancelled before {what} (a run is launching, or Python is exiting)"
         )
+    owner = _current()
+    if owner is not None and owner.ended.is_set():
+        raise Cancelled(f"{owner.name} was superseded before {what}")
 
 
 @contextlib.contextmanager
@@ -66,11 +122,17 @@ def started(procs: list[Any]) -> Iterator[None]:
             for proc in procs:
                 proc.start()
         finally:
-            _RUNNING.extend(p for p in procs if p.pid is not None)
+            owner = _current()
+            for proc in procs:
+                if proc.pid is not None:
+                    _RUNNING.append(proc)
+                    if owner is not None:
+                        _OWNERS[id(proc)] = owner
     try:
         yield
     finally:
         with _LOCK:
             for proc in procs:
+                _OWNERS.pop(id(proc), None)
                 with contextlib.suppress(ValueError):
                     _RUNNING.remove(proc)

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workbench.config.mesh import ParallelDims, shards
+from workbench.estimator import progress
 from workbench.estimator.catalog import NETWORKS, THIS_MACHINE, Accelerator
+from workbench.estimator.precision_speed import other_precisions
 from workbench.estimator.report import (
     CPU_OVERHEAD_BYTES,
     CUBLAS_WORKSPACE_BYTES,
@@ -167,6 +169,7 @@ def estimate(
         device="cpu" if local and target.kind == "cpu" else cfg.device if local else "auto",
     )
     _refuse_context_parallel(run)
+    progress.phase(f"checking the plan against {plan.describe(run)}")
     warned = check_plan(run, plan, task)
     run = run.replace(device="cuda" if target.kind == "cuda" else "cpu")
     trace = cached_trace(
@@ -174,6 +177,7 @@ def estimate(
     )
     est = price(run, task, trace, target, gpus, nodes, network, Path(runs_dir or cfg.runs_dir))
     est.assumptions += [f"as planned: {w}" for w in warned]
+    est.other_precisions = other_precisions(run, trace, est, network)  # for est.time_verdict()
     _note_the_plan(est, cfg, run, plan, cpu_partition)
     return est
 
@@ -250,6 +254,26 @@ def price(
     assumptions += _layout_memory_notes(cfg, traces, dims)
     assumptions += _gathered_note(cfg, ranks[0])
     assumptions += _runtime_memory_notes(target, overhead)
+    global_batch = dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps)
+    progress.memory_known(
+        lambda: Estimate(
+            config=cfg.to_dict(),
+            target=target,
+            gpus=gpus,
+            nodes=nodes,
+            ranks=ranks,
+            flops_per_step=0.0,
+            compute_s=0.0,
+            comm_s=0.0,
+            exposed_comm_s=0.0,
+            step_s=0.0,
+            global_batch=global_batch,
+            tokens_per_sample=task.tokens_per_sample(cfg),
+            efficiency=0.0,
+            assumptions=list(assumptions),
+        )
+    )
+    progress.phase(f"pricing the step on {target.name}")
     timing = parallel_time(cfg, traces, extra_comm, target, nodes, network, runs_dir)
     assumptions += _closing_notes(timing, target)
     return Estimate(
@@ -263,7 +287,7 @@ def price(
         comm_s=timing.comm_s,
         exposed_comm_s=timing.exposed_comm_s,
         step_s=timing.step_s,
-        global_batch=dims.global_batch(cfg.micro_batch_size, cfg.grad_accum_steps),
+        global_batch=global_batch,
         tokens_per_sample=task.tokens_per_sample(cfg),
         efficiency=timing.efficiency,
         assumptions=assumptions,

@@ -5,12 +5,16 @@ max_steps, shown as text, a table and HTML. Every figure says what it rests on."
 from __future__ import annotations
 
 import html
+import math
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workbench.estimator.catalog import Accelerator
-from workbench.utils.units import GiB, fmt_bytes, fmt_money, fmt_seconds, fmt_span
+from workbench.utils.units import GiB, fmt_bytes, fmt_duration, fmt_money, fmt_seconds, fmt_span
+
+if TYPE_CHECKING:
+    from workbench.estimator.precision_speed import PrecisionSpeed
 
 GPU_OVERHEAD_BYTES = int(0.75 * GiB)
 """CUDA context and NCCL's buffers: about 0.5-1 GiB per GPU that no tensor accounts for."""
@@ -24,6 +28,18 @@ RSS)."""
 HEADROOM = 0.08
 """A run 'fits' when its peak stays under 92% of the device: the caching allocator fragments the
 rest."""
+SLOW_RUN_S = 24 * 3600.0
+"""A plan whose run to max_steps takes longer than this (a day) gets a time warning beside its
+memory verdict (Estimate.time_verdict): rarely what a user meant, and a day's wait before finding
+out."""
+SLOW_RUN_WORDS = "a day"
+"""SLOW_RUN_S in words, for the warning."""
+SLOWER_FACTOR = 10.0
+"""A plan whose step is this many times slower than the same plan in another precision its target
+supports gets a time warning naming that precision (bf16 on a CPU without a bf16 matrix unit runs
+~200x slower than fp32)."""
+TIME_WARNING_COLOR = "#a15c00"
+"""Amber: a warning, neither the green of a plan that fits nor the red of one that doesn't."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "temporaries")
 COLUMNS = (
     "params",
@@ -115,6 +131,9 @@ class Estimate:
     assumptions: list[str] = field(default_factory=list)
     trace_s: float = 0.0
     max_rss_bytes: int = 0
+    other_precisions: list[PrecisionSpeed] = field(default_factory=list)
+    """The same plan's step in the other precisions the target supports, fastest first
+    (precision_speed.py): what the time verdict compares against."""
 
     # ---- derived ---------------------------------------------------------------------------------
     @property
@@ -182,23 +201,81 @@ class Estimate:
         return settings_line(self.config, self.gpus * self.nodes)
 
     def verdict(self) -> str:
+        """The memory verdict: 'fits: ...', or 'fits in memory: ...' when the plan is slow (the
+        time verdict then says why), or 'short by ...'."""
         peak, usable = fmt_bytes(self.peak), fmt_bytes(self.usable)
         if self.fits:
-            return f"fits: {peak} per rank of {usable} usable on {self.target.name}"
+            fits = "fits in memory" if self.slow else "fits"
+            return f"{fits}: {peak} per rank of {usable} usable on {self.target.name}"
         return (
             f"short by {fmt_bytes(self.short_by)}: {peak} per rank, {usable} usable on "
             f"{self.target.name}"
         )
+
+    @property
+    def slow(self) -> bool:
+        """The plan is slow: its time verdict warns (time_verdict())."""
+        return self.time_verdict() is not None
+
+    def faster_precision(self) -> PrecisionSpeed | None:
+        """Another precision the target supports in which the same step is at least SLOWER_FACTOR
+        times faster: the fastest such, or None."""
+        fastest = self.other_precisions[0] if self.other_precisions else None
+        if fastest is None or fastest.step_s <= 0:
+            return None
+        return fastest if self.step_s >= SLOWER_FACTOR * fastest.step_s else None
+
+    def time_verdict(self) -> str | None:
+        """None when the plan's time is unremarkable; else one sentence naming why it is slow (a
+        step SLOWER_FACTOR times slower than in another precision the target supports; a run to
+        max_steps over SLOW_RUN_S) and the faster choice: 'bf16 on this CPU runs 200x slower than
+        fp32 (...): use fp32 (step 221 ms, 100 steps in 22.1 s)'."""
+        steps = int(self.config["max_steps"])
+        causes = []
+        faster = self.faster_precision()
+        if faster is not None:
+            where = "this CPU" if self.target.kind == "cpu" else self.target.name
+            causes.append(
+                f"{self.config['precision']} on {where} runs "
+                f"{_factor(self.step_s / faster.step_s)} slower than {faster.precision} "
+                f"({faster.why}): use {faster.precision} (step {step_text(faster.step_s)}, "
+                f"{steps} steps in {fmt_span(faster.step_s * steps)})"
+            )
+        if self.run_s > SLOW_RUN_S:
+            in_precision = f" in {self.config['precision']}" if faster is not None else ""
+            took = f"{steps} steps{in_precision} take {fmt_span(self.run_s)}, over {SLOW_RUN_WORDS}"
+            causes.append(took if faster is not None else f"{took}: {self._faster_plan()}")
+        return "; ".join(causes) or None
+
+    def _slow_words(self) -> str:
+        """The time verdict in a few words, for the one-line repr: 'bf16 130x slower than fp32,
+        over a day'."""
+        words = []
+        faster = self.faster_precision()
+        if faster is not None:
+            factor = _factor(self.step_s / faster.step_s)
+            words.append(f"{self.config['precision']} {factor} slower than {faster.precision}")
+        if self.run_s > SLOW_RUN_S:
+            words.append(f"over {SLOW_RUN_WORDS}")
+        return ", ".join(words)
+
+    def _faster_plan(self) -> str:
+        """What shortens a long run that no precision fixes."""
+        if self.target.kind == "cpu":
+            return "fewer max_steps, a smaller model, or a GPU target"
+        return "fewer max_steps, more GPUs or nodes, or a faster accelerator"
 
     def cost_text(self) -> str:
         """'$12.30', '< $0.01', or 'no price' when the target has none."""
         return fmt_money(self.cost) if self.cost is not None else "no price"
 
     def step_line(self) -> str:
-        tokens = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
+        """'step 26.2 ms (compute ...), 1,220 samples/s, 156,160 tokens/s': tokens/s only for a
+        task of tokens, small rates to their significant digits."""
+        tokens = f", {_rate(self.tokens_per_s)} tokens/s" if self.tokens_per_s is not None else ""
         return (
-            f"step {fmt_seconds(self.step_s)} (compute "
-            f"{fmt_seconds(self.compute_s)}{self._comm_text()}), {_rate(self.samples_per_s)} "
+            f"step {step_text(self.step_s)} (compute "
+            f"{step_text(self.compute_s)}{self._comm_text()}), {_rate(self.samples_per_s)} "
             f"samples/s{tokens}"
         )
 
@@ -227,11 +304,12 @@ class Estimate:
 
     def __repr__(self) -> str:
         fits = "fits" if self.fits else f"short by {fmt_bytes(self.short_by)}"
+        slow = f"; slow: {self._slow_words()}" if self.slow else ""
         return (
             f"<Estimate {self.config['task']} {layout_name(self.config)} on {self.where}: {fits}, "
             f"peak {fmt_bytes(self.peak)} of {fmt_bytes(self.usable)} usable; step "
-            f"{fmt_seconds(self.step_s)}; {self.config['max_steps']} steps {fmt_span(self.run_s)}; "
-            f"{self.cost_text()}>"
+            f"{step_text(self.step_s)}; {self.config['max_steps']} steps {fmt_span(self.run_s)}"
+            f"{slow}; {self.cost_text()}>"
         )
 
     def table(self) -> str:
@@ -248,6 +326,7 @@ class Estimate:
         lines += [
             *textwrap.wrap(GRADS_LEGEND, 116, initial_indent="  ", subsequent_indent="  "),
             f"  {self.verdict()}",
+            *([f"  slow: {warning}"] if (warning := self.time_verdict()) else []),
             f"  {self.step_line()}",
             f"  {self.run_line()}",
             "  assumptions:",
@@ -276,7 +355,7 @@ class Estimate:
             f"<tbody>{body}</tbody></table>"
             f"<small>{html.escape(GRADS_LEGEND)}</small>"
             f"<div class='wb-estimate-verdict' style='color:{color}'>"
-            f"<b>{html.escape(self.verdict())}</b></div>"
+            f"<b>{html.escape(self.verdict())}</b></div>{time_warning_html(self)}"
             f"<div>{html.escape(self.step_line())}</div>"
             f"<div>{html.escape(self.run_line())}</div>"
             f"<details><summary><small>assumptions ({len(self.assumptions)})</small></summary>"
@@ -315,6 +394,9 @@ class Estimate:
             "gpu_hours": self.gpu_hours,
             "cost": self.cost,
             "efficiency": self.efficiency,
+            "time_verdict": self.time_verdict(),
+            "slow": self.slow,
+            "other_precisions": [vars(p) for p in self.other_precisions],
             "assumptions": self.assumptions,
         }
 
@@ -356,6 +438,35 @@ def settings_line(config: dict[str, Any], world: int) -> str:
     )
 
 
+def time_warning_html(est: Estimate) -> str:
+    """The time verdict as an amber line (class wb-time-warning) to sit beside the memory verdict;
+    '' when the plan isn't slow."""
+    warning = est.time_verdict()
+    if warning is None:
+        return ""
+    return (
+        f"<div class='wb-time-warning' style='color:{TIME_WARNING_COLOR}'>"
+        f"<b>slow</b>: {html.escape(warning)}</div>"
+    )
+
+
+def step_text(seconds: float) -> str:
+    """A step's time: '164 µs', '26.2 ms', '3.1 s' under a minute, a duration above one ('12 h 17
+    min')."""
+    return fmt_seconds(seconds) if seconds < 60 else fmt_duration(seconds)
+
+
+def _factor(ratio: float) -> str:
+    """'200x', '12x', '9.5x'."""
+    return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
 def _rate(per_s: float) -> str:
-    """A rate to the digits it means: '63,063', '12.3', '0.412'."""
-    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.3g}"
+    """A rate to the significant digits it means, never rounded to 0 when it isn't: '63,063',
+    '12.3', '0.412', '0.000362'."""
+    if per_s >= 100:
+        return f"{per_s:,.0f}"
+    if per_s <= 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(per_s)))
+    return f"{per_s:.{decimals}f}" if decimals <= 9 else f"{per_s:.3g}"

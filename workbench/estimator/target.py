@@ -121,19 +121,9 @@ def check_plan(cfg: RunConfig, target: Target, task: Task | None = None) -> list
     there. Returns the warnings it gave (e.g. ranks sharing cores), for the estimate to state."""
     from workbench.config.preflight import preflight
 
-    if not target.cpu_nodes and cfg.device == "cpu":
-        raise ValueError(
-            f"device='cpu' with target {target.describe(cfg)}: the target's devices are GPUs; use "
-            "device='auto' (or 'cuda'), or set the target to this machine"
-        )
-    world = target.world(cfg)
-    if cfg.num_processes != world:
-        unit = "rank" if target.cpu_nodes else "GPU"
-        raise ValueError(
-            f"num_processes={cfg.num_processes} with target {target.describe(cfg)}: the target has "
-            f"{world} {unit}(s) in all; use num_processes={world}, or change the target's {unit}s "
-            "per node or nodes"
-        )
+    problems = _target_problems(cfg, target)
+    if problems:
+        raise ValueError(problems[0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         preflight(
@@ -142,6 +132,39 @@ def check_plan(cfg: RunConfig, target: Target, task: Task | None = None) -> list
             hardware=target.hardware(cfg),
         )
     return [str(w.message) for w in caught]
+
+
+def plan_problems(cfg: RunConfig, target: Target, task: Task | None = None) -> list[str]:
+    """Every refusal check_plan() would give, not only the first ([] when the plan can run): the
+    panel lists them at once. Warnings are check_plan's to return."""
+    from workbench.config.preflight import preflight_problems
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _target_problems(cfg, target) + preflight_problems(
+            cfg.replace(device="auto") if not target.cpu_nodes else cfg,
+            task=task,
+            hardware=target.hardware(cfg),
+        )
+
+
+def _target_problems(cfg: RunConfig, target: Target) -> list[str]:
+    """The config against the target's kind of device and its rank count."""
+    problems = []
+    if not target.cpu_nodes and cfg.device == "cpu":
+        problems.append(
+            f"device='cpu' with target {target.describe(cfg)}: the target's devices are GPUs; use "
+            "device='auto' (or 'cuda'), or set the target to this machine"
+        )
+    world = target.world(cfg)
+    if cfg.num_processes != world:
+        unit = "rank" if target.cpu_nodes else "GPU"
+        problems.append(
+            f"num_processes={cfg.num_processes} with target {target.describe(cfg)}: the target has "
+            f"{world} {unit}(s) in all; use num_processes={world}, or change the target's {unit}s "
+            "per node or nodes"
+        )
+    return problems
 
 
 def check_here(cfg: RunConfig, target: Target) -> None:

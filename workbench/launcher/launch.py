@@ -10,27 +10,55 @@ exception written to the run directory (see rank.py, supervisor.py and postmorte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from typing import TYPE_CHECKING, Literal, overload
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from workbench.config import RunConfig
-from workbench.config.preflight import preflight
-from workbench.launcher.preempted import record_preemption
-from workbench.launcher.processes import start_processes
-from workbench.launcher.result import RunResult
-from workbench.launcher.run import Run, raise_for_ending
-from workbench.launcher.spawn import plan_start
-from workbench.rundir import RunDir, lock, prepare
-from workbench.tasks import Task, get_task
-from workbench.utils.hardware import resolve_device
-from workbench.utils.preemption import before_launch
+from workbench.launcher.phases import (
+    CHECKING,
+    LaunchPhases,
+    announce,
+    announcing,
+    current,
+    print_phases,
+)
 
 if TYPE_CHECKING:
     from workbench.cluster import Slurm
     from workbench.cluster.slurm_run import SlurmRun
+    from workbench.launcher.result import RunResult
+    from workbench.launcher.run import Run
+    from workbench.notebook.live_view import LiveView
+    from workbench.rundir import RunDir
+    from workbench.tasks import Task
+    from workbench.utils.hardware import Hardware
 
 log = logging.getLogger("workbench")
+
+
+def __getattr__(name: str) -> Any:
+    # `Run` is public here (wb.Run) but lives in run.py, which loads torch: imported when asked
+    # for, so that `wb.launch` can show its first line before torch loads.
+    if name == "Run":
+        from workbench.launcher.run import Run
+
+        return Run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def preflight(
+    cfg: RunConfig,
+    task: Task | None = None,
+    hardware: Hardware | None = None,
+    device: str | None = None,
+) -> None:
+    """config.preflight's checks, imported at the first launch (they load torch)."""
+    from workbench.config.preflight import preflight as checks
+
+    checks(cfg, task=task, hardware=hardware, device=device)
 
 
 def check_launch(
@@ -38,6 +66,8 @@ def check_launch(
 ) -> tuple[RunConfig, Task]:
     """The config and task to run, every check done before anything is created or started, on the
     `device` the launch resolved (resolved here when None)."""
+    from workbench.tasks import Task, get_task
+
     if task is not None:
         if not isinstance(task, Task):
             raise TypeError(
@@ -62,6 +92,7 @@ def propose_micro_batch(run: RunDir, cfg: RunConfig, task: Task, device: str) ->
     devices (the rank side's half)."""
     from workbench.estimator import microbatch
 
+    announce(CHECKING, "the largest micro-batch that fits")
     run.write_autobatch(microbatch.propose(cfg.replace(device=device), task))
 
 
@@ -69,7 +100,7 @@ def start(
     cfg: RunConfig,
     task: Task | None = None,
     *,
-    progress: bool = False,
+    progress: bool | None = None,
     cluster: Slurm | None = None,
     mode: str | None = None,
 ) -> Run | SlurmRun:
@@ -85,14 +116,79 @@ def start(
     while it checked and prepared ends the run 'preempted' here, before any rank starts
     (RunPreemptedError).
 
+    `progress`: in a notebook, a line that says at once what the launch is doing (checking,
+    preparing data, starting N processes, waiting for the cluster), then follows the run until it
+    ends; in a terminal, those phases as lines and rank 0's progress bar. None (the default): the
+    line in a notebook, nothing in a terminal; False: nothing anywhere.
+
     `mode=` is the older spelling of start_method ('subprocess'; 'fork' is start_method='auto'),
     deprecated.
     """
     cfg = _forward_mode(cfg, mode)
+    phases, view, bar = _speaking(cfg, progress, ends_with_run=True)
+    with _shown(phases, view):
+        run = _start(cfg, task, bar, cluster)
+    if view is not None:
+        view.follow(run)
+    return run
+
+
+def _speaking(
+    cfg: RunConfig, progress: bool | None, ends_with_run: bool
+) -> tuple[LaunchPhases, LiveView | None, bool]:
+    """The phases of a launch about to start and who shows them: in a kernel the live line (shown
+    now, before anything heavy loads), in a terminal with progress=True a line per phase. A launch
+    inside another's announcing (the panel's) reports to that one and shows nothing itself. The
+    third value: whether the ranks draw their own progress bar (a terminal's progress=True)."""
+    from workbench.utils.kernel import in_kernel
+
+    live = progress is not False and in_kernel()
+    # in a kernel the ranks' bar would go to the kernel's own stdout
+    bar = bool(progress) and not live
+    outer = current()
+    if outer is not None:
+        return outer, None, bar
+    phases = LaunchPhases()
+    view = None
+    if live:
+        from workbench.notebook.live_view import LiveView
+
+        view = LiveView(phases=phases, label=cfg.run_name or cfg.task, ends_with_run=ends_with_run)
+    elif bar:
+        print_phases(phases)
+    return phases, view, bar
+
+
+@contextlib.contextmanager
+def _shown(phases: LaunchPhases, view: LiveView | None) -> Iterator[None]:
+    """The phases current for the block; when it raises, the live line says the launch was not
+    made (the exception itself goes on to the caller)."""
+    with announcing(phases):
+        try:
+            yield
+        except BaseException as e:
+            if view is not None:
+                view.close(e)
+            raise
+
+
+def _start(
+    cfg: RunConfig, task: Task | None, progress: bool, cluster: Slurm | None
+) -> Run | SlurmRun:
+    """start() once its phases are shown: the checks, the run directory, the ranks."""
+    announce(CHECKING)
     if cluster is not None:
         from workbench.cluster.submit import submit
 
         return submit(cfg, cluster, task)
+    from workbench.launcher.preempted import record_preemption
+    from workbench.launcher.processes import start_processes
+    from workbench.launcher.run import Run, raise_for_ending
+    from workbench.launcher.spawn import plan_start
+    from workbench.rundir import lock, prepare
+    from workbench.utils.hardware import resolve_device
+    from workbench.utils.preemption import before_launch
+
     # 'cpu' or 'cuda', decided once for the launch: its checks, start plan, the micro-batch
     # proposal and its processes (the launch line, the shell launcher, the supervisor, a restart)
     # take it from here; each rank resolves its own (training/accelerator.py)
@@ -183,18 +279,15 @@ def launch(
     raises RunFailedError naming the failing rank. `start()` is the same without blocking;
     `cluster=` as there.
 
-    `progress`: in a notebook, a line that follows the run (progress, loss, step time, ETA) and
-    becomes its summary when it ends; in a terminal, rank 0's progress bar. None (the default): the
-    line in a notebook, nothing in a terminal; False: nothing anywhere.
+    `progress`: in a notebook, a line that says at once what the launch is doing (checking,
+    preparing data, starting N processes, waiting for the cluster), then follows the run
+    (progress, loss, step time, ETA) and becomes its summary when it ends; in a terminal, those
+    phases as lines and rank 0's progress bar. None (the default): the line in a notebook, nothing
+    in a terminal; False: nothing anywhere.
 
     `wait=False` is the older spelling of `start()` and `mode=` of cfg.start_method; both are
     deprecated.
     """
-    from workbench.utils.kernel import in_kernel
-
-    live = progress is not False and in_kernel()
-    # in a kernel the ranks' bar would go to the kernel's own stdout
-    bar = bool(progress) and not live
     cfg = _forward_mode(cfg, mode)
     if not wait:
         warnings.warn(
@@ -203,13 +296,12 @@ def launch(
             DeprecationWarning,
             stacklevel=2,
         )
-        return start(cfg, task, progress=bar, cluster=cluster)
-    run = start(cfg, task, progress=bar, cluster=cluster)
-    view = None
-    if live:
-        from workbench.notebook.live_view import LiveView
-
-        view = LiveView(run)
+        return start(cfg, task, progress=progress, cluster=cluster)
+    phases, view, bar = _speaking(cfg, progress, ends_with_run=False)
+    with _shown(phases, view):
+        run = _start(cfg, task, bar, cluster)
+    if view is not None:
+        view.follow(run)
     try:
         return run.wait()
     except BaseException:

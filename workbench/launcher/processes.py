@@ -22,6 +22,7 @@ from workbench.config import PARALLELISM_MODES, RunConfig
 from workbench.config.mesh import virtual_stages
 from workbench.config.precision import accelerate_mixed_precision
 from workbench.launcher.forked import ForkedSupervisor
+from workbench.launcher.phases import announce, starting
 from workbench.launcher.scratch import ScratchProcess, make_scratch, remove_scratch
 from workbench.launcher.spawn import SpawnedRanks, StartPlan, die_with_caller, write_task
 from workbench.rundir import RunDir, lock
@@ -146,6 +147,8 @@ def start_processes(
     """Start the process that runs the ranks: a forked supervisor, or `accelerate launch`/torchrun
     (for the shell, or for ranks spawned from here, whose output is then copied to this process's
     sys.stdout/stderr)."""
+    # until the ranks report (the live line follows the run directory from here)
+    announce(starting(cfg.num_processes))
     port = free_port()
     log.info("%s -> %s", describe_launch(cfg, plan.device), run.path)
     if plan.method != "subprocess":

@@ -151,6 +151,8 @@ def progress_line(reading: Reading, max_steps: int | None, step: int, ended: str
         tail = "finishing: the final evaluation and checkpoint…"
     elif reading.train_rows:
         tail = f"ETA {fmt_duration(eta_s(reading, max_steps, step))}"
-    else:
+    elif reading.observed[0] == "starting":
         tail = "starting the ranks…"
+    else:  # the ranks reported: the first steps run until the first logged one
+        tail = "starting the first steps…"
     return f"step {step}{total}{pct} · {tail}"

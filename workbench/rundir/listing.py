@@ -149,27 +149,65 @@ class RunsTable:
     def _repr_html_(self) -> str:
         if not self.rows:
             return f"<i>no runs in {html.escape(str(self.runs_dir))}</i>"
-        head = "".join(f"<th style='text-align:left'>{c}</th>" for c in COLUMNS)
-        body = []
-        for r in self.rows:
-            cells = []
-            for c in COLUMNS:
-                text = html.escape(_cell(c, r))
-                if c == "status":
-                    text = (
-                        "<span "
-                        f"style='color:{STATUS_COLORS.get(r['status'], '#555')}'>{text}</span>"
-                    )
-                align = "right" if c in ("steps", "loss", "samples/s") else "left"
-                cells.append(f"<td style='text-align:{align}'>{text}</td>")
-            body.append(
-                f"<tr data-run='{html.escape(r['name'], quote=True)}'>{''.join(cells)}</tr>"
-            )
+        head = "".join(
+            f"<th title='{c}' style='{_style(c)}'>{HTML_HEADERS.get(c, c)}</th>" for c in COLUMNS
+        )
+        body = [
+            f"<tr data-run='{html.escape(r['name'], quote=True)}'>"
+            + "".join(f"<td style='{_style(c)}'>{_html_cell(c, r)}</td>" for c in COLUMNS)
+            + "</tr>"
+            for r in self.rows
+        ]
         return (
-            f"<table class='wb-runs'><thead><tr>{head}</tr></thead>"
+            f"<table class='wb-runs' style='font-size:12px'><thead><tr>{head}</tr></thead>"
             f"<tbody>{''.join(body)}</tbody></table>"
             f"<small>{len(self.rows)} run(s) in {html.escape(str(self.runs_dir))}</small>"
         )
+
+
+# The HTML table fits a notebook's output area in a 1280 px window with the file browser open
+# (about 850 px), one line a run: no cell wraps, free-length text ends in an ellipsis with the
+# whole in a tooltip, headers and dates are short, the font 12 px (JupyterLab's is 13). The styles
+# are inline: they win over JupyterLab's `td {white-space: normal}`, which wrapped names, 'ddp x 2'
+# and dates.
+NOWRAP = "white-space:nowrap"
+CLIPPED = {"name": "16em", "eval": "8em"}
+"""Columns of free-length text, and the width past which they end in an ellipsis."""
+HTML_HEADERS = {"precision": "prec."}
+"""Headers wider than their column's values, shortened (the whole word is the header's tooltip)."""
+
+
+def _style(column: str) -> str:
+    align = "right" if column in ("steps", "loss", "samples/s") else "left"
+    return f"text-align:{align};{NOWRAP};padding:0.35em 0.4em"
+
+
+def _html_cell(column: str, row: dict[str, Any]) -> str:
+    text = _cell(column, row)
+    if column in CLIPPED:
+        return _clipped(text, CLIPPED[column])
+    if column == "status":
+        color = STATUS_COLORS.get(row["status"], "#555")
+        return f"<span style='color:{color}'>{html.escape(text)}</span>"
+    if column == "started" and row.get("started_at"):
+        # this year's runs without the year: '11-29 01:59', the whole date in the tooltip
+        started = time.localtime(row["started_at"])
+        short = "%m-%d %H:%M" if started.tm_year == time.localtime().tm_year else "%Y-%m-%d"
+        return (
+            f"<span title='{time.strftime('%Y-%m-%d %H:%M:%S', started)}'>"
+            f"{time.strftime(short, started)}</span>"
+        )
+    return html.escape(text)
+
+
+def _clipped(text: str, width: str) -> str:
+    """`text` cut at `width` with an ellipsis, whole in its title. A span, not the cell: browsers
+    don't clip a table cell to its max-width."""
+    return (
+        f"<span title='{html.escape(text, quote=True)}' style='display:inline-block;"
+        f"max-width:{width};overflow:hidden;text-overflow:ellipsis;{NOWRAP};"
+        f"vertical-align:top'>{html.escape(text)}</span>"
+    )
 
 
 def runs(runs_dir: str | os.PathLike[str] = "runs", *, limit: int | None = None) -> RunsTable:

@@ -8,6 +8,7 @@ overwritten.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from workbench.rundir import lock
 from workbench.rundir.run_dir import CONFIG, SUMMARY, TRAINER_STATE, RunDir, new_run_name
 from workbench.rundir.summary import Status
+from workbench.storage.store_path import StorePath, stored_config
 from workbench.utils.files import read_json
 from workbench.utils.mounts import filesystem_type
 
@@ -74,8 +76,12 @@ def _check_resume(cfg: RunConfig, run: RunDir) -> None:
     from workbench.config import RunConfig
 
     saved_path = ckpt / CONFIG
-    saved = RunConfig.from_yaml(saved_path) if saved_path.exists() else run.config()
-    step = int((read_json(ckpt / TRAINER_STATE) or {}).get("step", 0))
+    if isinstance(ckpt, StorePath):  # checkpoint_url on a store: read there
+        saved = stored_config(saved_path) or run.config()
+        step = int(json.loads((ckpt / TRAINER_STATE).read_text()).get("step", 0))
+    else:
+        saved = RunConfig.from_yaml(saved_path) if saved_path.exists() else run.config()
+        step = int((read_json(ckpt / TRAINER_STATE) or {}).get("step", 0))
     changes = config_changes(saved, cfg, step) if saved is not None else []
     if changes:
         allow = sorted(

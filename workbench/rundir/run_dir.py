@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -51,6 +52,7 @@ from workbench.utils.jsonl import tail_jsonl
 if TYPE_CHECKING:
     from workbench.config import RunConfig
     from workbench.rundir.liveness import Observation
+    from workbench.storage.store_path import Location
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -93,6 +95,7 @@ COMPLETE_MARKER = "manifest.json"
 complete."""
 TAIL_BYTES = 64 * 1024
 """How much of metrics.jsonl's end tail_rows reads at a time: rows are a few hundred bytes."""
+log = logging.getLogger("workbench")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _ATTEMPT = re.compile(r"^config\.attempt-(\d+)\.yaml$")
 
@@ -124,7 +127,6 @@ class RunDir:
     events_path = property(lambda self: self.path / EVENTS)
     summary_path = property(lambda self: self.path / SUMMARY)
     timings_path = property(lambda self: self.path / TIMINGS)
-    checkpoints_path = property(lambda self: self.path / CHECKPOINTS)
     errors_path = property(lambda self: self.path / ERRORS)
     stop_path = property(lambda self: self.path / STOP_REQUEST)
     weights_path = property(lambda self: self.path / WEIGHTS)
@@ -444,18 +446,49 @@ class RunDir:
         return self.plot_path
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def checkpoints(self, complete: bool = True) -> list[tuple[int, Path]]:
+    @property
+    def checkpoints_path(self) -> Location:
+        """Where the run's checkpoints are: checkpoints/ here, or where the config's checkpoint_url
+        puts them (`<url>/<run_name>`, storage.store_path.checkpoints_root)."""
+        from workbench.storage.store_path import checkpoints_root
+
+        return checkpoints_root(self.path, self.checkpoint_url())
+
+    def checkpoint_url(self) -> str | None:
+        """The latest attempt's checkpoint_url (None: checkpoints/ here), read from its config.yaml
+        alone: listing checkpoints must not need a config that validates."""
+        import yaml
+
+        paths = self.config_paths()
+        if not paths:
+            return None
+        try:
+            data = yaml.safe_load(paths[-1].read_text())
+        except (OSError, yaml.YAMLError) as e:
+            log.warning(
+                "%s can't be read (%s): looking for checkpoints in %s",
+                paths[-1],
+                e,
+                self.path / CHECKPOINTS,
+            )
+            return None
+        url = data.get("checkpoint_url") if isinstance(data, dict) else None
+        return str(url) if url else None
+
+    def checkpoints(
+        self, complete: bool = True, root: Location | None = None
+    ) -> list[tuple[int, Location]]:
         """Complete checkpoints (with their manifest), oldest first; resume still verifies their
         contents. complete=False: every step_<N> directory, a damaged one without its manifest
-        too."""
+        too. `root`: where to look (default: checkpoints_path)."""
         found = []
-        for p in self.checkpoints_path.glob("step_*"):
+        for p in (self.checkpoints_path if root is None else root).glob("step_*"):
             m = _STEP_DIR.match(p.name)
             if m and p.is_dir() and (not complete or (p / COMPLETE_MARKER).is_file()):
                 found.append((int(m.group(1)), p))
         return sorted(found)
 
-    def latest_checkpoint(self) -> Path | None:
+    def latest_checkpoint(self) -> Location | None:
         found = self.checkpoints()
         return found[-1][1] if found else None
 

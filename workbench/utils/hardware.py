@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.config.precision import torchao_problem
+from workbench.config.precision import cpu_precision_advice, torchao_problem
 from workbench.utils.units import MiB
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ class Hardware:
             if device != "cuda" or not cc or min(cc) < (8, 9):
                 return (
                     "fp8 needs a CUDA GPU of compute capability 8.9+ (H100/L40/4090): its "
-                    "matmuls run on their fp8 tensor cores (torch._scaled_mm); use bf16"
+                    "matmuls run on their fp8 tensor cores (torch._scaled_mm); "
+                    + (cpu_precision_advice() if device == "cpu" else "use bf16")
                 )
             # A planned target is priced, not run here: torchao is needed where the run will train.
             return None if self.planned else torchao_problem()
@@ -101,7 +102,7 @@ class Hardware:
             if precision == "fp16":
                 return (
                     "fp16 needs a CUDA GPU: on CPU, accelerate runs fp16 as fp32 without telling "
-                    "you; use bf16 (CPU autocast) or fp32"
+                    "you; " + cpu_precision_advice()
                 )
             return None
         if precision == "bf16" and any(g.compute_capability < (8, 0) for g in self.gpus):

@@ -6,15 +6,21 @@ import difflib
 from collections.abc import Iterable, Sequence
 
 
-def did_you_mean(word: object, choices: Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the closest choice (a prefix match counts), or '' when none is
-    close."""
+def closest(word: object, choices: Iterable[str]) -> str | None:
+    """The choice closest to `word` (a prefix match counts), or None when none is close."""
     text, options = str(word), list(choices)
     close = difflib.get_close_matches(text, options, n=1) or sorted(
         (c for c in options if text and (text.startswith(c) or c.startswith(text))),
         key=lambda c: abs(len(c) - len(text)),
     )
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest choice (a prefix match counts), or '' when none is
+    close."""
+    match = closest(word, choices)
+    return f" (did you mean {match!r}?)" if match is not None else ""
 
 
 def unknown_keys(keys: Iterable[object], allowed: Sequence[str]) -> list[str]:

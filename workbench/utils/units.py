@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 MiB = 2**20
 GiB = 2**30
 
@@ -20,22 +22,32 @@ def fmt_bytes(n: float | None, unit: str | None = None, spec: str | None = None)
 
 
 def fmt_seconds(seconds: float) -> str:
-    """A short span: '412 us', '26.2 ms', '3.1 s'."""
+    """A step-sized span: '412 µs', '26.2 ms', '3.1 s'; from a minute on as fmt_duration, '12 h 17
+    min' (not '44256.0 s')."""
     if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.1f} s" if seconds < 60 else fmt_duration(seconds)
 
 
 def fmt_duration(seconds: float | None) -> str:
-    """A long span to the second: '12 s', '3 min 05 s', '2 h 10 min'; '?' for None."""
-    if seconds is None:
+    """A long span in the largest unit that fits and the next one down: '12 s', '3 min 05 s', '12 h
+    17 min', '51 d 5 h' (not '1229 h 19 min'); '?' for None or NaN, '∞' for an infinite one."""
+    if seconds is None or math.isnan(seconds):
         return "?"
+    if math.isinf(seconds):
+        return "∞" if seconds > 0 else "0 s"
     seconds = max(0.0, float(seconds))
-    if seconds < 60:
+    if seconds < 59.5:
         return f"{seconds:.0f} s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f} min {seconds % 60:02.0f} s"
-    return f"{seconds // 3600:.0f} h {seconds % 3600 // 60:02.0f} min"
+    # whole units cut, not rounded, as a clock shows them; 59.5 s and more reads '1 min 00 s'
+    whole = max(60, int(seconds))
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    if whole < 86400:
+        return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+    return f"{whole // 86400} d {whole % 86400 // 3600} h"
 
 
 def fmt_span(seconds: float | None) -> str:

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from workbench.estimator import cancel
+from workbench.estimator import cancel, progress
 from workbench.estimator.machine.probe import KINDS, VERSION
 from workbench.estimator.machine.profile import MachineProfile, measure
 from workbench.utils.files import DamagedFileError, read_json_checked, write_json
@@ -100,6 +100,10 @@ def machine_profile(ranks: int, threads: int, *, refresh: bool = False) -> Machi
             if found is None or (
                 found.busy_cores > BUSY_CORES and time.time() - found.measured_at > REMEASURE_BUSY_S
             ):
+                progress.phase(
+                    f"measuring this machine for {ranks} rank(s) x {threads} thread(s) (once; "
+                    "kept on disk)"
+                )
                 new = measure(ranks, threads, ident, fork=threads == 1, stall_s=STALL_S)
                 if new.busy_cores > BUSY_CORES:
                     log.info(

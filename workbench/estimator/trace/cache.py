@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from workbench.estimator import progress
 from workbench.estimator.trace.step import StepTrace, trace_step
 
 if TYPE_CHECKING:
@@ -141,6 +142,8 @@ def cached_trace(
             return dataclasses.replace(hit, world=world, rank=rank)
     if getattr(_LOCAL, "cache_only", False):
         raise NotCached(f"no trace of this step yet ({cfg.task}, {cfg.parallelism}, world {world})")
+    if not warm.cache_info().currsize:
+        progress.phase("importing what a trace runs (once per interpreter)")
     warm()
     with _frozen_heap():
         trace = trace_step(

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.estimator import cancel
+from workbench.estimator import cancel, progress
 from workbench.estimator.trace.fake_world import Placement, wire_bytes
 from workbench.estimator.trace.held import StatePiece
 
@@ -109,9 +109,14 @@ def trace_step(
     # Real batches are built here, not in the child: a forked child that runs the data pipeline can
     # deadlock on a thread pool (OpenMP's, a loader's) inherited mid-use from this process.
     cancel.check("a trace")
+    progress.phase("building the first micro-batches")
     real = _real_batches(cfg, task, world, rank)
     with TRACE_LOCK:
         cancel.check("a trace")
+        progress.phase(
+            f"tracing one step on a fake {world}-rank world"
+            + (f" (rank {rank}, pipeline stage {rank * cfg.pp // world})" if cfg.pp > 1 else "")
+        )
         reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
         child = multiprocessing.get_context("fork").Process(
             target=_trace_child,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 from typing import Any, get_args
 
@@ -40,7 +41,9 @@ def precision_options(
 ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """(label, value) pairs for the precision dropdown, and the full reason for each precision
     unavailable on `hw` (default: this machine; a planned target's hardware otherwise). A precision
-    workbench doesn't train yet is offered only as `shown`, the config's own value."""
+    workbench doesn't train yet is offered only as `shown`, the config's own value. The labels stay
+    short ('fp16 (unavailable)'): a dropdown clips longer ones, and can't give an option a tooltip;
+    the reasons go to the dropdown's tooltip and the note under it (`precision_note_html`)."""
     hw = hw or detect()
     options, reasons = [], {}
     for precision in get_args(Precision):
@@ -49,12 +52,30 @@ def precision_options(
         problem = hw.precision_problem(precision, device)
         if problem:
             reasons[precision] = problem
-            options.append(
-                (f"{precision} (unavailable: {short_reason(precision, problem)})", precision)
-            )
+            options.append((f"{precision} (unavailable)", precision))
         else:
             options.append((precision, precision))
     return options, reasons
+
+
+def precision_tooltip(reasons: dict[str, str]) -> str | None:
+    """Each unavailable precision's full reason, a line each: the dropdown's tooltip where a
+    frontend shows one (JupyterLab shows none on a Dropdown with a description), and the tooltip of
+    the note under it, which every frontend shows."""
+    return "\n".join(reasons.values()) or None
+
+
+def precision_note_html(reasons: dict[str, str]) -> str:
+    """The line under the precision dropdown: why each unavailable precision is, in a few words
+    (the full reason in its tooltip); '' when all are available."""
+    if not reasons:
+        return ""
+    short = "; ".join(f"{p}: {short_reason(p, problem)}" for p, problem in reasons.items())
+    return (
+        f"<small title='{html.escape(precision_tooltip(reasons) or '')}' "
+        "style='color:#666;margin-left:144px;display:block;max-width:236px;line-height:1.35'>"
+        f"unavailable here: {html.escape(short)}</small>"
+    )
 
 
 def _wide() -> widgets.Layout:
@@ -182,7 +203,7 @@ def _step_controls(precisions: list[tuple[str, str]], reasons: dict[str, str]) -
             description="precision",
             style=STYLE,
             layout=_wide(),
-            tooltip="; ".join(reasons.values()) or None,
+            tooltip=precision_tooltip(reasons),
         ),
     }
 

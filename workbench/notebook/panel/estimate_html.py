@@ -6,11 +6,17 @@ beside the estimated ones."""
 from __future__ import annotations
 
 import html
+import time
 from typing import TYPE_CHECKING, Any
 
 import traitlets
 
-from workbench.estimator.report import GRADS_LEGEND
+from workbench.estimator.report import (
+    GRADS_LEGEND,
+    TIME_WARNING_COLOR,
+    step_text,
+    time_warning_html,
+)
 from workbench.utils.units import fmt_bytes, fmt_seconds
 
 if TYPE_CHECKING:
@@ -49,6 +55,16 @@ class EstimateState(traitlets.HasTraits):
     measured = traitlets.Dict()
     """The running run's latest figures: step_s, peak_bytes, samples_per_s (absent: not measured
     yet)."""
+    doing = traitlets.Unicode("")
+    """While estimating: what the estimate is doing now, in words ('tracing one step on a fake
+    8-rank world')."""
+    since = traitlets.Float(0.0)
+    """time.monotonic() when the estimate in flight was requested: the box shows the seconds
+    since."""
+    tick = traitlets.Int(0)
+    """Bumped every second while estimating, so the elapsed time shown moves."""
+    time_pending = traitlets.Bool(False)
+    """`result` has its memory figures, its step not priced yet (its time figures are zeros)."""
 
 
 def _scale(est: Estimate) -> tuple[float, bool]:
@@ -178,7 +194,9 @@ def _header(state: EstimateState, est: Estimate) -> str:
     )
     if state.stale:
         doing = (
-            "estimating the new settings…" if state.status == "estimating" else "not re-estimated"
+            f"estimating the new settings: {html.escape(_doing(state))}"
+            if state.status == "estimating"
+            else "not re-estimated"
         )
         line += (
             "<div class='wb-estimate-stale' style='color:#a15c00'><b>stale</b>: these figures are "
@@ -186,6 +204,38 @@ def _header(state: EstimateState, est: Estimate) -> str:
             f"<small>({html.escape(state.requested)})</small></div>"
         )
     return line
+
+
+def _slow_mark(est: Estimate) -> str:
+    """', slow' in amber after a suggestion whose plan is slow, its time verdict in the tooltip."""
+    warning = est.time_verdict()
+    if warning is None:
+        return ""
+    return (
+        f", <span class='wb-suggestion-slow' style='color:{TIME_WARNING_COLOR}' "
+        f"title='{html.escape(warning, quote=True)}'>slow</span>"
+    )
+
+
+def _doing(state: EstimateState) -> str:
+    """'tracing one step on a fake 8-rank world… 3 s': what the estimate in flight is doing, and
+    for how long it has been asked for."""
+    elapsed = max(0.0, time.monotonic() - state.since) if state.since else 0.0
+    return f"{state.doing or 'estimating'}… {elapsed:.0f} s"
+
+
+def _time_line(state: EstimateState, est: Estimate) -> str:
+    """The step time and the run's time and cost, or, while the step is priced, what is under way
+    (the memory above is final)."""
+    if state.time_pending:
+        return (
+            "<div class='wb-estimate-time wb-estimate-time-pending'><i>step time and cost: "
+            f"{html.escape(_doing(state))}</i></div></div>"
+        )
+    return (
+        f"<div class='wb-estimate-time'>{html.escape(est.step_line())}; "
+        f"{html.escape(est.run_line())}</div></div>"
+    )
 
 
 def render(state: EstimateState) -> str:
@@ -199,7 +249,7 @@ def render(state: EstimateState) -> str:
     est: Estimate | None = state.result
     if est is None:
         waiting = (
-            "estimating…"
+            f"<span class='wb-estimate-doing'>{html.escape(_doing(state))}</span>"
             if state.status == "estimating"
             else html.escape(state.message or "no estimate yet")
         )
@@ -215,14 +265,15 @@ def render(state: EstimateState) -> str:
         f"<div{faded}>{_bars(est)}",
         "<div class='wb-estimate-verdict' "
         f"style='color:{color}'><b>{html.escape(est.verdict())}</b></div>",
-        f"<div class='wb-estimate-time'>{html.escape(est.step_line())}; "
-        f"{html.escape(est.run_line())}</div></div>",
+        # amber, beside the memory verdict: a slow plan isn't just green
+        "" if state.time_pending else time_warning_html(est),
+        _time_line(state, est),
     ]
-    if not est.fits and not state.stale:
+    if not est.fits and not state.stale and not state.time_pending:
         if state.alternatives:
             items = "".join(
                 f"<li>{html.escape(what)}: {html.escape(alt.verdict())}, step "
-                f"{fmt_seconds(alt.step_s)}, {html.escape(alt.cost_text())}</li>"
+                f"{step_text(alt.step_s)}, {html.escape(alt.cost_text())}{_slow_mark(alt)}</li>"
                 for what, alt in state.alternatives
             )
             lines.append(

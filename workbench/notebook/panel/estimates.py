@@ -2,7 +2,11 @@
 a run doesn't fit, which settings the figures are for (marked stale until the new settings' estimate
 arrives), and during a run the measured figures beside the estimated ones. Recomputed off the UI
 thread: a change the traces in memory answer shows at once; one that needs a new trace waits out a
-debounce first. The box's HTML is drawn by estimate_html from its state alone."""
+short debounce first. While it works the box says what it is doing and for how long (progress.py's
+phases), shows the memory as soon as the trace has made it known and the time when it is priced; a
+newer request ends the one before it (its trace child killed: cancel.Scope), so a change never
+queues behind a trace nobody will see. The heavy work is the trace, in a child process: the kernel's
+thread only renders. The box's HTML is drawn by estimate_html from its state alone."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
+from workbench.estimator import cancel, progress
 from workbench.estimator.report import settings_line
 from workbench.estimator.target import Target
 from workbench.notebook.panel.estimate_html import EstimateState, render
@@ -24,7 +29,11 @@ if TYPE_CHECKING:
     from workbench.tasks import Task
 
 log = logging.getLogger("workbench")
-DEBOUNCE_S = 0.6
+DEBOUNCE_S = 0.1
+"""A new trace waits this long for the next keystroke. Short: a superseded request's trace is
+killed (cancel.Scope), not waited for, so a trace started too early costs little."""
+TICK_S = 1.0
+"""While estimating, the elapsed time shown moves this often."""
 EXIT_WAIT_S = 60.0
 """How long the interpreter's exit waits for a cancelled estimate to reach its next stopping point
 (a trace child is killed at once; an import or a batch being built runs to its end)."""
@@ -75,6 +84,9 @@ class EstimateBox:
         self._working: set[threading.Thread] = set()
         """Threads inside _work (a superseded request's may still run beside the newest)."""
         self._generation = 0
+        self._scopes: list[cancel.Scope] = []
+        """The requests not yet done: a newer request ends them (their trace children killed)."""
+        self._ticker: threading.Thread | None = None
         # re-entrant: an observer of the state may request again while it is set
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -98,9 +110,12 @@ class EstimateBox:
             self._generation += 1
             generation = self._generation
             self._changed.notify_all()
+            self._end_superseded()
             with self.state.hold_trait_notifications():
                 if cfg is None:
+                    self._end_superseded()
                     self.state.status, self.state.result, self.state.stale = "idle", None, False
+                    self.state.time_pending = False
                     self.state.message, self.state.requested = (
                         "the settings don't form a run yet",
                         "",
@@ -113,17 +128,47 @@ class EstimateBox:
                     self.state.measured = {}  # a run's figures belong to the settings it ran with
                 self.state.requested = f"{settings} on {target.describe(cfg)}"
                 self.state.stale, self.state.status = est is not None, "estimating"
+                self.state.doing, self.state.since = "", time.monotonic()
             if _EXITING.is_set():  # an observer at exit: nothing would wait for the answer
                 self._thread = None
                 return
             _BOXES.add(self)
+            scope = cancel.Scope("the panel's estimate of the previous settings")
+            self._scopes.append(scope)
             self._thread = threading.Thread(
                 target=self._work,
-                args=(generation, cfg, task, target, time.monotonic() + delay),
+                args=(generation, scope, cfg, task, target, time.monotonic() + delay),
                 name="workbench-estimate",
                 daemon=True,
             )
             self._thread.start()
+            self._start_ticker()
+
+    def _end_superseded(self) -> None:
+        """End the requests before the newest: their trace children are killed now, so the new
+        request's trace doesn't queue behind a trace whose answer nobody will see. Under the
+        lock."""
+        for scope in self._scopes:
+            scope.end()
+        self._scopes = []
+
+    def _start_ticker(self) -> None:
+        """One thread per box moves the elapsed time shown while an estimate is in flight (a
+        trait bump: the HTML re-renders; no work beyond that)."""
+        if self._ticker is not None and self._ticker.is_alive():
+            return
+
+        def tick() -> None:
+            while True:
+                time.sleep(TICK_S)
+                with self._lock:
+                    if self.state.status != "estimating" or _EXITING.is_set():
+                        self._ticker = None
+                        return
+                    self.state.tick += 1
+
+        self._ticker = threading.Thread(target=tick, name="workbench-estimate-tick", daemon=True)
+        self._ticker.start()
 
     def mark_stale(self) -> None:
         """A setting changed: the figures shown are for the settings before it. Called first in the
@@ -138,9 +183,11 @@ class EstimateBox:
         with self._lock:
             self._generation += 1
             self._changed.notify_all()
+            self._end_superseded()
             with self.state.hold_trait_notifications():
                 self.state.status, self.state.result, self.state.stale = "idle", None, False
                 self.state.alternatives, self.state.message, self.state.requested = [], why, ""
+                self.state.time_pending = False
             self._thread = None
 
     def show_measured(
@@ -160,6 +207,7 @@ class EstimateBox:
         with self._lock:
             self._generation += 1
             self._changed.notify_all()
+            self._scopes = []  # abort_trace() below ends every estimate's children
             # Superseded requests' threads may still be estimating: every one of them is waited for.
             threads = [
                 t
@@ -176,7 +224,13 @@ class EstimateBox:
             self.state.status = "idle"
 
     def _work(
-        self, generation: int, cfg: RunConfig, task: Task | None, target: Target, not_before: float
+        self,
+        generation: int,
+        scope: cancel.Scope,
+        cfg: RunConfig,
+        task: Task | None,
+        target: Target,
+        not_before: float,
     ) -> None:
         from workbench.estimator.trace.step import allow_traces
 
@@ -188,7 +242,8 @@ class EstimateBox:
             # a launch that cancelled an earlier estimate has waited for it: traces may run again
             allow_traces()
         try:
-            self._estimate(generation, cfg, task, target, not_before)
+            with cancel.scope(scope):
+                self._estimate(generation, cfg, task, target, not_before)
         except Exception as e:
             if generation != self._generation:  # cancelled: its trace was ended on purpose
                 log.debug("a cancelled estimate ended with %r", e)
@@ -200,6 +255,8 @@ class EstimateBox:
         finally:
             with self._lock:
                 self._working.discard(threading.current_thread())
+                if scope in self._scopes:
+                    self._scopes.remove(scope)
 
     def _estimate(
         self, generation: int, cfg: RunConfig, task: Task | None, target: Target, not_before: float
@@ -209,10 +266,27 @@ class EstimateBox:
         from workbench.tasks import get_task
 
         task = task or get_task(cfg.task)
+
+        def doing(what: str) -> None:
+            self._publish(generation, doing=what)
+
+        def memory(partial: Estimate) -> None:
+            # the memory is final: shown now, with its verdict; the time follows
+            self._publish(
+                generation,
+                result=partial,
+                time_pending=True,
+                alternatives=[],
+                message="",
+                stale=False,
+            )
+
         try:
             with cache_only():
                 est = self._estimate_on(cfg, task, target)
         except NotCached:
+            if not warm.cache_info().currsize:
+                doing("importing what a trace runs (once per interpreter)")
             warm()  # the imports every trace child needs, paid while the debounce runs anyway
             with self._lock:
                 self._changed.wait_for(
@@ -221,12 +295,16 @@ class EstimateBox:
                 )
                 if generation != self._generation:
                     return
-            est = self._estimate_on(cfg, task, target)
-        if not self._publish(generation, result=est, alternatives=[], message="", stale=False):
+            with progress.reporting(doing, memory):
+                est = self._estimate_on(cfg, task, target)
+        if not self._publish(
+            generation, result=est, time_pending=False, alternatives=[], message="", stale=False
+        ):
             return
         found: list[tuple[str, Estimate]] = []
         if not est.fits:
             try:
+                doing("looking for changes that fit")
                 found = alternatives(
                     cfg.replace(num_processes=est.gpus * est.nodes),
                     est,

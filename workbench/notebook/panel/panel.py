@@ -24,7 +24,7 @@ import ipywidgets as widgets
 
 from workbench.cluster.slurm import Slurm
 from workbench.config import RunConfig
-from workbench.estimator.target import Target, check_plan
+from workbench.estimator.target import Target, plan_problems
 from workbench.launcher.launch import Run
 from workbench.launcher.result import RunResult
 from workbench.notebook.dashboard import Dashboard
@@ -392,14 +392,15 @@ class Panel:
             cfg = self.config
             # where the run goes comes first: a plan for a cluster that can't be read says that, not
             # a size
-            problem = self.target_controls.problem()
-            if not problem:
-                check_plan(cfg, target, self.task_for(cfg.task))
+            where = self.target_controls.problem()
+            # every refusal at once: fixing one shouldn't reveal the next
+            problems = [where] if where else plan_problems(cfg, target, self.task_for(cfg.task))
         except ValueError as e:  # cfg stays None when RunConfig itself refused the values
-            problem = str(e)
+            problems = [str(e)]
         with self.state.hold_trait_notifications():
             self.state.config = cfg
-            self.state.problem = problem
+            self.state.problems = problems
+            self.state.problem = "\n".join(problems)
             self.state.target = target
         if not self.measures_the_settings():  # a run's figures belong to the settings it ran with
             self.estimate_box.show_measured(None, None, None)
@@ -411,7 +412,7 @@ class Panel:
         with self._lock:
             s = self.state
             frozen = s.status in ACTIVE or s.busy
-            self.form.show(s.config, s.target, frozen=frozen)
+            self.form.show(s.config, s.target, frozen=frozen, notes=s.notes)
             blocked = blocked_reason(s)
             self.launch_button.disabled = frozen or bool(blocked)
             self.launch_button.button_style = "" if self.launch_button.disabled else "success"
@@ -424,10 +425,16 @@ class Panel:
             self.batch_info.value = batch_html(s.config)
             self.launch_info.value = launch_html(s)
             self.layout_box.value = layout_html(s.config, s.problem)
-            self.problem_box.value = problem_html(s.problem)
-            # the problem line says why a plan can't run; the status line only points at it
+            self.problem_box.value = problem_html(s.problems)
+            # the problem lines say why a plan can't run; the status line only points at them
+            many = len(s.problems) > 1
             self.status_box.value = status_html(
-                s, blocked="see the problem above" if s.problem else blocked
+                s,
+                blocked=(
+                    f"see the {len(s.problems)} problems above" if many else "see the problem above"
+                )
+                if s.problem
+                else blocked,
             )
             self.error_box.value = error_html(s.error)
 

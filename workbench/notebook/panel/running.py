@@ -16,7 +16,9 @@ from workbench.config import RunConfig
 from workbench.estimator.report import settings_line
 from workbench.estimator.target import check_here
 from workbench.launcher.launch import Run, start
+from workbench.launcher.phases import LaunchPhases, announcing
 from workbench.notebook.dashboard import Dashboard
+from workbench.notebook.live_view import PanelLine
 from workbench.notebook.panel.estimates import EstimateBox
 from workbench.notebook.panel.settings import SettingsForm
 from workbench.notebook.panel.state import ACTIVE, PanelState
@@ -101,12 +103,21 @@ class RunControl:
             cluster = self.form.target_controls.cluster()
             s.error, s.job = "", ""
             before, s.status = s.status, status
-            self.estimate_box.cancel()
+            # The launch speaks at once: its phase (checking, preparing data, starting N
+            # processes, waiting for the cluster) and the time since the click, until the ranks
+            # report; first, before the estimate's end is waited for (seconds, under load).
+            phases = LaunchPhases()
+            line = PanelLine(phases, cfg.run_name or cfg.task)
+            self.dashboard_box.children = [line.widget]
         try:
-            run = start(cfg, task=self.form.task_for(cfg.task), cluster=cluster)
-        except BaseException:
+            self.estimate_box.cancel()
+            with announcing(phases):
+                run = start(cfg, task=self.form.task_for(cfg.task), cluster=cluster)
+        except BaseException as e:
+            line.close(e)  # "not launched", and in which phase
             s.status = before if status == "resuming" else "ready"
             raise
+        line.follow(run)
         # the panel shows the error once, itself
         dashboard = Dashboard(
             run.run_dir, max_steps=run.config.max_steps, interval=poll_interval, show_error=False
@@ -116,20 +127,22 @@ class RunControl:
             s.run, s.run_name, s.dashboard = run, run.run_dir.name, dashboard
             s.result, s.failure, s.checkpoint, s.final_shown = None, None, False, False
             s.finished = finished
-        self.dashboard_box.children = [dashboard.widget]
+        self.dashboard_box.children = [line.widget, dashboard.widget]
         self.estimate_box.show_measured(None, None, None)
         dashboard.observe(self._on_reading, names="reading")
         dashboard.start()
         s.status = Status.RUNNING.value
         threading.Thread(
             target=self._watch,
-            args=(run, dashboard, finished),
+            args=(run, dashboard, finished, line),
             daemon=True,
             name=f"wb-panel-{run.run_dir.name}",
         ).start()
         return run
 
-    def _watch(self, run: Run, dashboard: Dashboard, finished: threading.Event) -> None:
+    def _watch(
+        self, run: Run, dashboard: Dashboard, finished: threading.Event, line: PanelLine
+    ) -> None:
         """Wait for the run in a thread, so the kernel stays free; then record how it ended."""
         result, failure = None, None
         # a Slurm run: its job's state, Slurm's reason while it waits
@@ -149,6 +162,7 @@ class RunControl:
         except BaseException as e:  # noqa: BLE001
             # RunFailedError, or anything else: shown, never lost
             failure = e
+        line.close()  # ended before its ranks reported: the line's thread stops with the run
         try:
             dashboard.stop()
         except Exception:  # noqa: BLE001

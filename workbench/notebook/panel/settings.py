@@ -20,7 +20,9 @@ from workbench.config.mesh_checks import default_shard_group
 from workbench.estimator.target import Target
 from workbench.notebook.panel.controls import (
     build_controls,
+    precision_note_html,
     precision_options,
+    precision_tooltip,
     read_micro_batch,
     task_options,
 )
@@ -66,11 +68,18 @@ class SettingsForm:
         for control in self.controls.values():
             control.observe(self._on_control, names="value")
         self.task_controls = TaskControls(self.task_object(base.task), base.task_options)
-        self.task_controls.on_change(lambda values: None if self._filling else self._changed())
+        self.task_controls.on_change(self._on_task_option)
         self.limit = widgets.HTML()
         """What the target offers, beside the processes box."""
+        self.processes_note = html_box("wb-moved-note")
+        """Says so when a change elsewhere moved the processes box (the state's notes)."""
+        self.processes_note.add_class("wb-processes-note")
         self.mode_info = html_box("wb-mode-info")
         """The chosen parallelism mode in a line, below its dropdown."""
+        self.precision_note = html_box(
+            "wb-precision-note", precision_note_html(self.precision_reasons)
+        )
+        """Why the unavailable precisions are, under their dropdown (their labels stay short)."""
         self.widget = self._column()
 
     def _column(self) -> widgets.VBox:
@@ -82,6 +91,7 @@ class SettingsForm:
                 self.task_controls.widget,
                 self.target_controls.widget,
                 widgets.HBox([c["num_processes"], self.limit]),
+                self.processes_note,
                 c["oversubscribe"],
                 c["parallelism"],
                 self.mode_info,
@@ -94,6 +104,7 @@ class SettingsForm:
                 c["activation_checkpointing"],
                 c["compile"],
                 c["precision"],
+                self.precision_note,
                 c["micro_batch_size"],
                 c["grad_accum_steps"],
                 c["max_steps"],
@@ -133,6 +144,7 @@ class SettingsForm:
         """Show `cfg` in the controls (it becomes the base for fields without one), then tell the
         panel once."""
         self.base = cfg
+        self._state.notes = {}
         with self._quietly():
             c = self.controls
             self.task_controls.set(self.task_object(cfg.task), cfg.task_options)
@@ -155,6 +167,10 @@ class SettingsForm:
             return
         self._state.processes_here = cfg.num_processes
         self.controls["num_processes"].value = world
+        self._state.notes = {
+            "num_processes": f"processes {cfg.num_processes} → {world}: the target's "
+            f"{self.target_controls.size_text()}"
+        }
         self._state.message = (
             f"processes set to {world} for the target's {self.target.describe(cfg)} (the config "
             f"had num_processes={cfg.num_processes})"
@@ -174,13 +190,16 @@ class SettingsForm:
     def _on_control(self, change: dict[str, Any]) -> None:
         if self._filling:
             return
-        self._state.message = ""  # a note about the settings before this change
+        # notes about the settings before this change
+        self._state.message, notes = "", {}
         c = self.controls
         if change["owner"] is c["task"]:  # the old task's options don't carry over
             self.task_controls.set(self.task_object(change["new"]), {})
         if change["owner"] is c["num_processes"]:
             with self._quietly():  # one world size: GPUs per node follows the processes box
-                self.target_controls.follow_processes(change["new"])
+                moved = self.target_controls.follow_processes(change["new"])
+            if moved:
+                notes["gpus_per_node"] = moved
         if change["owner"] is c["parallelism"]:
             with self._quietly():  # the shard group is hsdp's alone: a valid size on, 0 off
                 c["dp_shard"].value = (
@@ -188,7 +207,13 @@ class SettingsForm:
                     if change["new"] == "hsdp"
                     else 0
                 )
+        self._state.notes = notes
         self._changed()
+
+    def _on_task_option(self, values: dict[str, Any]) -> None:
+        if not self._filling:
+            self._state.notes = {}  # they were about the change before this one
+            self._changed()
 
     def _on_target(self) -> None:
         if self._filling:
@@ -197,15 +222,23 @@ class SettingsForm:
         s.message = ""
         self._relabel_precisions()
         world, processes = self.target_controls.world, self.controls["num_processes"]
+        before, why = processes.value, ""
         with self._quietly():
             if world is None and s.processes_here is not None:
                 # back on this machine: its own count
                 processes.value, s.processes_here = s.processes_here, None
+                why = "this machine's count from before the target changed"
             elif world is not None and not self.target_controls.problem():
                 # it follows GPUs x nodes
                 if s.processes_here is None:
                     s.processes_here = processes.value
                 processes.value = world
+                why = f"the target's {self.target_controls.size_text()}"
+        s.notes = (
+            {"num_processes": f"processes {before} → {processes.value}: {why}"}
+            if processes.value != before
+            else {}
+        )
         self._changed()
 
     def task_object(self, name: str) -> Task | None:
@@ -233,16 +266,30 @@ class SettingsForm:
         options, self.precision_reasons = precision_options(device, hw, shown=value)
         with self._quietly():
             control.options, control.value = options, value
-            control.tooltip = "; ".join(self.precision_reasons.values()) or None
+            control.tooltip = precision_tooltip(self.precision_reasons)
+        self.precision_note.value = precision_note_html(self.precision_reasons)
 
     # ---- the controls' own view ------------------------------------------------------------------
-    def show(self, cfg: RunConfig | None, target: Target, *, frozen: bool) -> None:
+    def show(
+        self,
+        cfg: RunConfig | None,
+        target: Target,
+        *,
+        frozen: bool,
+        notes: dict[str, str] | None = None,
+    ) -> None:
         """Re-derive the controls' view: frozen while a run goes, shown only where they mean
-        something for these settings, the notes beside them."""
+        something for these settings, the notes beside them (`notes`: what the last change moved,
+        by the moved control's field)."""
         for control in self.controls.values():
             control.disabled = frozen
         self.task_controls.disabled = frozen
-        self.limit.value = self.target_controls.limit_html(cfg)
+        notes = notes or {}
+        self.limit.value = self.target_controls.limit_html(
+            cfg, self.controls["num_processes"].value
+        )
+        self.processes_note.value = note_html(notes.get("num_processes", ""))
+        self.target_controls.moved_note.value = note_html(notes.get("gpus_per_node", ""))
         c = self.controls
         parallelism = c["parallelism"].value
         c["dp_shard"].layout.display = None if parallelism == "hsdp" else "none"
@@ -256,3 +303,14 @@ class SettingsForm:
         self.mode_info.value = (
             f"<small>{html.escape(PARALLELISM_MODES.get(parallelism, ''))}</small>"
         )
+
+
+def note_html(note: str) -> str:
+    """A control another change moved, said beside it ('' when none moved)."""
+    if not note:
+        return ""
+    return (
+        "<small style='color:#8a5a00;margin-left:144px;display:block;max-width:236px;"
+        "line-height:1.35'>"
+        f"↳ {html.escape(note)}</small>"
+    )

@@ -36,10 +36,17 @@ class PanelState(traitlets.HasTraits):
     config = traitlets.Instance(RunConfig, allow_none=True)
     """The RunConfig the controls form, or None when they don't form one (see `problem`)."""
     problem = traitlets.Unicode("")
-    """Why the controls can't launch: RunConfig's own ValueError message; '' when they can."""
+    """Why the controls can't launch: RunConfig's own ValueError message, or every refusal of the
+    plan's checks, a line each (`problems`); '' when they can."""
+    problems = traitlets.List(traitlets.Unicode())
+    """`problem` as its separate refusals, each actionable on its own: all of them at once."""
     target = traitlets.Instance(Target, args=())
     """The hardware the settings are planned for, as the target controls stood at the last
     change."""
+    notes = traitlets.Dict()
+    """What the last change moved in other controls, keyed by the moved control's field
+    ('num_processes', 'gpus_per_node'): shown beside that control, cleared by the next change, so
+    no value changes without a word."""
     processes_here = traitlets.Int(None, allow_none=True)
     """The processes box's value on this machine while the target is elsewhere (restored on
     return); None while the target is this machine."""

@@ -96,7 +96,11 @@ class TargetControls:
         ):
             control.add_class(css)
         self.slurm = SlurmControls(cluster)
-        self.size_box = widgets.VBox([self.gpus_per_node, self.nodes])
+        self.moved_note = widgets.HTML()
+        """Says so when a change elsewhere moved GPUs per node (the panel's state.notes)."""
+        self.moved_note.add_class("wb-moved-note")
+        self.moved_note.add_class("wb-gpus-note")
+        self.size_box = widgets.VBox([self.gpus_per_node, self.moved_note, self.nodes])
         self.widget = widgets.VBox([self.where, self.slurm.widget, self.gpu, self.size_box])
         self._callbacks: list[Callable[[], None]] = []
         self._refreshing = False
@@ -224,31 +228,51 @@ class TargetControls:
         self.nodes.value = min(self.nodes.value, self.nodes.max)
         self.gpus_per_node.value = min(self.gpus_per_node.value, per_node)
 
-    def follow_processes(self, processes: int) -> bool:
-        """The processes box changed: make GPUs per node follow it when the nodes divide it. False
-        when they don't (the plan's check then says what would work)."""
+    def follow_processes(self, processes: int) -> str:
+        """The processes box changed: make GPUs per node follow it when the nodes divide it, and
+        return what moved, in words ('GPUs per node 8 → 6 to fit 12 processes on 2 nodes'). '' when
+        nothing moved: the nodes don't divide it (the plan's check then says what would work), or
+        it already fits."""
         if self.local or processes < 1 or processes % self.nodes.value:
-            return False
-        if processes // self.nodes.value > self.gpus_per_node.max:
-            return False
+            return ""
+        per_node, before = processes // self.nodes.value, self.gpus_per_node.value
+        if per_node > self.gpus_per_node.max or per_node == before:
+            return ""
         self._refreshing = True
         try:
-            self.gpus_per_node.value = processes // self.nodes.value
+            self.gpus_per_node.value = per_node
         finally:
             self._refreshing = False
-        return True
+        nodes = self.nodes.value
+        return (
+            f"{self.gpus_per_node.description} {before} → {per_node} to fit {processes} "
+            f"processes on {nodes} node{'s' * (nodes != 1)}"
+        )
 
-    def limit_html(self, cfg: RunConfig | None) -> str:
-        """What the target offers, beside the processes box."""
+    def size_text(self) -> str:
+        """The target's size as its controls say: '6 GPUs × 2 nodes' ('ranks' on a CPU
+        partition)."""
+        part = self.slurm.part if self.on_slurm else None
+        unit = "GPU" if not self.on_slurm or (part and part["gpus"]) else "rank"
+        per_node, nodes = self.gpus_per_node.value, self.nodes.value
+        return f"{per_node} {unit}{'s' * (per_node != 1)} × {nodes} node{'s' * (nodes != 1)}"
+
+    def limit_html(self, cfg: RunConfig | None, processes: int) -> str:
+        """What the target offers, beside the processes box (holding `processes`): derived from
+        both on every change, so it never states a sum the box doesn't hold ('= 6 GPUs × 2 nodes'
+        beside 12; '≠ 12 = 6 GPUs × 2 nodes', in red, beside 7)."""
         if self.local:
             hw = detect()
             device = resolve_device(cfg, hw) if cfg else ("cuda" if hw.has_cuda else "cpu")
-            text = f"up to {hw.max_processes(device)} on {hw.device_line(device)}"
+            limit = hw.max_processes(device)
+            text = f"up to {limit} on {hw.device_line(device)}"
+            over = processes > limit and not (cfg is not None and cfg.oversubscribe)
         else:
-            part = self.slurm.part if self.on_slurm else None
-            unit = "GPU" if not self.on_slurm or (part and part["gpus"]) else "rank"
-            per_node = self.gpus_per_node.value
-            text = f"= {per_node} {unit}{'s' * (per_node != 1)} × {self.nodes.value} node" + "s" * (
-                self.nodes.value > 1
-            )
-        return f"<small style='white-space:nowrap'>{html.escape(text)}</small>"
+            world = self.gpus_per_node.value * self.nodes.value
+            over = processes != world
+            text = f"≠ {world} = {self.size_text()}" if over else f"= {self.size_text()}"
+        colour = ";color:#b00020" if over else ""
+        return (
+            f"<small class='wb-limit' data-matches='{str(not over).lower()}' "
+            f"style='white-space:nowrap{colour}'>{html.escape(text)}</small>"
+        )

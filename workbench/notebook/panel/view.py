@@ -106,10 +106,13 @@ def launch_html(s: PanelState) -> str:
     return f"planned for {html.escape(target.describe(cfg))}"
 
 
-def problem_html(problem: str) -> str:
-    if not problem:
-        return ""
-    return f"<div style='color:#b00020;white-space:pre-wrap'>⚠ {html.escape(problem)}</div>"
+def problem_html(problems: list[str]) -> str:
+    """Every problem of the plan, a line each: all at once, so fixing one reveals no other."""
+    return "".join(
+        f"<div class='wb-problem-item' style='color:#b00020;white-space:pre-wrap'>"
+        f"⚠ {html.escape(problem)}</div>"
+        for problem in problems
+    )
 
 
 def error_html(error: str) -> str:

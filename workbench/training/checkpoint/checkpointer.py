@@ -10,7 +10,12 @@ resume.
 
 Every rank writes into checkpoints/.tmp-step_<N>; the ranks hash the files between them; rank 0
 writes the manifest and renames the directory, so a step_<N> name with a manifest always means a
-complete checkpoint. Resume verifies the newest one against its manifest and falls back to the
+complete checkpoint. On an object store (checkpoint_url='s3://...': `<url>/<run_name>/step_<N>/`,
+storage/store_path.py) there is no atomic rename: the ranks write straight into step_<N>/, hash
+what the store then holds, and rank 0 writes the manifest object last, so a step_<N>/ counts only
+once its manifest exists. One without is never resumed from or loaded, and the next seal sweeps it
+(a "checkpoint_swept" event); old steps are deleted, manifest first, only once a newer one is
+sealed. Resume verifies the newest one against its manifest and falls back to the
 previous on any damage, saying what is wrong; whatever a checkpoint claims (RNG states included)
 loads, or the resume fails loudly. With checkpoint_async the model and optimizer are written in the
 background (background.py), and sealed the same way once every rank's write is done: a crash
@@ -23,6 +28,7 @@ trainer_state.json, is defined here with the code that saves and restores it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -32,12 +38,12 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from accelerate.utils import gather_object
 
 from workbench.rundir.run_dir import COMPLETE_MARKER, TRAINER_STATE, RunDir
+from workbench.storage.store_path import Location, StorePath, checkpoints_root, remove_tree
 from workbench.training.checkpoint.background import BackgroundWriter, Pending, writes_async
 from workbench.training.checkpoint.failures import (
     SWEPT,
@@ -102,6 +108,8 @@ class Checkpointer:
     ) -> None:
         self.accelerator, self.run, self.cfg, self.strategy = accelerator, run, cfg, strategy
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.root: Location = checkpoints_root(run.path, cfg.checkpoint_url)
+        self.remote = isinstance(self.root, StorePath)
         background, self.why = writes_async(cfg, accelerator.device)
         self.background = BackgroundWriter(cfg, accelerator.device) if background else None
         self.pending: Pending | None = None
@@ -129,17 +137,23 @@ class Checkpointer:
         return gather_object([mine]) if self.world > 1 else [mine]
 
     # ---- saving ----------------------------------------------------------------------------------
-    def save(self, state: TrainerState) -> Path:
+    def save(self, state: TrainerState) -> Location:
         """Write a checkpoint of `state` (collective): whole before returning, or (checkpoint_async)
         staged in host memory and written in the background, once the previous write is done."""
         began = time.perf_counter()
         self.wait()  # at most one write in flight
         acc, main, step = self.accelerator, self.accelerator.is_main_process, state.step
-        root = self.run.checkpoints_path
-        tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
-        with self.run.writing(tmp, f"checkpoint step {step}"), removed_on_failure(tmp):
+        root = self.root
+        # on a store the files go straight to step_<N>/ (no rename): unsealed until its manifest
+        tmp = root / (f"step_{step}" if self.remote else f".tmp-step_{step}")
+        final = root / f"step_{step}"
+        with (
+            self.run.writing(tmp, f"checkpoint step {step}"),
+            removed_on_failure(tmp),
+            self._store_errors(tmp),
+        ):
             if main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp)  # a store: an earlier session's step_<N>, sealed or not
                 tmp.mkdir(parents=True)
             acc.wait_for_everyone()
             if self.background is not None:
@@ -178,7 +192,7 @@ class Checkpointer:
         pending = self.pending
         if pending is None:
             return None
-        where = self.run.checkpoints_path / f".tmp-step_{pending.step}"
+        where = self.root / (f"step_{pending.step}" if self.remote else f".tmp-step_{pending.step}")
         bound = self.cfg.dist_timeout_s if timeout_s is None else timeout_s
         began = time.perf_counter()
         try:
@@ -235,7 +249,7 @@ class Checkpointer:
         }
 
     def _complete(
-        self, writes: list[Future], tmp: Path, final: Path, step: int, began: float
+        self, writes: list[Future], tmp: Location, final: Location, step: int, began: float
     ) -> None:
         """In a background thread: once every rank's write is done, seal the checkpoint as a
         synchronous save does; a failed write on any rank fails it on every rank, folder removed."""
@@ -255,9 +269,25 @@ class Checkpointer:
                 raise OSError(errno.EIO, f"{SWEPT} (rank {failed[0]})")
             self._seal(tmp, final, step, everyone, time.perf_counter() - began)
 
-    def _seal(self, tmp: Path, final: Path, step: int, everyone: Any, write_s: float) -> None:
+    def _seal(
+        self, tmp: Location, final: Location, step: int, everyone: Any, write_s: float
+    ) -> None:
+        # On a store, reading back and sealing talk to it too: a store gone meanwhile fails the
+        # checkpoint naming the store and the step (botocore's errors are no OSError).
+        with self._store_errors(tmp):
+            self._seal_here(tmp, final, step, everyone, write_s)
+
+    def _store_errors(self, tmp: Location) -> contextlib.AbstractContextManager[None]:
+        """On a store, any failure talking to it (botocore's errors are no OSError) as an OSError
+        naming the store, the step's prefix and the cause (failures.write_error)."""
+        return explained_write_failures(tmp) if self.remote else contextlib.nullcontext()
+
+    def _seal_here(
+        self, tmp: Location, final: Location, step: int, everyone: Any, write_s: float
+    ) -> None:
         """Hash the files (the ranks share the work); rank 0 writes the manifest, renames the folder
-        and drops the checkpoints past keep_checkpoints."""
+        and drops the checkpoints past keep_checkpoints. On a store: the files are hashed as the
+        store holds them, and the manifest, written last, is the seal (no rename)."""
         files = files_in(tmp)
         digests = everyone(
             {
@@ -265,24 +295,58 @@ class Checkpointer:
                 for f in files[self.rank :: self.world]
             }
         )
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process and self.remote:
+            manifest = {"step": step, "files": {k: v for part in digests for k, v in part.items()}}
+            (final / COMPLETE_MARKER).write_text(json.dumps(manifest, indent=1))
+            self._sweep_store(step)
+            self._saved(step, final, write_s)
+        elif self.accelerator.is_main_process:
             manifest = {"step": step, "files": {k: v for part in digests for k, v in part.items()}}
             write_json(tmp / COMPLETE_MARKER, manifest)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            for _, old in self.run.checkpoints()[: -self.cfg.keep_checkpoints]:
+            for _, old in self.run.checkpoints(root=self.root)[: -self.cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
-            self.run.event(
-                "checkpoint_saved",
-                step=step,
-                path=str(final),
-                write_s=round(write_s, 4),
-                background=self.background is not None,
-            )
+            self._saved(step, final, write_s)
+
+    def _saved(self, step: int, final: Location, write_s: float) -> None:
+        self.run.event(
+            "checkpoint_saved",
+            step=step,
+            path=str(final),
+            write_s=round(write_s, 4),
+            background=self.background is not None,
+        )
+
+    def _sweep_store(self, sealed: int) -> None:
+        """On a store, once step `sealed` is: remove every other step_<N>/ without a manifest (a
+        write that failed or was cut off: never used, and named in an event), then the sealed
+        steps past keep_checkpoints, each manifest first (unsealed at once, should the deletion
+        itself be cut off)."""
+        steps = self.run.checkpoints(complete=False, root=self.root)
+        sealed_steps = {n for n, _ in self.run.checkpoints(root=self.root)}
+        for step, ckpt in steps:
+            if step != sealed and step not in sealed_steps:
+                log.warning(
+                    "checkpoint %s has no %s (its write never finished): swept",
+                    ckpt,
+                    COMPLETE_MARKER,
+                )
+                remove_tree(ckpt)
+                self.run.event(
+                    "checkpoint_swept",
+                    step=step,
+                    path=str(ckpt),
+                    problems=[f"{COMPLETE_MARKER} is missing: its write never finished"],
+                )
+        kept = self.run.checkpoints(root=self.root)
+        for _, old in kept[: -self.cfg.keep_checkpoints]:
+            remove_tree(old / COMPLETE_MARKER)
+            remove_tree(old)
 
     def _write_state(
-        self, tmp: Path, state: TrainerState, write: Callable[[Strategy, Path], Any]
+        self, tmp: Location, state: TrainerState, write: Callable[[Strategy, Location], Any]
     ) -> Any:
         """`write` the model and optimizer (what it returns is returned), then each rank's RNG and
         loss-scaler state, and rank 0 the trainer state and the config."""
@@ -292,15 +356,22 @@ class Checkpointer:
                 tmp / f"rank_{self.rank}.pt", self.accelerator.device, self.strategy.scaler
             )
         if self.accelerator.is_main_process:
-            write_json(
-                tmp / TRAINER_STATE,
-                {**state.to_dict(), "world_size": self.world, "parallelism": self.cfg.parallelism},
-            )
-            self.cfg.to_yaml(tmp / "config.yaml")
+            progress = {
+                **state.to_dict(),
+                "world_size": self.world,
+                "parallelism": self.cfg.parallelism,
+            }
+            if self.remote:
+                with explained_write_failures(tmp):
+                    (tmp / TRAINER_STATE).write_text(json.dumps(progress, indent=1))
+                    (tmp / "config.yaml").write_text(self.cfg.to_yaml())
+            else:
+                write_json(tmp / TRAINER_STATE, progress)
+                self.cfg.to_yaml(tmp / "config.yaml")
         return written
 
     # ---- resuming --------------------------------------------------------------------------------
-    def problems(self, ckpt: Path) -> list[str]:
+    def problems(self, ckpt: Location) -> list[str]:
         """What is wrong with `ckpt` against its manifest ([] when it verifies). Collective: the
         ranks share the hashing."""
         try:
@@ -310,14 +381,15 @@ class Checkpointer:
         mine = file_problems(ckpt, files, sorted(files)[self.rank :: self.world])
         return sorted(p for part in self._everyone(mine) for p in part)
 
-    def _usable(self) -> Path:
+    def _usable(self) -> Location:
         """The newest checkpoint that verifies; damaged ones are skipped with a warning naming the
         damage."""
         skipped = []
         # A write the run stopped in (killed, or a background write it never waited for): said,
         # never loaded.
         main = self.accelerator.is_main_process
-        for partial in sorted(self.run.checkpoints_path.glob(".tmp-step_*")) if main else []:
+        partials = [] if self.remote or not main else sorted(self.root.glob(".tmp-step_*"))
+        for partial in partials:
             log.warning(
                 "checkpoint %s is incomplete (its write never finished) and is skipped", partial
             )
@@ -330,7 +402,9 @@ class Checkpointer:
             )
         # A step_<N> without its manifest (renamed only after the manifest is written) was damaged:
         # named, not passed over.
-        for step, ckpt in reversed(self.run.checkpoints(complete=False)):
+        # On a store, a step_<N>/ without its manifest is a write that never finished: skipped as
+        # such (and swept by the next seal).
+        for step, ckpt in reversed(self.run.checkpoints(complete=False, root=self.root)):
             found = self.problems(ckpt)
             if not found:
                 return ckpt
@@ -339,7 +413,7 @@ class Checkpointer:
                 log.warning("checkpoint %s is damaged and skipped: %s", ckpt, "; ".join(found))
                 self.run.event("checkpoint_skipped", step=step, path=str(ckpt), problems=found)
         raise RuntimeError(
-            f"no checkpoint in {self.run.checkpoints_path} can be used"
+            f"no checkpoint in {self.root} can be used"
             + (": " + " | ".join(skipped) if skipped else " (there is none)")
         )
 
@@ -351,7 +425,7 @@ class Checkpointer:
             model.update(part)
         return model
 
-    def resume(self) -> tuple[TrainerState, Path]:
+    def resume(self) -> tuple[TrainerState, Location]:
         """Load the newest checkpoint that verifies, resharded to this run's mode and ranks."""
         ckpt = self._usable()
         saved = json.loads((ckpt / TRAINER_STATE).read_text())

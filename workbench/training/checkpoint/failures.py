@@ -11,7 +11,8 @@ import errno
 import os
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
+
+from workbench.storage.store_path import Location, StorePath
 
 FULL_BELOW_BYTES = 1 << 20
 """Less room than this left where a write failed: the disk is taken to be full, whatever the writer
@@ -24,7 +25,7 @@ raised."""
 SWEPT = "its folder was removed as another rank's write failed"
 
 
-def write_error(error: BaseException, where: Path) -> OSError:
+def write_error(error: BaseException, where: Location) -> OSError:
     """An I/O failure while writing a checkpoint into `where`, as an OSError saying what failed,
     which file, and how much room is left; the same whichever rank fails first.
 
@@ -39,6 +40,8 @@ def write_error(error: BaseException, where: Path) -> OSError:
     ] or [error]
     chained = [e for f in failures for e in _chain(f)]
     os_errors = [e for e in chained if isinstance(e, OSError) and e.errno]
+    if isinstance(where, StorePath):
+        return _store_error(failures[0], os_errors, chained, where)
     try:
         free: int | None = shutil.disk_usage(where if where.exists() else where.parent).free
     except OSError:
@@ -59,6 +62,24 @@ def write_error(error: BaseException, where: Path) -> OSError:
     written = f" writing {file}" if file else ""
     room = f"; {free / 2**30:.1f} GiB free there" if free is not None else ""
     return OSError(code, f"{text}{written}{room}")
+
+
+def _store_error(
+    first: BaseException, os_errors: list[OSError], chained: list[BaseException], where: StorePath
+) -> OSError:
+    """write_error on an object store: no disk to measure, and a store that went away raises
+    botocore's connection errors (no OSError): EIO naming the store, the cause and the file."""
+    cause: BaseException = os_errors[0] if os_errors else first
+    # the innermost error says what the store did (DCP wraps it, s3fs wraps botocore's)
+    for e in chained:
+        if type(e).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp"):
+            cause = e
+            break
+    code = cause.errno if isinstance(cause, OSError) and cause.errno else errno.EIO
+    file = _failing_file(chained)
+    written = f" writing {file}" if file else ""
+    text = f"{type(cause).__name__}: {str(cause).strip()[:300]}"
+    return OSError(code, f"the store at {where} failed{written}: {text}")
 
 
 def disk_full(error: BaseException) -> bool:
@@ -96,8 +117,11 @@ def _failing_file(errors: list[BaseException]) -> str | None:
     return None
 
 
-def write_file(path: Path, data: bytes) -> None:
+def write_file(path: Location, data: bytes) -> None:
     """`data` written into `path` (a checkpoint's own file), a failure naming the file."""
+    if isinstance(path, StorePath):
+        path.write_bytes(data)  # a failure names the store: explained_write_failures
+        return
     try:
         with open(path, "wb") as f:
             f.write(data)
@@ -106,9 +130,14 @@ def write_file(path: Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def removed_on_failure(tmp: Path) -> Iterator[None]:
+def removed_on_failure(tmp: Location) -> Iterator[None]:
     """A checkpoint whose writing failed leaves no .tmp-step_<N> behind: on a full disk, its partial
-    files hold the room that recording the failure (the rank's error, summary.json) needs."""
+    files hold the room that recording the failure (the rank's error, summary.json) needs. On an
+    object store nothing is removed here: the store that failed the write is likely unreachable,
+    and a prefix without its manifest is never used and is swept by the next seal."""
+    if isinstance(tmp, StorePath):
+        yield
+        return
     try:
         yield
     except BaseException:
@@ -117,7 +146,7 @@ def removed_on_failure(tmp: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def explained_write_failures(tmp: Path) -> Iterator[None]:
+def explained_write_failures(tmp: Location) -> Iterator[None]:
     """Writing into `tmp`: a failure raised as an OSError that says what went wrong (write_error); a
     missing file in a folder another rank removed is that rank's fallout (SWEPT)."""
     try:

@@ -6,23 +6,26 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from workbench.rundir import COMPLETE_MARKER
+from workbench.storage.remote import configure
+from workbench.storage.store_path import Location, StorePath
 
 
-def sha256(path: Path) -> str:
+def sha256(path: Location) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") if isinstance(path, StorePath) else open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 
 
-def files_in(root: Path) -> list[str]:
+def files_in(root: Location) -> list[str]:
     """Every file under `root` but the manifest, as relative paths in a fixed order (the ranks split
     them)."""
+    if isinstance(root, StorePath):
+        return [f for f in root.files() if f.rsplit("/", 1)[-1] != COMPLETE_MARKER]
     return sorted(
         str(p.relative_to(root))
         for p in root.rglob("*")
@@ -30,7 +33,7 @@ def files_in(root: Path) -> list[str]:
     )
 
 
-def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
+def read_manifest(ckpt: Location) -> dict[str, dict[str, Any]]:
     """The manifest's files ({relative path: {size, sha256}}); ValueError saying why when it can't
     be read."""
     path = ckpt / COMPLETE_MARKER
@@ -48,7 +51,7 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
 
 
 def file_problems(
-    ckpt: Path, manifest: dict[str, dict[str, Any]], names: Iterable[str]
+    ckpt: Location, manifest: dict[str, dict[str, Any]], names: Iterable[str]
 ) -> list[str]:
     """What is wrong with the files `names` of `ckpt` against `manifest` ([] when they all
     verify)."""
@@ -67,7 +70,7 @@ def file_problems(
     return found
 
 
-def verify_part(ckpt: Path, part: str) -> None:
+def verify_part(ckpt: Location, part: str) -> None:
     """Raise ValueError naming the damage when the files under `ckpt/part` don't match the manifest,
     or when the manifest lists none there."""
     try:
@@ -121,13 +124,25 @@ def shapes_of(state: Mapping[str, Any]) -> Shapes:
     }
 
 
-def saved_model_shapes(model_dir: Path) -> Shapes:
+def metadata_reader(where: Location) -> Any:
+    """DCP's reader for the checkpoint part at `where`: its fsspec reader on a store (the URL as
+    is), its file reader on a local folder."""
+    import torch.distributed.checkpoint as dcp
+
+    if isinstance(where, StorePath) or "://" in str(where):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        configure(str(where))
+        return FsspecReader(str(where))
+    return dcp.FileSystemReader(str(where))
+
+
+def saved_model_shapes(model_dir: Location) -> Shapes:
     """The model entries of a DCP checkpoint (checkpoints/step_<N>/model), read from its metadata
     alone."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata
+    metadata = metadata_reader(model_dir).read_metadata().state_dict_metadata
     return {
         key.removeprefix("model."): tuple(meta.size)
         if isinstance(meta, TensorStorageMetadata)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import io
 import logging
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from workbench.storage.store_path import Location, StorePath
 from workbench.training.checkpoint.failures import write_file
 
 log = logging.getLogger("workbench")
@@ -52,7 +52,7 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_rank_state(path: Path, device: torch.device, scaler: Any) -> None:
+def save_rank_state(path: Location, device: torch.device, scaler: Any) -> None:
     """This rank's RNG states and its loss scaler's state (None without one) into `path`. Saved to
     memory, then written: torch.save into a path turns a full disk into a RuntimeError of its zip
     writer ('unexpected pos'), where a plain write raises ENOSPC naming the file."""
@@ -64,13 +64,15 @@ def save_rank_state(path: Path, device: torch.device, scaler: Any) -> None:
 
 
 def load_rank_state(
-    ckpt: Path, rank: int, saved_world: int | None, device: torch.device, scaler: Any
+    ckpt: Location, rank: int, saved_world: int | None, device: torch.device, scaler: Any
 ) -> None:
     """Put back what rank `rank` saved in `ckpt` (written by `saved_world` ranks). A rank beyond
     those starts with fresh random states; a missing file of one of them fails the resume."""
     mine = ckpt / f"rank_{rank}.pt"
     if mine.exists():
-        rank_state = torch.load(mine, weights_only=True)
+        # a store's object is read whole: torch.load wants a seekable file
+        source = io.BytesIO(mine.read_bytes()) if isinstance(mine, StorePath) else mine
+        rank_state = torch.load(source, weights_only=True)
         set_rng_state(rank_state["rng"], device)
         if scaler is not None and rank_state.get("scaler"):
             scaler.load_state_dict(rank_state["scaler"])

@@ -7,7 +7,6 @@ curve will differ from an uninterrupted run's (dropout). The Checkpointer calls 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +23,7 @@ from workbench.training.checkpoint.files import (
 
 if TYPE_CHECKING:
     from workbench.rundir import RunDir
+    from workbench.storage.store_path import Location
     from workbench.training.parallel import Strategy
 
 log = logging.getLogger("workbench")
@@ -45,7 +45,7 @@ def has_dropout(model: torch.nn.Module) -> bool:
     )
 
 
-def check_model(ckpt: Path, model: Shapes) -> None:
+def check_model(ckpt: Location, model: Shapes) -> None:
     """The checkpoint's model entries against the model this run built (`model`: every name and
     full shape), before anything loads: DCP would resume a model that lost a layer without a word,
     and fail on a changed one with a CheckpointException that names neither the parameter nor its
@@ -58,7 +58,7 @@ def check_model(ckpt: Path, model: Shapes) -> None:
         )
 
 
-def load_into(strategy: Strategy, ckpt: Path) -> None:
+def load_into(strategy: Strategy, ckpt: Location) -> None:
     """The strategy's model and optimizer from `ckpt`, resharded to this run's mode and ranks."""
     try:
         strategy.load(ckpt)
@@ -106,7 +106,7 @@ def keep_configured(
 
 
 def note_dropout(
-    run: RunDir, model: torch.nn.Module, ckpt: Path, saved: dict[str, Any], world: int
+    run: RunDir, model: torch.nn.Module, ckpt: Location, saved: dict[str, Any], world: int
 ) -> None:
     """Dropout masks come from each rank's random stream, which a run on another rank count
     can't continue: say so (rank 0), since the curve then differs from an uninterrupted run (the

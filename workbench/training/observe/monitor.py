@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from workbench.training.observe.device_samplers import (
     NAN,
     NvmlSampler,
@@ -123,10 +125,13 @@ class DeviceMonitor:
         # the episode's mean, without keeping every sample
         self._idle_sum, self._idle_samples = 0.0, 0
         self._warned = False
+        self._cpu_mark: tuple[float, float] | None = None
+        """(wall clock, this process's CPU time) where the current window began (take_window)."""
 
     # ---- the training thread's side --------------------------------------------------------------
     def start(self) -> DeviceMonitor:
         if self._thread is None:
+            self._cpu_mark = (time.monotonic(), time.process_time())
             self._thread = threading.Thread(
                 target=self._run, name=f"wb-monitor-{self.rank}", daemon=True
             )
@@ -162,7 +167,25 @@ class DeviceMonitor:
             window, self._window = self._window, _Window()
             last = dict(self._last)
         values = window.aggregate()
-        return {name: last[name] if math.isnan(value) else value for name, value in values.items()}
+        values = {
+            name: last[name] if math.isnan(value) else value for name, value in values.items()
+        }
+        return {**values, **self._own_process(values)}
+
+    def _own_process(self, values: dict[str, float]) -> dict[str, float]:
+        """This process's CPU % over the window from its CPU time (all threads, as psutil counts
+        it), and its RSS now if no sample has it yet. The sampler's first CPU reading only starts
+        psutil's clock, and its second comes an interval later: a run whose steps are short logged
+        tens of steps without CPU % (the monitor's figure started at step ~100). The CPU time
+        gives the window's exact mean from the first logged step on."""
+        now = (time.monotonic(), time.process_time())
+        mark, self._cpu_mark = self._cpu_mark, now
+        own: dict[str, float] = {}
+        if mark is not None and now[0] - mark[0] > 1e-3:
+            own["cpu_pct"] = 100.0 * (now[1] - mark[1]) / (now[0] - mark[0])
+        if math.isnan(values["rss_bytes"]):  # the thread hasn't sampled yet
+            own["rss_bytes"] = float(psutil.Process().memory_info().rss)
+        return own
 
     def window_vector(self) -> list[float]:
         """take_window() in FIELDS order, for the metrics all-gather."""

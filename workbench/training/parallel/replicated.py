@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.parallel import DistributedDataParallel
 
-from workbench.training.checkpoint.files import trained_state
+from workbench.training.checkpoint.files import metadata_reader, trained_state
 from workbench.training.observe.breakdown import DDPCommStats
 from workbench.training.parallel.strategy import DTYPES, Strategy
 
@@ -175,7 +175,8 @@ class ZeroOne(Replicated):
         Why not Strategy.load: DCP's get_state_dict/set_state_dict don't know
         ZeroRedundancyOptimizer, whose state each rank holds for its own partition only, indexed
         by position in that partition."""
-        metadata = dcp.FileSystemReader(str(path / "optim")).read_metadata().state_dict_metadata
+        # `path` may be a StorePath (checkpoint_url): its str() is the URL DCP's readers take
+        metadata = metadata_reader(path / "optim").read_metadata().state_dict_metadata
         local = self.local_optimizer()
         owned = [p for g in local.param_groups for p in g["params"]]
         model = {"model": trained_state(self.module)}
