@@ -257,13 +257,7 @@ def test_quickstart_launch_from_the_panel_updates_the_dashboard(
 
     earlier = set(lab.runs_dir.iterdir()) if lab.runs_dir.exists() else set()
     with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1400, "height": 1100},
-        )
+        browser = _chromium(p, tmp_path, 1400, 1100)
         try:
             page = browser.new_page()
             _run_quickstart(page, lab, artifacts)
@@ -421,13 +415,7 @@ def test_planning_for_8_h100_with_tensor_parallelism_in_the_browser(
     from workbench.notebook.panel.controls import PARALLELISM_LABELS
 
     with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1400, "height": 2000},
-        )
+        browser = _chromium(p, tmp_path, 1400, 2000)
         try:
             page = browser.new_page()
             _run_quickstart(page, lab, artifacts)
@@ -487,6 +475,18 @@ OVERFLOW = """root => [...root.querySelectorAll('*')].filter(el => {
     + ` ${el.scrollWidth}>${el.clientWidth}`)"""
 """Elements in `root` that scroll sideways, or cut their text (an ellipsis, or hidden overflow), as
 'tag.classes "text" scrollWidth>clientWidth'."""
+
+
+def _chromium(p: Any, tmp_path: Path, width: int, height: int) -> Any:
+    """Debian's Chromium, headless, with a fresh profile under `tmp_path` and a `width` x `height`
+    window."""
+    return p.chromium.launch_persistent_context(
+        str(tmp_path / "chromium-profile"),
+        executable_path=CHROMIUM,
+        args=CHROMIUM_ARGS,
+        headless=True,
+        viewport={"width": width, "height": height},
+    )
 
 
 def _open_notebook(page: Any, lab: Any, name: str, sidebar: bool, artifacts: Path) -> Any:
@@ -560,13 +560,7 @@ def test_the_panel_fits_a_normal_window_and_a_launch_shows_its_live_line(
     name = f"fits-{width}.ipynb"
     nbformat.write(nb, lab.root / name)
     with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": width, "height": 900},
-        )
+        browser = _chromium(p, tmp_path, width, 900)
         try:
             page = browser.new_page()
             shown = _open_notebook(page, lab, name, sidebar, artifacts)
@@ -680,13 +674,7 @@ def test_the_panels_details_in_a_1280_window(lab: Lab, artifacts: Path, tmp_path
     name = "details-1280.ipynb"
     nbformat.write(nb, lab.root / name)
     with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1280, "height": 900},
-        )
+        browser = _chromium(p, tmp_path, 1280, 900)
         try:
             page = browser.new_page()
             shown = _open_notebook(page, lab, name, True, artifacts)

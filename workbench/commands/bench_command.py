@@ -110,7 +110,7 @@ def _run_config_bench(args: argparse.Namespace) -> int:
         layouts = tuple(args.layouts or ck.LAYOUTS)
         cfg = cfg.with_overrides(args.overrides)
         if args.local_store:
-            from workbench.commands.bench.local_store import DESCRIPTION, local_store
+            from workbench.storage.local_server import DESCRIPTION, local_store
 
             with local_store(args.url or "s3://workbench-bench") as url:
                 report = ck.checkpoint_stall(
