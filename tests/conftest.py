@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from collected_ids import mark_unstable_ids, pytest_runtest_setup  # noqa: F401  (a hook: stable test ids)
 
+from tests.ray_cluster import ray_cluster  # noqa: F401  (the Ray stage's one cluster, shared by its modules)
 from workbench.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]

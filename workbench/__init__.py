@@ -14,7 +14,8 @@ from workbench.version import __version__
 
 if TYPE_CHECKING:
     from workbench import data, tasks
-    from workbench.cluster import Slurm
+    from workbench.cluster import Ray, Slurm
+    from workbench.cluster.raytrain.run import RayRun
     from workbench.cluster.slurm_run import SlurmRun
     from workbench.config import RunConfig
     from workbench.estimator.estimation import estimate
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 _HOMES = {
     "RunConfig": "workbench.config",
     "Slurm": "workbench.cluster",
+    "Ray": "workbench.cluster",
+    "RayRun": "workbench.cluster.raytrain.run",
     "SlurmRun": "workbench.cluster.slurm_run",
     "attach": "workbench.launcher.attached",
     "AttachedRun": "workbench.launcher.attached",

@@ -94,6 +94,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = RunConfig.from_yaml(args.config).with_overrides(args.overrides)
     if getattr(args, "slurm", None) and not args.prepare_only:
         return _submit(cfg, args)
+    if getattr(args, "ray", None) is not None and not args.prepare_only:
+        return _submit_ray(cfg, args)
     from workbench.launcher.launch import check_launch
 
     cfg = _shell_start_method(cfg, args.mode)
@@ -166,12 +168,37 @@ def _launch(cfg: Any, args: argparse.Namespace) -> int:
 def _submit(cfg: Any, args: argparse.Namespace) -> int:
     from workbench.cluster.slurm import from_spec
     from workbench.cluster.submit import submit
-    from workbench.rundir import RunFailedError, RunPreemptedError
 
     run = submit(cfg, from_spec(args.slurm))
     print(f"submitted: Slurm job {run.job_id}")
     print(run.run_dir)
-    if not args.follow:
+    return _follow(run, args.follow)
+
+
+def _submit_ray(cfg: Any, args: argparse.Namespace) -> int:
+    """--ray: the run's ranks as Ray Train workers on the cluster; its driver outlives this command
+    (follow it with `workbench status RUN_DIR`)."""
+    from workbench.cluster.raytrain.spec import from_spec
+
+    spec = from_spec(args.ray)  # a misspelt key is refused before Ray is imported
+    try:
+        from workbench.cluster.raytrain.submit import submit
+
+        run = submit(cfg, spec)
+    except ImportError as e:  # Ray isn't installed here: the message says how to install it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    job = run.job
+    print(f"started on Ray: driver {job['actor']} at {job['address']}, {job['workers']} worker(s)")
+    print(run.run_dir)
+    return _follow(run, args.follow)
+
+
+def _follow(run: Any, follow: bool) -> int:
+    """--follow: wait for a submitted run and print how it ended."""
+    from workbench.rundir import RunFailedError, RunPreemptedError
+
+    if not follow:
         return 0
     try:
         result = run.wait()

@@ -189,15 +189,25 @@ def train_parser(sub: Any) -> None:
         help="create the run directory and print it, for launching `-m workbench.worker RUN_DIR` "
         "yourself (multi-node, Slurm)",
     )
-    t.add_argument(
+    # one engine per run: argparse refuses both, naming them
+    where = t.add_mutually_exclusive_group()
+    where.add_argument(
         "--slurm",
         metavar="KEY=VALUE,...",
         help="submit to Slurm instead of running here, e.g. partition=gpu,nodes=2,gpus_per_node=8 "
         "(time, mem, account, qos, constraint, cpus_per_task, processes_per_node; others are "
         "sbatch options); prints the job id and the run directory",
     )
+    where.add_argument(
+        "--ray",
+        metavar="KEY=VALUE,...",
+        help="run the ranks as Ray Train workers on a Ray cluster instead of here, e.g. "
+        "address=10.0.0.1:6379,max_failures=1 (workers, use_gpu, placement_strategy, namespace, "
+        "resources_per_worker=CPU:8;GPU:1; address: $RAY_ADDRESS or the cluster `ray start` "
+        "brought up here when not given); prints the driver and the run directory",
+    )
     t.add_argument(
         "--follow",
         action="store_true",
-        help="with --slurm: wait for the job and print how it ended",
+        help="with --slurm or --ray: wait for the run and print how it ended",
     )

@@ -166,11 +166,31 @@ def _start_up_benches(bsub: argparse._SubParsersAction) -> None:
     la = bsub.add_parser(
         "launch",
         help="wb.launch of a 1-step 2-rank run against accelerate.notebook_launcher "
-        "running the equivalent function, interleaved",
+        "running the equivalent function, interleaved; --cluster ray: a 2-rank run on Ray "
+        "against the same run here, time to the first step",
     )
-    la.add_argument("--pairs", type=int, default=8, help="back-to-back pairs, order alternating")
+    la.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="back-to-back pairs, order alternating (default 8; 2 with --cluster ray)",
+    )
     la.add_argument(
         "--cold-pairs", type=int, default=1, help="first launches in fresh interpreters, each side"
+    )
+    la.add_argument(
+        "--cluster",
+        choices=["ray"],
+        default=None,
+        help="ray: launch on a Ray cluster (a local 2-node one brought up for the bench, or "
+        "--address's) beside the same run here, timed to the first logged step",
+    )
+    la.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --cluster ray: the cluster to use instead of a local one (its token, if it "
+        "wants one, in RAY_AUTH_MODE / RAY_AUTH_TOKEN)",
     )
     _result_args(la)
     im = bsub.add_parser(

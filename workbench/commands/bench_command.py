@@ -16,6 +16,8 @@ def result_name(args: argparse.Namespace) -> str:
         return "estimate-cited"
     if args.bench_command == "overhead" and args.mode != "ddp":
         return f"overhead-{args.mode}"
+    if args.bench_command == "launch" and getattr(args, "cluster", None):
+        return f"launch-{args.cluster}"
     return args.bench_command
 
 
@@ -48,10 +50,18 @@ def run_bench(args: argparse.Namespace) -> int:
                 conditions=tuple(args.conditions or CONDITIONS),
             )
         )
+    if args.bench_command == "launch" and args.cluster == "ray":
+        from workbench.commands.bench.ray_launch import ray_launch
+
+        return _verdict(ray_launch(args.pairs or 2, address=args.address, json_path=args.json))
     if args.bench_command == "launch":
         from workbench.commands.bench.launch_latency import launch_latency
 
-        return _verdict(launch_latency(args.pairs, cold_pairs=args.cold_pairs, json_path=args.json))
+        if args.address is not None:
+            raise ValueError(f"--address {args.address}: only with --cluster ray")
+        return _verdict(
+            launch_latency(args.pairs or 8, cold_pairs=args.cold_pairs, json_path=args.json)
+        )
     if args.bench_command == "big-run":
         from workbench.commands.bench.big_run import big_run
 

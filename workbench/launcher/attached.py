@@ -31,6 +31,7 @@ from workbench.rundir.liveness import heartbeats, is_alive, proven_process
 from workbench.utils.files import DamagedFileError
 
 if TYPE_CHECKING:
+    from workbench.cluster.raytrain.run import RayRun
     from workbench.cluster.slurm_run import SlurmRun
     from workbench.config import RunConfig
 
@@ -274,11 +275,15 @@ def _not_the_runs(proc: psutil.Process, run: RunDir, held: dict[str, Any]) -> st
     )
 
 
-def attach(run_dir: str | os.PathLike[str]) -> AttachedRun | SlurmRun:
+def attach(run_dir: str | os.PathLike[str]) -> AttachedRun | SlurmRun | RayRun:
     """The handle of a run started elsewhere, from its directory: a `SlurmRun` for a run submitted
-    to a cluster, an `AttachedRun` for a local one (running or ended). ValueError when `run_dir` is
+    to Slurm, a `RayRun` for one on Ray, an `AttachedRun` for a local one (running or ended). ValueError when `run_dir` is
     not a run directory."""
     run = RunDir(Path(run_dir).expanduser())
+    if run.ray_job() is not None:
+        from workbench.cluster.raytrain.run import attach as attach_ray
+
+        return attach_ray(run.path)
     if run.job_path.exists():
         from workbench.cluster.slurm_run import attach as attach_slurm
 

@@ -27,7 +27,8 @@ from workbench.launcher.phases import (
 )
 
 if TYPE_CHECKING:
-    from workbench.cluster import Slurm
+    from workbench.cluster import Ray, Slurm
+    from workbench.cluster.raytrain.run import RayRun
     from workbench.cluster.slurm_run import SlurmRun
     from workbench.launcher.result import RunResult
     from workbench.launcher.run import Run
@@ -101,9 +102,9 @@ def start(
     task: Task | None = None,
     *,
     progress: bool | None = None,
-    cluster: Slurm | None = None,
+    cluster: Slurm | Ray | None = None,
     mode: str | None = None,
-) -> Run | SlurmRun:
+) -> Run | SlurmRun | RayRun:
     """Start `cfg` on cfg.num_processes ranks and return the `Run` handle at once (see `launch` to
     block).
 
@@ -111,7 +112,8 @@ def start(
     notebook cell work) or, for a CUDA run, spawns fresh interpreters with the task pickled;
     'subprocess' runs `accelerate launch` (torchrun for multi-process CPU) like `workbench train`.
     `cluster=wb.Slurm(...)` submits the run to that cluster instead (checked against the cluster
-    first) and returns its SlurmRun, which has the same status, wait(), stop() and result().
+    first) and returns its SlurmRun, which has the same status, wait(), stop() and result();
+    `cluster=wb.Ray(...)` runs the ranks as Ray Train workers and returns a RayRun, the same.
     Everything is validated before any process starts. A preemption signal `workbench train` caught
     while it checked and prepared ends the run 'preempted' here, before any rank starts
     (RunPreemptedError).
@@ -173,14 +175,12 @@ def _shown(phases: LaunchPhases, view: LiveView | None) -> Iterator[None]:
 
 
 def _start(
-    cfg: RunConfig, task: Task | None, progress: bool, cluster: Slurm | None
-) -> Run | SlurmRun:
+    cfg: RunConfig, task: Task | None, progress: bool, cluster: Slurm | Ray | None
+) -> Run | SlurmRun | RayRun:
     """start() once its phases are shown: the checks, the run directory, the ranks."""
     announce(CHECKING)
     if cluster is not None:
-        from workbench.cluster.submit import submit
-
-        return submit(cfg, cluster, task)
+        return _submit(cfg, task, cluster)
     from workbench.launcher.preempted import record_preemption
     from workbench.launcher.processes import start_processes
     from workbench.launcher.run import Run, raise_for_ending
@@ -219,6 +219,23 @@ def _start(
     )
 
 
+def _submit(cfg: RunConfig, task: Task | None, cluster: Any) -> SlurmRun | RayRun:
+    """A run for a cluster goes to its engine: Slurm (submitit) or Ray (Ray Train)."""
+    from workbench.cluster import Ray, Slurm
+
+    if isinstance(cluster, Ray):
+        from workbench.cluster.raytrain.submit import submit as submit_ray
+
+        return submit_ray(cfg, cluster, task)
+    if isinstance(cluster, Slurm):
+        from workbench.cluster.submit import submit
+
+        return submit(cfg, cluster, task)
+    raise ValueError(
+        f"cluster={cluster!r}: pass wb.Slurm(...) or wb.Ray(...), or None to run on this machine"
+    )
+
+
 def _forward_mode(cfg: RunConfig, mode: str | None) -> RunConfig:
     """The config that `mode=` (deprecated) meant: 'subprocess' is start_method='subprocess', 'fork'
     the default way from Python."""
@@ -249,7 +266,7 @@ def launch(
     *,
     wait: Literal[True] = True,
     progress: bool | None = None,
-    cluster: Slurm | None = None,
+    cluster: Slurm | Ray | None = None,
     mode: str | None = None,
 ) -> RunResult: ...
 
@@ -261,9 +278,9 @@ def launch(
     *,
     wait: Literal[False],
     progress: bool | None = None,
-    cluster: Slurm | None = None,
+    cluster: Slurm | Ray | None = None,
     mode: str | None = None,
-) -> Run | SlurmRun: ...
+) -> Run | SlurmRun | RayRun: ...
 
 
 def launch(
@@ -272,9 +289,9 @@ def launch(
     *,
     wait: bool = True,
     progress: bool | None = None,
-    cluster: Slurm | None = None,
+    cluster: Slurm | Ray | None = None,
     mode: str | None = None,
-) -> RunResult | Run | SlurmRun:
+) -> RunResult | Run | SlurmRun | RayRun:
     """Run `cfg` on cfg.num_processes ranks and block until it ends: returns the RunResult, or
     raises RunFailedError naming the failing rank. `start()` is the same without blocking;
     `cluster=` as there.

@@ -30,7 +30,8 @@ CHECKING = "checking"
 PREPARING_DATA = "preparing data"
 WAITING_FOR_CLUSTER = "waiting for the cluster"
 STARTING_RAY = "starting Ray workers"
-"""A phase name kept for the Ray engine a later version adds; nothing announces it yet."""
+"""A run on Ray, from connecting to the cluster until its ranks report (the driver actor, the
+worker group's placement, the workers' start)."""
 
 
 def starting(processes: int) -> str:

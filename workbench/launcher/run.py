@@ -12,7 +12,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -42,6 +42,25 @@ from workbench.tasks import Task
 from workbench.utils import preemption
 
 log = logging.getLogger("workbench")
+
+
+def waiting_interruptibly(
+    wait: Callable[[], None], stop: Callable[[], None], kill: Callable[[], None], name: str
+) -> None:
+    """wait(), where a first Ctrl-C (a kernel interrupt) stops the run gracefully (the ranks
+    checkpoint) and waits on, and a second one kills it."""
+    try:
+        wait()
+    except KeyboardInterrupt:
+        stop()
+        log.warning(
+            "stopping %s: ranks save a checkpoint and exit; interrupt again to kill them", name
+        )
+        try:
+            wait()
+        except KeyboardInterrupt:
+            kill()
+            raise
 
 
 @dataclass(repr=False)  # RunFiles' one-line repr, not every field's
@@ -151,21 +170,7 @@ class Run(RunFiles):
                     self._process.join()
 
     def _join_interruptibly(self, timeout: float | None) -> None:
-        try:
-            self._join(timeout)
-        except KeyboardInterrupt:
-            # First Ctrl-C / kernel interrupt: stop gracefully (the ranks checkpoint); a second one
-            # kills.
-            self.stop()
-            log.warning(
-                "stopping %s: ranks save a checkpoint and exit; interrupt again to kill them",
-                self.run_dir.name,
-            )
-            try:
-                self._join(timeout)
-            except KeyboardInterrupt:
-                self.kill()
-                raise
+        waiting_interruptibly(lambda: self._join(timeout), self.stop, self.kill, self.run_dir.name)
 
     def _forward(self, signum: int, frame: Any) -> None:
         """A preemption signal for the launcher: the ranks get it, checkpoint and exit within the

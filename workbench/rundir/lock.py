@@ -276,6 +276,16 @@ def set_runner(run: RunDir, token: str, runner: dict[str, Any]) -> None:
             write_json(run.lock_path, {**held, "runner": runner})
 
 
+def hand_over(run: RunDir, token: str, holder: dict[str, Any]) -> None:
+    """The lock, still under `token`, now held by `holder` (host, pid, create_time: another
+    process, which may be on another host): a run whose submitter leaves it to a process of its own
+    (a Ray run's driver actor). Staleness follows that process from then on."""
+    with _guarded(run, required=False):
+        held = owner(run)
+        if held and held.get("token") == token:
+            write_json(run.lock_path, {**held, **holder, "runner": holder})
+
+
 def release(run: RunDir, token: str | None) -> None:
     with _guarded(run, required=False):
         if token and held_by(run, token):

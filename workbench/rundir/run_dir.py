@@ -3,9 +3,11 @@
 runs/<name>/config.yaml (+ config.attempt-<n>.yaml), metrics.jsonl (rows: MetricsRow), events.jsonl,
 summary.json, timings.json, model.safetensors, autobatch.json (micro_batch_size='auto'), task.pkl
 (a spawned launch's task), slurm.json and slurm-attempt (a cluster run's job and its requeued
-attempt), plot.png (`workbench demo`), checkpoints/step_<N>/, errors/rank_<r>.json,
+attempt), ray.json and ray-attempt (a run on Ray: its driver actor, and the worker group Ray started
+last), plot.png (`workbench demo`), checkpoints/step_<N>/, errors/rank_<r>.json,
 ranks/rank_<r>.json (heartbeats), stacks/rank_<r>.txt, rank_values/rank_<r>.pt,
 profile/rank_<r>.json (profile_steps), tensorboard/ and mlflow/ (trackers), slurm/ (submitit's),
+ray/ (Ray Train's storage_path, Ray's log lines and each worker's output and node),
 LOCK, STOP. Every file is written by a method here (LOCK and its guard by lock.py, a new directory
 by prepare.py); what a library writes (DCP into checkpoints/, torch.profiler into profile/, the
 trackers, submitit) goes into the folders named here. JSON files are replaced atomically; JSONL
@@ -82,6 +84,13 @@ TASK = "task.pkl"
 SLURM_ATTEMPT = "slurm-attempt"
 """A requeued Slurm job: the restart count whose attempt rank 0 has opened (the others wait for
 it)."""
+RAY_JOB = "ray.json"
+"""A run on Ray: the cluster's address, the driver actor's name and namespace, the submission."""
+RAY_ATTEMPT = "ray-attempt"
+"""A run on Ray: which worker group of which submission rank 0 has opened ('<submission> <n>')."""
+RAY_FOLDER = "ray"
+"""A run on Ray: Ray Train's storage (its experiment folder), ray.log (Ray's own lines),
+rank_<r>.log (each rank's output) and workers/rank_<r>.json (where each rank ran)."""
 SLURM_FOLDER = "slurm"
 """submitit's folder of a cluster run: the job's pickled call and each task's stdout and stderr."""
 PLOT = "plot.png"
@@ -139,6 +148,7 @@ class RunDir:
     task_path = property(lambda self: self.path / TASK)
     job_path = property(lambda self: self.path / JOB_FILE)
     slurm_path = property(lambda self: self.path / SLURM_FOLDER)
+    ray_path = property(lambda self: self.path / RAY_FOLDER)
     plot_path = property(lambda self: self.path / PLOT)
 
     @contextlib.contextmanager
@@ -435,6 +445,43 @@ class RunDir:
         path = self.path / SLURM_ATTEMPT
         with self.writing(path, "the Slurm attempt"):
             atomic_write_text(path, str(restart))
+
+    def ray_job(self) -> dict[str, Any] | None:
+        """ray.json: the Ray submission that runs this run; None for a run that isn't one."""
+        found = read_json(self.path / RAY_JOB)
+        return found if isinstance(found, dict) else None
+
+    def write_ray_job(self, record: dict[str, Any]) -> None:
+        """ray.json: where a run on Ray went (address, driver actor, submission)."""
+        path = self.path / RAY_JOB
+        with self.writing(path, "the Ray submission"):
+            write_json(path, record)
+
+    def ray_attempt(self) -> tuple[str, int] | None:
+        """(submission, worker group) rank 0 has opened last; None before one is."""
+        try:
+            submission, number = (self.path / RAY_ATTEMPT).read_text().split()
+            return submission, int(number)
+        except (OSError, ValueError):
+            return None
+
+    def open_ray_attempt(self, submission: str, number: int) -> None:
+        """ray-attempt: rank 0 has opened worker group `number` (0 first) of `submission`."""
+        path = self.path / RAY_ATTEMPT
+        with self.writing(path, "the Ray attempt"):
+            atomic_write_text(path, f"{submission} {number}")
+
+    def write_ray_worker(self, rank: int, record: dict[str, Any]) -> None:
+        """ray/workers/rank_<r>.json: the node and process a Ray Train worker runs a rank on."""
+        path = self.ray_path / "workers" / f"rank_{rank}.json"
+        with self.writing(path, f"rank {rank}'s Ray worker"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, record)
+
+    def ray_workers(self) -> list[dict[str, Any]]:
+        """Where each rank of a run on Ray ran last, by rank."""
+        found = [read_json(p) for p in (self.ray_path / "workers").glob("rank_*.json")]
+        return sorted((f for f in found if isinstance(f, dict)), key=lambda f: f.get("rank", 0))
 
     def write_plot(self, figure: Any) -> Path:
         """plot.png: `figure` (a matplotlib Figure: imported by the caller, not here) as a PNG at

@@ -22,6 +22,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from workbench.cluster.raytrain.spec import Ray
 from workbench.cluster.slurm import Slurm
 from workbench.config import RunConfig
 from workbench.estimator.target import Target, plan_problems
@@ -58,9 +59,10 @@ def _check_arguments(cfg: Any, task: Any, cluster: Any) -> None:
         raise TypeError(
             f"task={task!r}: pass an instance of a workbench.Task subclass, e.g. task=MyTask()"
         )
-    if cluster is not None and not isinstance(cluster, Slurm):
+    if cluster is not None and not isinstance(cluster, (Slurm, Ray)):
         raise TypeError(
-            f"cluster={cluster!r}: pass a workbench.Slurm, e.g. cluster=wb.Slurm(partition='gpu')"
+            f"cluster={cluster!r}: pass a workbench.Slurm or a workbench.Ray, e.g. "
+            "cluster=wb.Slurm(partition='gpu') or cluster=wb.Ray(address='HOST:6379')"
         )
     if cfg is not None and not isinstance(cfg, RunConfig):
         raise TypeError(
@@ -74,7 +76,8 @@ class Panel:
     `Panel(cfg)` fills the controls from `cfg`; fields without a control keep cfg's values. Pass
     your own Task object as `task=` to offer it beside the built-in tasks; `target=` plans for
     catalog GPUs; `cluster=wb.Slurm(...)` starts with "where" on that Slurm cluster (Launch
-    submits). In a notebook the panel displays itself.
+    submits), `cluster=wb.Ray(...)` on that Ray cluster (Launch starts the ranks as its workers;
+    the cluster is read only when you press ↻). In a notebook the panel displays itself.
     """
 
     poll_interval = 1.0
@@ -86,7 +89,7 @@ class Panel:
         *,
         task: Task | None = None,
         target: Target | str | None = None,
-        cluster: Slurm | None = None,
+        cluster: Slurm | Ray | None = None,
         display: bool = True,
         estimate: bool = True,
     ) -> None:
@@ -209,7 +212,7 @@ class Panel:
 
     @property
     def target_controls(self) -> TargetControls:
-        """Where the run goes: this machine, catalog GPUs, or a Slurm partition
+        """Where the run goes: this machine, catalog GPUs, a Slurm partition or a Ray cluster
         (TargetControls)."""
         return self.form.target_controls
 
@@ -392,7 +395,7 @@ class Panel:
             cfg = self.config
             # where the run goes comes first: a plan for a cluster that can't be read says that, not
             # a size
-            where = self.target_controls.problem()
+            where = self.target_controls.problem(cfg)
             # every refusal at once: fixing one shouldn't reveal the next
             problems = [where] if where else plan_problems(cfg, target, self.task_for(cfg.task))
         except ValueError as e:  # cfg stays None when RunConfig itself refused the values

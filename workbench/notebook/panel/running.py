@@ -1,9 +1,11 @@
 """The panel's run: launch or resume it, watch it in a thread, stop it, wait for it. `RunControl`
-records everything it learns of the run (its handle, its status and Slurm job, how it ended, whether
-it saved a checkpoint) in the panel's state, from which the panel's observer draws the view."""
+records everything it learns of the run (its handle, its status and Slurm job or Ray driver, how it
+ended, whether it saved a checkpoint) in the panel's state, from which the panel's observer draws
+the view."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -27,7 +29,8 @@ from workbench.rundir.run_files import resume_config
 
 log = logging.getLogger("workbench")
 JOB_POLL_S = 2.0
-"""Seconds between asking Slurm for a submitted run's job state (the status line shows it)."""
+"""Seconds between asking Slurm for a submitted run's job state, or Ray for its driver's (the
+status line shows it)."""
 
 
 def error_text(exc: BaseException) -> str:
@@ -99,7 +102,7 @@ class RunControl:
             s.message = ""
             cfg = make_config()
             check_here(cfg, self.form.target)
-            # a Slurm job Launch submits, or None: this machine
+            # a Slurm job or a wb.Ray Launch submits, or None: this machine
             cluster = self.form.target_controls.cluster()
             s.error, s.job = "", ""
             before, s.status = s.status, status
@@ -145,8 +148,12 @@ class RunControl:
     ) -> None:
         """Wait for the run in a thread, so the kernel stays free; then record how it ended."""
         result, failure = None, None
-        # a Slurm run: its job's state, Slurm's reason while it waits
+        # a Slurm run: its job's state, Slurm's reason while it waits; a Ray run: its driver's
         job = getattr(run, "job_line", None)
+        if job is None and getattr(run, "start_method", None) == "ray":
+            from workbench.notebook.panel.ray_controls import driver_line
+
+            job = functools.partial(driver_line, run)
         try:
             while True:
                 if job is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from workbench.cluster.raytrain.spec import Ray
 from workbench.cluster.slurm import Slurm
 from workbench.config import PARALLELISM_MODES, RunConfig
 from workbench.config.mesh import INTERLEAVED
@@ -51,7 +52,7 @@ class SettingsForm:
         *,
         user_task: Task | None,
         target: Target | None,
-        cluster: Slurm | None,
+        cluster: Slurm | Ray | None,
     ) -> None:
         self.base = base
         """The config the controls were filled from: fields without a control keep its values."""

@@ -61,13 +61,14 @@ class PanelState(traitlets.HasTraits):
     message = traitlets.Unicode("")
     """A note for the user, e.g. where the YAML went."""
     job = traitlets.Unicode("")
-    """A submitted run's Slurm job as Slurm tells it: 'Slurm job 42 PENDING (Resources)'; '' for a
-    local run."""
+    """A submitted run's Slurm job as Slurm tells it: 'Slurm job 42 PENDING (Resources)', or a run
+    on Ray's driver as Ray tells it: 'Ray driver workbench-r-ab12 alive, 2 rank(s) on 2 node(s)';
+    '' for a local run."""
     busy = traitlets.Bool(False)
     """A button's action is running: every button is off until it returns."""
     run = traitlets.Instance(RunFiles, allow_none=True)
-    """The last run launched (or resumed) from the panel: its Run, or SlurmRun for a submitted
-    one; None before the first."""
+    """The last run launched (or resumed) from the panel: its Run, or SlurmRun / RayRun for a
+    submitted one; None before the first."""
     run_name = traitlets.Unicode("")
     """That run's directory name ('' before the first run)."""
     dashboard = traitlets.Instance(Dashboard, allow_none=True)

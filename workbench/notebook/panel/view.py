@@ -92,8 +92,8 @@ def status_html(s: PanelState, *, blocked: str = "") -> str:
 
 
 def launch_html(s: PanelState) -> str:
-    """How Launch starts the run: its processes here, the Slurm job it submits, or only a
-    plan."""
+    """How Launch starts the run: its processes here, the Slurm job it submits, the Ray workers it
+    asks for, or only a plan."""
     cfg, target = s.config, s.target
     if cfg is None:
         return ""
@@ -103,6 +103,8 @@ def launch_html(s: PanelState) -> str:
         return html.escape(describe_launch(cfg))
     if target.partition:
         return f"Launch submits a Slurm job: {html.escape(target.describe(cfg))}"
+    if target.launchable:  # a Ray cluster's (ray_controls.RayTarget)
+        return f"Launch starts it on Ray: {html.escape(target.describe(cfg))}"
     return f"planned for {html.escape(target.describe(cfg))}"
 
 
