@@ -277,8 +277,8 @@ def _not_the_runs(proc: psutil.Process, run: RunDir, held: dict[str, Any]) -> st
 
 def attach(run_dir: str | os.PathLike[str]) -> AttachedRun | SlurmRun | RayRun:
     """The handle of a run started elsewhere, from its directory: a `SlurmRun` for a run submitted
-    to Slurm, a `RayRun` for one on Ray, an `AttachedRun` for a local one (running or ended). ValueError when `run_dir` is
-    not a run directory."""
+    to Slurm, a `RayRun` for one on Ray, an `AttachedRun` for a local one (running or ended).
+    ValueError when `run_dir` is not a run directory."""
     run = RunDir(Path(run_dir).expanduser())
     if run.ray_job() is not None:
         from workbench.cluster.raytrain.run import attach as attach_ray

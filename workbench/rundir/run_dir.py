@@ -478,6 +478,30 @@ class RunDir:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, record)
 
+    def ray_rank_log_path(self, rank: int) -> Path:
+        """ray/rank_<r>.log: a rank's output on Ray, every attempt's, appended."""
+        return self.ray_path / f"rank_{rank}.log"
+
+    @contextlib.contextmanager
+    def ray_rank_log(self, rank: int) -> Iterator[io.BufferedWriter]:
+        """ray/rank_<r>.log opened for appending: the file a rank's child process writes to."""
+        path = self.ray_rank_log_path(rank)
+        with self.writing(path, f"rank {rank}'s Ray log"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(path, "ab")  # noqa: SIM115  (held open by the caller's block)
+        try:
+            yield log
+        finally:
+            log.close()
+
+    def append_ray_log(self, data: bytes) -> None:
+        """ray/ray.log: Ray's own lines (the connection's, the driver's), appended."""
+        path = self.ray_path / "ray.log"
+        with self.writing(path, "Ray's log"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "ab") as out:
+                out.write(data)
+
     def ray_workers(self) -> list[dict[str, Any]]:
         """Where each rank of a run on Ray ran last, by rank."""
         found = [read_json(p) for p in (self.ray_path / "workers").glob("rank_*.json")]

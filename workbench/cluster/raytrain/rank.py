@@ -1,9 +1,9 @@
 """The training function every Ray Train worker runs: one rank of the run.
 
-The worker starts the rank as a child interpreter (`python -m workbench.worker RUN_DIR`), as torchrun
-or Slurm's srun would, and waits for it. Not in the worker's own process, for reasons Ray can't
-change: Train V2 calls the training function in a thread of the worker actor, and a rank needs a
-main thread (the preemption signals it checkpoints on, its stack dump when it hangs); a fresh
+The worker starts the rank as a child interpreter (`python -m workbench.worker RUN_DIR`), as
+torchrun or Slurm's srun would, and waits for it. Not in the worker's own process, for reasons Ray
+can't change: Train V2 calls the training function in a thread of the worker actor, and a rank needs
+a main thread (the preemption signals it checkpoints on, its stack dump when it hangs); a fresh
 interpreter starts each attempt with no state left from a failed one (CUDA, the process group); and
 a rank dies with its parent, so Ray tearing down a worker group takes its ranks along.
 
@@ -57,9 +57,8 @@ def train_rank(config: dict[str, Any]) -> None:
         "PYTHONUNBUFFERED": "1",
     }
     env.setdefault("OMP_NUM_THREADS", str(config.get("threads", 1)))
-    log_path = run.ray_path / f"rank_{rank}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    log_path = run.ray_rank_log_path(rank)
+    with run.ray_rank_log(rank) as log:
         log.write(
             f"--- attempt {plan['attempt'] + 1} of submission {config['submission']}, "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode()

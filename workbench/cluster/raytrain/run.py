@@ -214,8 +214,9 @@ class RayRun(RunFiles):
     def resume(self, **changes: Any) -> RayRun:
         """Continue this run on the same Ray cluster from its newest checkpoint, with `changes` to
         the config (e.g. max_steps=2000); returns the new handle at once."""
+        # Through the public wb.start (resolved on first use): submit.py imports this module
+        import workbench
         from workbench.cluster.raytrain.spec import Ray
-        from workbench.cluster.raytrain.submit import submit
         from workbench.rundir.run_files import resume_config
 
         if not self.done():
@@ -223,7 +224,7 @@ class RayRun(RunFiles):
                 f"resume(): {self.run_dir.name} is still running on Ray; stop() or wait() first"
             )
         spec = Ray(**self.job.get("spec", {}))
-        return submit(resume_config(self.config, self.run_dir, changes), spec)
+        return workbench.start(resume_config(self.config, self.run_dir, changes), cluster=spec)
 
 
 def attach(run_dir: str | Path) -> RayRun:

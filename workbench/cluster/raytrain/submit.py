@@ -51,9 +51,7 @@ def submit(cfg: RunConfig, spec: Ray, task: Task | None = None) -> RayRun:
             nodes = ray.nodes()
         plan = check_placement(cfg, spec, nodes)
         cfg, run, token = prepare(cfg)
-        run.ray_path.mkdir(parents=True, exist_ok=True)
-        with open(run.ray_path / LOG_FILE, "ab") as kept:
-            kept.write(early_log.read_bytes())
+        run.append_ray_log(early_log.read_bytes())
     try:
         job = _job(cfg, spec, plan, run, payload)
         run.write_ray_job(_public(job))
