@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.cluster.raytrain.local import LocalRayCluster
+from workbench.cluster.raytrain.local import LocalRayCluster, available
 from workbench.launcher.phases import STARTING_RAY, LaunchPhases, announcing
 from workbench.rundir import RunFailedError, Status
 
@@ -44,6 +44,35 @@ def _until(what: str, check, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f} s")
         time.sleep(0.2)
+
+
+def test_token_auth_set_after_ray_was_imported_is_refused_at_once_saying_why() -> None:
+    """Ray reads RAY_AUTH_MODE once, at import: without this check the connection retries for ~20 s and fails
+    naming nothing. No cluster needed: the refusal comes before any connection."""
+    if available() is not None:
+        pytest.skip(available())
+    code = textwrap.dedent(
+        """
+        import os, time, ray
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32)
+        from workbench.cluster.raytrain.session import connect
+        started = time.monotonic()
+        try:
+            connect("127.0.0.1:1", "workbench")
+        except ValueError as e:
+            print(round(time.monotonic() - started, 1), e)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    seconds, _, message = done.stdout.strip().partition(" ")
+    assert float(seconds) < 2, done.stdout + done.stderr
+    assert (
+        "Ray was imported in this process before it was" in message
+        and "restart the kernel" in message
+    )
 
 
 def test_two_ranks_on_two_nodes_train_as_a_local_run_does(
