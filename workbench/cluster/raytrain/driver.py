@@ -31,6 +31,14 @@ class RunDriver:
         self.run = RunDir(run_dir)
         self.token = token
         self.job = job
+        self.driving = False
+
+    def started(self) -> bool:
+        """Whether drive() has begun. The actor runs two calls at once (max_concurrency=2), so the
+        submitter can ask while drive() runs: it returns only once drive() is known to have
+        arrived, since a call sent by a process that exits right after (a kernel that dies) may
+        never leave it."""
+        return self.driving
 
     def where(self) -> dict[str, Any]:
         """The actor's process: the run's lock is handed to it (liveness follows it)."""
@@ -43,6 +51,7 @@ class RunDriver:
         after max_failures, a node was lost, the group never started). Returns the run's status."""
         from workbench.cluster.raytrain.session import quiet
 
+        self.driving = True
         with quiet(self.run.ray_path / LOG_FILE):
             error: BaseException | None = None
             started = time.time()

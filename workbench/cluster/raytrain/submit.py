@@ -143,7 +143,7 @@ def _start_driver(
     ray: Any, spec: Ray, job: dict[str, Any], run: RunDir, token: str, head: str | None
 ) -> Any:
     """The detached driver actor, on the head node where it can (the node least likely to go),
-    holding the run's lock from now on; then its drive() call, not waited for."""
+    holding the run's lock from now on; then its drive() call, waited for until it has begun."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     options: dict[str, Any] = {
@@ -152,9 +152,13 @@ def _start_driver(
         "lifetime": "detached",
         "num_cpus": 0,
         "max_restarts": 0,
+        "max_concurrency": 2,  # drive() and started()
     }
     if head is not None:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+        # Hard: a soft affinity spills to another node whenever the head is busy starting worker
+        # processes, and the driver then dies with that node. The head is the one node a cluster
+        # can't lose anyway.
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
     if spec.runtime_env:
         options["runtime_env"] = spec.runtime_env
     actor = ray.remote(RunDriver).options(**options).remote(str(run.path), token, job)
@@ -165,6 +169,13 @@ def _start_driver(
         raise
     lock.hand_over(run, token, {**where, "ray_actor": job["actor"]})
     actor.drive.remote()
+    deadline = time.monotonic() + ACTOR_READY_S
+    while not ray.get(actor.started.remote(), timeout=ACTOR_READY_S):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the driver actor did not begin the run within {ACTOR_READY_S:.0f} s"
+            )
+        time.sleep(0.05)
     return actor
 
 
