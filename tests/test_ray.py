@@ -132,10 +132,11 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_the_last_checkpoi
     assert "Ray restarted the worker group" in failure["reason"]
 
 
-def test_the_run_outlives_its_driver_process_and_stops_gracefully_from_an_attached_handle(
+def test_the_run_outlives_its_driver_process_stops_from_an_attached_handle_and_resumes_on_ray(
     ray_cluster: LocalRayCluster, tmp_path: Path
 ) -> None:
-    """A 'kernel' (a Python process) starts the run and dies at once; a new one attaches and stops it."""
+    """A 'kernel' (a Python process) starts the run and dies at once; a new one attaches, stops it and resumes
+    it on the cluster."""
     cfg = _cfg(tmp_path, max_steps=100_000, log_every=5)
     kernel = textwrap.dedent(
         f"""
@@ -166,10 +167,17 @@ def test_the_run_outlives_its_driver_process_and_stops_gracefully_from_an_attach
     assert result.summary["status"] == "stopped"
     stopped_at = result.summary["steps"]
     assert 10 <= stopped_at < 100_000
-    assert (
-        run.dir.latest_checkpoint().name == f"step_{stopped_at}"
-    )  # the ranks checkpointed on one step
+    # the ranks checkpointed on one step
+    assert run.dir.latest_checkpoint().name == f"step_{stopped_at}"
     assert run.driver()[0] == "GONE"
+    # resume() goes back to the same cluster and continues from that checkpoint
+    again = run.resume(max_steps=stopped_at + 10)
+    assert isinstance(again, wb.RayRun) and again.run_dir == run.run_dir
+    assert again.job["submission"] != run.job["submission"]
+    result = again.wait(timeout=180)
+    assert result.summary["status"] == "completed" and result.summary["steps"] == stopped_at + 10
+    resumed = [e for e in again.dir.events() if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["step"] == stopped_at, resumed
 
 
 def test_a_node_lost_past_max_failures_fails_the_run_naming_it(
