@@ -494,9 +494,14 @@ class RunDir:
         finally:
             log.close()
 
+    @property
+    def ray_log_path(self) -> Path:
+        """ray/ray.log: Ray's own lines (the connection's, the driver's, Ray Train's controller)."""
+        return self.ray_path / "ray.log"
+
     def append_ray_log(self, data: bytes) -> None:
-        """ray/ray.log: Ray's own lines (the connection's, the driver's), appended."""
-        path = self.ray_path / "ray.log"
+        """ray/ray.log: Ray's own lines, appended."""
+        path = self.ray_log_path
         with self.writing(path, "Ray's log"):
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "ab") as out:

@@ -20,9 +20,6 @@ from workbench.rundir import RunDir, Status, lock
 
 log = logging.getLogger("workbench")
 
-LOG_FILE = "ray.log"
-"""In the run's ray/ folder: Ray's own lines (the driver's connection, Ray Train's controller)."""
-
 
 class RunDriver:
     """What the detached actor runs (`ray.remote(RunDriver)`: Ray is imported lazily)."""
@@ -52,7 +49,7 @@ class RunDriver:
         from workbench.cluster.raytrain.session import quiet
 
         self.driving = True
-        with quiet(self.run.ray_path / LOG_FILE):
+        with quiet(self.run.ray_log_path):
             error: BaseException | None = None
             started = time.time()
             try:
@@ -216,6 +213,6 @@ def _lost_nodes(run: RunDir, ranks: set[int], wait_s: float) -> list[str]:
 def log_tail(run_dir: Path, limit: int = 2000) -> str:
     """The end of the run's ray.log ('' when there is none)."""
     try:
-        return (RunDir(run_dir).ray_path / LOG_FILE).read_text(errors="replace")[-limit:]
+        return RunDir(run_dir).ray_log_path.read_text(errors="replace")[-limit:]
     except OSError:
         return ""

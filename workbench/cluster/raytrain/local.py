@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,9 @@ class LocalRayCluster:
             raise ValueError(f"nodes={nodes}: at least 1 (the head)")
         self.nodes = nodes
         self.cpus = cpus
-        self.port = port or _free_port()
+        from workbench.launcher.processes import free_port
+
+        self.port = port or free_port()
         self.token = local_token()
         self.id = secrets.token_hex(6)
         self.folder = Path(tempfile.mkdtemp(prefix="wb-ray-"))
@@ -209,12 +210,6 @@ def _args(proc: psutil.Process) -> list[str]:
     with contextlib.suppress(psutil.Error):
         return proc.cmdline()
     return []
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def available() -> str | None:

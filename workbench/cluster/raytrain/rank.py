@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from workbench.rundir import RunDir
@@ -141,11 +140,3 @@ def _exit_words(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
-
-
-def log_lines(path: Path, limit: int = 2000) -> str:
-    """The end of a rank's output file ('' when there is none)."""
-    try:
-        return path.read_text(errors="replace")[-limit:]
-    except OSError:
-        return ""

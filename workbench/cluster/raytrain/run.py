@@ -35,7 +35,6 @@ class RayRun(RunFiles):
     job: dict[str, Any]
     """ray.json: the cluster's address, the driver actor's name and namespace, the workers."""
     _token: str | None = field(default=None, repr=False)
-    _actor: Any = field(default=None, repr=False)
     _result: RunResult | None = field(default=None, repr=False)
     _unasked_since: float | None = field(default=None, repr=False)
 
@@ -44,37 +43,23 @@ class RayRun(RunFiles):
         return "ray"
 
     # ---- Ray's side ------------------------------------------------------------------------------
-    def _handle(self) -> Any:
-        """The driver actor's handle (found by name from a new kernel); None once it has ended.
-        ConnectionError-like failures raise (the caller says UNKNOWN)."""
+    def _live_actor(self) -> Any:
+        """The driver actor's handle, found by name (from a new kernel too); None once it has
+        ended. Raises where the cluster can't be asked (driver() says UNKNOWN)."""
         from workbench.cluster.raytrain.session import connect
 
-        ray = connect(self.job.get("address"), self.job.get("namespace", "workbench"), self._log)
-        if self._actor is not None:
-            return self._actor
+        namespace = self.job.get("namespace", "workbench")
+        ray = connect(self.job.get("address"), namespace, self.dir.ray_log_path)
         try:
-            return ray.get_actor(self.job["actor"], namespace=self.job.get("namespace"))
+            return ray.get_actor(self.job["actor"], namespace=namespace)
         except ValueError:  # no live actor of that name: it ended
             return None
-
-    @property
-    def _log(self) -> Path:
-        from workbench.cluster.raytrain.driver import LOG_FILE
-
-        return self.dir.ray_path / LOG_FILE
 
     def driver(self) -> tuple[str, str]:
         """(state, why) of the run's driver actor: ALIVE, GONE (it ended, or was killed), UNKNOWN
         (Ray can't be asked from here: the cluster is down or unreachable)."""
         try:
-            from workbench.cluster.raytrain.session import connect
-
-            ray = connect(
-                self.job.get("address"), self.job.get("namespace", "workbench"), self._log
-            )
-            try:
-                ray.get_actor(self.job["actor"], namespace=self.job.get("namespace"))
-            except ValueError:
+            if self._live_actor() is None:
                 return GONE, f"no actor {self.job['actor']} on the cluster"
             return ALIVE, "running"
         except Exception as e:  # the cluster can't be asked: nothing is concluded from it
@@ -127,7 +112,7 @@ class RayRun(RunFiles):
         """Hard stop: kill the driver actor, which takes Ray Train's controller, the workers and
         their ranks with it; returns once it is gone. The last complete checkpoint stays; the run
         ends 'failed', killed."""
-        handle = self._handle()
+        handle = self._live_actor()
         if handle is None:
             return
         import ray
@@ -140,7 +125,6 @@ class RayRun(RunFiles):
             message = f"killed: the Ray driver actor {self.job['actor']} was killed (kill())"
             self.dir.set_status(Status.FAILED, error={"type": "Killed", "message": message})
             self.dir.event("failed", type="Killed", message=message)
-        self._actor = None
 
     cancel = kill
     """As SlurmRun's cancel()."""

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workbench.cluster.raytrain.driver import LOG_FILE, RunDriver
+from workbench.cluster.raytrain.driver import RunDriver
 from workbench.cluster.raytrain.run import RayRun
 from workbench.cluster.raytrain.session import connect, head_node_id, quiet, resolve_address
 from workbench.cluster.raytrain.spec import Ray, check_placement, check_run
@@ -45,7 +45,7 @@ def submit(cfg: RunConfig, spec: Ray, task: Task | None = None) -> RayRun:
     check_shared_folder(cfg.runs_dir)
     announce(STARTING_RAY, f"connecting to {resolve_address(spec.address)}")
     with tempfile.TemporaryDirectory(prefix="wb-ray-") as scratch:
-        early_log = Path(scratch) / LOG_FILE
+        early_log = Path(scratch) / "ray.log"
         ray = connect(spec.address, spec.namespace, early_log)
         with quiet(early_log, keep=False):
             nodes = ray.nodes()
@@ -56,7 +56,7 @@ def submit(cfg: RunConfig, spec: Ray, task: Task | None = None) -> RayRun:
         job = _job(cfg, spec, plan, run, payload)
         run.write_ray_job(_public(job))
         announce(STARTING_RAY, "starting the run's driver on the cluster")
-        actor = _start_driver(ray, spec, job, run, token, head_node_id(nodes))
+        _start_driver(ray, spec, job, run, token, head_node_id(nodes))
     except BaseException as e:
         _refused(run, token, e)
         raise ValueError(f"Ray: the run was not started: {e}") from e
@@ -76,7 +76,7 @@ def submit(cfg: RunConfig, spec: Ray, task: Task | None = None) -> RayRun:
         job["per_worker"],
         run.path,
     )
-    return RayRun(run.path, cfg, job, token, _actor=actor)
+    return RayRun(run.path, cfg, job, token)
 
 
 def _task_payload(cfg: RunConfig, task: Task | None) -> bytes | None:
@@ -141,8 +141,8 @@ def _address_of_cluster(spec: Ray) -> str:
 
 def _start_driver(
     ray: Any, spec: Ray, job: dict[str, Any], run: RunDir, token: str, head: str | None
-) -> Any:
-    """The detached driver actor, on the head node where it can (the node least likely to go),
+) -> None:
+    """The detached driver actor, pinned to the head node (the node least likely to go),
     holding the run's lock from now on; then its drive() call, waited for until it has begun."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -176,7 +176,6 @@ def _start_driver(
                 f"the driver actor did not begin the run within {ACTOR_READY_S:.0f} s"
             )
         time.sleep(0.05)
-    return actor
 
 
 def _refused(run: RunDir, token: str, error: BaseException) -> None:
